@@ -1,0 +1,127 @@
+"""shardckpt: async sharded checkpoints of the full PyTorch training state.
+
+Public names only. ``Checkpointer`` is the object API; ``init`` / ``save`` /
+``load`` / ``close`` / ``status`` act on a default instance configured by
+``init(...)`` or, when ``init`` was not called, by ``SHARDCKPT_*``
+environment variables.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+__version__ = "0.1.0"
+
+from .checkpointer import Checkpointer, SaveHandle  # noqa: E402
+from .data import ResumableSampler  # noqa: E402
+from .errors import (  # noqa: E402
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    InsufficientSpaceError,
+    RemoteError,
+    SaveError,
+    ShardckptError,
+    StateMismatchError,
+    UntrustedCheckpointError,
+)
+from .options import CheckpointConfig, OnCorrupt, OnDiskFull, SaveMode  # noqa: E402
+from .retention import AnyOf, KeepAll, KeepEvery, KeepLast  # noqa: E402
+
+__all__ = [
+    "AnyOf",
+    "CheckpointConfig",
+    "CheckpointNotFoundError",
+    "Checkpointer",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "InsufficientSpaceError",
+    "KeepAll",
+    "KeepEvery",
+    "KeepLast",
+    "OnCorrupt",
+    "OnDiskFull",
+    "RemoteError",
+    "ResumableSampler",
+    "SaveError",
+    "SaveHandle",
+    "SaveMode",
+    "ShardckptError",
+    "StateMismatchError",
+    "UntrustedCheckpointError",
+    "close",
+    "init",
+    "load",
+    "save",
+    "status",
+]
+
+
+def _configure_logging() -> None:
+    """One INFO line per save/restore unless the application configured logging."""
+    logger = logging.getLogger("shardckpt")
+    level = os.environ.get("SHARDCKPT_LOG_LEVEL")
+    if level:
+        logger.setLevel(level.upper())
+    elif logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+_configure_logging()
+
+_default: Checkpointer | None = None
+_default_lock = threading.Lock()
+
+
+def init(config: CheckpointConfig | None = None, **kwargs: Any) -> Checkpointer:
+    """Create (or replace) the default instance used by the module-level calls."""
+    global _default
+    with _default_lock:
+        if _default is not None:
+            _default.close()
+        if config is None:
+            config = CheckpointConfig.from_env(**kwargs)
+        elif kwargs:
+            raise ConfigError("pass either a CheckpointConfig or keyword options, not both")
+        _default = Checkpointer(config)
+        return _default
+
+
+def _instance() -> Checkpointer:
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Checkpointer(CheckpointConfig.from_env())
+        return _default
+
+
+def save(state: dict[str, Any], step: int, **kwargs: Any) -> SaveHandle | None:
+    """``Checkpointer.save`` on the default instance."""
+    return _instance().save(state, step, **kwargs)
+
+
+def load(state: dict[str, Any], step: int | None = None, **kwargs: Any) -> int | None:
+    """``Checkpointer.load`` on the default instance."""
+    return _instance().load(state, step, **kwargs)
+
+
+def status() -> dict[str, Any]:
+    """``Checkpointer.status`` of the default instance."""
+    return _instance().status()
+
+
+def close(timeout: float | None = None) -> None:
+    """Flush and close the default instance (a later call creates a new one)."""
+    global _default
+    with _default_lock:
+        instance, _default = _default, None
+    if instance is not None:
+        instance.close(timeout)

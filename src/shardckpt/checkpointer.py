@@ -1,0 +1,667 @@
+"""The one place that spells out save and load in order.
+
+save(state, step)                                     (main thread, every rank)
+  1. re-raise a failed background save
+  2. decide: interval policy, preemption flag (agreed by all ranks)
+  3. wait for the previous write (never two at once; the wait is logged)
+  4. capture the state (models, optimizers, stateful objects, values, RNG)
+  5. check free space on the local tier (agreed by all ranks)
+  6. stage: copy into reused host buffers          <- training blocks until here
+  7. hand the write to the background thread and return a SaveHandle
+     background: DCP write -> checksums -> manifest + rename (commit)
+                 -> barrier -> retention -> one log line
+
+load(state, step=None)                                (main thread, every rank)
+  1. wait for pending saves
+  2. pick the newest step committed for every rank (or the one asked for)
+  3. verify checksums (work split over ranks; a failure is seen by all)
+  4. read DCP metadata with a restricted unpickler, check keys (strict)
+  5. dcp.load into the live module/optimizer state dicts and rebuilt entries
+  6. apply to the live objects, restore this rank's RNG, one log line
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+import torch
+
+from . import _dist, layout, local, retention
+from . import state as state_mod
+from .errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    InsufficientSpaceError,
+    SaveError,
+    StateMismatchError,
+)
+from .options import CheckpointConfig, OnCorrupt, OnDiskFull, SaveMode
+from .stage import HostStager, tensor_bytes
+
+log = logging.getLogger("shardckpt")
+
+__all__ = ["Checkpointer", "SaveHandle"]
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+class SaveHandle:
+    """A save in flight. ``wait()`` returns the step directory once committed."""
+
+    def __init__(self, step: int, future: concurrent.futures.Future) -> None:
+        self.step = step
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until committed (or ``timeout`` seconds); re-raises a failure."""
+        try:
+            return self._future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"step {self.step} was not committed within {timeout} s") from None
+
+    def __repr__(self) -> str:
+        return f"SaveHandle(step={self.step}, done={self.done()})"
+
+
+class Checkpointer:
+    """Async sharded checkpoints of the full training state.
+
+    ``Checkpointer(local_dir="checkpoints/run1", keep_last=3)`` or
+    ``Checkpointer(CheckpointConfig(...))``. Every rank of the job creates one
+    with the same configuration and calls ``save`` / ``load`` at the same
+    points of the training loop.
+    """
+
+    def __init__(self, config: CheckpointConfig | None = None, **kwargs: Any) -> None:
+        if config is not None and kwargs:
+            raise ConfigError("pass either a CheckpointConfig or keyword options, not both")
+        self.config = config if config is not None else CheckpointConfig(**kwargs)
+        if self.config.remote is not None:
+            from .remote import check_remote_url
+
+            check_remote_url(self.config.remote)
+        self.root = os.path.abspath(self.config.local_dir)
+        self._groups = _dist.SideGroups(self.config.collective_timeout_s)
+        pin = self.config.pin_memory
+        if pin is None:
+            pin = torch.cuda.is_available()
+        self._stager = HostStager(pin_memory=bool(pin))
+        self._policy = retention.policy_from(self.config.keep_last, self.config.keep_every)
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardckpt-save")
+        self._pending: SaveHandle | None = None
+        self._failed: BaseException | None = None
+        self._nonce: str | None = None
+        self._save_count = 0
+        self._last_save_time: float | None = None
+        self._last_saved_step: int | None = None
+        self._last_total_bytes: int | None = None
+        self._preempt_signal: int | None = None
+        self._preempted = False
+        self._closed = False
+        self._previous_handlers: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self.last_committed: int | None = None
+        self._install_signal_handlers()
+
+    # ---------------------------------------------------------------- public
+
+    @property
+    def preempted(self) -> bool:
+        """True once a preemption signal arrived and the save it triggered committed."""
+        return self._preempted
+
+    @property
+    def preemption_requested(self) -> bool:
+        """True once a preemption signal arrived (the next ``save()`` saves at once)."""
+        return self._preempt_signal is not None
+
+    def steps(self) -> list[int]:
+        """Committed steps on the local tier, oldest first."""
+        return layout.committed_steps(self.root)
+
+    def save(
+        self,
+        state: dict[str, Any],
+        step: int,
+        *,
+        force: bool = False,
+        metadata: dict[str, Any] | None = None,
+    ) -> SaveHandle | None:
+        """Save ``state`` as ``step`` when the interval policy (or ``force``) says so.
+
+        Returns a :class:`SaveHandle` when a save started, ``None`` when skipped.
+        Blocks only while the state is copied into host memory, unless the
+        mode is ``sync`` or a preemption signal arrived: then it returns once
+        the step is committed.
+        """
+        self._check_open()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        self._raise_failed()
+        t_start = time.monotonic()
+        self._groups.ensure()
+        due, preempt = self._decide(step, force)
+        if not due:
+            return None
+        self._wait_previous(step)
+
+        captured, kinds = state_mod.capture(state, _dist.rank(), self.config.capture_rng)
+        local_bytes = tensor_bytes(captured)
+        if not self._space_ok(step, local_bytes):
+            return None
+        if self._nonce is None:
+            self._nonce = self._groups.broadcast_ctl(uuid.uuid4().hex[:12])
+        self._save_count += 1
+        self._last_save_time = time.monotonic()
+        if self._save_count == 1 and _dist.local_rank() == 0:
+            removed = local.clean_leftovers(self.root, keep_nonce=self._nonce)
+            if removed:
+                log.info("shardckpt: removed leftovers of interrupted saves in %s: %s", self.root, ", ".join(removed))
+        staged = self._stager.stage(captured)
+        del captured
+        blocked = time.monotonic() - t_start
+
+        user_md = dict(self.config.metadata)
+        user_md.update(metadata or {})
+        partial = os.path.join(self.root, layout.partial_dirname(step, f"{self._save_count}-{self._nonce}"))
+        future = self._executor.submit(
+            self._write_and_commit, staged, kinds, step, partial, user_md, t_start, blocked
+        )
+        handle = SaveHandle(step, future)
+        self._pending = handle
+        self._last_saved_step = step
+        if preempt or self.config.mode == SaveMode.SYNC:
+            try:
+                handle.wait()
+            finally:
+                self._pending = None
+            if preempt:
+                self._preempted = True
+                log.warning(
+                    "shardckpt: preemption (signal %s): step %d committed; exit the training loop now",
+                    self._preempt_signal,
+                    step,
+                )
+        return handle
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the save in flight (if any) is committed; re-raise its failure."""
+        handle = self._pending
+        if handle is not None:
+            try:
+                handle.wait(timeout)
+            except TimeoutError:
+                raise
+            except BaseException:
+                self._pending = None
+                self._failed = None
+                raise
+            self._pending = None
+        self._raise_failed()
+
+    def load(
+        self,
+        state: dict[str, Any],
+        step: int | None = None,
+        *,
+        strict: bool | None = None,
+        trust_pickles: bool = False,
+    ) -> int | None:
+        """Restore ``state`` in place from ``step`` (default: the newest committed).
+
+        Returns the restored step, or ``None`` when there is nothing to resume.
+        ``trust_pickles=True`` lifts the restricted unpickling of DCP metadata
+        and non-tensor items; only for checkpoints whose origin you trust.
+        """
+        self._check_open()
+        self.wait()
+        strict = self.config.strict if strict is None else strict
+        t_start = time.monotonic()
+        self._groups.ensure()
+        candidates = self._agreed_candidates(step)
+        if not candidates:
+            if step is not None:
+                self._raise_not_found(step)
+            if _dist.rank() == 0:
+                log.info("shardckpt: nothing to resume in %s; starting fresh", self.root)
+            return None
+        last_error: BaseException | None = None
+        for candidate in candidates:
+            step_dir = os.path.join(self.root, layout.step_dirname(candidate))
+            try:
+                manifest = self._verify(candidate, step_dir)
+            except CorruptCheckpointError as exc:
+                if self.config.on_corrupt == OnCorrupt.FALLBACK and step is None:
+                    log.warning("shardckpt: step %d failed verification, falling back: %s", candidate, exc)
+                    last_error = exc
+                    continue
+                raise
+            self._load_step(state, candidate, step_dir, manifest, strict=strict, trust_pickles=trust_pickles)
+            took = time.monotonic() - t_start
+            if _dist.rank() == 0:
+                log.info(
+                    "shardckpt: restored step %d from %s: %s, world size %d -> %d, %.2f s",
+                    candidate,
+                    step_dir,
+                    _fmt_bytes(manifest.total_bytes),
+                    manifest.world_size,
+                    _dist.world_size(),
+                    took,
+                )
+            self._last_saved_step = candidate
+            return candidate
+        raise CorruptCheckpointError(
+            f"no committed step in {self.root} passed verification; the last error was: {last_error}"
+        ) from last_error
+
+    def status(self) -> dict[str, Any]:
+        """Newest committed step, the save in flight and the last error."""
+        steps = self.steps()
+        pending = self._pending
+        return {
+            "local_dir": self.root,
+            "latest_local": steps[-1] if steps else None,
+            "committed_local": steps,
+            "in_flight": pending.step if pending is not None and not pending.done() else None,
+            "last_error": repr(self._failed) if self._failed is not None else None,
+        }
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush the save in flight, stop the background thread, restore signal handlers."""
+        if self._closed:
+            return
+        try:
+            self.wait(timeout)
+        finally:
+            self._closed = True
+            self._executor.shutdown(wait=True)
+            self._stager.release()
+            self._restore_signal_handlers()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ save steps
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("this Checkpointer is closed; create a new one")
+
+    def _raise_failed(self) -> None:
+        pending = self._pending
+        if pending is not None and pending.done():
+            self._pending = None
+            exc = pending._future.exception()
+            if exc is not None:
+                raise exc
+        if self._failed is not None:
+            exc, self._failed = self._failed, None
+            raise exc
+
+    def _decide(self, step: int, force: bool) -> tuple[bool, bool]:
+        cfg = self.config
+        by_step = cfg.every_steps is not None and step % cfg.every_steps == 0
+        every_call = cfg.every_steps is None and cfg.every_seconds is None
+        by_time = 0
+        if cfg.every_seconds is not None and _dist.rank() == 0:
+            by_time = int(self._last_save_time is None or time.monotonic() - self._last_save_time >= cfg.every_seconds)
+        preempt_local = int(self._preempt_signal is not None and not self._preempted)
+        if cfg.every_seconds is not None or self._previous_handlers:
+            # Ranks may see the signal (or the clock) differently: agree.
+            by_time, preempt = self._groups.all_reduce_max([by_time, preempt_local])
+        else:
+            preempt = preempt_local
+        preempt_b = bool(preempt)
+        if step == self._last_saved_step and not force:
+            return False, False
+        return bool(force or every_call or by_step or by_time or preempt_b), preempt_b
+
+    def _wait_previous(self, step: int) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        if not pending.done():
+            t0 = time.monotonic()
+            (log.info if _dist.rank() == 0 else log.debug)(
+                "shardckpt: step %d waits for step %d to finish writing (save interval shorter than write time)",
+                step,
+                pending.step,
+            )
+            try:
+                pending.wait()
+            finally:
+                self._pending = None
+            (log.info if _dist.rank() == 0 else log.debug)(
+                "shardckpt: waited %.2f s for step %d", time.monotonic() - t0, pending.step
+            )
+        self._raise_failed()
+
+    def _space_ok(self, step: int, local_bytes: int) -> bool:
+        os.makedirs(self.root, exist_ok=True)
+        gathered = self._groups.all_gather_ctl((_dist.node_id(), self.root, local_bytes))
+        me = (_dist.node_id(), self.root)
+        node_bytes = sum(b for node, root, b in gathered if (node, root) == me)
+        if self._last_total_bytes is not None:
+            node_bytes = min(node_bytes, self._last_total_bytes)
+        needed = int(node_bytes * (1 + self.config.free_space_margin)) + (1 << 20)
+        free = shutil.disk_usage(self.root).free
+        fits = 1 if free >= needed else 0
+        ok = self._groups.all_reduce_max([1 - fits])[0] == 0
+        if ok:
+            return True
+        message = (
+            f"step {step}: not enough free space in {self.root} on some node "
+            f"(this node needs ~{_fmt_bytes(needed)}, has {_fmt_bytes(free)} free). "
+            f"Existing checkpoints are untouched. Remedy: free disk space, lower keep_last, "
+            f"or point local_dir at a larger disk."
+        )
+        if self.config.on_disk_full == OnDiskFull.SKIP:
+            log.warning("shardckpt: skipping save: %s", message)
+            return False
+        raise InsufficientSpaceError(message)
+
+    def _write_and_commit(
+        self,
+        staged: dict[str, Any],
+        kinds: dict[str, str],
+        step: int,
+        partial: str,
+        user_md: dict[str, Any],
+        t_start: float,
+        blocked: float,
+    ) -> str:
+        rank = _dist.rank()
+        leader = _dist.local_rank() == 0
+        try:
+            os.makedirs(partial, exist_ok=True)
+            local.dcp_write(staged, partial, process_group=self._groups.io, io_threads=self.config.io_threads)
+            mine = local.hash_files(partial, local.own_files(partial, rank), rank)
+            tables = self._groups.all_gather_io(mine)
+        except BaseException as exc:
+            if leader:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise SaveError(
+                f"step {step}: writing {partial} failed ({type(exc).__name__}: {exc}); the partial step was "
+                f"removed and earlier steps are intact. Remedy: check the disk under {self.root}, then save again."
+            ) from exc
+        files: dict[str, layout.FileEntry] = {}
+        for table in tables:
+            for name, (size, digest, owner) in table.items():
+                files[name] = layout.FileEntry(size, digest, owner)
+        manifest = layout.Manifest(
+            step=step,
+            world_size=_dist.world_size(),
+            files=files,
+            torch_version=torch.__version__,
+            shardckpt_version=_version(),
+            keys=dict(kinds),
+            metadata=user_md,
+            total_bytes=sum(e.size for e in files.values()),
+        )
+        final = os.path.join(self.root, layout.step_dirname(step))
+        error: BaseException | None = None
+        if leader:
+            try:
+                final = local.commit_step(self.root, partial, manifest)
+            except FileNotFoundError:
+                # Another node leader sharing this directory renamed it first.
+                if layout.read_manifest(final) is None:
+                    error = SaveError(f"step {step}: commit of {final} lost its partial directory")
+            except BaseException as exc:  # disk full while writing the manifest, ...
+                shutil.rmtree(partial, ignore_errors=True)
+                error = SaveError(f"step {step}: commit of {final} failed ({exc}); earlier steps are intact")
+                error.__cause__ = exc
+        outcomes = self._groups.all_gather_io(None if error is None else str(error))
+        if error is not None:
+            raise error
+        failures = [o for o in outcomes if o is not None]
+        if failures:
+            raise SaveError(f"step {step}: another node failed to commit: {failures[0]}")
+        self._last_total_bytes = manifest.total_bytes
+        self.last_committed = step
+        committed = time.monotonic() - t_start
+        if leader:
+            self._apply_retention()
+        if rank == 0:
+            log.info(
+                "shardckpt: saved step %d to %s: %s, blocked %.3f s, committed in %.2f s",
+                step,
+                final,
+                _fmt_bytes(manifest.total_bytes),
+                blocked,
+                committed,
+            )
+        return final
+
+    def _apply_retention(self) -> None:
+        steps = layout.committed_steps(self.root)
+        for old in retention.plan_deletions(steps, self._policy, self._deletable):
+            local.delete_step(self.root, old)
+            log.debug("shardckpt: retention removed step %d from %s", old, self.root)
+
+    def _deletable(self, step: int) -> bool:
+        return True
+
+    # ------------------------------------------------------------ load steps
+
+    def _candidate_steps(self) -> list[int]:
+        return layout.committed_steps(self.root)
+
+    def _agreed_candidates(self, step: int | None) -> list[int]:
+        mine = set(self._candidate_steps())
+        gathered = self._groups.all_gather_ctl(sorted(mine))
+        common = set(gathered[0])
+        for other in gathered[1:]:
+            common &= set(other)
+        if step is not None:
+            return [step] if step in common else []
+        return sorted(common, reverse=True)
+
+    def _raise_not_found(self, step: int) -> None:
+        step_dir = os.path.join(self.root, layout.step_dirname(step))
+        if os.path.isdir(step_dir) and not os.path.exists(os.path.join(step_dir, layout.MANIFEST_NAME)):
+            hint = (
+                " It has no shardckpt manifest: either a save was interrupted before its commit, or it "
+                "was written by plain torch.distributed.checkpoint.save. Remedy: load an earlier step; "
+                "to read a stock DCP checkpoint you trust, use torch.distributed.checkpoint.load with "
+                "FileSystemReader directly."
+            )
+        else:
+            hint = f" Committed steps here: {self.steps() or 'none'}."
+        raise CheckpointNotFoundError(f"step {step} is not committed in {self.root} on every rank.{hint}")
+
+    def _verify(self, step: int, step_dir: str) -> layout.Manifest:
+        manifest = layout.read_manifest(step_dir)
+        if manifest is None:
+            self._raise_not_found(step)
+        error = None
+        if self.config.verify_on_load:
+            names = sorted(manifest.files)
+            share = names[_dist.rank() :: _dist.world_size()]
+            try:
+                layout.verify_files(step_dir, manifest, share)
+            except CorruptCheckpointError as exc:
+                error = str(exc)
+        errors = [e for e in self._groups.all_gather_ctl(error) if e]
+        if errors:
+            raise CorruptCheckpointError(errors[0] + (f" ({len(errors) - 1} more)" if len(errors) > 1 else ""))
+        return manifest
+
+    def _load_step(
+        self,
+        state: dict[str, Any],
+        step: int,
+        step_dir: str,
+        manifest: layout.Manifest,
+        *,
+        strict: bool,
+        trust_pickles: bool,
+    ) -> None:
+        metadata = local.read_metadata(step_dir, step, trust_pickles=trust_pickles)
+        kinds_live = state_mod.classify(state)
+        saved_kinds = manifest.keys
+        targets = state_mod.live_targets(state, kinds_live)
+        rank = _dist.rank()
+        rng_key = state_mod.rng_key(rank)
+
+        saved_paths = [tuple((metadata.planner_data or {}).get(fqn, (fqn,))) for fqn in metadata.state_dict_metadata]
+        saved_fqns = {".".join(map(str, p)) for p in saved_paths}
+        top_saved = {p[0] for p in saved_paths}
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        live_fqns = set(flatten_state_dict(targets)[0].keys())
+        missing = sorted(f for f in live_fqns if f not in saved_fqns)
+        unexpected = sorted(
+            f
+            for f in saved_fqns
+            if f.split(".", 1)[0] in targets and f not in live_fqns
+        )
+        # Stateful objects / modules present live but not saved at all.
+        for key, kind in kinds_live.items():
+            if kind in (state_mod.STATEFUL,) and key not in top_saved:
+                missing.append(key)
+        for key, kind in saved_kinds.items():
+            if kind in (state_mod.MODULE, state_mod.OPTIMIZER, state_mod.STATEFUL) and key not in kinds_live:
+                unexpected.append(key)
+        if missing or unexpected:
+            message = _mismatch_message(step, step_dir, missing, unexpected)
+            if strict:
+                raise StateMismatchError(message, missing, unexpected)
+            log.warning("shardckpt: loading with strict=False, skipping: %s", message)
+        for key in list(targets):
+            if not strict:
+                # Drop entries the checkpoint lacks; DCP would refuse them.
+                _prune_missing(targets, key, saved_fqns)
+
+        rebuild_keys = {
+            k
+            for k, kind in saved_kinds.items()
+            if kind in (state_mod.VALUE, state_mod.STATEFUL) and (k in kinds_live or kind == state_mod.VALUE)
+        }
+        has_rng = any(p[:3] == (state_mod.RESERVED_KEY, state_mod.RNG, rng_key) for p in saved_paths)
+
+        def rebuild(path: tuple) -> bool:
+            if path[0] in rebuild_keys:
+                return True
+            return has_rng and self.config.capture_rng and path[:3] == (state_mod.RESERVED_KEY, state_mod.RNG, rng_key)
+
+        planner = local.RestorePlanner(rebuild, allow_partial_load=True, trust_pickles=trust_pickles)
+        local.dcp_read(targets, step_dir, metadata, planner, self._groups.ctl)
+        kinds_all = dict(kinds_live)
+        for key in rebuild_keys:
+            kinds_all.setdefault(key, saved_kinds[key])
+        state_mod.restore(state, kinds_all, {k: v for k, v in targets.items() if k in kinds_all}, strict=strict)
+        if self.config.capture_rng:
+            if has_rng:
+                state_mod.set_rng_state(targets[state_mod.RESERVED_KEY][state_mod.RNG][rng_key])
+            else:
+                state_mod.seed_fresh_rank(step, rank)
+                log.warning(
+                    "shardckpt: step %d has no RNG state for rank %d (saved with world size %d); "
+                    "seeded it deterministically from (step, rank)",
+                    step,
+                    rank,
+                    manifest.world_size,
+                )
+
+    # ------------------------------------------------------------ signals
+
+    def _install_signal_handlers(self) -> None:
+        if not self.config.preemption_signals:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("shardckpt: not on the main thread; preemption signals are not handled")
+            return
+        for signum in self.config.preemption_signals:
+            previous = signal.getsignal(signum)
+            self._previous_handlers[signum] = previous
+            signal.signal(signum, self._make_handler(previous))
+
+    def _make_handler(self, previous: Any) -> Callable:
+        def handler(signum: int, frame: Any) -> None:
+            first = self._preempt_signal is None
+            self._preempt_signal = signum
+            if first:
+                log.warning(
+                    "shardckpt: received signal %d; the next save() saves at once and waits for the commit",
+                    signum,
+                )
+            if callable(previous):
+                previous(signum, frame)
+
+        return handler
+
+    def _restore_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, previous in self._previous_handlers.items():
+            try:
+                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+            except (ValueError, TypeError):
+                pass
+        self._previous_handlers.clear()
+
+
+def _mismatch_message(step: int, step_dir: str, missing: list[str], unexpected: list[str]) -> str:
+    def show(items: list[str]) -> str:
+        head = ", ".join(items[:20])
+        return head + (f", ... ({len(items) - 20} more)" if len(items) > 20 else "")
+
+    parts = [f"step {step} in {step_dir} does not match the state being loaded."]
+    if missing:
+        parts.append(f"Missing from the checkpoint ({len(missing)}): {show(missing)}.")
+    if unexpected:
+        parts.append(f"In the checkpoint but not in the state ({len(unexpected)}): {show(unexpected)}.")
+    parts.append(
+        "Remedy: load into the same model/optimizer structure that was saved, or pass strict=False "
+        "to load the keys that match and keep the rest as initialised."
+    )
+    return " ".join(parts)
+
+
+def _prune_missing(targets: dict[str, Any], key: str, saved_fqns: set[str]) -> None:
+    def walk(obj: Any, prefix: str) -> Any:
+        if isinstance(obj, dict):
+            out = {}
+            for k, v in obj.items():
+                sub = walk(v, f"{prefix}.{k}")
+                if sub is not _DROP:
+                    out[k] = sub
+            return out if out or not obj else _DROP
+        return obj if prefix in saved_fqns or any(f.startswith(prefix + ".") for f in saved_fqns) else _DROP
+
+    pruned = walk(targets[key], key)
+    if pruned is _DROP:
+        del targets[key]
+    else:
+        targets[key] = pruned
+
+
+_DROP = object()

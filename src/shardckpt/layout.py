@@ -1,0 +1,231 @@
+"""On-disk layout: step names, the manifest (commit record) and file checksums.
+
+A tier (local directory or remote prefix) holds one directory per step::
+
+    step_0000000010/
+        .metadata                 DCP's metadata (written by rank 0)
+        __0_0.distcp ...          DCP's shard files, one set per rank
+        shardckpt.json            the manifest: written last, makes the step exist
+
+A step directory without its manifest does not exist for anyone. A save in
+progress is written under ``.partial-step_<step>-<nonce>`` and renamed into
+place once the manifest is in it; a step being deleted first loses its
+manifest, so an interrupted deletion is also invisible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import tempfile
+import time
+from typing import Any, Iterable
+
+from .errors import CorruptCheckpointError
+
+MANIFEST_NAME = "shardckpt.json"
+MANIFEST_FORMAT = "shardckpt/1"
+STEP_PREFIX = "step_"
+PARTIAL_PREFIX = ".partial-"
+TRASH_PREFIX = ".trash-"
+_STEP_RE = re.compile(r"^step_(\d{10,})$")
+_CHUNK = 8 << 20
+
+
+def step_dirname(step: int) -> str:
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"{STEP_PREFIX}{step:010d}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    match = _STEP_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def partial_dirname(step: int, nonce: str) -> str:
+    return f"{PARTIAL_PREFIX}{step_dirname(step)}-{nonce}"
+
+
+def sha256_file(path: str) -> tuple[int, str]:
+    """Size and SHA-256 hex digest of a file, read in 8 MiB chunks."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                break
+            size += len(chunk)
+            digest.update(chunk)
+    return size, digest.hexdigest()
+
+
+@dataclasses.dataclass
+class FileEntry:
+    size: int
+    sha256: str
+    rank: int
+
+
+@dataclasses.dataclass
+class Manifest:
+    """The commit record of one step. Its presence is what makes a step exist."""
+
+    step: int
+    world_size: int
+    files: dict[str, FileEntry]
+    created: float = dataclasses.field(default_factory=time.time)
+    torch_version: str = ""
+    shardckpt_version: str = ""
+    keys: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Top-level state key -> kind (module, optimizer, stateful, value, rng)."""
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    total_bytes: int = 0
+    format: str = MANIFEST_FORMAT
+
+    def to_json(self) -> str:
+        body = dataclasses.asdict(self)
+        return json.dumps(body, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> "Manifest":
+        try:
+            body = json.loads(text)
+            if body.get("format") != MANIFEST_FORMAT:
+                raise ValueError(f"unknown format {body.get('format')!r}")
+            files = {}
+            for name, entry in body["files"].items():
+                check_relpath(name, where)
+                files[name] = FileEntry(int(entry["size"]), str(entry["sha256"]), int(entry["rank"]))
+            return cls(
+                step=int(body["step"]),
+                world_size=int(body["world_size"]),
+                files=files,
+                created=float(body.get("created", 0.0)),
+                torch_version=str(body.get("torch_version", "")),
+                shardckpt_version=str(body.get("shardckpt_version", "")),
+                keys=dict(body.get("keys", {})),
+                metadata=dict(body.get("metadata", {})),
+                total_bytes=int(body.get("total_bytes", 0)),
+            )
+        except CorruptCheckpointError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CorruptCheckpointError(
+                f"manifest {where} is unreadable ({exc}); the step cannot be trusted. "
+                f"Remedy: load an earlier step (load(step=...)) or delete this step directory."
+            ) from exc
+
+
+def check_relpath(name: str, where: str) -> None:
+    """Refuse manifest entries that would escape the step directory."""
+    if (
+        not name
+        or name.startswith(("/", "\\"))
+        or os.path.isabs(name)
+        or any(part in ("..", "") for part in name.replace("\\", "/").split("/"))
+    ):
+        raise CorruptCheckpointError(
+            f"manifest {where} names the file {name!r}, which is outside its step directory; "
+            f"the checkpoint was tampered with or corrupted. Remedy: delete this step."
+        )
+
+
+def fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: tmp file + fsync + rename + dir fsync."""
+    directory = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(directory)
+
+
+def read_manifest(step_dir: str) -> Manifest | None:
+    """The manifest of a step directory, ``None`` when it has none (not committed)."""
+    path = os.path.join(step_dir, MANIFEST_NAME)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return None
+    return Manifest.from_json(text, path)
+
+
+def committed_steps(root: str) -> list[int]:
+    """Steps under ``root`` that have a manifest, oldest first."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    steps = []
+    for name in names:
+        step = parse_step_dirname(name)
+        if step is not None and os.path.isfile(os.path.join(root, name, MANIFEST_NAME)):
+            steps.append(step)
+    return sorted(steps)
+
+
+def verify_files(step_dir: str, manifest: Manifest, names: Iterable[str] | None = None) -> None:
+    """Check size and checksum of ``names`` (all files by default) against the manifest."""
+    for name in manifest.files if names is None else names:
+        entry = manifest.files[name]
+        path = os.path.join(step_dir, name)
+        remedy = (
+            "Remedy: restore the file from the remote tier (shardckpt pull), "
+            "load an earlier step with load(step=...), or set on_corrupt='fallback'."
+        )
+        try:
+            size, digest = sha256_file(path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"step {manifest.step}: file {path} named in the manifest is missing. {remedy}"
+            ) from None
+        if size != entry.size:
+            raise CorruptCheckpointError(
+                f"step {manifest.step}: file {path} is {size} bytes, the manifest says {entry.size} "
+                f"(truncated or overwritten). {remedy}"
+            )
+        if digest != entry.sha256:
+            raise CorruptCheckpointError(
+                f"step {manifest.step}: file {path} fails its SHA-256 check (corrupted or tampered). {remedy}"
+            )
+
+
+def missing_files(step_dir: str, manifest: Manifest) -> list[str]:
+    """Manifest files absent from ``step_dir`` or of the wrong size (cheap, no hashing)."""
+    out = []
+    for name, entry in manifest.files.items():
+        try:
+            if os.path.getsize(os.path.join(step_dir, name)) != entry.size:
+                out.append(name)
+        except OSError:
+            out.append(name)
+    return out

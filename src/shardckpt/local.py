@@ -1,0 +1,224 @@
+"""Local tier: DCP write into a partial directory, commit, and DCP read back.
+
+Call order for one save (all ranks unless noted):
+
+1. ``write_step``: ``dcp.save`` of the staged state into
+   ``<local_dir>/.partial-step_<N>-<nonce>`` over the ``io`` side group;
+   every rank hashes the files it wrote (rank 0 also ``.metadata``); the
+   file tables are all-gathered.
+2. ``commit_step`` (one rank per node, the node leader): manifest written
+   into the partial directory (tmp + fsync + rename), then the directory is
+   renamed to ``step_<N>`` and the parent fsynced. From here the step exists.
+3. A barrier on the ``io`` group; retention runs on the node leader.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import shutil
+import uuid
+from typing import Any, Callable
+
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from . import layout
+from .errors import CorruptCheckpointError, UntrustedCheckpointError
+from .safe_pickle import safe_load_metadata
+
+log = logging.getLogger("shardckpt")
+
+try:
+    from torch.distributed.checkpoint._traverse import set_element
+except ImportError:  # pragma: no cover - moved between torch releases
+    from torch.distributed.checkpoint._nested_dict import set_element  # type: ignore
+
+
+def own_files(directory: str, rank: int) -> list[str]:
+    prefix = f"__{rank}_"
+    names = [n for n in os.listdir(directory) if n.startswith(prefix) and not n.endswith(".tmp")]
+    if rank == 0 and os.path.exists(os.path.join(directory, ".metadata")):
+        names.append(".metadata")
+    return sorted(names)
+
+
+def hash_files(directory: str, names: list[str], rank: int) -> dict[str, tuple[int, str, int]]:
+    out = {}
+    for name in names:
+        size, digest = layout.sha256_file(os.path.join(directory, name))
+        out[name] = (size, digest, rank)
+    return out
+
+
+def dcp_write(state_dict: dict[str, Any], directory: str, *, process_group: Any, io_threads: int) -> None:
+    writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=io_threads)
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
+        dcp.save(state_dict, storage_writer=writer, process_group=process_group, no_dist=no_dist)
+
+
+def commit_step(root: str, partial: str, manifest: layout.Manifest) -> str:
+    """Write the manifest last and make the step visible. Returns the step dir."""
+    final = os.path.join(root, layout.step_dirname(manifest.step))
+    layout.atomic_write_text(os.path.join(partial, layout.MANIFEST_NAME), manifest.to_json())
+    if os.path.exists(final):
+        # The same step saved again (e.g. after a resume): hide the old one
+        # first (manifest away), then swap the new one in.
+        trash = os.path.join(root, f"{layout.TRASH_PREFIX}{os.path.basename(final)}-{uuid.uuid4().hex[:8]}")
+        _hide_step(final)
+        os.replace(final, trash)
+        os.replace(partial, final)
+        layout.fsync_dir(root)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(partial, final)
+        layout.fsync_dir(root)
+    return final
+
+
+def _hide_step(step_dir: str) -> None:
+    try:
+        os.unlink(os.path.join(step_dir, layout.MANIFEST_NAME))
+    except FileNotFoundError:
+        pass
+
+
+def delete_step(root: str, step: int) -> None:
+    """Delete a step so that an interruption leaves it invisible, never half-listed."""
+    step_dir = os.path.join(root, layout.step_dirname(step))
+    _hide_step(step_dir)
+    layout.fsync_dir(step_dir)
+    trash = os.path.join(root, f"{layout.TRASH_PREFIX}{layout.step_dirname(step)}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.replace(step_dir, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def clean_leftovers(root: str, keep_nonce: str | None) -> list[str]:
+    """Remove partial and trash directories of crashed saves (not ``keep_nonce``'s)."""
+    removed = []
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if name.startswith(layout.TRASH_PREFIX) or (
+            name.startswith(layout.PARTIAL_PREFIX) and not (keep_nonce and name.endswith("-" + keep_nonce))
+        ):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            removed.append(name)
+        elif layout.parse_step_dirname(name) is not None and not os.path.exists(
+            os.path.join(root, name, layout.MANIFEST_NAME)
+        ) and _looks_ours(os.path.join(root, name)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def _looks_ours(step_dir: str) -> bool:
+    # A step directory without manifest is only ours to delete when it is a
+    # leftover of our own protocol (an interrupted deletion leaves no
+    # manifest but also no .metadata-less stock DCP checkpoint).
+    return not os.path.exists(os.path.join(step_dir, ".metadata"))
+
+
+# ------------------------------------------------------------------ loading
+
+
+def read_metadata(step_dir: str, step: int, *, trust_pickles: bool = False) -> Metadata:
+    path = os.path.join(step_dir, ".metadata")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            f"step {step}: {path} is missing; the step cannot be loaded. "
+            f"Remedy: load an earlier step or restore the file from the remote tier."
+        ) from None
+    if trust_pickles:
+        return pickle.loads(data)
+    return safe_load_metadata(data, path)
+
+
+class TrustingReader(FileSystemReader):
+    """FileSystemReader whose metadata comes from our already-verified parse."""
+
+    def __init__(self, path: str, metadata: Metadata) -> None:
+        super().__init__(path)
+        self._shardckpt_metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        md = self._shardckpt_metadata
+        # FileSystemReader keeps the storage_data for reads.
+        self.storage_data = md.storage_data
+        return md
+
+
+class RestorePlanner(DefaultLoadPlanner):
+    """Loads live targets in place and rebuilds chosen entries from the metadata.
+
+    ``rebuild(path)`` says whether a saved entry (its unflattened path) should
+    be materialised from the checkpoint even though the live state dict does
+    not hold it (plain values, stateful objects, this rank's RNG entry).
+    Non-tensor items load with ``torch.load(weights_only=True)``: no code from
+    the checkpoint runs.
+    """
+
+    def __init__(self, rebuild: Callable[[tuple], bool], *, allow_partial_load: bool, trust_pickles: bool) -> None:
+        super().__init__(allow_partial_load=allow_partial_load)
+        self._rebuild = rebuild
+        self._trust = trust_pickles
+
+    def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        assert_metadata(metadata)
+        for fqn, md in metadata.state_dict_metadata.items():
+            path = (metadata.planner_data or {}).get(fqn, (fqn,))
+            if not self._rebuild(tuple(path)):
+                continue
+            value: Any = md
+            if isinstance(md, TensorStorageMetadata):
+                value = torch.empty(md.size, dtype=md.properties.dtype)
+            set_element(state_dict, path, value)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=not self._trust)
+        except pickle.UnpicklingError as exc:
+            raise UntrustedCheckpointError(
+                f"the saved item {fqn!r} holds objects outside the safe allow-list "
+                f"(loading it could run code from the checkpoint): {exc}. Remedy: only if you trust "
+                f"this checkpoint's origin, load with trust_pickles=True."
+            ) from exc
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def assert_metadata(metadata: Metadata | None) -> None:
+    if metadata is None:
+        raise CorruptCheckpointError("DCP metadata is missing for this step")
+
+
+def dcp_read(target: dict[str, Any], step_dir: str, metadata: Metadata, planner: RestorePlanner, process_group: Any) -> None:
+    # The loader entry point below takes ``target`` as is: dcp.load would
+    # replace the top-level dict, losing entries the planner rebuilds there.
+    reader = TrustingReader(step_dir, metadata)
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    _load_state_dict(target, storage_reader=reader, planner=planner, process_group=process_group, no_dist=no_dist)

@@ -1,0 +1,179 @@
+"""Configuration: one keyword-only dataclass, every field documented.
+
+``CheckpointConfig.from_env()`` reads the same fields from ``SHARDCKPT_*``
+environment variables (``SHARDCKPT_LOCAL_DIR``, ``SHARDCKPT_KEEP_LAST``, ...),
+which is how the module-level default instance is configured when
+``shardckpt.init()`` is not called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import signal
+from typing import Any
+
+from .errors import ConfigError
+
+
+class SaveMode(str, enum.Enum):
+    """How ``save()`` writes: ``async`` returns after staging, ``sync`` after commit."""
+
+    ASYNC = "async"
+    SYNC = "sync"
+
+
+class OnDiskFull(str, enum.Enum):
+    """What a save does when the local tier lacks the space it needs."""
+
+    ERROR = "error"
+    SKIP = "skip"
+
+
+class OnCorrupt(str, enum.Enum):
+    """What ``load()`` does when a committed step fails verification."""
+
+    ERROR = "error"
+    FALLBACK = "fallback"
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckpointConfig:
+    """Everything a :class:`shardckpt.Checkpointer` can be told."""
+
+    local_dir: str = "checkpoints"
+    """Fast tier (node-local NVMe or any local path). One sub-directory per step."""
+
+    remote: str | None = None
+    """Optional remote tier, any fsspec URL (``s3://bucket/prefix``, ``file:///mnt/nfs/run``)."""
+
+    every_steps: int | None = None
+    """Save when ``step % every_steps == 0``. ``None`` with ``every_seconds`` also
+    ``None`` saves at every call."""
+
+    every_seconds: float | None = None
+    """Save when at least this many seconds passed since the last save started
+    (decided on rank 0 and agreed by all ranks)."""
+
+    keep_last: int | None = 3
+    """Retention: keep the newest N committed steps (N >= 1). ``None`` keeps all."""
+
+    keep_every: int | None = None
+    """Retention: additionally keep every step that is a multiple of this."""
+
+    mode: SaveMode = SaveMode.ASYNC
+    """``async`` (default): block only while staging into host memory."""
+
+    capture_rng: bool = True
+    """Save and restore per-rank RNG state (python, numpy, torch CPU, CUDA)."""
+
+    strict: bool = True
+    """Loading raises on missing or unexpected keys; ``False`` logs and skips them."""
+
+    on_disk_full: OnDiskFull = OnDiskFull.ERROR
+    """``error``: the save raises :class:`InsufficientSpaceError`; ``skip``: warn and skip it."""
+
+    free_space_margin: float = 0.05
+    """Extra fraction of the expected size that must be free before a save starts."""
+
+    on_corrupt: OnCorrupt = OnCorrupt.ERROR
+    """``fallback``: a step failing verification is skipped for the previous one, with a warning."""
+
+    verify_on_load: bool = True
+    """Check every file of the step against the manifest's checksum before loading."""
+
+    preemption_signals: tuple[int, ...] = (signal.SIGTERM,)
+    """Signals that make the next ``save()`` save at once and wait for the commit."""
+
+    pin_memory: bool | None = None
+    """Pin the host staging buffers; ``None`` pins when CUDA is available."""
+
+    io_threads: int = 2
+    """Threads per rank writing shard files (DCP's ``thread_count``)."""
+
+    collective_timeout_s: float = 1800.0
+    """Timeout of the side process groups that background work uses."""
+
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """User metadata recorded in every manifest (JSON-serialisable)."""
+
+    def __post_init__(self) -> None:
+        if not self.local_dir:
+            raise ConfigError("local_dir must name a directory")
+        self.local_dir = os.fspath(self.local_dir)
+        for name in ("every_steps", "keep_every"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
+            raise ConfigError(
+                f"keep_last must be >= 1 (at least one committed step always survives) or None, "
+                f"got {self.keep_last!r}"
+            )
+        if self.every_seconds is not None and not self.every_seconds > 0:
+            raise ConfigError(f"every_seconds must be > 0 or None, got {self.every_seconds!r}")
+        if not 0 <= self.free_space_margin < 10:
+            raise ConfigError(f"free_space_margin must be in [0, 10), got {self.free_space_margin!r}")
+        if self.io_threads < 1:
+            raise ConfigError(f"io_threads must be >= 1, got {self.io_threads!r}")
+        if self.collective_timeout_s <= 0:
+            raise ConfigError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s!r}")
+        for name, enum_type in (("mode", SaveMode), ("on_disk_full", OnDiskFull), ("on_corrupt", OnCorrupt)):
+            value = getattr(self, name)
+            try:
+                setattr(self, name, enum_type(value))
+            except ValueError:
+                allowed = ", ".join(e.value for e in enum_type)
+                raise ConfigError(f"{name} must be one of {allowed}, got {value!r}") from None
+        self.preemption_signals = tuple(int(s) for s in self.preemption_signals)
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> "CheckpointConfig":
+        """Build a config from ``SHARDCKPT_<FIELD>`` variables; ``overrides`` win."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            raw = env.get("SHARDCKPT_" + field.name.upper())
+            if raw is None or field.name == "metadata":
+                continue
+            values[field.name] = _parse_env(field.name, raw)
+        values.update(overrides)
+        return cls(**values)
+
+
+_INT_FIELDS = {"every_steps", "keep_last", "keep_every", "io_threads"}
+_FLOAT_FIELDS = {"every_seconds", "free_space_margin", "collective_timeout_s"}
+_BOOL_FIELDS = {"capture_rng", "strict", "verify_on_load", "pin_memory"}
+
+
+def _parse_env(name: str, raw: str) -> Any:
+    var = "SHARDCKPT_" + name.upper()
+    text = raw.strip()
+    if text.lower() in ("", "none") and name not in ("local_dir",):
+        return None
+    try:
+        if name in _INT_FIELDS:
+            return int(text)
+        if name in _FLOAT_FIELDS:
+            return float(text)
+        if name in _BOOL_FIELDS:
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if name == "preemption_signals":
+            return tuple(_parse_signal(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise ConfigError(f"{var}={raw!r} is not a valid value for {name}") from None
+    return text
+
+
+def _parse_signal(text: str) -> int:
+    text = text.strip().upper()
+    if text.isdigit():
+        return int(text)
+    if not text.startswith("SIG"):
+        text = "SIG" + text
+    return int(getattr(signal, text))

@@ -1,0 +1,199 @@
+"""Capture and restore of the full training state.
+
+``capture`` turns the user's ``state`` dict into a DCP state dict plus a
+``kinds`` map (top-level key -> kind). ``restore`` puts a loaded state dict
+back into the live objects. Kinds:
+
+* ``module``    ``nn.Module`` (plain, DDP, FSDP2) via DCP's ``get_model_state_dict``
+* ``optimizer`` an optimizer, paired with the module that owns its parameters
+* ``stateful``  anything with ``state_dict()`` / ``load_state_dict()``
+* ``value``     plain values: tensors, numbers, strings, containers of them
+* ``rng``       per-rank RNG state, stored under a per-rank key (DCP keeps one
+  copy of a key saved by several ranks, so per-rank state needs its own key)
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from .errors import ConfigError
+
+try:  # numpy is optional
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy ships with torch wheels' users
+    np = None  # type: ignore[assignment]
+
+log = logging.getLogger("shardckpt")
+
+RESERVED_KEY = "_shardckpt"
+MODULE, OPTIMIZER, STATEFUL, VALUE, RNG = "module", "optimizer", "stateful", "value", "rng"
+
+
+def rng_key(rank: int) -> str:
+    return f"rank{rank}"
+
+
+def classify(state: Mapping[str, Any]) -> dict[str, str]:
+    kinds: dict[str, str] = {}
+    for key, value in state.items():
+        if not isinstance(key, str) or not key or "." in key:
+            raise ConfigError(f"state keys must be non-empty strings without '.', got {key!r}")
+        if key == RESERVED_KEY:
+            raise ConfigError(f"the state key {RESERVED_KEY!r} is reserved for shardckpt's own entries")
+        if isinstance(value, nn.Module):
+            kinds[key] = MODULE
+        elif isinstance(value, torch.optim.Optimizer):
+            kinds[key] = OPTIMIZER
+        elif callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
+            kinds[key] = STATEFUL
+        else:
+            kinds[key] = VALUE
+    return kinds
+
+
+def pair_optimizers(state: Mapping[str, Any], kinds: Mapping[str, str]) -> dict[str, str]:
+    """Optimizer key -> key of the module that owns its parameters."""
+    modules = {k: state[k] for k, kind in kinds.items() if kind == MODULE}
+    pairs: dict[str, str] = {}
+    for key, kind in kinds.items():
+        if kind != OPTIMIZER:
+            continue
+        params = {id(p) for group in state[key].param_groups for p in group["params"]}
+        owners = [
+            mk for mk, module in modules.items() if any(id(p) in params for p in module.parameters())
+        ]
+        if len(owners) != 1:
+            found = "no module" if not owners else f"several modules ({', '.join(owners)})"
+            raise ConfigError(
+                f"optimizer {key!r} must be paired with exactly one module in the state dict; "
+                f"its parameters belong to {found}. Put the module it optimises in the same state dict."
+            )
+        pairs[key] = owners[0]
+    return pairs
+
+
+def capture(state: Mapping[str, Any], rank: int, capture_rng: bool) -> tuple[dict[str, Any], dict[str, str]]:
+    """Build the DCP state dict (tensors still live: staging copies them)."""
+    kinds = classify(state)
+    pairs = pair_optimizers(state, kinds)
+    sd: dict[str, Any] = {}
+    for key, kind in kinds.items():
+        value = state[key]
+        if kind == MODULE:
+            sd[key] = get_model_state_dict(value)
+        elif kind == OPTIMIZER:
+            sd[key] = get_optimizer_state_dict(state[pairs[key]], value)
+        elif kind == STATEFUL:
+            sd[key] = value.state_dict()
+        else:
+            sd[key] = value
+    if capture_rng:
+        sd[RESERVED_KEY] = {RNG: {rng_key(rank): get_rng_state()}}
+        kinds[RESERVED_KEY] = RNG
+    return sd, kinds
+
+
+def live_targets(state: Mapping[str, Any], kinds: Mapping[str, str]) -> dict[str, Any]:
+    """State dicts that DCP loads into in place (modules and optimizers)."""
+    pairs = pair_optimizers(state, kinds)
+    out: dict[str, Any] = {}
+    for key, kind in kinds.items():
+        if kind == MODULE:
+            out[key] = get_model_state_dict(state[key])
+        elif kind == OPTIMIZER:
+            # Also initialises a fresh optimizer's state, which DCP loads into.
+            out[key] = get_optimizer_state_dict(state[pairs[key]], state[key])
+    return out
+
+
+def restore(
+    state: dict[str, Any],
+    kinds: Mapping[str, str],
+    loaded: Mapping[str, Any],
+    *,
+    strict: bool,
+) -> list[str]:
+    """Apply ``loaded`` to the live objects; returns the top-level keys restored."""
+    pairs = pair_optimizers(state, kinds)
+    options = StateDictOptions(strict=strict)
+    restored = []
+    for key, value in loaded.items():
+        if key == RESERVED_KEY:
+            continue
+        kind = kinds.get(key, VALUE)
+        if kind == MODULE:
+            set_model_state_dict(state[key], value, options=options)
+        elif kind == OPTIMIZER:
+            set_optimizer_state_dict(state[pairs[key]], state[key], value, options=options)
+        elif kind == STATEFUL:
+            state[key].load_state_dict(value)
+        else:
+            state[key] = value
+        restored.append(key)
+    return restored
+
+
+# ---------------------------------------------------------------- RNG state
+
+
+def get_rng_state() -> dict[str, torch.Tensor]:
+    """This process's RNG state as tensors only (no pickled objects)."""
+    version, internal, gauss = random.getstate()
+    out = {
+        "python": torch.tensor([version, *internal], dtype=torch.int64),
+        "python_gauss": torch.tensor(
+            [0.0 if gauss is None else float(gauss), 0.0 if gauss is None else 1.0], dtype=torch.float64
+        ),
+        "torch": torch.get_rng_state(),
+    }
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        out["numpy"] = torch.from_numpy(keys.astype(np.int64))
+        out["numpy_meta"] = torch.tensor([pos, has_gauss], dtype=torch.int64)
+        out["numpy_gauss"] = torch.tensor([cached], dtype=torch.float64)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.stack([s.cpu() for s in torch.cuda.get_rng_state_all()])
+    return out
+
+
+def set_rng_state(saved: Mapping[str, torch.Tensor]) -> None:
+    values = saved["python"].tolist()
+    gauss_value, has_gauss = saved["python_gauss"].tolist()
+    random.setstate((int(values[0]), tuple(int(v) for v in values[1:]), gauss_value if has_gauss else None))
+    torch.set_rng_state(saved["torch"].to(torch.uint8).cpu())
+    if np is not None and "numpy" in saved:
+        pos, has_gauss_np = saved["numpy_meta"].tolist()
+        np.random.set_state(
+            (
+                "MT19937",
+                saved["numpy"].numpy().astype(np.uint32),
+                int(pos),
+                int(has_gauss_np),
+                float(saved["numpy_gauss"].item()),
+            )
+        )
+    if "cuda" in saved and torch.cuda.is_available():
+        states = saved["cuda"]
+        count = min(states.shape[0], torch.cuda.device_count())
+        torch.cuda.set_rng_state_all([states[i].to(torch.uint8).cpu() for i in range(count)])
+
+
+def seed_fresh_rank(step: int, rank: int) -> None:
+    """Deterministic RNG for a rank that has no saved state (the world grew)."""
+    seed = (step * 1_000_003 + rank * 7919 + 0x5EED) % (2**31 - 1)
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if np is not None:
+        np.random.seed(seed)

@@ -1,0 +1,92 @@
+"""Helpers for multi-process tests: real torchrun launches on CPU with gloo."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROGRAMS = Path(__file__).resolve().parent / "programs"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(nproc: int, script: str | Path, *args: str, nnodes: int = 1, node_rank: int = 0,
+                 port: int | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if nnodes == 1 and port is None:
+        cmd += ["--standalone"]
+    else:
+        cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=static",
+                f"--master-addr=127.0.0.1", f"--master-port={port}"]
+    cmd += ["--max-restarts=0", "--monitor-interval=0.2", str(script), *map(str, args)]
+    return cmd
+
+
+def test_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_torchrun(nproc: int, script: str | Path, *args: str, timeout: float = 300, env: dict | None = None,
+                 **kw) -> subprocess.CompletedProcess:
+    """Run a program under torchrun; raise with its output when it fails."""
+    proc = subprocess.run(
+        torchrun_cmd(nproc, script, *args, **kw),
+        env=env or test_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        cwd=str(ROOT),
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun {script} {args} failed with {proc.returncode}:\n{proc.stdout[-6000:]}")
+    return proc
+
+
+def start_torchrun(nproc: int, script: str | Path, *args: str, env: dict | None = None, log_path=None, **kw):
+    """Start torchrun in its own process group (so the whole job can be SIGKILLed)."""
+    out = open(log_path, "w") if log_path else subprocess.DEVNULL
+    return subprocess.Popen(
+        torchrun_cmd(nproc, script, *args, **kw),
+        env=env or test_env(),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        cwd=str(ROOT),
+        start_new_session=True,
+    )
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL every process of a job started by start_torchrun."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, log_path=None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            log = Path(log_path).read_text()[-4000:] if log_path else ""
+            raise AssertionError(f"job exited ({proc.returncode}) before {what}:\n{log}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
