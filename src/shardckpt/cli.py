@@ -1,0 +1,156 @@
+"""The ``shardckpt`` command line: inspect, verify and maintain checkpoints.
+
+    shardckpt ls DIR                 committed steps, sizes, world sizes
+    shardckpt inspect DIR [--step N] one step's manifest and saved keys
+    shardckpt verify DIR [--step N]  re-hash every file against its manifest
+    shardckpt gc DIR --keep-last N   apply retention by hand (committed steps only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from typing import Sequence
+
+from . import __version__, layout, local, retention
+from .errors import ShardckptError
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _pick_step(root: str, step: int | None) -> int:
+    steps = layout.committed_steps(root)
+    if step is None:
+        if not steps:
+            raise ShardckptError(f"no committed step in {root}")
+        return steps[-1]
+    if step not in steps:
+        raise ShardckptError(f"step {step} is not committed in {root}; committed: {steps or 'none'}")
+    return step
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    steps = layout.committed_steps(args.dir)
+    if not steps:
+        print(f"no committed steps in {args.dir}")
+        return 0
+    print(f"{'step':>10}  {'size':>10}  {'files':>5}  {'world':>5}  saved at")
+    for step in steps:
+        manifest = layout.read_manifest(os.path.join(args.dir, layout.step_dirname(step)))
+        when = datetime.datetime.fromtimestamp(manifest.created, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        print(f"{step:>10}  {_human(manifest.total_bytes):>10}  {len(manifest.files):>5}  {manifest.world_size:>5}  {when} UTC")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    step = _pick_step(args.dir, args.step)
+    step_dir = os.path.join(args.dir, layout.step_dirname(step))
+    manifest = layout.read_manifest(step_dir)
+    if args.json:
+        print(manifest.to_json())
+        return 0
+    print(f"step {manifest.step} in {step_dir}")
+    print(f"  world size {manifest.world_size}, {len(manifest.files)} files, {_human(manifest.total_bytes)}")
+    print(f"  torch {manifest.torch_version}, shardckpt {manifest.shardckpt_version}")
+    print("  state keys: " + ", ".join(f"{k} ({v})" for k, v in sorted(manifest.keys.items())))
+    if manifest.metadata:
+        print("  metadata: " + json.dumps(manifest.metadata, sort_keys=True))
+    if args.keys:
+        metadata = local.read_metadata(step_dir, step)
+        for fqn, md in sorted(metadata.state_dict_metadata.items()):
+            size = getattr(md, "size", None)
+            dtype = getattr(getattr(md, "properties", None), "dtype", None)
+            print(f"    {fqn}: {tuple(size) if size is not None else 'object'} {dtype or ''}".rstrip())
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    steps = layout.committed_steps(args.dir) if args.all else [_pick_step(args.dir, args.step)]
+    failed = 0
+    for step in steps:
+        step_dir = os.path.join(args.dir, layout.step_dirname(step))
+        try:
+            manifest = layout.read_manifest(step_dir)
+            layout.verify_files(step_dir, manifest)
+            local.read_metadata(step_dir, step)
+        except ShardckptError as exc:
+            failed += 1
+            print(f"FAIL step {step}: {exc}")
+        else:
+            print(f"ok   step {step}: {len(manifest.files)} files, {_human(manifest.total_bytes)}")
+    return 1 if failed else 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    steps = layout.committed_steps(args.dir)
+    policy = retention.policy_from(args.keep_last, args.keep_every)
+    doomed = retention.plan_deletions(steps, policy)
+    for step in doomed:
+        print(f"{'would delete' if args.dry_run else 'deleting'} step {step}")
+        if not args.dry_run:
+            local.delete_step(args.dir, step)
+    removed = [] if args.dry_run else local.clean_leftovers(args.dir, keep_nonce=None)
+    for name in removed:
+        print(f"removed leftover {name}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardckpt",
+        description="Inspect, verify and maintain shardckpt checkpoints. A checkpoint directory holds "
+        "one step_<N> directory per committed step; steps without a manifest are ignored.",
+    )
+    parser.add_argument("--version", action="version", version=f"shardckpt {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("ls", help="list committed steps", description="List the committed steps of a checkpoint directory.")
+    p.add_argument("dir", help="checkpoint directory (the local_dir of a Checkpointer)")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("inspect", help="show one step's manifest", description="Show one step's manifest: world size, files, saved state keys, user metadata.")
+    p.add_argument("dir", help="checkpoint directory")
+    p.add_argument("--step", type=int, help="step to show (default: newest committed)")
+    p.add_argument("--keys", action="store_true", help="also list every saved tensor / object key with its shape")
+    p.add_argument("--json", action="store_true", help="print the raw manifest as JSON")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("verify", help="re-hash files against the manifest", description="Re-hash every file of a step against its manifest. Exit status 1 when any file is missing, truncated or corrupt.")
+    p.add_argument("dir", help="checkpoint directory")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--step", type=int, help="step to verify (default: newest committed)")
+    group.add_argument("--all", action="store_true", help="verify every committed step")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("gc", help="apply retention by hand", description="Delete committed steps that the retention policy drops (never the newest) and leftovers of interrupted saves. Do not run while a job is saving into the directory.")
+    p.add_argument("dir", help="checkpoint directory")
+    p.add_argument("--keep-last", type=int, required=True, help="keep the newest N committed steps (N >= 1)")
+    p.add_argument("--keep-every", type=int, help="also keep every step that is a multiple of K")
+    p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
+    p.set_defaults(func=cmd_gc)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "keep_last", None) is not None and args.keep_last < 1:
+        parser.error("--keep-last must be >= 1")
+    try:
+        return int(args.func(args) or 0)
+    except ShardckptError as exc:
+        print(f"shardckpt: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
