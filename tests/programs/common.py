@@ -1,0 +1,63 @@
+"""Shared pieces of the multi-rank test programs (run under torchrun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
+
+
+def init() -> tuple[int, int]:
+    dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def finish() -> None:
+    # A barrier before tearing gloo down keeps ranks from aborting at exit.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class TinyNet(nn.Module):
+    def __init__(self, width: int = 16, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, width)
+        self.drop = nn.Dropout(dropout)
+        self.fc2 = nn.Linear(width, 10)
+        self.fc3 = nn.Linear(10, 2)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(self.drop(torch.relu(self.fc1(x))))))
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The full (unsharded) value of a tensor or DTensor, on CPU."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.detach().cpu().clone()
+
+
+def flat_tensors(sd, prefix=""):
+    out = {}
+    if isinstance(sd, dict):
+        for k, v in sd.items():
+            out.update(flat_tensors(v, f"{prefix}{k}."))
+    elif isinstance(sd, (list, tuple)):
+        for i, v in enumerate(sd):
+            out.update(flat_tensors(v, f"{prefix}{i}."))
+    elif isinstance(sd, torch.Tensor):
+        out[prefix[:-1]] = full(sd)
+    return out
+
+
+def write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f)

@@ -1,0 +1,80 @@
+"""Train a few steps (DDP or FSDP2), save, restore into fresh objects, compare bitwise.
+
+usage: roundtrip.py MODE CKPT_DIR OUT_JSON     (MODE: ddp | fsdp2)
+"""
+
+import sys
+
+import common
+import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+import shardckpt
+
+
+def build(mode: str, seed: int):
+    torch.manual_seed(seed)
+    net = common.TinyNet(width=10)
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(net)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        for layer in (net.fc1, net.fc2, net.fc3):
+            fully_shard(layer, mesh=mesh)
+        model = fully_shard(net, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, optim
+
+
+def main() -> None:
+    mode, ckpt_dir, out = sys.argv[1:4]
+    rank, world = common.init()
+    model, optim = build(mode, seed=0)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
+    ckpt = shardckpt.Checkpointer(local_dir=ckpt_dir, keep_last=2)
+    state = {"model": model, "optimizer": optim, "scheduler": sched, "extra": {"note": "rt", "epoch": 2}}
+    gen = torch.Generator().manual_seed(100 + rank)
+    for step in range(1, 4):
+        loss = model(torch.randn(4, 8, generator=gen)).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        sched.step()
+        ckpt.save(state, step)
+    ckpt.close()
+    saved_model = common.flat_tensors(get_model_state_dict(model))
+    saved_optim = common.flat_tensors(get_optimizer_state_dict(model, optim))
+    saved_sched = sched.state_dict()
+
+    model2, optim2 = build(mode, seed=123)
+    sched2 = torch.optim.lr_scheduler.StepLR(optim2, step_size=2, gamma=0.5)
+    state2 = {"model": model2, "optimizer": optim2, "scheduler": sched2}
+    ckpt2 = shardckpt.Checkpointer(local_dir=ckpt_dir)
+    restored = ckpt2.load(state2)
+    ckpt2.close()
+    got_model = common.flat_tensors(get_model_state_dict(model2))
+    got_optim = common.flat_tensors(get_optimizer_state_dict(model2, optim2))
+    mismatched = [k for k in saved_model if not torch.equal(saved_model[k], got_model.get(k, torch.empty(0)))]
+    mismatched += [k for k in saved_optim if not torch.equal(saved_optim[k], got_optim.get(k, torch.empty(0)))]
+    result = {
+        "restored_step": restored,
+        "model_tensors": len(saved_model),
+        "optim_tensors": len(saved_optim),
+        "optim_state_keys": sorted(k for k in saved_optim if k.startswith("state.")),
+        "mismatched": mismatched,
+        "extra": state2.get("extra"),
+        "scheduler_equal": sched2.state_dict() == saved_sched,
+        "lr": [g["lr"] for g in optim2.param_groups],
+    }
+    if rank == 0:
+        common.write_json(out, result)
+    common.finish()
+
+
+if __name__ == "__main__":
+    main()
