@@ -39,3 +39,42 @@ def test_resume_after_sigkill_is_bitwise_equal(tmp_path):
     assert wa.keys() == wb.keys()
     for key in wa:
         assert torch.equal(wa[key], wb[key]), key
+
+
+def test_kill_during_save_leaves_previous_step_loadable(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from helpers import test_env
+
+    ckpt_dir, marker = tmp_path / "ck", tmp_path / "started"
+    proc = subprocess.Popen([sys.executable, str(PROGRAMS / "slow_save.py"), str(ckpt_dir), str(marker)],
+                            env=test_env(), start_new_session=True)
+    try:
+        wait_for(lambda: marker.exists(), 120, "step 2 to start", proc=proc)
+
+        def writing_step2():
+            partial = [p for p in ckpt_dir.iterdir() if p.name.startswith(".partial-step_0000000002")]
+            return bool(partial) and any(f.suffix == ".distcp" for f in partial[0].iterdir())
+
+        deadline = time.monotonic() + 60
+        while not writing_step2():
+            if time.monotonic() > deadline or (ckpt_dir / "step_0000000002").exists():
+                raise AssertionError("step 2 was never seen mid-write")
+            time.sleep(0.002)
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+    assert not (ckpt_dir / "step_0000000002").exists(), "the kill came after the commit; enlarge the state"
+
+    ckpt = shardckpt.Checkpointer(local_dir=str(ckpt_dir), preemption_signals=())
+    assert ckpt.steps() == [1]  # the partial step is invisible
+    state = {"weights": [torch.zeros(8 << 20) for _ in range(6)]}
+    assert ckpt.load(state) == 1
+    expected = torch.load(str(marker) + ".expected")
+    assert all(torch.equal(a, b) for a, b in zip(expected, state["weights"]))
+    assert state["step_note"] == 1
+    ckpt.save(state, 3).wait()  # the next save cleans the leftover up
+    assert not [p for p in ckpt_dir.iterdir() if p.name.startswith(".partial")]
+    ckpt.close()
