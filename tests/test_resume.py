@@ -78,3 +78,32 @@ def test_kill_during_save_leaves_previous_step_loadable(tmp_path):
     ckpt.save(state, 3).wait()  # the next save cleans the leftover up
     assert not [p for p in ckpt_dir.iterdir() if p.name.startswith(".partial")]
     ckpt.close()
+
+
+def test_sigterm_to_torchrun_saves_and_exits(tmp_path):
+    import signal
+
+    out = tmp_path / "out"
+    out.mkdir()
+    log = tmp_path / "job.log"
+    job = start_torchrun(2, PROGRAMS / "train.py", tmp_path / "ck", out, 100000, "--every", 1000,
+                         "--step-sleep", 0.05, log_path=log)
+    try:
+        def trained_a_while():
+            path = out / "losses.rank0.json"
+            try:
+                return len(json.loads(path.read_text())) >= 5
+            except (OSError, ValueError):
+                return False
+
+        wait_for(trained_a_while, 240, "five training steps", proc=job, log_path=log)
+        os.kill(job.pid, signal.SIGTERM)  # what a spot reclaim does to the launcher
+        job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            kill_job(job)
+    assert (out / "preempted").exists(), log.read_text()[-3000:]
+    step = int((out / "preempted").read_text())
+    ckpt = shardckpt.Checkpointer(local_dir=str(tmp_path / "ck"), preemption_signals=())
+    assert ckpt.steps() == [step]  # no regular save happened (every 1000 steps)
+    assert step >= 5

@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("total_steps", type=int)
     parser.add_argument("--pause-after", type=int, default=None)
+    parser.add_argument("--every", type=int, default=None, help="save every N steps (default: every step)")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step")
     args = parser.parse_args()
     rank, world = common.init()
 
@@ -51,7 +53,7 @@ def main() -> None:
     torch.manual_seed(99 + rank)  # per-rank RNG differs (dropout masks)
 
     state = {"model": model, "optimizer": optim, "scheduler": sched, "sampler": sampler}
-    ckpt = shardckpt.Checkpointer(local_dir=args.ckpt_dir, keep_last=3)
+    ckpt = shardckpt.Checkpointer(local_dir=args.ckpt_dir, keep_last=3, every_steps=args.every)
     start = ckpt.load(state) or 0
 
     losses_path = os.path.join(args.out_dir, f"losses.rank{rank}.json")
@@ -74,6 +76,14 @@ def main() -> None:
             with open(losses_path, "w") as f:
                 json.dump(losses, f)
             handle = ckpt.save(state, step)
+            if ckpt.preempted:  # SIGTERM arrived: the step is committed, leave now
+                if rank == 0:
+                    with open(os.path.join(args.out_dir, "preempted"), "w") as f:
+                        f.write(str(step))
+                ckpt.close()
+                common.finish()
+                return
+            time.sleep(args.step_sleep)
             if args.pause_after is not None and step == args.pause_after:
                 handle.wait()
                 if rank == 0:
