@@ -28,13 +28,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from . import layout
-from .errors import CorruptCheckpointError, UntrustedCheckpointError
+from .errors import CorruptCheckpointError, ShardckptError, UntrustedCheckpointError
 from .safe_pickle import safe_load_metadata
 
 log = logging.getLogger("shardckpt")
@@ -221,4 +222,22 @@ def dcp_read(target: dict[str, Any], step_dir: str, metadata: Metadata, planner:
     # replace the top-level dict, losing entries the planner rebuilds there.
     reader = TrustingReader(step_dir, metadata)
     no_dist = not (dist.is_available() and dist.is_initialized())
-    _load_state_dict(target, storage_reader=reader, planner=planner, process_group=process_group, no_dist=no_dist)
+    try:
+        _load_state_dict(target, storage_reader=reader, planner=planner, process_group=process_group, no_dist=no_dist)
+    except CheckpointException as exc:
+        raise unwrap_failure(exc, f"reading {step_dir}") from exc
+
+
+def unwrap_failure(exc: CheckpointException, doing: str) -> BaseException:
+    """The first of our own errors inside DCP's per-rank failure report, else a readable one."""
+    failures = sorted(exc.failures.items())
+    for _rank, pair in failures:
+        inner = pair[0] if isinstance(pair, tuple) else pair
+        if isinstance(inner, ShardckptError):
+            return inner
+    rank, pair = failures[0] if failures else (0, (exc, None))
+    inner = pair[0] if isinstance(pair, tuple) else pair
+    return CorruptCheckpointError(
+        f"{doing} failed on rank {rank}: {type(inner).__name__}: {inner}. "
+        f"Remedy: run `shardckpt verify` on the directory, or load an earlier step."
+    )
