@@ -32,7 +32,7 @@ def torchrun_cmd(nproc: int, script: str | Path, *args: str, nnodes: int = 1, no
     return cmd
 
 
-def test_env(**extra: str) -> dict[str, str]:
+def child_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -46,7 +46,7 @@ def run_torchrun(nproc: int, script: str | Path, *args: str, timeout: float = 30
     """Run a program under torchrun; raise with its output when it fails."""
     proc = subprocess.run(
         torchrun_cmd(nproc, script, *args, **kw),
-        env=env or test_env(),
+        env=env or child_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -63,7 +63,7 @@ def start_torchrun(nproc: int, script: str | Path, *args: str, env: dict | None 
     out = open(log_path, "w") if log_path else subprocess.DEVNULL
     return subprocess.Popen(
         torchrun_cmd(nproc, script, *args, **kw),
-        env=env or test_env(),
+        env=env or child_env(),
         stdout=out,
         stderr=subprocess.STDOUT,
         cwd=str(ROOT),

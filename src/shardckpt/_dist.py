@@ -76,11 +76,7 @@ class SideGroups:
         return t.tolist()
 
     def all_gather_ctl(self, obj: Any) -> list[Any]:
-        if not is_dist():
-            return [obj]
-        out: list[Any] = [None] * world_size()
-        dist.all_gather_object(out, obj, group=self.ctl)
-        return out
+        return _all_gather(obj, self.ctl)
 
     def broadcast_ctl(self, obj: Any) -> Any:
         if not is_dist():
@@ -92,12 +88,17 @@ class SideGroups:
     # ---- background-thread (io) helpers
 
     def all_gather_io(self, obj: Any) -> list[Any]:
-        if not is_dist():
-            return [obj]
-        out: list[Any] = [None] * world_size()
-        dist.all_gather_object(out, obj, group=self.io)
-        return out
+        return _all_gather(obj, self.io)
 
     def barrier_io(self) -> None:
         if is_dist():
             dist.barrier(group=self.io)
+
+
+def _all_gather(obj: Any, group: Any) -> list[Any]:
+    """Every rank's ``obj`` (between our own ranks only: these are trusted peers)."""
+    if not is_dist():
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -1,0 +1,106 @@
+"""Deterministic training that checkpoints every step, for crash-consistency trials.
+
+usage: soak_train.py CKPT_DIR DIGESTS_OUT TOTAL_STEPS [--no-save] [--sleep S]
+
+Runs single-process or under torchrun (DDP). After every optimizer step rank 0
+appends ``step digest`` to DIGESTS_OUT, where the digest covers the model,
+the optimizer state and the sampler position. With --no-save it is the
+reference run: the digests of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+import shardckpt  # noqa: E402
+
+
+def build():
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sampler = shardckpt.ResumableSampler(4096, batch_size=16, seed=1, rank=0, world_size=1)
+    return model, optim, sampler
+
+
+def digest(model: nn.Module, optim: torch.optim.Optimizer, sampler) -> str:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    h = hashlib.sha256()
+    msd = get_model_state_dict(model)
+    osd = get_optimizer_state_dict(model, optim)
+    for key in sorted(msd):
+        h.update(key.encode())
+        h.update(msd[key].detach().cpu().contiguous().numpy().tobytes())
+    for fqn in sorted(osd["state"]):
+        for name in sorted(osd["state"][fqn]):
+            h.update(f"{fqn}.{name}".encode())
+            h.update(torch.as_tensor(osd["state"][fqn][name]).cpu().contiguous().numpy().tobytes())
+    h.update(repr(sorted(sampler.state_dict().items())).encode())
+    return h.hexdigest()[:32]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("ckpt_dir")
+    parser.add_argument("digests")
+    parser.add_argument("total", type=int)
+    parser.add_argument("--no-save", action="store_true")
+    parser.add_argument("--sleep", type=float, default=0.0)
+    args = parser.parse_args()
+    distributed = "WORLD_SIZE" in os.environ
+    rank, world = 0, 1
+    if distributed:
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    model, optim, _ = build()
+    sampler = shardckpt.ResumableSampler(4096, batch_size=16, seed=1, rank=rank, world_size=world)
+    wrapped = nn.parallel.DistributedDataParallel(model) if distributed else model
+    data_gen = torch.Generator().manual_seed(9)
+    xs, ys = torch.randn(4096, 16, generator=data_gen), torch.randn(4096, 4, generator=data_gen)
+    torch.manual_seed(100 + rank)
+    state = {"model": wrapped, "optimizer": optim, "sampler": sampler}
+    ckpt = None if args.no_save else shardckpt.Checkpointer(local_dir=args.ckpt_dir, keep_last=3)
+    step = (ckpt.load(state) if ckpt else None) or 0
+    out = open(args.digests, "a") if rank == 0 else None
+    it = iter(sampler)
+    while step < args.total:
+        idx = []
+        for _ in range(sampler.batch_size):
+            try:
+                idx.append(next(it))
+            except StopIteration:
+                it = iter(sampler)
+                idx.append(next(it))
+        x, y = xs[idx], ys[idx]
+        loss = nn.functional.mse_loss(wrapped(x), y)
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        step += 1
+        if out is not None:
+            out.write(f"{step} {digest(model, optim, sampler)}\n")
+            out.flush()
+        if ckpt is not None:
+            ckpt.save(state, step)
+        if args.sleep:
+            time.sleep(args.sleep)
+    if ckpt is not None:
+        ckpt.close()
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
