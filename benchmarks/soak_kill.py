@@ -27,6 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests" / "programs"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from helpers import kill_job  # noqa: E402
 
 PROGRAM = ROOT / "tests" / "programs" / "soak_train.py"
 TOTAL = 400  # steps before a run finishes and the directory starts over
@@ -137,11 +140,7 @@ def run_trials(trials: int, seed: int, work: Path, torchrun_every: int = 0) -> d
             while time.monotonic() < pause and proc.poll() is None:
                 time.sleep(0.005)
         hit_point = proc.poll() == -signal.SIGKILL
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        kill_job(proc)  # the launcher and every worker (torchrun gives workers their own sessions)
         if spec and not hit_point:
             kind += " (not reached)"
         stats["points"][kind] = stats["points"].get(kind, 0) + 1

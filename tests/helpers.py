@@ -71,12 +71,34 @@ def start_torchrun(nproc: int, script: str | Path, *args: str, env: dict | None 
     )
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (torchrun starts its workers in their own sessions)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def kill_job(proc: subprocess.Popen) -> None:
-    """SIGKILL every process of a job started by start_torchrun."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """SIGKILL a job started by start_torchrun: the launcher and every worker at once."""
+    victims = [proc.pid, *descendants(proc.pid)]
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait(timeout=30)
 
 
