@@ -46,11 +46,11 @@ def test_kill_during_save_leaves_previous_step_loadable(tmp_path):
     import sys
     import time
 
-    from helpers import test_env
+    from helpers import child_env
 
     ckpt_dir, marker = tmp_path / "ck", tmp_path / "started"
     proc = subprocess.Popen([sys.executable, str(PROGRAMS / "slow_save.py"), str(ckpt_dir), str(marker)],
-                            env=test_env(), start_new_session=True)
+                            env=child_env(), start_new_session=True)
     try:
         wait_for(lambda: marker.exists(), 120, "step 2 to start", proc=proc)
 

@@ -16,7 +16,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 from .checkpointer import Checkpointer, SaveHandle  # noqa: E402
-from .data import ResumableSampler  # noqa: E402
+from .data import ResumableSampler, epoch_order, rank_slice  # noqa: E402
+from .elastic import BatchPolicy, ElasticPlan, ElasticPolicy, LRRule, OnInexact, PerRank  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointNotFoundError,
     ConfigError,
@@ -28,11 +29,21 @@ from .errors import (  # noqa: E402
     StateMismatchError,
     UntrustedCheckpointError,
 )
-from .options import CheckpointConfig, OnCorrupt, OnDiskFull, SaveMode  # noqa: E402
+from .options import CheckpointConfig, OnCorrupt, OnDiskFull, SaveMode, UploaderMode  # noqa: E402
 from .retention import AnyOf, KeepAll, KeepEvery, KeepLast  # noqa: E402
 
 __all__ = [
     "AnyOf",
+    "BatchPolicy",
+    "ElasticPlan",
+    "ElasticPolicy",
+    "LRRule",
+    "OnInexact",
+    "PerRank",
+    "UploaderMode",
+    "epoch_order",
+    "last_plan",
+    "rank_slice",
     "CheckpointConfig",
     "CheckpointNotFoundError",
     "Checkpointer",
@@ -125,3 +136,11 @@ def close(timeout: float | None = None) -> None:
         instance, _default = _default, None
     if instance is not None:
         instance.close(timeout)
+
+
+def last_plan() -> ElasticPlan | None:
+    """The elastic plan of the default instance's last ``load()`` (``None`` before one)."""
+    with _default_lock:
+        instance = _default
+    return None if instance is None else instance.last_plan
+

@@ -34,17 +34,19 @@ from typing import Any, Callable
 
 import torch
 
-from . import _dist, layout, local, retention
+from . import _dist, _failpoints, layout, local, remote, retention, upload
+from . import elastic as elastic_mod
 from . import state as state_mod
 from .errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
     InsufficientSpaceError,
+    RemoteError,
     SaveError,
     StateMismatchError,
 )
-from .options import CheckpointConfig, OnCorrupt, OnDiskFull, SaveMode
+from .options import CheckpointConfig, OnCorrupt, OnDiskFull, SaveMode, UploaderMode
 from .stage import HostStager, tensor_bytes
 
 log = logging.getLogger("shardckpt")
@@ -101,9 +103,7 @@ class Checkpointer:
             raise ConfigError("pass either a CheckpointConfig or keyword options, not both")
         self.config = config if config is not None else CheckpointConfig(**kwargs)
         if self.config.remote is not None:
-            from .remote import check_remote_url
-
-            check_remote_url(self.config.remote)
+            remote.check_remote_url(self.config.remote)
         self.root = os.path.abspath(self.config.local_dir)
         self._groups = _dist.SideGroups(self.config.collective_timeout_s)
         pin = self.config.pin_memory
@@ -123,9 +123,18 @@ class Checkpointer:
         self._preempted = False
         self._closed = False
         self._previous_handlers: dict[int, Any] = {}
+        self._vote: tuple[Any, torch.Tensor] | None = None
+        self._preempt_decided = False
         self._lock = threading.Lock()
         self.last_committed: int | None = None
         self._install_signal_handlers()
+        self._store: remote.Store | None = None
+        self._remote_committed: set[int] = set()
+        self._uploader_spawned: float | None = None
+        self._trainer_file: str | None = None
+        self._drain_report: dict[str, Any] | None = None
+        if self.config.remote is not None:
+            self._setup_remote()
 
     # ---------------------------------------------------------------- public
 
@@ -164,25 +173,31 @@ class Checkpointer:
         self._raise_failed()
         t_start = time.monotonic()
         self._groups.ensure()
-        due, preempt = self._decide(step, force)
-        if not due:
-            return None
-        self._wait_previous(step)
-
-        captured, kinds = state_mod.capture(state, _dist.rank(), self.config.capture_rng)
-        local_bytes = tensor_bytes(captured)
-        if not self._space_ok(step, local_bytes):
-            return None
-        if self._nonce is None:
-            self._nonce = self._groups.broadcast_ctl(uuid.uuid4().hex[:12])
-        self._save_count += 1
-        self._last_save_time = time.monotonic()
-        if self._save_count == 1 and _dist.local_rank() == 0:
-            removed = local.clean_leftovers(self.root, keep_nonce=self._nonce)
-            if removed:
-                log.info("shardckpt: removed leftovers of interrupted saves in %s: %s", self.root, ", ".join(removed))
-        staged = self._stager.stage(captured)
-        del captured
+        try:
+            due, preempt = self._decide(step, force)
+            if not due:
+                return None
+            if preempt:
+                self._preempt_decided = True
+            self._wait_previous(step)
+            captured, kinds = state_mod.capture(state, _dist.rank(), self.config.capture_rng)
+            if not self._space_ok(step, tensor_bytes(captured)):
+                return None
+            if self._nonce is None:
+                self._nonce = self._groups.broadcast_ctl(uuid.uuid4().hex[:12])
+                if _dist.local_rank() == 0:
+                    removed = local.clean_leftovers(self.root, keep_nonce=self._nonce)
+                    if removed:
+                        log.info(
+                            "shardckpt: removed leftovers of interrupted saves in %s: %s", self.root, ", ".join(removed)
+                        )
+            self._save_count += 1
+            self._last_save_time = time.monotonic()
+            staged = self._stager.stage(captured)
+            del captured
+            _failpoints.hit("save.staged")
+        finally:
+            self._start_vote()
         blocked = time.monotonic() - t_start
 
         user_md = dict(self.config.metadata)
@@ -223,6 +238,9 @@ class Checkpointer:
             self._pending = None
         self._raise_failed()
 
+    last_plan: "elastic_mod.ElasticPlan | None" = None
+    """The elastic plan of the last successful ``load()`` (``None`` before one)."""
+
     def load(
         self,
         state: dict[str, Any],
@@ -230,12 +248,17 @@ class Checkpointer:
         *,
         strict: bool | None = None,
         trust_pickles: bool = False,
+        elastic: "elastic_mod.ElasticPolicy | None" = None,
     ) -> int | None:
         """Restore ``state`` in place from ``step`` (default: the newest committed).
 
         Returns the restored step, or ``None`` when there is nothing to resume.
         ``trust_pickles=True`` lifts the restricted unpickling of DCP metadata
         and non-tensor items; only for checkpoints whose origin you trust.
+        ``elastic`` (an :class:`ElasticPolicy`) says how batch and learning
+        rate follow a world-size change; without it the global batch is kept,
+        to the nearest accumulation count with a warning when not exactly.
+        The resulting plan is logged in one line and kept as ``self.last_plan``.
         """
         self._check_open()
         self.wait()
@@ -248,6 +271,7 @@ class Checkpointer:
                 self._raise_not_found(step)
             if _dist.rank() == 0:
                 log.info("shardckpt: nothing to resume in %s; starting fresh", self.root)
+            self.last_plan = None
             return None
         last_error: BaseException | None = None
         for candidate in candidates:
@@ -272,6 +296,16 @@ class Checkpointer:
                     _dist.world_size(),
                     took,
                 )
+            self.last_plan = elastic_mod.after_restore(
+                state,
+                step=candidate,
+                saved_world_size=manifest.world_size,
+                world_size=_dist.world_size(),
+                manifest_metadata=manifest.metadata,
+                policy=elastic,
+                config=self.config,
+                log_plan=_dist.rank() == 0,
+            )
             self._last_saved_step = candidate
             return candidate
         raise CorruptCheckpointError(
@@ -279,16 +313,26 @@ class Checkpointer:
         ) from last_error
 
     def status(self) -> dict[str, Any]:
-        """Newest committed step, the save in flight and the last error."""
+        """Newest committed step (locally and remotely), the save in flight, uploads and errors.
+
+        With a remote: ``latest_remote`` (newest step known committed there),
+        ``pending_upload_steps`` / ``pending_upload_bytes`` (this node's local
+        steps not yet committed remotely), ``last_upload_error`` and
+        ``uploader`` (pid and state of this node's uploader, from its status
+        file). No remote request is made.
+        """
         steps = self.steps()
         pending = self._pending
-        return {
+        out: dict[str, Any] = {
             "local_dir": self.root,
             "latest_local": steps[-1] if steps else None,
             "committed_local": steps,
             "in_flight": pending.step if pending is not None and not pending.done() else None,
             "last_error": repr(self._failed) if self._failed is not None else None,
         }
+        if self.config.remote is not None:
+            out.update(self._remote_status())
+        return out
 
     def close(self, timeout: float | None = None) -> None:
         """Flush the save in flight, stop the background thread, restore signal handlers."""
@@ -301,6 +345,8 @@ class Checkpointer:
             self._executor.shutdown(wait=True)
             self._stager.release()
             self._restore_signal_handlers()
+            if self.config.remote is not None:
+                self._close_remote(timeout)
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -326,22 +372,52 @@ class Checkpointer:
             raise exc
 
     def _decide(self, step: int, force: bool) -> tuple[bool, bool]:
+        """Whether this call saves, and whether it is a preemption save.
+
+        Time- and signal-based triggers can differ between ranks, so they are
+        agreed with an all-reduce. That vote is pipelined: each call starts a
+        non-blocking all-reduce of this rank's flags and acts on the result
+        of the previous call's vote, which has long completed. A signal or an
+        elapsed interval therefore takes effect one ``save()`` call later on
+        every rank at once, and deciding never blocks training.
+        """
         cfg = self.config
+        if step == self._last_saved_step and not force:
+            return False, False
         by_step = cfg.every_steps is not None and step % cfg.every_steps == 0
         every_call = cfg.every_steps is None and cfg.every_seconds is None
+        if _dist.is_dist() and (cfg.every_seconds is not None or self._previous_handlers):
+            by_time, preempt = self._resolve_vote()
+        else:
+            by_time, preempt = self._local_flags()
+        return bool(force or every_call or by_step or by_time or preempt), bool(preempt)
+
+    def _local_flags(self) -> tuple[int, int]:
+        cfg = self.config
         by_time = 0
         if cfg.every_seconds is not None and _dist.rank() == 0:
             by_time = int(self._last_save_time is None or time.monotonic() - self._last_save_time >= cfg.every_seconds)
-        preempt_local = int(self._preempt_signal is not None and not self._preempted)
-        if cfg.every_seconds is not None or self._previous_handlers:
-            # Ranks may see the signal (or the clock) differently: agree.
-            by_time, preempt = self._groups.all_reduce_max([by_time, preempt_local])
-        else:
-            preempt = preempt_local
-        preempt_b = bool(preempt)
-        if step == self._last_saved_step and not force:
-            return False, False
-        return bool(force or every_call or by_step or by_time or preempt_b), preempt_b
+        return by_time, int(self._preempt_signal is not None and not self._preempt_decided)
+
+    def _resolve_vote(self) -> tuple[int, int]:
+        vote = self._vote
+        self._vote = None
+        if vote is None:
+            return 0, 0
+        work, flags = vote
+        work.wait()
+        by_time, preempt = flags.tolist()
+        return by_time, preempt
+
+    def _start_vote(self) -> None:
+        cfg = self.config
+        if not (_dist.is_dist() and (cfg.every_seconds is not None or self._previous_handlers)):
+            return
+        if self._vote is not None:  # an early return left one unresolved: finish it first
+            self._resolve_vote()
+        flags = torch.tensor(self._local_flags(), dtype=torch.int64)
+        work = torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self._groups.ctl, async_op=True)
+        self._vote = (work, flags)
 
     def _wait_previous(self, step: int) -> None:
         pending = self._pending
@@ -364,20 +440,21 @@ class Checkpointer:
         self._raise_failed()
 
     def _space_ok(self, step: int, local_bytes: int) -> bool:
+        """Agree across ranks whether every node has room for this step."""
         os.makedirs(self.root, exist_ok=True)
-        gathered = self._groups.all_gather_ctl((_dist.node_id(), self.root, local_bytes))
-        me = (_dist.node_id(), self.root)
-        node_bytes = sum(b for node, root, b in gathered if (node, root) == me)
+        # Upper bound of what this node writes: its ranks hold about as much
+        # as this one; never more than the whole previous checkpoint.
+        node_bytes = local_bytes * max(1, _dist.local_world_size())
         if self._last_total_bytes is not None:
-            node_bytes = min(node_bytes, self._last_total_bytes)
+            node_bytes = min(node_bytes, max(self._last_total_bytes, local_bytes))
         needed = int(node_bytes * (1 + self.config.free_space_margin)) + (1 << 20)
         free = shutil.disk_usage(self.root).free
-        fits = 1 if free >= needed else 0
-        ok = self._groups.all_reduce_max([1 - fits])[0] == 0
-        if ok:
+        short = 0 if free >= needed else 1
+        if self._groups.all_reduce_max([short])[0] == 0:
             return True
+        where = "this node" if short else "another node"
         message = (
-            f"step {step}: not enough free space in {self.root} on some node "
+            f"step {step}: not enough free space in {self.root} on {where} "
             f"(this node needs ~{_fmt_bytes(needed)}, has {_fmt_bytes(free)} free). "
             f"Existing checkpoints are untouched. Remedy: free disk space, lower keep_last, "
             f"or point local_dir at a larger disk."
@@ -402,6 +479,7 @@ class Checkpointer:
         try:
             os.makedirs(partial, exist_ok=True)
             local.dcp_write(staged, partial, process_group=self._groups.io, io_threads=self.config.io_threads)
+            _failpoints.hit("write.done")
             mine = local.hash_files(partial, local.own_files(partial, rank), rank)
             tables = self._groups.all_gather_io(mine)
         except BaseException as exc:
@@ -430,6 +508,7 @@ class Checkpointer:
         if leader:
             try:
                 final = local.commit_step(self.root, partial, manifest)
+                _failpoints.hit("commit.renamed")
             except FileNotFoundError:
                 # Another node leader sharing this directory renamed it first.
                 if layout.read_manifest(final) is None:
@@ -467,12 +546,62 @@ class Checkpointer:
             log.debug("shardckpt: retention removed step %d from %s", old, self.root)
 
     def _deletable(self, step: int) -> bool:
+        """Local retention guard: with uploads on, only steps already committed remotely go,
+        unless the disk is about to fill (then loudly, naming the step)."""
+        if self.config.remote is None or self.config.uploader == UploaderMode.OFF:
+            return True
+        step_dir = os.path.join(self.root, layout.step_dirname(step))
+        if upload.is_uploaded(step_dir, self.config.remote):
+            return True
+        steps = layout.committed_steps(self.root)
+        newest = upload.local_bytes(self.root, steps[-1]) if steps else 0
+        needed = int(newest * (1 + self.config.free_space_margin)) + (1 << 20)
+        free = shutil.disk_usage(self.root).free
+        if free >= needed:
+            return False
+        log.warning(
+            "shardckpt: LOCAL DISK NEARLY FULL in %s (%s free, the next save needs ~%s): dropping local step %d, "
+            "which is NOT yet committed on the remote %s. Remedy: check the uploader (status(), %s), "
+            "free disk space or lower keep_last.",
+            self.root, _fmt_bytes(free), _fmt_bytes(needed), step, remote.safe_url(self.config.remote),
+            os.path.join(upload.state_dir(self.root), "uploader.log"),
+        )
         return True
 
     # ------------------------------------------------------------ load steps
 
     def _candidate_steps(self) -> list[int]:
-        return layout.committed_steps(self.root)
+        """Steps committed locally, plus (with a remote) those committed remotely.
+
+        Collective over the ``ctl`` group when a remote is set: rank 0 lists
+        the remote and broadcasts the list (one listing per job, not per rank).
+        """
+        steps = set(layout.committed_steps(self.root))
+        if self.config.remote is None:
+            return sorted(steps)
+        # With node-local disks a local step may hold only this node's shards:
+        # it counts here when complete, or when the remote can complete it.
+        complete = set()
+        for step in steps:
+            try:
+                manifest = layout.read_manifest(os.path.join(self.root, layout.step_dirname(step)))
+            except CorruptCheckpointError:
+                complete.add(step)  # let verification report it
+                continue
+            if manifest is not None and not layout.missing_files(
+                os.path.join(self.root, layout.step_dirname(step)), manifest
+            ):
+                complete.add(step)
+        found: list[int] | None = None
+        if _dist.rank() == 0:
+            try:
+                found = upload.remote_steps(self._remote_store(), remote.Deadline(self.config.step_deadline_s))
+            except RemoteError as exc:
+                log.warning("shardckpt: cannot list the remote; using local steps only: %s", exc)
+                found = []
+        found = self._groups.broadcast_ctl(found)
+        self._remote_committed = set(found or [])
+        return sorted(complete | self._remote_committed)
 
     def _agreed_candidates(self, step: int | None) -> list[int]:
         mine = set(self._candidate_steps())
@@ -498,13 +627,20 @@ class Checkpointer:
         raise CheckpointNotFoundError(f"step {step} is not committed in {self.root} on every rank.{hint}")
 
     def _verify(self, step: int, step_dir: str) -> layout.Manifest:
+        fetched: set[str] = set()
+        if self.config.remote is not None:
+            fetched = self._fetch_missing(step, step_dir)
         manifest = layout.read_manifest(step_dir)
         if manifest is None:
             self._raise_not_found(step)
         error = None
         if self.config.verify_on_load:
-            names = sorted(manifest.files)
-            share = names[_dist.rank() :: _dist.world_size()]
+            names = sorted(n for n in manifest.files if n not in fetched)
+            if self.config.remote is not None:
+                # Node-local copies: each node checks its own copy, split over its ranks.
+                share = names[_dist.local_rank() :: max(1, _dist.local_world_size())]
+            else:
+                share = names[_dist.rank() :: _dist.world_size()]
             try:
                 layout.verify_files(step_dir, manifest, share)
             except CorruptCheckpointError as exc:
@@ -545,7 +681,7 @@ class Checkpointer:
         )
         # Stateful objects / modules present live but not saved at all.
         for key, kind in kinds_live.items():
-            if kind in (state_mod.STATEFUL,) and key not in top_saved:
+            if kind in (state_mod.STATEFUL,) and key not in top_saved and key not in saved_kinds:
                 missing.append(key)
         for key, kind in saved_kinds.items():
             if kind in (state_mod.MODULE, state_mod.OPTIMIZER, state_mod.STATEFUL) and key not in kinds_live:
@@ -577,6 +713,9 @@ class Checkpointer:
         kinds_all = dict(kinds_live)
         for key in rebuild_keys:
             kinds_all.setdefault(key, saved_kinds[key])
+            # An empty dict (e.g. a disabled GradScaler's state) has no entries in
+            # DCP's metadata: it comes back as an empty dict.
+            targets.setdefault(key, {})
         state_mod.restore(state, kinds_all, {k: v for k, v in targets.items() if k in kinds_all}, strict=strict)
         if self.config.capture_rng:
             if has_rng:
@@ -590,6 +729,168 @@ class Checkpointer:
                     rank,
                     manifest.world_size,
                 )
+
+    # ------------------------------------------------------------ remote tier
+
+    def _setup_remote(self) -> None:
+        """Register this process as a trainer of the node; local rank 0 starts the uploader."""
+        if self.config.uploader == UploaderMode.OFF:
+            return
+        os.makedirs(self.root, exist_ok=True)
+        self._trainer_file = upload.register_trainer(self.root)
+        if self.config.uploader != UploaderMode.AUTO or _dist.local_rank() != 0:
+            return
+        running = upload.uploader_running(self.root)
+        if running is not None:
+            log.info("shardckpt: uploader pid %d already serves %s", running, self.root)
+            return
+        upload.spawn_uploader(self.root, self.config.remote, self._uploader_args())
+        self._uploader_spawned = time.monotonic()
+        log.info(
+            "shardckpt: started the uploader for %s -> %s; log in %s",
+            self.root, remote.safe_url(self.config.remote),
+            os.path.join(upload.state_dir(self.root), "uploader.log"),
+        )
+
+    def _uploader_args(self) -> list[str]:
+        cfg = self.config
+        args = [
+            "--exit-when-idle",
+            "--node", _dist.node_id(),
+            "--concurrency", str(cfg.transfer_concurrency),
+            "--part-size", str(cfg.part_size),
+            "--request-timeout", str(cfg.request_timeout_s),
+            "--max-attempts", str(cfg.remote_max_attempts),
+            "--backoff-max", str(cfg.backoff_max_s),
+            "--step-deadline", str(cfg.step_deadline_s),
+        ]
+        if cfg.endpoint_url:
+            args += ["--endpoint-url", cfg.endpoint_url]
+        if cfg.remote_keep_last is not None:
+            args += ["--keep-last", str(cfg.remote_keep_last)]
+        if cfg.remote_keep_every is not None:
+            args += ["--keep-every", str(cfg.remote_keep_every)]
+        return args
+
+    def _remote_store(self) -> remote.Store:
+        if self._store is None:
+            self._store = remote.open_store(self.config.remote, self.config.transfer_options())
+        return self._store
+
+    def _remote_status(self) -> dict[str, Any]:
+        url = self.config.remote
+        info = upload.read_status(self.root)
+        pending = upload.pending_steps(self.root, url) if self.config.uploader != UploaderMode.OFF else []
+        marked = [
+            s for s in layout.committed_steps(self.root)
+            if upload.is_uploaded(os.path.join(self.root, layout.step_dirname(s)), url)
+        ]
+        known = [s for s in (info.get("latest_remote"), marked[-1] if marked else None) if isinstance(s, int)]
+        known += list(self._remote_committed)
+        pid = upload.uploader_running(self.root)
+        return {
+            "remote": remote.safe_url(url),
+            "latest_remote": max(known) if known else None,
+            "pending_upload_steps": pending,
+            "pending_upload_bytes": sum(upload.local_bytes(self.root, s) for s in pending),
+            "last_upload_error": info.get("last_error"),
+            "uploader": {"pid": pid, "running": pid is not None, "state": info.get("state"), "mode": self.config.uploader.value},
+            "drain": self._drain_report,
+        }
+
+    def _close_remote(self, timeout: float | None) -> None:
+        try:
+            if self.config.uploader != UploaderMode.OFF and _dist.local_rank() == 0:
+                self._drain_report = self._drain(timeout)
+        finally:
+            upload.unregister_trainer(self._trainer_file)
+            self._trainer_file = None
+            if self._store is not None:
+                self._store.close()
+                self._store = None
+
+    def _drain(self, timeout: float | None) -> dict[str, Any]:
+        """Wait until this node's committed steps are committed remotely (bounded)."""
+        url = self.config.remote
+        limit = self.config.drain_timeout_s if timeout is None else min(timeout, self.config.drain_timeout_s)
+        t0 = time.monotonic()
+        last_log = t0
+        while True:
+            pending = upload.pending_steps(self.root, url)
+            running = upload.uploader_running(self.root)
+            starting = (
+                running is None
+                and self._uploader_spawned is not None
+                and upload.read_status(self.root).get("state") is None
+                and time.monotonic() - self._uploader_spawned < 60.0
+            )
+            waited = time.monotonic() - t0
+            if not pending or (running is None and not starting and waited > 5.0) or waited >= limit:
+                break
+            if time.monotonic() - last_log >= 10.0:
+                last_log = time.monotonic()
+                log.info("shardckpt: close() waits for uploads of steps %s to %s", pending, remote.safe_url(url))
+            time.sleep(0.2)
+        info = upload.read_status(self.root)
+        report = {
+            "pending_steps": pending,
+            "pending_bytes": sum(upload.local_bytes(self.root, s) for s in pending),
+            "uploader_running": running is not None,
+            "last_error": info.get("last_error"),
+            "waited_s": round(time.monotonic() - t0, 3),
+        }
+        if pending:
+            if running is not None:
+                what = (
+                    f"the uploader (pid {running}) keeps working on them after this process exits; "
+                    f"its log is {os.path.join(upload.state_dir(self.root), 'uploader.log')}"
+                )
+            else:
+                what = (
+                    f"no uploader is running: run `shardckpt sync --local {self.root} --remote "
+                    f"{remote.safe_url(url)} --once` to upload them"
+                )
+            log.warning(
+                "shardckpt: close(): steps %s (%s) of %s are not yet committed on %s after %.0f s; %s. Last upload error: %s",
+                pending, _fmt_bytes(report["pending_bytes"]), self.root, remote.safe_url(url), report["waited_s"], what,
+                report["last_error"],
+            )
+        return report
+
+    def _fetch_missing(self, step: int, step_dir: str) -> set[str]:
+        """Node leaders bring missing files of ``step`` from the remote; all ranks agree.
+
+        Returns the names this node fetched (already verified against the
+        manifest while downloading). Collective over the ``ctl`` group.
+        """
+        error: tuple[str, str] | None = None
+        fetched: list[str] = []
+        if _dist.local_rank() == 0:
+            try:
+                fetched = sorted(self._fetch_node(step, step_dir))
+            except CorruptCheckpointError as exc:
+                error = ("corrupt", str(exc))
+            except (RemoteError, OSError) as exc:
+                error = ("remote", remote.redact(str(exc)))
+        gathered = self._groups.all_gather_ctl((error, fetched))
+        errors = [g[0] for g in gathered if g[0] is not None]
+        if errors:
+            kind, message = next((e for e in errors if e[0] == "corrupt"), errors[0])
+            more = f" ({len(errors) - 1} more node(s) failed too)" if len(errors) > 1 else ""
+            if kind == "corrupt":
+                raise CorruptCheckpointError(message + more)
+            raise RemoteError(message + more)
+        leader = _dist.rank() - _dist.local_rank()
+        mine = gathered[leader][1] if 0 <= leader < len(gathered) else []
+        return set(mine)
+
+    def _fetch_node(self, step: int, step_dir: str) -> set[str]:
+        manifest = layout.read_manifest(step_dir)
+        if manifest is not None and not layout.missing_files(step_dir, manifest):
+            return set()
+        if step not in self._remote_committed:
+            return set()  # verification reports what is missing
+        return upload.fetch_step(self._remote_store(), self.root, step)
 
     # ------------------------------------------------------------ signals
 

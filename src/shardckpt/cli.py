@@ -4,6 +4,9 @@
     shardckpt inspect DIR [--step N] one step's manifest and saved keys
     shardckpt verify DIR [--step N]  re-hash every file against its manifest
     shardckpt gc DIR --keep-last N   apply retention by hand (committed steps only)
+    shardckpt sync --local DIR --remote URL   the per-node uploader (sidecar / by hand)
+    shardckpt push --local DIR --remote URL [--step N]   upload committed steps now
+    shardckpt pull --remote URL --local DIR [--step N]   fetch a remote step into DIR
 """
 
 from __future__ import annotations
@@ -104,6 +107,77 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _store(args: argparse.Namespace):
+    from .upload import store_from_args
+
+    return store_from_args(args)
+
+
+def _remote_policy(args: argparse.Namespace):
+    from .upload import policy_from_args
+
+    return policy_from_args(args)
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    from .upload import sync_from_args
+
+    return sync_from_args(args)
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    import socket
+
+    from . import upload
+
+    store = _store(args)
+    try:
+        steps = [args.step] if args.step is not None else upload.pending_steps(args.local, args.remote)
+        if args.step is not None and args.step not in layout.committed_steps(args.local):
+            raise ShardckptError(f"step {args.step} is not committed in {args.local}")
+        failed = 0
+        for step in steps:
+            result = upload.push_step(
+                store, args.local, step, node=args.node or socket.gethostname(), policy=_remote_policy(args)
+            )
+            if result.state == upload.COMMITTED:
+                print(f"committed step {step} on {store.where(layout.step_dirname(step))} ({_human(result.uploaded_bytes)} sent)")
+            else:
+                failed += 1
+                print(f"step {step}: uploaded this node's files; not committed yet ({result.detail or result.state})")
+        if not steps:
+            print(f"nothing to push: every committed step of {args.local} is committed on the remote")
+        return 1 if failed else 0
+    finally:
+        store.close()
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from . import upload
+    from .remote import Deadline
+
+    store = _store(args)
+    try:
+        step = args.step
+        if step is None:
+            steps = upload.remote_steps(store, Deadline(args.step_deadline))
+            if not steps:
+                raise ShardckptError(f"no committed step on {store.where('')}")
+            step = steps[-1]
+        fetched = upload.fetch_step(store, args.local, step)
+        step_dir = os.path.join(args.local, layout.step_dirname(step))
+        print(f"step {step} in {step_dir}: fetched {len(fetched)} file(s), all verified")
+        return 0
+    finally:
+        store.close()
+
+
+def _transfer_args(p: argparse.ArgumentParser) -> None:
+    from .upload import add_transfer_args
+
+    add_transfer_args(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardckpt",
@@ -137,6 +211,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-every", type=int, help="also keep every step that is a multiple of K")
     p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
     p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser(
+        "sync",
+        help="run the per-node uploader",
+        description="Upload every committed step of a node's local directory to the remote and commit it "
+        "there (files, then this node's marker; the node holding rank 0's files writes the manifest once "
+        "every node's marker is present). Runs until SIGTERM unless --once or --exit-when-idle. One "
+        "uploader per directory: a second one exits at once.",
+    )
+    from .upload import add_sync_args
+
+    add_sync_args(p)
+    p.set_defaults(func=cmd_sync)
+
+    p = sub.add_parser("push", help="upload committed steps now", description="Upload this node's files of committed local steps (default: all not yet committed remotely) and commit them when every node's files are there.")
+    _transfer_args(p)
+    p.add_argument("--step", type=int, help="step to push (default: every pending step)")
+    p.add_argument("--keep-last", type=int, help="remote retention after the commit: keep the newest N")
+    p.add_argument("--keep-every", type=int, help="remote retention: also keep every multiple of K")
+    p.set_defaults(func=cmd_push)
+
+    p = sub.add_parser("pull", help="fetch a remote step into a local directory", description="Download a committed remote step (default: the newest) into the local directory, verifying every file against the manifest; the step becomes a committed local step only once all files passed.")
+    _transfer_args(p)
+    p.add_argument("--step", type=int, help="step to fetch (default: newest committed on the remote)")
+    p.set_defaults(func=cmd_pull)
     return parser
 
 
@@ -148,7 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except ShardckptError as exc:
-        print(f"shardckpt: error: {exc}", file=sys.stderr)
+        from .remote import redact
+
+        print(f"shardckpt: error: {redact(str(exc))}", file=sys.stderr)
         return 2
 
 

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from . import layout
+from . import _failpoints, layout
 from .errors import CorruptCheckpointError, ShardckptError, UntrustedCheckpointError
 from .safe_pickle import safe_load_metadata
 
@@ -74,6 +74,7 @@ def commit_step(root: str, partial: str, manifest: layout.Manifest) -> str:
     """Write the manifest last and make the step visible. Returns the step dir."""
     final = os.path.join(root, layout.step_dirname(manifest.step))
     layout.atomic_write_text(os.path.join(partial, layout.MANIFEST_NAME), manifest.to_json())
+    _failpoints.hit("commit.manifest_written")
     if os.path.exists(final):
         # The same step saved again (e.g. after a resume): hide the old one
         # first (manifest away), then swap the new one in.
@@ -101,6 +102,7 @@ def delete_step(root: str, step: int) -> None:
     step_dir = os.path.join(root, layout.step_dirname(step))
     _hide_step(step_dir)
     layout.fsync_dir(step_dir)
+    _failpoints.hit("retention.hidden")
     trash = os.path.join(root, f"{layout.TRASH_PREFIX}{layout.step_dirname(step)}-{uuid.uuid4().hex[:8]}")
     try:
         os.replace(step_dir, trash)

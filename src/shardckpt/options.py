@@ -31,6 +31,20 @@ class OnDiskFull(str, enum.Enum):
     SKIP = "skip"
 
 
+class UploaderMode(str, enum.Enum):
+    """Who uploads committed steps when ``remote`` is set.
+
+    ``auto``: local rank 0 of each node starts ``shardckpt sync`` in its own
+    process (it outlives the trainer); ``external``: a sidecar or systemd unit
+    runs it (``close()`` still waits for it to drain); ``off``: nothing is
+    uploaded, the remote is only read (restore).
+    """
+
+    AUTO = "auto"
+    EXTERNAL = "external"
+    OFF = "off"
+
+
 class OnCorrupt(str, enum.Enum):
     """What ``load()`` does when a committed step fails verification."""
 
@@ -98,6 +112,52 @@ class CheckpointConfig:
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     """User metadata recorded in every manifest (JSON-serialisable)."""
 
+    # ---- remote tier (used only when ``remote`` is set)
+
+    uploader: UploaderMode = UploaderMode.AUTO
+    """``auto`` starts one uploader process per node; ``external`` expects a
+    ``shardckpt sync`` sidecar; ``off`` never uploads (restore only)."""
+
+    endpoint_url: str | None = None
+    """S3-compatible endpoint (MinIO, Ceph RGW, ...); ``None`` uses ``AWS_ENDPOINT_URL``
+    or AWS. Credentials always come from the standard boto3 chain."""
+
+    remote_keep_last: int | None = None
+    """Remote retention: keep the newest N steps committed there (N >= 1); ``None`` keeps all."""
+
+    remote_keep_every: int | None = None
+    """Remote retention: additionally keep every step that is a multiple of this."""
+
+    transfer_concurrency: int = 8
+    """Requests in flight per node for uploads and restores (across files and parts)."""
+
+    part_size: int = 32 << 20
+    """Multipart part / ranged-GET size in bytes; files of at least twice this go multipart."""
+
+    request_timeout_s: float = 60.0
+    """Timeout of one remote request (a stalled request is retried)."""
+
+    remote_max_attempts: int = 8
+    """Attempts per remote request on throttling, 5xx and connection errors (first included)."""
+
+    backoff_max_s: float = 10.0
+    """Cap of the exponential backoff between attempts."""
+
+    step_deadline_s: float = 1800.0
+    """Upload or download of one step gives up after this long (an upload is retried later)."""
+
+    drain_timeout_s: float = 600.0
+    """``close()`` waits at most this long for this node's uploads to be committed remotely."""
+
+    micro_batch_size: int | None = None
+    """Per-rank micro-batch of this run. When set, every manifest records it (and
+    ``grad_accum_steps``) so that an elastic restore at another world size can
+    recompute accumulation or scale the learning rate; see ``shardckpt.elastic``."""
+
+    grad_accum_steps: int = 1
+    """Gradient accumulation steps per optimizer step of this run (with
+    ``micro_batch_size``). An elastic restore updates both to its plan."""
+
     def __post_init__(self) -> None:
         if not self.local_dir:
             raise ConfigError("local_dir must name a directory")
@@ -117,9 +177,28 @@ class CheckpointConfig:
             raise ConfigError(f"free_space_margin must be in [0, 10), got {self.free_space_margin!r}")
         if self.io_threads < 1:
             raise ConfigError(f"io_threads must be >= 1, got {self.io_threads!r}")
+        for name in ("remote_keep_last", "remote_keep_every"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
+        if not isinstance(self.transfer_concurrency, int) or self.transfer_concurrency < 1:
+            raise ConfigError(f"transfer_concurrency must be >= 1, got {self.transfer_concurrency!r}")
+        if not isinstance(self.part_size, int) or self.part_size < (5 << 20):
+            raise ConfigError(f"part_size must be at least 5 MiB (S3's minimum part), got {self.part_size!r}")
+        if not isinstance(self.remote_max_attempts, int) or self.remote_max_attempts < 1:
+            raise ConfigError(f"remote_max_attempts must be >= 1, got {self.remote_max_attempts!r}")
+        for name in ("request_timeout_s", "backoff_max_s", "step_deadline_s", "drain_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{name} must be > 0, got {value!r}")
         if self.collective_timeout_s <= 0:
             raise ConfigError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s!r}")
-        for name, enum_type in (("mode", SaveMode), ("on_disk_full", OnDiskFull), ("on_corrupt", OnCorrupt)):
+        for name, enum_type in (
+            ("mode", SaveMode),
+            ("on_disk_full", OnDiskFull),
+            ("on_corrupt", OnCorrupt),
+            ("uploader", UploaderMode),
+        ):
             value = getattr(self, name)
             try:
                 setattr(self, name, enum_type(value))
@@ -127,6 +206,17 @@ class CheckpointConfig:
                 allowed = ", ".join(e.value for e in enum_type)
                 raise ConfigError(f"{name} must be one of {allowed}, got {value!r}") from None
         self.preemption_signals = tuple(int(s) for s in self.preemption_signals)
+        for name in ("micro_batch_size", "grad_accum_steps"):
+            value = getattr(self, name)
+            if (value is not None or name == "grad_accum_steps") and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.micro_batch_size is not None:
+            from .elastic import record_shape
+
+            self.metadata = dict(self.metadata)
+            record_shape(self, self.micro_batch_size, self.grad_accum_steps)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> "CheckpointConfig":
@@ -141,15 +231,39 @@ class CheckpointConfig:
         values.update(overrides)
         return cls(**values)
 
+    def transfer_options(self) -> Any:
+        """The remote tier's :class:`shardckpt.remote.TransferOptions` for this config."""
+        from .remote import TransferOptions
 
-_INT_FIELDS = {"every_steps", "keep_last", "keep_every", "io_threads"}
-_FLOAT_FIELDS = {"every_seconds", "free_space_margin", "collective_timeout_s"}
+        return TransferOptions(
+            endpoint_url=self.endpoint_url,
+            concurrency=self.transfer_concurrency,
+            part_size=self.part_size,
+            multipart_threshold=2 * self.part_size,
+            request_timeout_s=self.request_timeout_s,
+            max_attempts=self.remote_max_attempts,
+            backoff_max_s=self.backoff_max_s,
+            step_deadline_s=self.step_deadline_s,
+        )
+
+
+_INT_FIELDS = {
+    "every_steps", "keep_last", "keep_every", "io_threads",
+    "remote_keep_last", "remote_keep_every", "transfer_concurrency", "part_size", "remote_max_attempts",
+}
+_FLOAT_FIELDS = {
+    "every_seconds", "free_space_margin", "collective_timeout_s",
+    "request_timeout_s", "backoff_max_s", "step_deadline_s", "drain_timeout_s",
+}
 _BOOL_FIELDS = {"capture_rng", "strict", "verify_on_load", "pin_memory"}
+_INT_FIELDS |= {"micro_batch_size", "grad_accum_steps"}
 
 
 def _parse_env(name: str, raw: str) -> Any:
     var = "SHARDCKPT_" + name.upper()
     text = raw.strip()
+    if name == "preemption_signals" and text.lower() in ("", "none"):
+        return ()
     if text.lower() in ("", "none") and name not in ("local_dir",):
         return None
     try:

@@ -1,13 +1,783 @@
-"""Remote tier: URL checks (the store and uploader build on this)."""
+"""Remote tier: an object store behind a small interface, with bounded retries.
+
+Stores are chosen by URL scheme:
+
+* ``s3://bucket/prefix``  -> :class:`S3Store`, boto3 directly (concurrent
+  multipart transfers, our own retry policy, S3's checksum headers). The
+  credentials come from the standard boto3 chain; ``endpoint_url`` (or
+  ``AWS_ENDPOINT_URL``) points it at MinIO, Ceph RGW or any S3-compatible
+  store.
+* anything else (``file:///mnt/nfs/run``, ``gs://...``) -> :class:`FsspecStore`
+  through fsspec, imported lazily with an install hint.
+
+Keys are ``/``-separated and relative to the URL's prefix. Every call that
+touches the network is retried with capped exponential backoff (full jitter)
+on throttling (503 SlowDown, 429), 5xx and connection errors, up to
+``max_attempts`` and never past the caller's :class:`Deadline`. Retry
+decisions look at HTTP status codes, S3 error codes and exception types,
+never at message text. Backend errors leave this module as
+:class:`~shardckpt.errors.RemoteError` (an ``OSError``) with ``__cause__``
+kept; messages name the object and the remedy and never carry credentials.
+
+Store interface (every method may be called from several threads)::
+
+    put_file(path, key, size, sha256, deadline)  upload, then verify (size + checksum)
+    get_file(key, path, size, sha256, deadline)  download to path, verify before returning
+    put_bytes(key, data, deadline) / get_bytes(key, deadline) -> bytes | None
+    exists(key, deadline) -> bool
+    list_dirs(prefix, deadline) -> names of the "directories" directly under prefix
+    list_sizes(prefix, deadline) -> {name: size} of the objects under prefix
+    delete_prefix(prefix, deadline)
+"""
 
 from __future__ import annotations
 
-from .errors import ConfigError
+import base64
+import concurrent.futures
+import dataclasses
+import hashlib
+import logging
+import os
+import random
+import re
+import socket
+import threading
+import time
+import zlib
+from typing import Any, Callable, TypeVar
+
+from .errors import ConfigError, CorruptCheckpointError, RemoteError
+
+log = logging.getLogger("shardckpt")
+
+T = TypeVar("T")
+
+_MiB = 1 << 20
+_RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+_RETRY_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "InternalError",
+    "ServiceUnavailable",
+    "RequestLimitExceeded",
+}
+_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+
+
+@dataclasses.dataclass(kw_only=True)
+class TransferOptions:
+    """How the remote tier moves bytes. Built from :class:`CheckpointConfig` fields."""
+
+    endpoint_url: str | None = None
+    """S3-compatible endpoint; ``None`` uses ``AWS_ENDPOINT_URL`` or AWS itself."""
+
+    concurrency: int = 8
+    """Requests in flight at once (across files and parts of one file)."""
+
+    part_size: int = 32 * _MiB
+    """Multipart part size (upload) and ranged-GET size (download) in bytes."""
+
+    multipart_threshold: int = 64 * _MiB
+    """Files at least this large go multipart / ranged; smaller ones in one request."""
+
+    request_timeout_s: float = 60.0
+    """Socket read timeout of one request (a stalled request is retried)."""
+
+    connect_timeout_s: float = 10.0
+    """Connect timeout of one request."""
+
+    max_attempts: int = 8
+    """Attempts per request, the first included."""
+
+    backoff_base_s: float = 0.2
+    """First retry waits up to this long (full jitter), doubling per attempt ..."""
+
+    backoff_max_s: float = 10.0
+    """... capped at this."""
+
+    step_deadline_s: float = 1800.0
+    """Upload or download of one step gives up (to be retried later) after this long."""
+
+    storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Extra keyword arguments of the fsspec filesystem (non-S3 URLs)."""
+
+
+class Deadline:
+    """A point in time that bounds a whole operation (all requests and retries)."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self._end = None if seconds is None else time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        return float("inf") if self._end is None else self._end - time.monotonic()
+
+    def expired(self) -> bool:
+        return self.remaining() <= 0
+
+
+def redact(text: str) -> str:
+    """Drop URL credentials and the values of secret environment variables from ``text``."""
+    text = re.sub(r"(?<=://)[^/@\s:]+:[^/@\s]+@", "***@", text)
+    for name in _SECRET_ENV + ("AWS_ACCESS_KEY_ID",):
+        value = os.environ.get(name)
+        if value and len(value) >= 4:
+            text = text.replace(value, "***")
+    return text
+
+
+def safe_url(url: str) -> str:
+    return redact(url)
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``scheme://rest`` -> (scheme, rest without trailing slash)."""
+    if "://" not in url:
+        raise ConfigError(f"remote must be a URL such as s3://bucket/prefix or file:///path, got {safe_url(url)!r}")
+    scheme, rest = url.split("://", 1)
+    return scheme.lower(), rest.rstrip("/")
 
 
 def check_remote_url(url: str) -> None:
-    if "://" not in url:
-        raise ConfigError(f"remote must be a URL such as s3://bucket/prefix or file:///path, got {url!r}")
-    raise ConfigError(
-        f"remote={url!r}: the remote tier is not available in this release; use local_dir only"
+    """Validate ``url`` and that its backend is importable; raises :class:`ConfigError`."""
+    scheme, rest = split_url(url)
+    if scheme in ("s3", "s3a"):
+        bucket = rest.split("/", 1)[0]
+        if not bucket:
+            raise ConfigError(f"remote={safe_url(url)!r} names no bucket; use s3://bucket/prefix")
+        try:
+            import boto3  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError(f"remote={safe_url(url)!r} needs boto3: pip install 'boto3' (see deploy/constraints.txt)") from exc
+        return
+    try:
+        import fsspec
+    except ImportError as exc:
+        raise ConfigError(f"remote={safe_url(url)!r} needs fsspec: pip install fsspec") from exc
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except (ImportError, ValueError) as exc:
+        raise ConfigError(
+            f"remote={safe_url(url)!r}: no fsspec backend for {scheme!r} ({redact(str(exc))}); "
+            f"install the package fsspec names for it"
+        ) from exc
+
+
+def open_store(url: str, options: TransferOptions | None = None) -> "Store":
+    check_remote_url(url)
+    options = options or TransferOptions()
+    scheme, _ = split_url(url)
+    if scheme in ("s3", "s3a"):
+        return S3Store(url, options)
+    return FsspecStore(url, options)
+
+
+def join(*parts: str) -> str:
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+def sha256_bytes(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _b64_crc32(value: int) -> str:
+    return base64.b64encode(value.to_bytes(4, "big")).decode()
+
+
+class _Transient(Exception):
+    """A failure worth retrying that did not come as a backend exception."""
+
+
+class Store:
+    """Common retry and verification logic; subclasses implement the raw calls."""
+
+    retryable_types: tuple[type, ...] = (ConnectionError, TimeoutError, socket.timeout, _Transient)
+
+    def __init__(self, url: str, options: TransferOptions) -> None:
+        self.url = url.rstrip("/")
+        self.options = options
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._file_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        # Bounds the multipart buffers in memory across all files at once.
+        self.part_window = threading.BoundedSemaphore(max(2, options.concurrency))
+
+    # ---- helpers shared by backends
+
+    def where(self, key: str) -> str:
+        return safe_url(f"{self.url}/{key}")
+
+    def pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=self.options.concurrency, thread_name_prefix="shardckpt-xfer"
+                )
+            return self._pool
+
+    def file_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._file_pool is None:
+                self._file_pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=self.options.concurrency, thread_name_prefix="shardckpt-file"
+                )
+            return self._file_pool
+
+    def close(self) -> None:
+        with self._pool_lock:
+            pools, self._pool, self._file_pool = (self._pool, self._file_pool), None, None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+
+    def is_retryable(self, exc: BaseException) -> bool:
+        return isinstance(exc, self.retryable_types)
+
+    def describe(self, exc: BaseException) -> str:
+        return redact(f"{type(exc).__name__}: {exc}")
+
+    def translate(self, exc: BaseException, what: str, key: str) -> RemoteError:
+        err = RemoteError(f"{what} {self.where(key)} failed ({self.describe(exc)}). {self.remedy(exc)}")
+        err.__cause__ = exc
+        return err
+
+    def remedy(self, exc: BaseException) -> str:
+        return "Remedy: check that the remote is reachable and the credentials allow this operation."
+
+    def retry(self, fn: Callable[[], T], what: str, key: str, deadline: Deadline) -> T:
+        """Call ``fn`` until it succeeds, a non-retryable error, ``max_attempts`` or the deadline."""
+        opts = self.options
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return fn()
+            except Exception as exc:  # noqa: BLE001 - classified below
+                if isinstance(exc, (RemoteError, CorruptCheckpointError)):
+                    raise
+                if not self.is_retryable(exc):
+                    raise self.translate(exc, what, key) from exc
+                delay = random.uniform(0, min(opts.backoff_max_s, opts.backoff_base_s * (2 ** (attempt - 1))))
+                if attempt >= opts.max_attempts or deadline.remaining() <= delay:
+                    reason = (
+                        f"{attempt} attempts" if attempt >= opts.max_attempts
+                        else f"the deadline of {deadline.seconds:.0f} s"
+                    )
+                    err = RemoteError(
+                        f"{what} {self.where(key)} still failing after {reason} "
+                        f"(last error {self.describe(exc)}). Remedy: check the remote's health and network; "
+                        f"raise remote_max_attempts / step_deadline_s for a slow store. It will be retried later."
+                    )
+                    raise err from exc
+                log.debug("shardckpt: %s %s: %s; retry %d in %.2f s", what, self.where(key), self.describe(exc), attempt, delay)
+                time.sleep(delay)
+
+    def run_all(self, jobs: list[Callable[[], Any]], *, files: bool = False) -> list[Any]:
+        """Run ``jobs`` concurrently; the first error cancels the rest and is raised.
+
+        ``files=True`` runs whole-file jobs on their own pool: a file job may
+        itself wait for part jobs, which run on the transfer pool.
+        """
+        if not jobs:
+            return []
+        if len(jobs) == 1:
+            return [jobs[0]()]
+        pool = self.file_pool() if files else self.pool()
+        futures = [pool.submit(job) for job in jobs]
+        try:
+            return [f.result() for f in futures]
+        finally:
+            for f in futures:
+                f.cancel()
+            concurrent.futures.wait(futures)
+
+    # ---- interface
+
+    def put_file(self, path: str, key: str, size: int, sha256: str, deadline: Deadline) -> None:
+        raise NotImplementedError
+
+    def get_file(self, key: str, path: str, size: int, sha256: str, deadline: Deadline) -> None:
+        raise NotImplementedError
+
+    def put_bytes(self, key: str, data: bytes, deadline: Deadline) -> None:
+        raise NotImplementedError
+
+    def get_bytes(self, key: str, deadline: Deadline) -> bytes | None:
+        raise NotImplementedError
+
+    def exists(self, key: str, deadline: Deadline) -> bool:
+        raise NotImplementedError
+
+    def list_dirs(self, prefix: str, deadline: Deadline) -> list[str]:
+        raise NotImplementedError
+
+    def list_sizes(self, prefix: str, deadline: Deadline) -> dict[str, int]:
+        raise NotImplementedError
+
+    def delete_prefix(self, prefix: str, deadline: Deadline) -> None:
+        raise NotImplementedError
+
+
+def _read_exact(path: str, offset: int, length: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read(length)
+    return data
+
+
+def _local_mismatch(path: str, key_where: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"local file {path} {what} than its manifest entry, so it was not uploaded to {key_where}. "
+        f"Remedy: the local copy is damaged; run `shardckpt verify` on its directory and save a new step."
     )
+
+
+def _check_download(path: str, where: str, size: int, sha256: str, got_size: int, got_sha: str) -> None:
+    if got_size != size or got_sha != sha256:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        detail = f"{got_size} bytes, expected {size}" if got_size != size else "SHA-256 differs from the manifest"
+        raise CorruptCheckpointError(
+            f"remote object {where} is corrupt ({detail}); it was not loaded. Remedy: load an earlier "
+            f"step (load(step=...)) or set on_corrupt='fallback'; re-upload the step from a node that "
+            f"still has it (shardckpt push)."
+        )
+
+
+class S3Store(Store):
+    """S3 and S3-compatible stores through boto3."""
+
+    def __init__(self, url: str, options: TransferOptions) -> None:
+        super().__init__(url, options)
+        import boto3
+        import botocore.config
+        import botocore.exceptions as bexc
+
+        _, rest = split_url(url)
+        self.bucket, _, self.prefix = rest.partition("/")
+        self.prefix = self.prefix.strip("/")
+        self._bexc = bexc
+        self.retryable_types = Store.retryable_types + (
+            bexc.HTTPClientError,
+            bexc.ConnectionError,
+            bexc.IncompleteReadError,
+        )
+        config = botocore.config.Config(
+            connect_timeout=options.connect_timeout_s,
+            read_timeout=options.request_timeout_s,
+            retries={"max_attempts": 1, "mode": "standard"},  # retries are ours
+            max_pool_connections=max(10, options.concurrency * 2),
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        endpoint = options.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        session = boto3.session.Session()
+        kwargs: dict[str, Any] = {"config": config}
+        if endpoint:
+            kwargs["endpoint_url"] = endpoint
+        if session.region_name is None:
+            kwargs["region_name"] = "us-east-1"
+        self.client = session.client("s3", **kwargs)
+
+    def full_key(self, key: str) -> str:
+        return join(self.prefix, key)
+
+    def is_retryable(self, exc: BaseException) -> bool:
+        if isinstance(exc, self._bexc.ClientError):
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code = exc.response.get("Error", {}).get("Code")
+            return status in _RETRY_STATUS or code in _RETRY_CODES
+        return super().is_retryable(exc)
+
+    def describe(self, exc: BaseException) -> str:
+        if isinstance(exc, self._bexc.ClientError):
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code = exc.response.get("Error", {}).get("Code")
+            return f"HTTP {status} {code}"
+        if isinstance(exc, self._bexc.NoCredentialsError):
+            return "no credentials"
+        return super().describe(exc)
+
+    def remedy(self, exc: BaseException) -> str:
+        if isinstance(exc, self._bexc.NoCredentialsError):
+            return (
+                "Remedy: no AWS credentials were found by the boto3 chain; set AWS_ACCESS_KEY_ID / "
+                "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance/pod role."
+            )
+        if isinstance(exc, self._bexc.ClientError):
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code = exc.response.get("Error", {}).get("Code")
+            if status == 403:
+                return "Remedy: the credentials lack permission for this bucket/prefix (s3:GetObject, PutObject, ListBucket, DeleteObject)."
+            if code == "NoSuchBucket":
+                return f"Remedy: create the bucket {self.bucket!r} or fix the remote URL."
+        return super().remedy(exc)
+
+    def _is_missing(self, exc: BaseException) -> bool:
+        if isinstance(exc, self._bexc.ClientError):
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code = exc.response.get("Error", {}).get("Code")
+            return status == 404 and code in ("404", "NoSuchKey", "NotFound")
+        return False
+
+    # ---- upload
+
+    def put_bytes(self, key: str, data: bytes, deadline: Deadline) -> None:
+        crc = _b64_crc32(zlib.crc32(data))
+        self.retry(
+            lambda: self.client.put_object(Bucket=self.bucket, Key=self.full_key(key), Body=data, ChecksumCRC32=crc),
+            "upload of", key, deadline,
+        )
+
+    def put_file(self, path: str, key: str, size: int, sha256: str, deadline: Deadline) -> None:
+        opts = self.options
+        fk = self.full_key(key)
+        if size < opts.multipart_threshold:
+            data = _read_exact(path, 0, size + 1)
+            if len(data) != size or sha256_bytes(data) != sha256:
+                raise _local_mismatch(path, self.where(key), "differs (size or SHA-256)")
+            crc = _b64_crc32(zlib.crc32(data))
+            resp = self.retry(
+                lambda: self.client.put_object(
+                    Bucket=self.bucket, Key=fk, Body=data, ChecksumCRC32=crc, Metadata={"sha256": sha256}
+                ),
+                "upload of", key, deadline,
+            )
+            if resp.get("ChecksumCRC32") != crc:
+                # The store did not confirm the checksum of what it stored: look.
+                self._verify_upload(key, size, sha256, crc, deadline)
+            return
+        self._put_multipart(path, key, size, sha256, deadline)
+
+    def _put_multipart(self, path: str, key: str, size: int, sha256: str, deadline: Deadline) -> None:
+        opts = self.options
+        fk = self.full_key(key)
+        created = self.retry(
+            lambda: self.client.create_multipart_upload(
+                Bucket=self.bucket, Key=fk, Metadata={"sha256": sha256}, ChecksumAlgorithm="CRC32"
+            ),
+            "start of multipart upload", key, deadline,
+        )
+        upload_id = created["UploadId"]
+        nparts = (size + opts.part_size - 1) // opts.part_size
+        digest = hashlib.sha256()
+        crcs: list[bytes] = [b""] * nparts
+        etags: list[str] = [""] * nparts
+        window = self.part_window
+        futures: list[concurrent.futures.Future] = []
+
+        def send(number: int, data: bytes) -> None:
+            try:
+                crc = zlib.crc32(data).to_bytes(4, "big")
+                crcs[number - 1] = crc
+                resp = self.retry(
+                    lambda: self.client.upload_part(
+                        Bucket=self.bucket, Key=fk, UploadId=upload_id, PartNumber=number, Body=data,
+                        ChecksumCRC32=base64.b64encode(crc).decode(),
+                    ),
+                    f"upload of part {number}/{nparts} of", key, deadline,
+                )
+                etags[number - 1] = resp["ETag"]
+            finally:
+                window.release()
+
+        try:
+            with open(path, "rb") as f:
+                for number in range(1, nparts + 1):
+                    data = f.read(opts.part_size)
+                    digest.update(data)
+                    window.acquire()
+                    futures.append(self.pool().submit(send, number, data))
+                    if any(fut.done() and fut.exception() for fut in futures):
+                        break
+                tail = f.read(1)
+            for fut in futures:
+                fut.result()
+            if digest.hexdigest() != sha256 or tail or len(futures) != nparts:
+                raise _local_mismatch(path, self.where(key), "differs (size or SHA-256)")
+            parts = [
+                {"PartNumber": i + 1, "ETag": etags[i], "ChecksumCRC32": base64.b64encode(crcs[i]).decode()}
+                for i in range(nparts)
+            ]
+            self.retry(
+                lambda: self.client.complete_multipart_upload(
+                    Bucket=self.bucket, Key=fk, UploadId=upload_id, MultipartUpload={"Parts": parts}
+                ),
+                "completion of multipart upload", key, deadline,
+            )
+        except BaseException:
+            for fut in futures:
+                if fut.cancel():
+                    window.release()  # its send() never ran
+            concurrent.futures.wait(futures)
+            try:
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=fk, UploadId=upload_id)
+            except Exception:  # noqa: BLE001 - best effort; lifecycle rules clean the rest
+                pass
+            raise
+        composite = _b64_crc32(zlib.crc32(b"".join(crcs)))
+        self._verify_upload(key, size, sha256, composite, deadline)
+
+    def _verify_upload(self, key: str, size: int, sha256: str, crc: str, deadline: Deadline) -> None:
+        head = self.retry(
+            lambda: self.client.head_object(Bucket=self.bucket, Key=self.full_key(key), ChecksumMode="ENABLED"),
+            "verification of", key, deadline,
+        )
+        got_crc = (head.get("ChecksumCRC32") or "").split("-")[0]
+        problems = []
+        if head.get("ContentLength") != size:
+            problems.append(f"{head.get('ContentLength')} bytes, expected {size}")
+        if head.get("Metadata", {}).get("sha256") not in (None, sha256):
+            problems.append("its recorded SHA-256 differs")
+        if got_crc and got_crc != crc:
+            problems.append("the store's CRC32 differs from the bytes sent")
+        if problems:
+            raise RemoteError(
+                f"uploaded object {self.where(key)} failed verification ({', '.join(problems)}); "
+                f"the step is not committed and will be uploaded again"
+            )
+
+    # ---- download
+
+    def get_bytes(self, key: str, deadline: Deadline) -> bytes | None:
+        def call() -> bytes | None:
+            try:
+                resp = self.client.get_object(Bucket=self.bucket, Key=self.full_key(key))
+            except self._bexc.ClientError as exc:
+                if self._is_missing(exc):
+                    return None
+                raise
+            return resp["Body"].read()
+
+        return self.retry(call, "download of", key, deadline)
+
+    def exists(self, key: str, deadline: Deadline) -> bool:
+        def call() -> bool:
+            try:
+                self.client.head_object(Bucket=self.bucket, Key=self.full_key(key))
+            except self._bexc.ClientError as exc:
+                if self._is_missing(exc):
+                    return False
+                raise
+            return True
+
+        return self.retry(call, "lookup of", key, deadline)
+
+    def get_file(self, key: str, path: str, size: int, sha256: str, deadline: Deadline) -> None:
+        opts = self.options
+        fk = self.full_key(key)
+        if size < opts.multipart_threshold:
+            def call() -> tuple[int, str]:
+                resp = self.client.get_object(Bucket=self.bucket, Key=fk)
+                digest = hashlib.sha256()
+                n = 0
+                with open(path, "wb") as f:
+                    for chunk in resp["Body"].iter_chunks(chunk_size=1 << 20):
+                        digest.update(chunk)
+                        f.write(chunk)
+                        n += len(chunk)
+                return n, digest.hexdigest()
+
+            got_size, got_sha = self.retry(call, "download of", key, deadline)
+            _check_download(path, self.where(key), size, sha256, got_size, got_sha)
+            return
+        with open(path, "wb") as f:
+            f.truncate(size)
+        ranges = [(off, min(opts.part_size, size - off)) for off in range(0, size, opts.part_size)]
+
+        def fetch(off: int, length: int) -> None:
+            def call() -> None:
+                resp = self.client.get_object(Bucket=self.bucket, Key=fk, Range=f"bytes={off}-{off + length - 1}")
+                data = resp["Body"].read()
+                if len(data) != length:
+                    raise _Transient(f"short ranged read of {self.where(key)}")
+                fd = os.open(path, os.O_WRONLY)
+                try:
+                    os.pwrite(fd, data, off)
+                finally:
+                    os.close(fd)
+
+            self.retry(call, "download of", key, deadline)
+
+        self.run_all([lambda o=o, n=n: fetch(o, n) for o, n in ranges])
+        from .layout import sha256_file
+
+        got_size, got_sha = sha256_file(path)
+        _check_download(path, self.where(key), size, sha256, got_size, got_sha)
+
+    # ---- listing and deletion
+
+    def _list(self, prefix: str, deadline: Deadline, delimiter: bool) -> tuple[list[str], dict[str, int]]:
+        base = join(self.prefix, prefix) + "/" if join(self.prefix, prefix) else ""
+        dirs: list[str] = []
+        sizes: dict[str, int] = {}
+
+        def call() -> None:
+            dirs.clear()
+            sizes.clear()
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base}
+            if delimiter:
+                kwargs["Delimiter"] = "/"
+            while True:
+                resp = self.client.list_objects_v2(**kwargs)
+                for cp in resp.get("CommonPrefixes", []):
+                    dirs.append(cp["Prefix"][len(base):].rstrip("/"))
+                for obj in resp.get("Contents", []):
+                    sizes[obj["Key"][len(base):]] = int(obj["Size"])
+                if not resp.get("IsTruncated"):
+                    return
+                kwargs["ContinuationToken"] = resp["NextContinuationToken"]
+
+        self.retry(call, "listing of", prefix, deadline)
+        return dirs, sizes
+
+    def list_dirs(self, prefix: str, deadline: Deadline) -> list[str]:
+        return sorted(self._list(prefix, deadline, True)[0])
+
+    def list_sizes(self, prefix: str, deadline: Deadline) -> dict[str, int]:
+        return self._list(prefix, deadline, False)[1]
+
+    def delete_prefix(self, prefix: str, deadline: Deadline) -> None:
+        names = list(self.list_sizes(prefix, deadline))
+        for i in range(0, len(names), 1000):
+            batch = [{"Key": self.full_key(join(prefix, n))} for n in names[i : i + 1000]]
+            self.retry(
+                lambda b=batch: self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": b, "Quiet": True}),
+                "deletion under", prefix, deadline,
+            )
+
+    def delete(self, key: str, deadline: Deadline) -> None:
+        self.retry(lambda: self.client.delete_object(Bucket=self.bucket, Key=self.full_key(key)), "deletion of", key, deadline)
+
+
+class FsspecStore(Store):
+    """Any fsspec filesystem (``file://`` for NFS-style mounts, ``gs://``, ...)."""
+
+    def __init__(self, url: str, options: TransferOptions) -> None:
+        super().__init__(url, options)
+        import fsspec
+
+        scheme, rest = split_url(url)
+        self.fs = fsspec.filesystem(scheme, **options.storage_options)
+        self.root = rest if scheme != "file" else "/" + rest.lstrip("/")
+        self.retryable_types = Store.retryable_types
+
+    def is_retryable(self, exc: BaseException) -> bool:
+        if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+            return False
+        return isinstance(exc, (OSError, _Transient)) or super().is_retryable(exc)
+
+    def path(self, key: str) -> str:
+        return self.root + ("/" + key.strip("/") if key.strip("/") else "")
+
+    def _write(self, key: str, chunks: Callable[[], Any]) -> tuple[int, str]:
+        target = self.path(key)
+        parent = target.rsplit("/", 1)[0]
+        self.fs.makedirs(parent, exist_ok=True)
+        digest = hashlib.sha256()
+        n = 0
+        with self.fs.open(target, "wb") as f:
+            for chunk in chunks():
+                digest.update(chunk)
+                f.write(chunk)
+                n += len(chunk)
+        return n, digest.hexdigest()
+
+    def put_bytes(self, key: str, data: bytes, deadline: Deadline) -> None:
+        self.retry(lambda: self._write(key, lambda: [data]), "upload of", key, deadline)
+
+    def put_file(self, path: str, key: str, size: int, sha256: str, deadline: Deadline) -> None:
+        def chunks():
+            with open(path, "rb") as f:
+                while True:
+                    chunk = f.read(8 << 20)
+                    if not chunk:
+                        return
+                    yield chunk
+
+        n, digest = self.retry(lambda: self._write(key, chunks), "upload of", key, deadline)
+        if n != size or digest != sha256:
+            raise _local_mismatch(path, self.where(key), "differs (size or SHA-256)")
+        got = self.retry(lambda: self.fs.info(self.path(key))["size"], "verification of", key, deadline)
+        if got != size:
+            raise RemoteError(f"uploaded object {self.where(key)} is {got} bytes, expected {size}; it will be retried")
+
+    def get_bytes(self, key: str, deadline: Deadline) -> bytes | None:
+        def call() -> bytes | None:
+            try:
+                with self.fs.open(self.path(key), "rb") as f:
+                    return f.read()
+            except FileNotFoundError:
+                return None
+
+        return self.retry(call, "download of", key, deadline)
+
+    def exists(self, key: str, deadline: Deadline) -> bool:
+        return self.retry(lambda: self.fs.exists(self.path(key)), "lookup of", key, deadline)
+
+    def get_file(self, key: str, path: str, size: int, sha256: str, deadline: Deadline) -> None:
+        def call() -> tuple[int, str]:
+            digest = hashlib.sha256()
+            n = 0
+            with self.fs.open(self.path(key), "rb") as src, open(path, "wb") as dst:
+                while True:
+                    chunk = src.read(8 << 20)
+                    if not chunk:
+                        break
+                    digest.update(chunk)
+                    dst.write(chunk)
+                    n += len(chunk)
+            return n, digest.hexdigest()
+
+        got_size, got_sha = self.retry(call, "download of", key, deadline)
+        _check_download(path, self.where(key), size, sha256, got_size, got_sha)
+
+    def _ls(self, prefix: str) -> list[dict]:
+        try:
+            return self.fs.ls(self.path(prefix), detail=True)
+        except FileNotFoundError:
+            return []
+
+    def list_dirs(self, prefix: str, deadline: Deadline) -> list[str]:
+        entries = self.retry(lambda: self._ls(prefix), "listing of", prefix, deadline)
+        return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
+
+    def list_sizes(self, prefix: str, deadline: Deadline) -> dict[str, int]:
+        base = self.path(prefix).rstrip("/")
+
+        def call() -> dict[str, int]:
+            try:
+                found = self.fs.find(base, detail=True)
+            except FileNotFoundError:
+                return {}
+            out = {}
+            for name, info in found.items():
+                name = name if name.startswith("/") or not base.startswith("/") else name
+                rel = name[len(base):].lstrip("/") if name.startswith(base) else name.rsplit("/", 1)[-1]
+                out[rel] = int(info.get("size") or 0)
+            return out
+
+        return self.retry(call, "listing of", prefix, deadline)
+
+    def delete_prefix(self, prefix: str, deadline: Deadline) -> None:
+        def call() -> None:
+            try:
+                self.fs.rm(self.path(prefix), recursive=True)
+            except FileNotFoundError:
+                pass
+
+        self.retry(call, "deletion under", prefix, deadline)
+
+    def delete(self, key: str, deadline: Deadline) -> None:
+        def call() -> None:
+            try:
+                self.fs.rm(self.path(key))
+            except FileNotFoundError:
+                pass
+
+        self.retry(call, "deletion of", key, deadline)

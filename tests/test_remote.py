@@ -1,0 +1,370 @@
+"""Remote tier against a real S3-protocol server (moto over HTTP on 127.0.0.1).
+
+Multi-rank tests run real gloo process groups under torchrun; nothing in
+boto3 or torch.distributed is patched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import shardckpt  # noqa: E402
+from faultproxy import FaultProxy  # noqa: E402
+from helpers import PROGRAMS, free_port, kill_job, run_torchrun, start_torchrun, wait_for  # noqa: E402
+from helpers import child_env as job_env  # noqa: E402
+from s3server import BUCKET, CREDENTIALS, S3Server, apply_env, restore_env  # noqa: E402
+from shardckpt import cli, layout, remote, upload  # noqa: E402
+from shardckpt.errors import CorruptCheckpointError, RemoteError  # noqa: E402
+
+PROG = PROGRAMS / "remote_train.py"
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = S3Server()
+    previous = apply_env(server)
+    try:
+        yield server
+    finally:
+        restore_env(previous)
+        server.stop()
+
+
+@pytest.fixture(autouse=True)
+def fresh_bucket(s3, tmp_path):
+    s3.reset()
+    yield
+    stop_uploaders(tmp_path)
+
+
+def stop_uploaders(base: Path) -> None:
+    """Uploaders started (indirectly) by a test exit on their own; make sure of it."""
+    for status in base.rglob(f"{upload.STATE_DIR}/status.json"):
+        body = upload.read_json(str(status))
+        pid = body.get("pid")
+        if body.get("state") != "running" or not isinstance(pid, int):
+            continue
+        deadline = time.monotonic() + 30
+        while upload.pid_alive(pid, body.get("pid_start")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if upload.pid_alive(pid, body.get("pid_start")):
+            os.kill(pid, signal.SIGTERM)
+
+
+def remote_manifests(s3: S3Server, prefix: str) -> list[int]:
+    steps = []
+    for key in s3.keys(prefix + "/"):
+        parts = key.split("/")
+        if parts[-1] == layout.MANIFEST_NAME:
+            steps.append(layout.parse_step_dirname(parts[-2]))
+    return sorted(steps)
+
+
+def check_remote_step(s3: S3Server, prefix: str, step: int) -> layout.Manifest:
+    """Every file the remote manifest lists exists with its size and checksum."""
+    client = s3.client()
+    base = f"{prefix}/{layout.step_dirname(step)}"
+    body = client.get_object(Bucket=BUCKET, Key=f"{base}/{layout.MANIFEST_NAME}")["Body"].read().decode()
+    manifest = layout.Manifest.from_json(body, base)
+    for name, entry in manifest.files.items():
+        data = client.get_object(Bucket=BUCKET, Key=f"{base}/{name}")["Body"].read()
+        assert len(data) == entry.size, name
+        assert hashlib.sha256(data).hexdigest() == entry.sha256, name
+    return manifest
+
+
+def save_local_steps(local_dir: Path, steps: list[int], width: int = 64) -> dict[int, dict]:
+    """Single-process saves (no remote) of a model whose state changes per step."""
+    model = torch.nn.Linear(width, width)
+    ckpt = shardckpt.Checkpointer(local_dir=str(local_dir), keep_last=None, preemption_signals=())
+    saved = {}
+    for step in steps:
+        with torch.no_grad():
+            model.weight.add_(float(step))
+        ckpt.save({"model": model}, step).wait()
+        saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt.close()
+    return saved
+
+
+def wait_uploader_exit(local_dir: Path, timeout: float = 90) -> dict:
+    status = local_dir / upload.STATE_DIR / "status.json"
+    wait_for(lambda: upload.read_json(str(status)).get("state") == "exited", timeout, f"the uploader of {local_dir} to exit")
+    return upload.read_json(str(status))
+
+
+# ---------------------------------------------------------------- multi-node
+
+
+def test_two_nodes_upload_then_restore_on_a_new_instance(s3, tmp_path):
+    """2 nodes x 2 ranks save with node-local dirs; all local dirs wiped; a 1-node job restores."""
+    base = tmp_path / "job1"
+    url = f"s3://{BUCKET}/twonode"
+    env = job_env(**s3.env())
+    port = free_port()
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]
+    procs = [
+        start_torchrun(2, PROG, "save", base, url, tmp_path / "saved.pt", "3",
+                       nnodes=2, node_rank=i, port=port, env=env, log_path=logs[i])
+        for i in range(2)
+    ]
+    try:
+        for proc, log_path in zip(procs, logs):
+            rc = proc.wait(timeout=300)
+            assert rc == 0, Path(log_path).read_text()[-5000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_job(proc)
+
+    # Each node holds only its own ranks' shard files locally.
+    node1_files = os.listdir(base / "node1" / layout.step_dirname(3))
+    assert not any(n.startswith("__0_") or n.startswith("__1_") for n in node1_files)
+
+    # Committed remotely: manifest + both nodes' markers; remote retention kept 2 steps.
+    assert remote_manifests(s3, "twonode") == [2, 3]
+    markers = [k for k in s3.keys(f"twonode/{layout.step_dirname(3)}/{upload.NODES_DIR}/")]
+    assert len(markers) == 2, markers
+    manifest = check_remote_step(s3, "twonode", 3)
+    assert {e.rank for e in manifest.files.values()} == {0, 1, 2, 3}
+    for node in ("node0", "node1"):
+        assert upload.is_uploaded(str(base / node / layout.step_dirname(3)), url)
+        status = wait_uploader_exit(base / node)
+        assert status["pending_steps"] == []
+
+    shutil.rmtree(base)
+    run_torchrun(2, PROG, "restore", tmp_path / "job2", url, tmp_path / "restored.pt", env=env, timeout=300)
+    saved = torch.load(tmp_path / "saved.pt")
+    restored = torch.load(tmp_path / "restored.pt")
+    assert restored["step"] == 3
+    assert saved["tensors"].keys() == restored["tensors"].keys()
+    for key, value in saved["tensors"].items():
+        assert torch.equal(value, restored["tensors"][key]), key
+    # The new node now holds every file of the step, verified.
+    new_step = tmp_path / "job2" / "node0" / layout.step_dirname(3)
+    layout.verify_files(str(new_step), layout.read_manifest(str(new_step)))
+
+
+def test_uploader_commits_after_trainer_is_sigkilled(s3, tmp_path):
+    base = tmp_path / "job"
+    url = f"s3://{BUCKET}/killed"
+    out = tmp_path / "out.pt"
+    log_path = tmp_path / "train.log"
+    proc = start_torchrun(2, PROG, "hang", base, url, out, "3", env=job_env(**s3.env()), log_path=log_path)
+    local_dir = base / "node0"
+    try:
+        wait_for(lambda: Path(str(out) + ".ready").exists(), 240, "step 3 committed locally", proc, log_path)
+    finally:
+        kill_job(proc)  # torchrun and every worker, at once
+    assert upload.trainers_alive(str(local_dir)) == []
+    assert layout.committed_steps(str(local_dir))[-1] == 3
+    wait_for(lambda: 3 in remote_manifests(s3, "killed"), 120, "step 3 committed remotely after SIGKILL")
+    check_remote_step(s3, "killed", 3)
+    status = wait_uploader_exit(local_dir)
+    assert status["pending_steps"] == []
+    assert status["latest_remote"] == 3
+    for step in layout.committed_steps(str(local_dir)):
+        assert upload.is_uploaded(str(local_dir / layout.step_dirname(step)), url)
+
+
+# ---------------------------------------------------------------- faults
+
+
+def _opts(**kw) -> remote.TransferOptions:
+    base = dict(
+        concurrency=4, part_size=5 * MiB, multipart_threshold=10 * MiB, request_timeout_s=1.0,
+        connect_timeout_s=1.0, max_attempts=12, backoff_base_s=0.02, backoff_max_s=0.2, step_deadline_s=120,
+    )
+    base.update(kw)
+    return remote.TransferOptions(**base)
+
+
+def test_uploads_survive_throttling_errors_resets_and_stalls(s3, tmp_path):
+    local_dir = tmp_path / "local"
+    save_local_steps(local_dir, [1], width=1700)  # ~11 MiB shard: multipart (5 MiB parts)
+    proxy = FaultProxy(s3.endpoint, stall_s=2.0, every=3)
+    proxy.set_mode("cycle", kinds=("503", "500", "reset", "stall"))
+    try:
+        url = f"s3://{BUCKET}/faults"
+        store = remote.open_store(url, _opts(endpoint_url=proxy.endpoint))
+        uploader = upload.Uploader(str(local_dir), store, node="n0", once=True, poll_s=0.05)
+        assert uploader.run() == 0, uploader.last_error
+    finally:
+        proxy.stop()
+    for kind in ("503", "500", "reset", "stall"):
+        assert proxy.counts.get(kind, 0) >= 1, proxy.counts
+    assert remote_manifests(s3, "faults") == [1]
+    manifest = check_remote_step(s3, "faults", 1)
+    assert max(e.size for e in manifest.files.values()) > 10 * MiB
+
+
+def test_persistent_failure_is_reported_never_half_committed_then_retried(s3, tmp_path):
+    local_dir = tmp_path / "local"
+    save_local_steps(local_dir, [1])
+    proxy = FaultProxy(s3.endpoint)
+    url = f"s3://{BUCKET}/down"
+    try:
+        proxy.set_mode("fail503")
+        store = remote.open_store(url, _opts(endpoint_url=proxy.endpoint, max_attempts=3))
+        uploader = upload.Uploader(str(local_dir), store, node="n0", once=True, poll_s=0.05)
+        assert uploader.run() == 1
+        error = uploader.last_error
+        assert "503" in error and "SlowDown" in error and f"s3://{BUCKET}/down/" in error, error
+        assert CREDENTIALS["AWS_SECRET_ACCESS_KEY"] not in error
+        status = upload.read_status(str(local_dir))
+        assert status["pending_steps"] == [1] and status["pending_bytes"] > 0
+        assert status["last_error"] == error
+        assert remote_manifests(s3, "down") == []
+        assert not upload.is_uploaded(str(local_dir / layout.step_dirname(1)), url)
+
+        # A Checkpointer on this node reports it, and local retention keeps the step.
+        ckpt = shardckpt.Checkpointer(local_dir=str(local_dir), remote=url, uploader="external",
+                                      endpoint_url=proxy.endpoint, drain_timeout_s=0.5, preemption_signals=())
+        st = ckpt.status()
+        assert st["pending_upload_steps"] == [1] and st["last_upload_error"] == error
+        assert st["latest_local"] == 1 and st["latest_remote"] is None
+        assert ckpt._deletable(1) is False
+        ckpt.close()
+
+        proxy.set_mode("pass")
+        uploader = upload.Uploader(str(local_dir), remote.open_store(url, _opts(endpoint_url=proxy.endpoint)),
+                                   node="n0", once=True, poll_s=0.05)
+        assert uploader.run() == 0
+    finally:
+        proxy.stop()
+    assert remote_manifests(s3, "down") == [1]
+    check_remote_step(s3, "down", 1)
+    assert upload.is_uploaded(str(local_dir / layout.step_dirname(1)), url)
+
+
+# ---------------------------------------------------------------- corruption
+
+
+def test_bit_flip_in_remote_object_is_refused_or_falls_back(s3, tmp_path):
+    src = tmp_path / "src"
+    saved = save_local_steps(src, [1, 2])
+    url = f"s3://{BUCKET}/flip"
+    uploader = upload.Uploader(str(src), remote.open_store(url, _opts()), node="n0", once=True, poll_s=0.05)
+    assert uploader.run() == 0
+    key = f"flip/{layout.step_dirname(2)}/__0_0.distcp"
+    client = s3.client()
+    data = bytearray(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0x10
+    client.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+
+    fresh = tmp_path / "fresh"
+    ckpt = shardckpt.Checkpointer(local_dir=str(fresh), remote=url, uploader="off", preemption_signals=())
+    model = torch.nn.Linear(64, 64)
+    with pytest.raises(CorruptCheckpointError) as info:
+        ckpt.load({"model": model})
+    assert f"s3://{BUCKET}/{key}" in str(info.value)
+    assert layout.committed_steps(str(fresh)) == []  # nothing unverified became a local step
+    ckpt.close()
+
+    ckpt = shardckpt.Checkpointer(local_dir=str(fresh), remote=url, uploader="off", on_corrupt="fallback",
+                                  preemption_signals=())
+    assert ckpt.load({"model": model}) == 1
+    for k, v in saved[1].items():
+        assert torch.equal(model.state_dict()[k], v), k
+    ckpt.close()
+
+
+# ---------------------------------------------------------------- file:// and the CLI
+
+
+def test_file_remote_auto_uploader_and_cli_pull_push(tmp_path):
+    local_dir = tmp_path / "local"
+    mount = tmp_path / "nfs"
+    url = f"file://{mount}"
+    model = torch.nn.Linear(32, 32)
+    ckpt = shardckpt.Checkpointer(local_dir=str(local_dir), remote=url, keep_last=1, preemption_signals=())
+    for step in (1, 2):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        ckpt.save({"model": model}, step).wait()
+    ckpt.close()
+    st = ckpt.status()
+    assert st["pending_upload_steps"] == [] and st["latest_remote"] == 2, st
+    assert (mount / layout.step_dirname(2) / layout.MANIFEST_NAME).exists()
+    wait_uploader_exit(local_dir)
+
+    # pull into an empty directory: a verified, committed local step
+    pulled = tmp_path / "pulled"
+    assert cli.main(["pull", "--remote", url, "--local", str(pulled)]) == 0
+    step_dir = pulled / layout.step_dirname(2)
+    layout.verify_files(str(step_dir), layout.read_manifest(str(step_dir)))
+
+    # push to another remote by hand
+    other = tmp_path / "other"
+    assert cli.main(["push", "--local", str(pulled), "--remote", f"file://{other}"]) == 0
+    assert (other / layout.step_dirname(2) / layout.MANIFEST_NAME).exists()
+
+    # restore on a new instance from the file:// remote
+    fresh = torch.nn.Linear(32, 32)
+    ckpt = shardckpt.Checkpointer(local_dir=str(tmp_path / "new"), remote=url, uploader="off", preemption_signals=())
+    assert ckpt.load({"model": fresh}) == 2
+    assert torch.equal(fresh.weight, model.weight)
+    ckpt.close()
+
+
+def test_errors_never_carry_credentials_and_name_the_object(s3, tmp_path):
+    url = f"s3://no-such-bucket-xyz/run"
+    store = remote.open_store(url, _opts(max_attempts=2))
+    with pytest.raises(RemoteError) as info:
+        upload.remote_steps(store, remote.Deadline(30))
+    text = str(info.value)
+    assert "NoSuchBucket" in text and "no-such-bucket-xyz" in text and "Remedy" in text
+    assert CREDENTIALS["AWS_SECRET_ACCESS_KEY"] not in text
+    assert remote.redact("https://AKIA:s3cr3t@minio:9000/x") == "https://***@minio:9000/x"
+
+
+def test_step_saved_again_replaces_its_remote_copy(s3, tmp_path):
+    """A step saved again locally (after a rollback) retires the earlier remote copy, never mixes them."""
+    local_dir = tmp_path / "local"
+    url = f"s3://{BUCKET}/again"
+    save_local_steps(local_dir, [1])
+    assert upload.Uploader(str(local_dir), remote.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
+    first = check_remote_step(s3, "again", 1)
+    time.sleep(0.01)  # a later manifest timestamp
+    save_local_steps(local_dir, [1])  # fresh random weights: different content
+    local = layout.read_manifest(str(local_dir / layout.step_dirname(1)))
+    assert upload.files_digest(local) != upload.files_digest(first)
+    assert upload.Uploader(str(local_dir), remote.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
+    second = check_remote_step(s3, "again", 1)
+    assert upload.files_digest(second) == upload.files_digest(local)
+
+
+def test_local_retention_keeps_unuploaded_steps_unless_disk_nearly_full(tmp_path, monkeypatch, caplog):
+    local_dir = tmp_path / "local"
+    save_local_steps(local_dir, [1, 2])
+    url = f"file://{tmp_path / 'nfs'}"
+    ckpt = shardckpt.Checkpointer(local_dir=str(local_dir), remote=url, uploader="external", drain_timeout_s=0.5,
+                                  preemption_signals=())
+    assert ckpt._deletable(1) is False
+    upload.mark_uploaded(str(local_dir / layout.step_dirname(1)), url, layout.read_manifest(str(local_dir / layout.step_dirname(1))))
+    assert ckpt._deletable(1) is True
+
+    import collections
+
+    from shardckpt import checkpointer
+
+    Usage = collections.namedtuple("Usage", "total used free")
+    monkeypatch.setattr(checkpointer.shutil, "disk_usage", lambda path: Usage(1 << 30, 1 << 30, 0))
+    with caplog.at_level("WARNING", logger="shardckpt"):
+        assert ckpt._deletable(2) is True
+    assert "NOT yet committed" in caplog.text and "local step 2" in caplog.text
+    monkeypatch.undo()
+    ckpt.close()
+    assert ckpt.status()["drain"]["pending_steps"] == [2]
