@@ -85,3 +85,50 @@ def test_plain_checkpoint_loads_under_the_allow_list(tmp_path):
     live = {"model": nn.Linear(4, 3)}
     assert shardckpt.Checkpointer(local_dir=str(tmp_path), preemption_signals=()).load(live) == 1
     assert live["extra"] == {"epoch": 1}
+
+
+def _load_error(tmp_path, live=None, **kw):
+    with pytest.raises(shardckpt.ShardckptError) as err:
+        shardckpt.Checkpointer(local_dir=str(tmp_path), preemption_signals=(), **kw).load(
+            live if live is not None else {"model": nn.Linear(4, 3)}
+        )
+    return err
+
+
+def test_missing_metadata_is_named(tmp_path):
+    step_dir = _save(tmp_path)
+    (step_dir / ".metadata").unlink()
+    err = _load_error(tmp_path)
+    assert isinstance(err.value, shardckpt.CorruptCheckpointError)
+    assert str(step_dir / ".metadata") in str(err.value) and "step 1" in str(err.value)
+
+
+def test_manifest_naming_an_absent_file(tmp_path):
+    step_dir = _save(tmp_path)
+    path = step_dir / layout.MANIFEST_NAME
+    body = json.loads(path.read_text())
+    body["files"]["__7_0.distcp"] = {"size": 10, "sha256": "0" * 64, "rank": 7}
+    path.write_text(json.dumps(body))
+    err = _load_error(tmp_path)
+    assert isinstance(err.value, shardckpt.CorruptCheckpointError)
+    assert str(step_dir / "__7_0.distcp") in str(err.value) and "missing" in str(err.value)
+
+
+def test_step_from_another_run_is_refused(tmp_path):
+    torch.manual_seed(0)
+    with shardckpt.Checkpointer(local_dir=str(tmp_path), run_id="run-a", preemption_signals=()) as ckpt:
+        ckpt.save({"model": nn.Linear(4, 3)}, 1)
+    err = _load_error(tmp_path, run_id="run-b")
+    assert isinstance(err.value, shardckpt.ForeignCheckpointError)
+    assert "run-a" in str(err.value) and "step 1" in str(err.value) and "Remedy" in str(err.value)
+    # The same run, or no run id, loads it.
+    live = {"model": nn.Linear(4, 3)}
+    assert shardckpt.Checkpointer(local_dir=str(tmp_path), run_id="run-a", preemption_signals=()).load(live) == 1
+
+
+def test_checkpoint_of_another_model_names_the_shapes(tmp_path):
+    _save(tmp_path)
+    err = _load_error(tmp_path, live={"model": nn.Linear(4, 5)})
+    assert isinstance(err.value, shardckpt.StateMismatchError)
+    assert "model.weight saved (3, 4), live (5, 4)" in str(err.value)
+    assert "another model" in str(err.value)

@@ -41,6 +41,7 @@ from .errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
+    ForeignCheckpointError,
     InsufficientSpaceError,
     RemoteError,
     SaveError,
@@ -502,6 +503,7 @@ class Checkpointer:
             keys=dict(kinds),
             metadata=user_md,
             total_bytes=sum(e.size for e in files.values()),
+            run_id=self.config.run_id,
         )
         final = os.path.join(self.root, layout.step_dirname(step))
         error: BaseException | None = None
@@ -660,6 +662,13 @@ class Checkpointer:
         strict: bool,
         trust_pickles: bool,
     ) -> None:
+        run_id = self.config.run_id
+        if run_id is not None and manifest.run_id is not None and manifest.run_id != run_id:
+            raise ForeignCheckpointError(
+                f"step {step} in {step_dir} was written by run {manifest.run_id!r}, this is run {run_id!r} "
+                f"(see {os.path.join(step_dir, layout.MANIFEST_NAME)}). Remedy: point local_dir/remote at this "
+                f"run's checkpoints, or set run_id to {manifest.run_id!r} (or None) to continue that run."
+            )
         metadata = local.read_metadata(step_dir, step, trust_pickles=trust_pickles)
         kinds_live = state_mod.classify(state)
         saved_kinds = manifest.keys
@@ -672,7 +681,18 @@ class Checkpointer:
         top_saved = {p[0] for p in saved_paths}
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-        live_fqns = set(flatten_state_dict(targets)[0].keys())
+        flat_live = flatten_state_dict(targets)[0]
+        live_fqns = set(flat_live.keys())
+        reshaped = _shape_mismatches(flat_live, metadata)
+        if reshaped:
+            raise StateMismatchError(
+                f"step {step} in {step_dir} holds tensors of other shapes than the state being loaded "
+                f"(a checkpoint of another model?): {'; '.join(reshaped[:10])}"
+                + (f"; ... ({len(reshaped) - 10} more)" if len(reshaped) > 10 else "")
+                + ". Remedy: build the model with the configuration it was saved with, or load another "
+                f"checkpoint directory.",
+                unexpected=[r.split(" ", 1)[0] for r in reshaped],
+            )
         missing = sorted(f for f in live_fqns if f not in saved_fqns)
         unexpected = sorted(
             f
@@ -928,6 +948,18 @@ class Checkpointer:
             except (ValueError, TypeError):
                 pass
         self._previous_handlers.clear()
+
+
+def _shape_mismatches(flat_live: dict[str, Any], metadata: Any) -> list[str]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out = []
+    for fqn, value in flat_live.items():
+        saved = metadata.state_dict_metadata.get(fqn)
+        if isinstance(value, torch.Tensor) and isinstance(saved, TensorStorageMetadata):
+            if tuple(value.shape) != tuple(saved.size):
+                out.append(f"{fqn} saved {tuple(saved.size)}, live {tuple(value.shape)}")
+    return sorted(out)
 
 
 def _mismatch_message(step: int, step_dir: str, missing: list[str], unexpected: list[str]) -> str:

@@ -37,6 +37,10 @@ class StateMismatchError(ShardckptError, KeyError):
         return str(self.args[0])
 
 
+class ForeignCheckpointError(ShardckptError, ValueError):
+    """The step was written by another run (its manifest's ``run_id`` differs)."""
+
+
 class InsufficientSpaceError(ShardckptError, OSError):
     """The local tier has too little free space for the next save."""
 

@@ -85,6 +85,8 @@ class Manifest:
     """Top-level state key -> kind (module, optimizer, stateful, value, rng)."""
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     total_bytes: int = 0
+    run_id: str | None = None
+    """The run that wrote the step (``CheckpointConfig.run_id``), when set."""
     format: str = MANIFEST_FORMAT
 
     def to_json(self) -> str:
@@ -111,6 +113,7 @@ class Manifest:
                 keys=dict(body.get("keys", {})),
                 metadata=dict(body.get("metadata", {})),
                 total_bytes=int(body.get("total_bytes", 0)),
+                run_id=None if body.get("run_id") is None else str(body["run_id"]),
             )
         except CorruptCheckpointError:
             raise

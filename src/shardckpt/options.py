@@ -112,6 +112,10 @@ class CheckpointConfig:
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     """User metadata recorded in every manifest (JSON-serialisable)."""
 
+    run_id: str | None = None
+    """Names the training run. Recorded in every manifest; ``load()`` refuses a step
+    that another run wrote (``None`` records nothing and accepts any step)."""
+
     # ---- remote tier (used only when ``remote`` is set)
 
     uploader: UploaderMode = UploaderMode.AUTO
