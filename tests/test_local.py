@@ -292,3 +292,23 @@ def test_manifest_with_escaping_path_is_refused(tmp_path):
     path.write_text(json.dumps(body))
     with pytest.raises(shardckpt.CorruptCheckpointError, match="outside its step directory"):
         ckpt_for(tmp_path).load(make_state(1))
+
+
+def test_saves_faster_than_writes_wait_and_drop_nothing(tmp_path, caplog):
+    state = make_state()
+    state["blob"] = torch.zeros(2 << 20)  # 8 MiB per step: each write takes a while
+    with ckpt_for(tmp_path, keep_last=None) as ckpt:
+        handles = []
+        for step in range(1, 9):
+            state["blob"].fill_(step)
+            with caplog.at_level("INFO", logger="shardckpt"):
+                handles.append(ckpt.save(state, step))
+        paths = [h.wait(timeout=120) for h in handles]
+    assert ckpt.steps() == list(range(1, 9))
+    assert paths == [str(tmp_path / layout.step_dirname(s)) for s in range(1, 9)]
+    assert any("waits for step" in r.getMessage() for r in caplog.records)
+    # Every step holds its own data: the reused staging buffers were not overwritten mid-write.
+    for step in (1, 5, 8):
+        live = {"model": make_state(3)["model"], "blob": torch.empty(2 << 20)}
+        ckpt_for(tmp_path).load(live, step=step, strict=False)
+        assert torch.all(live["blob"] == step)
