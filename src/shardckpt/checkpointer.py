@@ -344,6 +344,8 @@ class Checkpointer:
         finally:
             self._closed = True
             self._executor.shutdown(wait=True)
+            if self._vote is not None:  # every rank started the same vote: finish it
+                self._resolve_vote()
             self._stager.release()
             self._restore_signal_handlers()
             if self.config.remote is not None:
@@ -477,19 +479,28 @@ class Checkpointer:
     ) -> str:
         rank = _dist.rank()
         leader = _dist.local_rank() == 0
+        failure: BaseException | None = None
+        mine: dict[str, Any] = {}
         try:
             os.makedirs(partial, exist_ok=True)
             local.dcp_write(staged, partial, process_group=self._groups.io, io_threads=self.config.io_threads)
             _failpoints.hit("write.done")
             mine = local.hash_files(partial, local.own_files(partial, rank), rank)
-            tables = self._groups.all_gather_io(mine)
-        except BaseException as exc:
+        except BaseException as exc:  # DCP reports failures as CheckpointException (a BaseException)
+            failure = exc
+        # Every rank reports, so one rank's failure never leaves the others waiting.
+        reports = self._groups.all_gather_io((mine, None if failure is None else f"{type(failure).__name__}: {failure}"))
+        problems = [(r, err) for r, (_table, err) in enumerate(reports) if err is not None]
+        if problems:
             if leader:
                 shutil.rmtree(partial, ignore_errors=True)
-            raise SaveError(
-                f"step {step}: writing {partial} failed ({type(exc).__name__}: {exc}); the partial step was "
+            where, what = problems[0]
+            error = SaveError(
+                f"step {step}: writing {partial} failed on rank {where} ({what}); the partial step was "
                 f"removed and earlier steps are intact. Remedy: check the disk under {self.root}, then save again."
-            ) from exc
+            )
+            raise error from failure
+        tables = [table for table, _err in reports]
         files: dict[str, layout.FileEntry] = {}
         for table in tables:
             for name, (size, digest, owner) in table.items():
@@ -594,14 +605,31 @@ class Checkpointer:
                 os.path.join(self.root, layout.step_dirname(step)), manifest
             ):
                 complete.add(step)
-        found: list[int] | None = None
+        listing: tuple[list[int], str | None] = ([], None)
         if _dist.rank() == 0:
             try:
-                found = upload.remote_steps(self._remote_store(), remote.Deadline(self.config.step_deadline_s))
+                listing = (upload.remote_steps(self._remote_store(), remote.Deadline(self.config.step_deadline_s)), None)
             except RemoteError as exc:
-                log.warning("shardckpt: cannot list the remote; using local steps only: %s", exc)
-                found = []
-        found = self._groups.broadcast_ctl(found)
+                listing = ([], remote.redact(str(exc)))
+        found, error = self._groups.broadcast_ctl(listing)
+        if error is not None:
+            # Every rank decides alike: all see the same error and the same
+            # agreement below. Without any local step, "nothing to resume"
+            # would silently restart training from scratch: refuse instead.
+            have_local = self._groups.all_gather_ctl(bool(complete))
+            if not all(have_local):
+                where = self.root if not complete else f"the local_dir of {have_local.count(False)} rank(s)"
+                raise RemoteError(
+                    f"cannot list the remote {remote.safe_url(self.config.remote)} and {where} holds no "
+                    f"committed step, so nothing was loaded (starting fresh could discard a run that exists "
+                    f"remotely). Cause: {error}"
+                )
+            if _dist.rank() == 0:
+                log.warning(
+                    "shardckpt: cannot list the remote %s; using local steps only (a newer step committed "
+                    "remotely would be missed): %s",
+                    remote.safe_url(self.config.remote), error,
+                )
         self._remote_committed = set(found or [])
         return sorted(complete | self._remote_committed)
 
