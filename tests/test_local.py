@@ -312,3 +312,31 @@ def test_saves_faster_than_writes_wait_and_drop_nothing(tmp_path, caplog):
         live = {"model": make_state(3)["model"], "blob": torch.empty(2 << 20)}
         ckpt_for(tmp_path).load(live, step=step, strict=False)
         assert torch.all(live["blob"] == step)
+
+
+def test_adopt_a_stock_dcp_checkpoint(tmp_path):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from shardckpt import cli
+
+    state = make_state()
+    train(state, 2)
+    stock = tmp_path / "stock"
+    dcp.save(
+        {"model": get_model_state_dict(state["model"]),
+         "optimizer": get_optimizer_state_dict(state["model"], state["optimizer"]),
+         "extra": {"epoch": 7}},
+        storage_writer=dcp.FileSystemWriter(str(stock)), no_dist=True,
+    )
+    before = sorted(os.listdir(stock))
+    assert cli.main(["adopt", str(stock), "--into", str(tmp_path / "ck"), "--step", "40"]) == 0
+    assert sorted(os.listdir(stock)) == before  # the source is untouched
+    assert cli.main(["verify", str(tmp_path / "ck"), "--step", "40"]) == 0
+
+    live = make_state(9)
+    live.pop("scheduler")
+    assert ckpt_for(tmp_path / "ck").load(live) == 40
+    assert all(torch.equal(a, b) for a, b in zip(params(state), params(live)))
+    assert live["extra"] == {"epoch": 7}
+    # Adopting onto a committed step is refused.
+    assert cli.main(["adopt", str(stock), "--into", str(tmp_path / "ck"), "--step", "40"]) == 2

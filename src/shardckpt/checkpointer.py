@@ -649,8 +649,8 @@ class Checkpointer:
             hint = (
                 " It has no shardckpt manifest: either a save was interrupted before its commit, or it "
                 "was written by plain torch.distributed.checkpoint.save. Remedy: load an earlier step; "
-                "to read a stock DCP checkpoint you trust, use torch.distributed.checkpoint.load with "
-                "FileSystemReader directly."
+                "to use a stock DCP checkpoint, commit a copy of it with `shardckpt adopt DIR --into "
+                "LOCAL_DIR --step N`, or read it with torch.distributed.checkpoint.load directly."
             )
         else:
             hint = f" Committed steps here: {self.steps() or 'none'}."
@@ -699,7 +699,10 @@ class Checkpointer:
             )
         metadata = local.read_metadata(step_dir, step, trust_pickles=trust_pickles)
         kinds_live = state_mod.classify(state)
-        saved_kinds = manifest.keys
+        # Adopted stock DCP checkpoints record no kinds: take the live ones.
+        saved_kinds = {
+            k: (kinds_live.get(k, state_mod.VALUE) if v == state_mod.STOCK else v) for k, v in manifest.keys.items()
+        }
         targets = state_mod.live_targets(state, kinds_live)
         rank = _dist.rank()
         rng_key = state_mod.rng_key(rank)

@@ -178,6 +178,14 @@ def _transfer_args(p: argparse.ArgumentParser) -> None:
     add_transfer_args(p)
 
 
+def cmd_adopt(args: argparse.Namespace) -> int:
+    final = local.adopt(args.source, args.into, args.step, trust_pickles=args.trust_pickles)
+    manifest = layout.read_manifest(final)
+    print(f"adopted {args.source} as step {args.step}: {final} ({len(manifest.files)} files, "
+          f"{_human(manifest.total_bytes)}, world size {manifest.world_size})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardckpt",
@@ -204,6 +212,20 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--step", type=int, help="step to verify (default: newest committed)")
     group.add_argument("--all", action="store_true", help="verify every committed step")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser(
+        "adopt",
+        help="make a stock DCP checkpoint a committed step",
+        description="Copy a checkpoint directory written by torch.distributed.checkpoint.save into a "
+        "shardckpt directory as a committed step: files hashed, manifest written last. Its metadata is "
+        "read with the restricted unpickler; --trust-pickles lifts that for a checkpoint whose origin you "
+        "trust (loading it later still needs load(..., trust_pickles=True) if it holds arbitrary objects).",
+    )
+    p.add_argument("source", help="the stock DCP checkpoint directory (holds .metadata)")
+    p.add_argument("--into", required=True, help="shardckpt checkpoint directory (local_dir)")
+    p.add_argument("--step", type=int, required=True, help="step number to commit it as")
+    p.add_argument("--trust-pickles", action="store_true", help="read the metadata without the allow-list")
+    p.set_defaults(func=cmd_adopt)
 
     p = sub.add_parser("gc", help="apply retention by hand", description="Delete committed steps that the retention policy drops (never the newest) and leftovers of interrupted saves. Do not run while a job is saving into the directory.")
     p.add_argument("dir", help="checkpoint directory")

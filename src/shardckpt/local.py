@@ -18,11 +18,11 @@ import io
 import logging
 import os
 import pickle
+import re
 import shutil
 import uuid
-from typing import Any, Callable
-
 import warnings
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -243,3 +243,53 @@ def unwrap_failure(exc: CheckpointException, doing: str) -> BaseException:
         f"{doing} failed on rank {rank}: {type(inner).__name__}: {inner}. "
         f"Remedy: run `shardckpt verify` on the directory, or load an earlier step."
     )
+
+
+def adopt(source: str, root: str, step: int, *, trust_pickles: bool = False) -> str:
+    """Make a stock DCP checkpoint directory a committed step of ``root`` (a copy).
+
+    The metadata is read with the restricted unpickler unless ``trust_pickles``;
+    files are copied into a partial directory, hashed, and committed with a
+    manifest last, like any save. The source is left untouched.
+    """
+    if not os.path.isfile(os.path.join(source, ".metadata")):
+        raise CorruptCheckpointError(
+            f"{source} has no .metadata: it is not a DCP checkpoint directory. Remedy: point at the "
+            f"directory that torch.distributed.checkpoint.save wrote."
+        )
+    metadata = read_metadata(source, step, trust_pickles=trust_pickles)
+    if os.path.exists(os.path.join(root, layout.step_dirname(step), layout.MANIFEST_NAME)):
+        raise CorruptCheckpointError(
+            f"step {step} is already committed in {root}. Remedy: adopt under another step number."
+        )
+    os.makedirs(root, exist_ok=True)
+    partial = os.path.join(root, layout.partial_dirname(step, "adopt-" + uuid.uuid4().hex[:8]))
+    os.makedirs(partial)
+    files: dict[str, layout.FileEntry] = {}
+    try:
+        for name in sorted(os.listdir(source)):
+            path = os.path.join(source, name)
+            if not os.path.isfile(path) or name == layout.MANIFEST_NAME:
+                continue
+            shutil.copyfile(path, os.path.join(partial, name))
+            size, digest = layout.sha256_file(os.path.join(partial, name))
+            match = re.match(r"__(\d+)_", name)
+            files[name] = layout.FileEntry(size, digest, int(match.group(1)) if match else 0)
+        ranks = {e.rank for n, e in files.items() if n.startswith("__")}
+        keys = {}
+        for fqn in metadata.state_dict_metadata:
+            path = (metadata.planner_data or {}).get(fqn, (fqn,))
+            keys[str(path[0])] = "stock"
+        manifest = layout.Manifest(
+            step=step,
+            world_size=(max(ranks) + 1) if ranks else 1,
+            files=files,
+            torch_version=torch.__version__,
+            keys=keys,
+            metadata={"adopted_from": os.path.abspath(source)},
+            total_bytes=sum(e.size for e in files.values()),
+        )
+        return commit_step(root, partial, manifest)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise

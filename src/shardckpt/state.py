@@ -39,6 +39,7 @@ log = logging.getLogger("shardckpt")
 
 RESERVED_KEY = "_shardckpt"
 MODULE, OPTIMIZER, STATEFUL, VALUE, RNG = "module", "optimizer", "stateful", "value", "rng"
+STOCK = "stock"  # a key of an adopted stock DCP checkpoint: kind unknown until loaded
 
 
 def rng_key(rank: int) -> str:
