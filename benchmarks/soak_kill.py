@@ -1,6 +1,7 @@
 """Crash-consistency soak: SIGKILL the trainer at random moments and at named kill points.
 
     .venv/bin/python benchmarks/soak_kill.py --trials 200
+    .venv/bin/python benchmarks/soak_kill.py --trials 200 --remote   # with the remote tier
 
 Each trial resumes the same checkpoint directory (as a job that is preempted
 again and again), runs until it is killed, then a fresh process loads the
@@ -9,6 +10,18 @@ position with the uninterrupted reference run at that step. Every committed
 step must verify and load. Kills come at random times and at every named kill
 point in turn (see ``shardckpt._failpoints.POINTS``). Prints a table and exits
 non-zero on any failure.
+
+``--remote``: the trainer also uploads every committed step to a ``file://``
+remote through its uploader process (``uploader="auto"``, remote retention
+keeping 2 steps). Trials SIGKILL the trainer at its kill points, the uploader
+at its kill points (``shardckpt._failpoints.UPLOADER_POINTS``: after the
+files, after the node marker, after the manifest, inside remote retention),
+or both at random moments. After every trial, besides the local check, a
+fresh process with an empty ``local_dir`` and ``uploader="off"`` loads every
+step committed on the remote and compares it with the reference; the newest
+remote step never goes backwards, and no step ever seen committed remotely
+(listed there, or marked uploaded locally) disappears unless remote retention
+was entitled to remove it.
 """
 
 from __future__ import annotations
@@ -97,7 +110,10 @@ def _lines(path: Path) -> int:
         return 0
 
 
-def run_trials(trials: int, seed: int, work: Path, torchrun_every: int = 0) -> dict:
+def run_trials(trials: int, seed: int, work: Path, torchrun_every: int = 0, remote: bool = False,
+               progress: bool = False) -> dict:
+    if remote:
+        return run_remote_trials(trials, seed, work, progress)
     from shardckpt import _failpoints
 
     rng = random.Random(seed)
@@ -171,17 +187,235 @@ def run_trials(trials: int, seed: int, work: Path, torchrun_every: int = 0) -> d
             last_newest = 0
     return stats
 
+# ---------------------------------------------------------------- remote tier
+
+REMOTE_KEEP_LAST = 2
+
+
+def check_both(ckpt_dir: Path, url: str, scratch: Path, ref: dict[int, str]) -> dict:
+    """One fresh process: every local committed step, then the remote alone (empty local_dir, uploader off)."""
+    code = f"""
+import sys, json
+sys.path.insert(0, {str(PROGRAM.parent)!r})
+import soak_train, shardckpt
+from shardckpt import remote, upload
+
+def load_all(ckpt, steps):
+    out = {{}}
+    for step in steps:
+        model, optim, sampler = soak_train.build()
+        try:
+            got = ckpt.load({{"model": model, "optimizer": optim, "sampler": sampler}}, step=step)
+            out[step] = soak_train.digest(model, optim, sampler) if got == step else "wrong step %s" % got
+        except Exception as exc:
+            out[step] = "error: %s" % exc
+    model, optim, sampler = soak_train.build()
+    newest = ckpt.load({{"model": model, "optimizer": optim, "sampler": sampler}})
+    ckpt.close()
+    return out, newest
+
+ckpt = shardckpt.Checkpointer(local_dir={str(ckpt_dir)!r}, preemption_signals=())
+local, local_newest = load_all(ckpt, ckpt.steps())
+store = remote.open_store({url!r})
+listed = upload.remote_steps(store, remote.Deadline(60))
+store.close()
+ckpt = shardckpt.Checkpointer(local_dir={str(scratch)!r}, remote={url!r}, uploader="off", preemption_signals=())
+rem, remote_newest = load_all(ckpt, listed)
+print(json.dumps({{"local": local, "newest": local_newest, "remote": rem, "listed": listed,
+                  "remote_newest": remote_newest}}))
+"""
+    shutil.rmtree(scratch, ignore_errors=True)
+    proc = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=300)
+    shutil.rmtree(scratch, ignore_errors=True)
+    out = {"newest": None, "listed": [], "remote_newest": None, "failures": []}
+    if proc.returncode != 0:
+        out["failures"].append(f"checker crashed: {proc.stderr[-1500:]}")
+        return out
+    import json
+
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for tier, steps, newest in (("local", report["local"], report["newest"]),
+                                ("remote", report["remote"], report["remote_newest"])):
+        for step, got in steps.items():
+            if got != ref.get(int(step)):
+                out["failures"].append(f"{tier} step {step}: {got} != reference {ref.get(int(step))}")
+        ordered = sorted(map(int, steps))
+        if ordered and newest != ordered[-1]:
+            out["failures"].append(f"{tier}: load() chose {newest}, newest committed is {ordered[-1]}")
+    out.update(newest=report["newest"], listed=sorted(report["listed"]), remote_newest=report["remote_newest"])
+    return out
+
+
+def _reported_remote(ckpt_dir: Path, url: str) -> set[int]:
+    """Local steps marked as committed remotely (not merely superseded)."""
+    import json
+
+    from shardckpt import layout, upload
+
+    out = set()
+    for step in layout.committed_steps(str(ckpt_dir)):
+        try:
+            body = json.loads((ckpt_dir / layout.step_dirname(step) / upload.UPLOADED_NAME).read_text())
+        except (OSError, ValueError):
+            continue
+        if body.get("remote") == url and "superseded_by" not in body:
+            out.add(step)
+    return out
+
+
+def _uploader_pid(ckpt_dir: Path) -> int | None:
+    from shardckpt import upload
+
+    status = upload.read_status(str(ckpt_dir))
+    pid = status.get("pid")
+    if isinstance(pid, int) and status.get("state") == "running" and upload.pid_alive(pid, status.get("pid_start")):
+        return pid
+    return None
+
+
+def _kill_pid(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_uploader_gone(ckpt_dir: Path, timeout: float) -> bool:
+    """True when no uploader serves ``ckpt_dir`` within ``timeout`` (it drains, then exits)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if _uploader_pid(ckpt_dir) is None:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def run_remote_trials(trials: int, seed: int, work: Path, progress: bool = False) -> dict:
+    from shardckpt import _failpoints
+
+    rng = random.Random(seed)
+    ref = reference(work)
+    ckpt_dir = work / "ckpt"
+    remote_dir = work / "remote"
+    url = f"file://{remote_dir}"
+    stats = {"trials": 0, "failures": [], "points": {}, "max_step": 0, "lost_committed": 0,
+             "max_remote_step": 0, "uploader_kills": 0, "remote": True}
+    last_newest = 0
+    last_remote = 0
+    ever_remote: set[int] = set()
+    trainer_points = list(_failpoints.POINTS)
+    uploader_points = list(_failpoints.UPLOADER_POINTS)
+    points_log = work / "failpoints.log"
+    for trial in range(trials):
+        mode = (1, 2, 0)[trial % 3]  # uploader kill point, random kills, trainer kill point, ...
+        if mode == 0:
+            point = trainer_points[(trial // 3) % len(trainer_points)]
+            spec, kind = f"{point}@{rng.randint(1, 4)}", point
+        elif mode == 1:
+            point = uploader_points[(trial // 3) % len(uploader_points)]
+            spec, kind = f"{point}@{rng.randint(1, 3)}", point
+        else:
+            spec, kind = "", "random (trainer + uploader)"
+        points_log.unlink(missing_ok=True)
+        digests = work / "digests.txt"
+        args = [str(PROGRAM), str(ckpt_dir), str(digests), str(TOTAL), "--sleep", "0.01",
+                "--remote", url, "--remote-keep-last", str(REMOTE_KEEP_LAST)]
+        proc = subprocess.Popen([sys.executable] + args, start_new_session=True,
+                                env=env(SHARDCKPT_FAILPOINTS=spec, SHARDCKPT_FAILPOINTS_LOG=str(points_log)),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        start_lines = _lines(digests)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and _lines(digests) <= start_lines + 1:
+            time.sleep(0.01)
+        uploader_killed = False
+        if mode in (0, 1):
+            # Until the kill point fires (the trainer's, or the uploader's: then the
+            # trainer trains on a little, without an uploader, before its own kill).
+            end = time.monotonic() + 60
+            while time.monotonic() < end and proc.poll() is None and not points_log.exists():
+                time.sleep(0.01)
+            pause = time.monotonic() + (rng.uniform(0.0, 0.5) if mode == 1 else 0.0)
+            while time.monotonic() < pause and proc.poll() is None:
+                time.sleep(0.005)
+        else:
+            # Trainer and uploader each die at a random moment, in either order.
+            t_trainer, t_uploader = rng.uniform(0.0, 1.5), rng.uniform(0.0, 2.5)
+            t0 = time.monotonic()
+            for victim, at in sorted((("trainer", t_trainer), ("uploader", t_uploader)), key=lambda v: v[1]):
+                while time.monotonic() < t0 + at and proc.poll() is None:
+                    time.sleep(0.005)
+                if victim == "trainer":
+                    kill_job(proc)
+                else:
+                    uploader_killed = _kill_pid(_uploader_pid(ckpt_dir))
+        kill_job(proc)
+        fired = points_log.read_text().split()[:1] if points_log.exists() else []
+        if spec and fired != [spec.split("@")[0]]:
+            kind += " (not reached)"
+        stats["points"][kind] = stats["points"].get(kind, 0) + 1
+        if uploader_killed or (mode == 1 and fired):
+            stats["uploader_kills"] += 1
+        # Let a surviving uploader drain (it exits once idle, its trainer gone);
+        # one that does not finish in time is killed too (then counted).
+        if not _wait_uploader_gone(ckpt_dir, 120):
+            if _kill_pid(_uploader_pid(ckpt_dir)):
+                stats["uploader_kills"] += 1
+                stats["points"]["uploader not idle in 120 s (killed)"] = (
+                    stats["points"].get("uploader not idle in 120 s (killed)", 0) + 1
+                )
+        reported = _reported_remote(ckpt_dir, url)
+        result = check_both(ckpt_dir, url, work / "scratch", ref)
+        newest, listed, remote_newest = result["newest"], result["listed"], result["remote_newest"]
+        failures = list(result["failures"])
+        ever_remote |= reported | set(listed)
+        stats["trials"] += 1
+        if newest is not None and newest < last_newest:
+            stats["lost_committed"] += 1
+            failures.append(f"newest committed step went back from {last_newest} to {newest}")
+        if (remote_newest or 0) < last_remote:
+            stats["lost_committed"] += 1
+            failures.append(f"newest remotely committed step went back from {last_remote} to {remote_newest}")
+        if ever_remote:
+            # Remote retention may only have removed steps older than the newest REMOTE_KEEP_LAST it lists.
+            kept_from = listed[-REMOTE_KEEP_LAST] if len(listed) >= REMOTE_KEEP_LAST else 0
+            lost = sorted(s for s in ever_remote if s >= kept_from and s not in listed)
+            if lost:
+                stats["lost_committed"] += len(lost)
+                failures.append(f"steps {lost} were committed remotely and are gone (remote now lists {listed})")
+            if max(ever_remote) not in listed:
+                failures.append(f"the newest step ever committed remotely, {max(ever_remote)}, is gone ({listed})")
+        for failure in failures:
+            stats["failures"].append(f"trial {trial} ({kind}): {failure}")
+        last_newest = newest or 0
+        last_remote = remote_newest or 0
+        stats["max_step"] = max(stats["max_step"], last_newest)
+        stats["max_remote_step"] = max(stats["max_remote_step"], last_remote)
+        if progress:
+            print(f"trial {trial}: {kind}; newest local {newest}, newest remote {remote_newest}, "
+                  f"failures so far {len(stats['failures'])}", flush=True)
+        if (newest or 0) >= TOTAL - 5:
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
+            shutil.rmtree(remote_dir, ignore_errors=True)
+            last_newest = last_remote = 0
+            ever_remote = set()
+    return stats
+
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--torchrun-every", type=int, default=10, help="every N-th trial runs 2 ranks under torchrun (0: never)")
+    parser.add_argument("--remote", action="store_true", help="also upload to a file:// remote and kill the uploader")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="soak-kill-"))
     t0 = time.monotonic()
     try:
-        stats = run_trials(args.trials, args.seed, work, args.torchrun_every)
+        stats = run_trials(args.trials, args.seed, work, args.torchrun_every, remote=args.remote, progress=args.remote)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"\ntrials: {stats['trials']}, wall time {time.monotonic() - t0:.0f} s, newest step reached {stats['max_step']}")
@@ -189,6 +423,8 @@ def main() -> None:
     print(f"|{'-' * 36}|{'-' * 8}|")
     for name, count in sorted(stats["points"].items()):
         print(f"| {name:<34} | {count:>6} |")
+    if stats.get("remote"):
+        print(f"newest remote step reached {stats['max_remote_step']}; uploader SIGKILLs: {stats['uploader_kills']}")
     print(f"failures: {len(stats['failures'])}; committed steps lost: {stats['lost_committed']}")
     for failure in stats["failures"][:20]:
         print("  " + failure)

@@ -4,6 +4,8 @@
 each ``name`` or ``name@N`` for the N-th time it is reached) makes the
 process SIGKILL itself at that point, the way a preempted machine dies. It is
 read once at import; unset (the default) every ``hit`` is a dict lookup.
+With ``SHARDCKPT_FAILPOINTS_LOG=FILE`` the process first appends
+``<name> <pid>`` to FILE, so a test harness knows which point killed whom.
 """
 
 from __future__ import annotations
@@ -27,9 +29,25 @@ POINTS = (
 )
 
 
+# Inside the uploader process (``shardckpt.upload``): the remote commit protocol.
+UPLOADER_POINTS = (
+    "upload.files_sent",  # this node's files uploaded and verified, no marker yet
+    "upload.marker_written",  # node marker uploaded, the step's manifest not yet
+    "upload.manifest_written",  # committed remotely, the local copy not yet marked uploaded
+    "upload.retention_hidden",  # remote retention removed an old step's manifest, not its files
+)
+
+
 def hit(name: str) -> None:
     if not _SPEC or name not in _SPEC:
         return
     _COUNTS[name] = _COUNTS.get(name, 0) + 1
     if _COUNTS[name] == _SPEC[name]:
+        log = os.environ.get("SHARDCKPT_FAILPOINTS_LOG")
+        if log:
+            try:
+                with open(log, "a", encoding="utf-8") as f:
+                    f.write(f"{name} {os.getpid()}\n")
+            except OSError:
+                pass
         os.kill(os.getpid(), signal.SIGKILL)

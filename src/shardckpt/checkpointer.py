@@ -217,7 +217,7 @@ class Checkpointer:
                 self._pending = None
             if preempt:
                 self._preempted = True
-                log.warning(
+                (log.warning if _dist.rank() == 0 else log.debug)(
                     "shardckpt: preemption (signal %s): step %d committed; exit the training loop now",
                     self._preempt_signal,
                     step,
@@ -588,6 +588,10 @@ class Checkpointer:
 
         Collective over the ``ctl`` group when a remote is set: rank 0 lists
         the remote and broadcasts the list (one listing per job, not per rank).
+        When the listing fails (after its bounded retries), ranks that all hold
+        a committed local step go on with the local steps and a warning; if
+        any rank holds none, every rank raises :class:`RemoteError` rather
+        than report "nothing to resume" and restart training from scratch.
         """
         steps = set(layout.committed_steps(self.root))
         if self.config.remote is None:
@@ -861,11 +865,17 @@ class Checkpointer:
                 self._store = None
 
     def _drain(self, timeout: float | None) -> dict[str, Any]:
-        """Wait until this node's committed steps are committed remotely (bounded)."""
+        """Wait until this node's committed steps are committed remotely (bounded).
+
+        Ends early when the uploader reports every pending step as failed for a
+        reason retries cannot fix (see ``remote.RemoteError.retryable``); the
+        report's ``ended`` says why the wait stopped.
+        """
         url = self.config.remote
         limit = self.config.drain_timeout_s if timeout is None else min(timeout, self.config.drain_timeout_s)
         t0 = time.monotonic()
         last_log = t0
+        ended = "uploaded"
         while True:
             pending = upload.pending_steps(self.root, url)
             running = upload.uploader_running(self.root)
@@ -876,7 +886,18 @@ class Checkpointer:
                 and time.monotonic() - self._uploader_spawned < 60.0
             )
             waited = time.monotonic() - t0
-            if not pending or (running is None and not starting and waited > 5.0) or waited >= limit:
+            if not pending:
+                break
+            if running is None and not starting and waited > 5.0:
+                ended = "no uploader running"
+                break
+            if waited >= limit:
+                ended = "drain_timeout_s"
+                break
+            # The uploader found that retrying will not help (a missing bucket, rejected
+            # credentials): waiting out drain_timeout_s would only delay the report.
+            if running is not None and set(pending) <= set(upload.read_status(self.root).get("failed_permanently") or []):
+                ended = "permanent upload error"
                 break
             if time.monotonic() - last_log >= 10.0:
                 last_log = time.monotonic()
@@ -889,6 +910,7 @@ class Checkpointer:
             "uploader_running": running is not None,
             "last_error": info.get("last_error"),
             "waited_s": round(time.monotonic() - t0, 3),
+            "ended": ended,
         }
         if pending:
             if running is not None:

@@ -18,6 +18,10 @@ decisions look at HTTP status codes, S3 error codes and exception types,
 never at message text. Backend errors leave this module as
 :class:`~shardckpt.errors.RemoteError` (an ``OSError``) with ``__cause__``
 kept; messages name the object and the remedy and never carry credentials.
+A ``RemoteError`` raised here carries ``retryable``: ``False`` when the store
+refused the request for a reason retries do not fix (a missing bucket,
+rejected credentials, no permission), ``True`` when a transient error
+outlasted the attempts or the deadline.
 
 Store interface (every method may be called from several threads)::
 
@@ -63,6 +67,14 @@ _RETRY_CODES = {
     "InternalError",
     "ServiceUnavailable",
     "RequestLimitExceeded",
+}
+_BAD_CREDENTIAL_CODES = {
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "InvalidToken",
+    "ExpiredToken",
+    "TokenRefreshRequired",
+    "InvalidClientTokenId",
 }
 _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
 
@@ -242,10 +254,18 @@ class Store:
     def translate(self, exc: BaseException, what: str, key: str) -> RemoteError:
         err = RemoteError(f"{what} {self.where(key)} failed ({self.describe(exc)}). {self.remedy(exc)}")
         err.__cause__ = exc
+        err.retryable = False  # a missing bucket, rejected credentials, ...: retrying as is will not help
         return err
 
     def remedy(self, exc: BaseException) -> str:
         return "Remedy: check that the remote is reachable and the credentials allow this operation."
+
+    def exhausted_remedy(self, exc: BaseException) -> str:
+        """What to do when a retryable error persisted through every attempt."""
+        return (
+            "Remedy: check the remote's health and network; raise remote_max_attempts / step_deadline_s "
+            "for a slow store."
+        )
 
     def retry(self, fn: Callable[[], T], what: str, key: str, deadline: Deadline) -> T:
         """Call ``fn`` until it succeeds, a non-retryable error, ``max_attempts`` or the deadline."""
@@ -268,9 +288,10 @@ class Store:
                     )
                     err = RemoteError(
                         f"{what} {self.where(key)} still failing after {reason} "
-                        f"(last error {self.describe(exc)}). Remedy: check the remote's health and network; "
-                        f"raise remote_max_attempts / step_deadline_s for a slow store. It will be retried later."
+                        f"(last error {self.describe(exc)}). {self.exhausted_remedy(exc)} "
+                        f"An upload is retried later; nothing is committed remotely until it succeeds."
                     )
+                    err.retryable = True  # transient by kind; may succeed later
                     raise err from exc
                 log.debug("shardckpt: %s %s: %s; retry %d in %.2f s", what, self.where(key), self.describe(exc), attempt, delay)
                 time.sleep(delay)
@@ -368,7 +389,7 @@ class S3Store(Store):
             bexc.IncompleteReadError,
         )
         config = botocore.config.Config(
-            connect_timeout=options.connect_timeout_s,
+            connect_timeout=min(options.connect_timeout_s, options.request_timeout_s),
             read_timeout=options.request_timeout_s,
             retries={"max_attempts": 1, "mode": "standard"},  # retries are ours
             max_pool_connections=max(10, options.concurrency * 2),
@@ -378,6 +399,7 @@ class S3Store(Store):
         endpoint = options.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         session = boto3.session.Session()
         kwargs: dict[str, Any] = {"config": config}
+        self.endpoint = safe_url(endpoint) if endpoint else None
         if endpoint:
             kwargs["endpoint_url"] = endpoint
         if session.region_name is None:
@@ -412,11 +434,27 @@ class S3Store(Store):
         if isinstance(exc, self._bexc.ClientError):
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             code = exc.response.get("Error", {}).get("Code")
+            if code in _BAD_CREDENTIAL_CODES:
+                return (
+                    f"Remedy: the store rejected the credentials ({code}); check AWS_ACCESS_KEY_ID / "
+                    f"AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or AWS_PROFILE, and that endpoint_url "
+                    f"({self.endpoint or 'AWS'}) is the store those credentials belong to."
+                )
             if status == 403:
                 return "Remedy: the credentials lack permission for this bucket/prefix (s3:GetObject, PutObject, ListBucket, DeleteObject)."
             if code == "NoSuchBucket":
                 return f"Remedy: create the bucket {self.bucket!r} or fix the remote URL."
+        if isinstance(exc, (self._bexc.EndpointConnectionError, self._bexc.ConnectTimeoutError)):
+            return (
+                f"Remedy: nothing answers at the endpoint {self.endpoint or 'of AWS S3'}; check endpoint_url / "
+                f"AWS_ENDPOINT_URL, that the store is up, and the network (proxy, firewall, DNS)."
+            )
         return super().remedy(exc)
+
+    def exhausted_remedy(self, exc: BaseException) -> str:
+        if isinstance(exc, (self._bexc.EndpointConnectionError, self._bexc.ConnectTimeoutError)):
+            return self.remedy(exc)
+        return super().exhausted_remedy(exc)
 
     def _is_missing(self, exc: BaseException) -> bool:
         if isinstance(exc, self._bexc.ClientError):

@@ -57,7 +57,7 @@ import time
 import uuid
 from typing import Any
 
-from . import layout
+from . import _failpoints, layout
 from .errors import CorruptCheckpointError, RemoteError
 from .remote import Deadline, Store, join, redact, safe_url
 from .retention import RetentionPolicy, plan_deletions
@@ -266,6 +266,7 @@ def remote_manifest(store: Store, step: int, deadline: Deadline) -> layout.Manif
 def delete_remote_step(store: Store, step: int, deadline: Deadline) -> None:
     """Un-commit first (manifest away), then delete the rest."""
     store.delete(step_key(step, layout.MANIFEST_NAME), deadline)
+    _failpoints.hit("upload.retention_hidden")
     store.delete_prefix(layout.step_dirname(step), deadline)
 
 
@@ -359,7 +360,9 @@ def push_step(
                     return PushResult(GONE)
                 raise
             sent = sum(manifest.files[n].size for n in mine)
+            _failpoints.hit("upload.files_sent")
             store.put_bytes(marker_key, json.dumps(marker, sort_keys=True).encode(), deadline)
+            _failpoints.hit("upload.marker_written")
     if not committer:
         return _superseded_or(store, step_dir, step, manifest, PushResult(WAITING, sent, "waiting for the committing node"), deadline)
     ready, why = _all_markers_present(store, step, manifest, digest, deadline)
@@ -368,6 +371,7 @@ def push_step(
     with open(os.path.join(step_dir, layout.MANIFEST_NAME), "rb") as f:
         manifest_bytes = f.read()
     store.put_bytes(step_key(step, layout.MANIFEST_NAME), manifest_bytes, deadline)
+    _failpoints.hit("upload.manifest_written")
     mark_uploaded(step_dir, store.url, manifest)
     if policy is not None:
         apply_remote_retention(store, policy, deadline)
@@ -558,6 +562,7 @@ class _StepState:
     attempts: int = 0
     next_try: float = 0.0
     error: str | None = None
+    permanent: bool = False
     marker_digest: str | None = None
     waiting: str = ""
     first_seen: float = dataclasses.field(default_factory=time.monotonic)
@@ -698,11 +703,13 @@ class Uploader:
             except Exception as exc:  # noqa: BLE001 - reported and retried later
                 st.attempts += 1
                 st.error = redact(str(exc))
+                st.permanent = getattr(exc, "retryable", True) is False
                 delay = min(60.0, 1.0 * 2 ** min(st.attempts - 1, 6))
                 st.next_try = time.monotonic() + delay
                 self._record_error(step, exc)
                 log.error("shardckpt: upload of step %d failed (attempt %d; retry in %.0f s): %s", step, st.attempts, delay, st.error)
                 continue
+            st.permanent = False
             if result.uploaded_bytes:
                 self.uploaded_bytes += result.uploaded_bytes
                 self._last_progress = time.monotonic()
@@ -751,6 +758,8 @@ class Uploader:
             "pending_bytes": sum(local_bytes(self.root, s) for s in pending if self.steps.get(s) is None or self.steps[s].marker_digest is None),
             "waiting": {str(s): st.waiting for s, st in self.steps.items() if st.waiting and s in pending},
             "failed": {str(s): st.error for s, st in self.steps.items() if st.error and s in pending},
+            # Pending steps whose last attempt failed for a reason retries do not fix.
+            "failed_permanently": sorted(s for s, st in self.steps.items() if st.permanent and s in pending),
             "last_error": self.last_error,
             "last_error_step": self.last_error_step,
             "last_error_time": self.last_error_time,

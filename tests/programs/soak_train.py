@@ -1,11 +1,14 @@
 """Deterministic training that checkpoints every step, for crash-consistency trials.
 
 usage: soak_train.py CKPT_DIR DIGESTS_OUT TOTAL_STEPS [--no-save] [--sleep S]
+                     [--remote URL [--remote-keep-last N]]
 
 Runs single-process or under torchrun (DDP). After every optimizer step rank 0
 appends ``step digest`` to DIGESTS_OUT, where the digest covers the model,
 the optimizer state and the sampler position. With --no-save it is the
-reference run: the digests of an uninterrupted run.
+reference run: the digests of an uninterrupted run. With --remote every
+committed step is also uploaded (``uploader="auto"``: a per-node uploader
+process) and committed there; remote retention keeps --remote-keep-last steps.
 """
 
 from __future__ import annotations
@@ -46,7 +49,10 @@ def digest(model: nn.Module, optim: torch.optim.Optimizer, sampler) -> str:
         for name in sorted(osd["state"][fqn]):
             h.update(f"{fqn}.{name}".encode())
             h.update(torch.as_tensor(osd["state"][fqn][name]).cpu().contiguous().numpy().tobytes())
-    h.update(repr(sorted(sampler.state_dict().items())).encode())
+    # The global data position only: the layout fields (world size, batch) differ
+    # between a 2-rank trainer and the single-process checker.
+    position = sampler.state_dict()
+    h.update(repr((position["epoch"], position["consumed"], position["seed"])).encode())
     return h.hexdigest()[:32]
 
 
@@ -57,6 +63,8 @@ def main() -> None:
     parser.add_argument("total", type=int)
     parser.add_argument("--no-save", action="store_true")
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--remote", default=None, help="remote tier URL (file:///..., s3://...)")
+    parser.add_argument("--remote-keep-last", type=int, default=2)
     args = parser.parse_args()
     distributed = "WORLD_SIZE" in os.environ
     rank, world = 0, 1
@@ -70,7 +78,10 @@ def main() -> None:
     xs, ys = torch.randn(4096, 16, generator=data_gen), torch.randn(4096, 4, generator=data_gen)
     torch.manual_seed(100 + rank)
     state = {"model": wrapped, "optimizer": optim, "sampler": sampler}
-    ckpt = None if args.no_save else shardckpt.Checkpointer(local_dir=args.ckpt_dir, keep_last=3)
+    remote = {} if args.remote is None else {
+        "remote": args.remote, "uploader": "auto", "remote_keep_last": args.remote_keep_last,
+    }
+    ckpt = None if args.no_save else shardckpt.Checkpointer(local_dir=args.ckpt_dir, keep_last=3, **remote)
     step = (ckpt.load(state) if ckpt else None) or 0
     out = open(args.digests, "a") if rank == 0 else None
     it = iter(sampler)

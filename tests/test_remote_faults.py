@@ -1,0 +1,354 @@
+"""Remote tier under storage faults, against real servers over HTTP on 127.0.0.1.
+
+A missing bucket, credentials the server rejects (a moto server in IAM
+authentication mode, its own process) and an endpoint nobody listens on:
+each must end in a clear error within a bounded time, never a hang and never
+a half-committed remote step, with the local steps intact. Throttling, 5xx,
+resets and stalls on the restore path must be retried to success. The last
+test is the CI-sized crash-consistency soak of the remote tier (trainer and
+uploader SIGKILLed at random moments and at named kill points).
+
+Bounded time is asserted by running each call in a thread that must finish
+within a generous limit; nothing here measures speed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import shardckpt  # noqa: E402
+from faultproxy import FaultProxy  # noqa: E402
+from helpers import ROOT, free_port  # noqa: E402
+from s3server import BUCKET, CREDENTIALS, S3Server, apply_env, restore_env  # noqa: E402
+from shardckpt import layout, upload  # noqa: E402
+from shardckpt.errors import RemoteError  # noqa: E402
+
+SECRET = CREDENTIALS["AWS_SECRET_ACCESS_KEY"]
+BOUND_S = 120.0  # generous: a hang, not slowness, is what fails these tests
+
+# Small limits so that every failure path ends quickly.
+FAST = dict(
+    request_timeout_s=2.0,
+    remote_max_attempts=2,
+    backoff_max_s=0.2,
+    step_deadline_s=10.0,
+    drain_timeout_s=6.0,
+    preemption_signals=(),
+)
+
+
+def bounded(fn, limit: float = BOUND_S):
+    """Run ``fn`` in a thread; fail if it has not returned within ``limit`` seconds."""
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        raise AssertionError(f"call did not return within {limit:.0f} s (a hang)")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+# ---------------------------------------------------------------- servers
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = S3Server()
+    previous = apply_env(server)
+    try:
+        yield server
+    finally:
+        restore_env(previous)
+        server.stop()
+
+
+class AuthServer:
+    """moto's server in its own process with IAM authentication on.
+
+    ``INITIAL_NO_AUTH_ACTION_COUNT=1``: the first request (creating the
+    bucket) is let through, every later one must be signed by a known IAM
+    access key; the test credentials are unknown to it, so S3 answers
+    403 InvalidAccessKeyId, as a real store does for wrong credentials.
+    """
+
+    CODE = (
+        "import logging, sys\n"
+        "from moto.server import ThreadedMotoServer\n"
+        "logging.getLogger('werkzeug').setLevel(logging.ERROR)\n"
+        "s = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False)\n"
+        "s.start()\n"
+        "print(s.get_host_and_port()[1], flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+
+    def __init__(self) -> None:
+        env = dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", self.CODE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+        self.endpoint = f"http://127.0.0.1:{int(self.proc.stdout.readline())}"
+        self.client().create_bucket(Bucket=BUCKET)  # the one unauthenticated action
+
+    def client(self):
+        import boto3
+
+        return boto3.client(
+            "s3", endpoint_url=self.endpoint, region_name="us-east-1",
+            aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"], aws_secret_access_key=SECRET,
+        )
+
+    def set_free_actions(self, count: int) -> None:
+        """moto's admin API: the next ``count`` requests go unauthenticated (0: authenticate all)."""
+        req = urllib.request.Request(
+            f"{self.endpoint}/moto-api/reset-auth", data=str(count).encode(), method="POST",
+            headers={"Content-Type": "text/plain"},
+        )
+        urllib.request.urlopen(req, timeout=30).read()
+
+    def keys_unauthenticated(self) -> list[str]:
+        """List the bucket with authentication off for that one request."""
+        self.set_free_actions(1)
+        return [o["Key"] for o in self.client().list_objects_v2(Bucket=BUCKET).get("Contents", [])]
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def auth_server(s3):
+    server = AuthServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(autouse=True)
+def fresh_bucket(s3, tmp_path):
+    s3.reset()
+    yield
+    stop_uploaders(tmp_path)
+
+
+def stop_uploaders(base: Path) -> None:
+    """End the uploaders the test's trainers started (they would retry for minutes)."""
+    for status in base.rglob(f"{upload.STATE_DIR}/status.json"):
+        body = upload.read_json(str(status))
+        pid = body.get("pid")
+        if not isinstance(pid, int) or not upload.pid_alive(pid, body.get("pid_start")):
+            continue
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while upload.pid_alive(pid, body.get("pid_start")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(32, 32)
+
+
+def _save_two_steps(local_dir: Path, url: str, endpoint: str) -> dict:
+    """A trainer with the broken remote saves steps 1 and 2, then closes."""
+    model = _model()
+    ckpt = shardckpt.Checkpointer(local_dir=str(local_dir), remote=url, endpoint_url=endpoint, keep_last=1, **FAST)
+    saved = {}
+    for step in (1, 2):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        ckpt.save({"model": model}, step).wait()
+        saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    # Give the uploader a chance to fail at least once before close() drains.
+    status_file = local_dir / upload.STATE_DIR / "status.json"
+    end = time.monotonic() + 60
+    while time.monotonic() < end and not upload.read_json(str(status_file)).get("last_error"):
+        time.sleep(0.1)
+    ckpt.close()
+    return {"saved": saved, "status": ckpt.status()}
+
+
+SCENARIOS = ("missing_bucket", "wrong_credentials", "unreachable_endpoint")
+
+
+def _scenario(name: str, s3: S3Server, request) -> tuple[str, str, str, object]:
+    """(remote URL, endpoint, what the error must name, server or None)."""
+    if name == "missing_bucket":
+        return f"s3://no-such-bucket-xyz/run", s3.endpoint, "no-such-bucket-xyz", None
+    if name == "wrong_credentials":
+        server = request.getfixturevalue("auth_server")
+        return f"s3://{BUCKET}/run", server.endpoint, BUCKET, server
+    port = free_port()  # nothing listens there: connection refused
+    return f"s3://{BUCKET}/run", f"http://127.0.0.1:{port}", f"127.0.0.1:{port}", None
+
+
+def _check_message(text: str, must_name: str) -> None:
+    assert text, "no error reported"
+    assert must_name in text, text
+    assert "Remedy" in text, text
+    assert SECRET not in text, "the secret key leaked into an error message"
+    assert CREDENTIALS["AWS_ACCESS_KEY_ID"] not in text, text
+
+
+# ---------------------------------------------------------------- broken remotes
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_broken_remote_save_close_and_load_end_in_bounded_clear_errors(scenario, s3, tmp_path, request, caplog):
+    url, endpoint, must_name, server = _scenario(scenario, s3, request)
+    local_dir = tmp_path / "node0"
+
+    # (a) save + close return; the upload error is reported; nothing committed remotely.
+    result = bounded(lambda: _save_two_steps(local_dir, url, endpoint))
+    status = result["status"]
+    _check_message(status["last_upload_error"], must_name)
+    if scenario == "missing_bucket":
+        assert "NoSuchBucket" in status["last_upload_error"] and "create the bucket" in status["last_upload_error"]
+    if scenario == "wrong_credentials":
+        assert "403 InvalidAccessKeyId" in status["last_upload_error"], status["last_upload_error"]
+        assert "rejected the credentials" in status["last_upload_error"]
+    if scenario == "unreachable_endpoint":
+        assert "nothing answers at the endpoint" in status["last_upload_error"], status["last_upload_error"]
+    drain = status["drain"]
+    assert drain["pending_steps"] == [1, 2], drain  # local retention kept the un-uploaded step 1
+    if scenario != "unreachable_endpoint":
+        # A refusal that retries cannot fix ends close()'s wait early (no need to sit out drain_timeout_s).
+        assert drain["ended"] == "permanent upload error", drain
+    else:
+        assert drain["ended"] == "drain_timeout_s", drain  # connection errors may pass: waited in full
+    _check_message(drain["last_error"], must_name)
+    assert status["latest_remote"] is None
+    assert status["pending_upload_steps"] == [1, 2]
+    for step in (1, 2):
+        assert not upload.is_uploaded(str(local_dir / layout.step_dirname(step)), url)
+    if scenario == "missing_bucket":
+        assert "no-such-bucket-xyz" not in [b["Name"] for b in s3.client().list_buckets()["Buckets"]]
+    if server is not None:
+        assert server.keys_unauthenticated() == [], "something reached the bucket"
+        server.set_free_actions(0)  # authentication back on for (b)
+
+    # Local steps are intact and load bitwise (local tier only).
+    local_only = shardckpt.Checkpointer(local_dir=str(local_dir), preemption_signals=())
+    for step in (1, 2):
+        model = _model(seed=99)
+        assert local_only.load({"model": model}, step=step) == step
+        for k, v in result["saved"][step].items():
+            assert torch.equal(model.state_dict()[k], v), (step, k)
+    local_only.close()
+
+    # (b) a fresh instance with only the remote: RemoteError, bounded, clear.
+    fresh = shardckpt.Checkpointer(
+        local_dir=str(tmp_path / "fresh"), remote=url, endpoint_url=endpoint, uploader="off", **FAST
+    )
+    with pytest.raises(RemoteError) as info:
+        bounded(lambda: fresh.load({"model": _model(seed=7)}))
+    _check_message(str(info.value), must_name)
+    assert "nothing was loaded" in str(info.value)
+    fresh.close()
+
+    # ... while a node that still has local steps resumes from them, with a warning.
+    node = shardckpt.Checkpointer(local_dir=str(local_dir), remote=url, endpoint_url=endpoint, uploader="off", **FAST)
+    model = _model(seed=7)
+    with caplog.at_level(logging.WARNING, logger="shardckpt"):
+        assert bounded(lambda: node.load({"model": model})) == 2
+    for k, v in result["saved"][2].items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert "cannot list the remote" in caplog.text and "local steps only" in caplog.text
+    assert SECRET not in caplog.text
+    node.close()
+
+
+def test_restore_retries_throttling_errors_resets_and_stalls(s3, tmp_path):
+    """Downloads through a proxy that throttles, fails, resets and stalls: restored bitwise."""
+    url = f"s3://{BUCKET}/restore-faults"
+    src = tmp_path / "src"
+    model = _model(seed=3)
+    ckpt = shardckpt.Checkpointer(local_dir=str(src), remote=url, endpoint_url=s3.endpoint, keep_last=2,
+                                  preemption_signals=())
+    ckpt.save({"model": model}, 5).wait()
+    ckpt.close()
+    assert ckpt.status()["drain"]["pending_steps"] == []
+    proxy = FaultProxy(s3.endpoint, stall_s=3.0, every=2)
+    proxy.set_mode("cycle", kinds=("503", "500", "reset", "stall"))
+    try:
+        fresh = shardckpt.Checkpointer(
+            local_dir=str(tmp_path / "fresh"), remote=url, endpoint_url=proxy.endpoint, uploader="off",
+            request_timeout_s=1.0, remote_max_attempts=10, backoff_max_s=0.2, step_deadline_s=60,
+            preemption_signals=(),
+        )
+        restored = _model(seed=11)
+        assert bounded(lambda: fresh.load({"model": restored})) == 5
+        fresh.close()
+    finally:
+        proxy.stop()
+    for kind in ("503", "500", "reset", "stall"):
+        assert proxy.counts.get(kind, 0) >= 1, proxy.counts
+    for k, v in model.state_dict().items():
+        assert torch.equal(restored.state_dict()[k], v), k
+
+
+def test_remote_that_never_answers_fails_in_bounded_time(s3, tmp_path):
+    """Every request stalls: load() ends with a RemoteError naming the object, never hangs."""
+    url = f"s3://{BUCKET}/stalled"
+    proxy = FaultProxy(s3.endpoint, stall_s=30.0)
+    proxy.set_mode("cycle", kinds=("stall",))
+    proxy.every = 1
+    try:
+        fresh = shardckpt.Checkpointer(local_dir=str(tmp_path / "fresh"), remote=url, endpoint_url=proxy.endpoint,
+                                       uploader="off", **FAST)
+        with pytest.raises(RemoteError) as info:
+            bounded(lambda: fresh.load({"model": _model()}))
+        fresh.close()
+    finally:
+        proxy.stop()
+    _check_message(str(info.value), f"s3://{BUCKET}/stalled")
+
+
+# ---------------------------------------------------------------- crash consistency
+
+
+def test_sigkill_of_trainer_and_uploader_loses_no_remote_step(tmp_path):
+    """CI-sized remote soak: every uploader kill point, random kills of both, trainer kill points.
+
+    After each trial a fresh process loads every local step and, from the
+    remote alone, every remotely committed step, bitwise against the
+    uninterrupted reference; the newest remote step never goes backwards and
+    no step seen committed remotely disappears unless retention may drop it.
+    """
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import soak_kill
+    from shardckpt import _failpoints
+
+    trials = 3 * len(_failpoints.UPLOADER_POINTS) - 2  # every uploader point once, in 10 trials
+    stats = soak_kill.run_trials(trials, seed=3, work=tmp_path, remote=True)
+    assert stats["failures"] == [], stats["failures"]
+    assert stats["lost_committed"] == 0
+    reached = {k for k in stats["points"] if not k.endswith("(not reached)")}
+    assert set(_failpoints.UPLOADER_POINTS) <= reached, stats["points"]
+    assert stats["uploader_kills"] >= len(_failpoints.UPLOADER_POINTS)
+    assert stats["max_remote_step"] > 0
