@@ -27,7 +27,7 @@ def torchrun_cmd(nproc: int, script: str | Path, *args: str, nnodes: int = 1, no
         cmd += ["--standalone"]
     else:
         cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=static",
-                f"--master-addr=127.0.0.1", f"--master-port={port}"]
+                "--master-addr=127.0.0.1", f"--master-port={port}"]
     cmd += ["--max-restarts=0", "--monitor-interval=0.2", str(script), *map(str, args)]
     return cmd
 

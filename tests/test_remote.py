@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import shardckpt  # noqa: E402
 from faultproxy import FaultProxy  # noqa: E402
 from helpers import PROGRAMS, free_port, kill_job, run_torchrun, start_torchrun, wait_for  # noqa: E402
 from helpers import child_env as job_env  # noqa: E402
-from s3server import BUCKET, CREDENTIALS, S3Server, apply_env, restore_env  # noqa: E402
+from s3server import BUCKET, CREDENTIALS, S3Server, apply_env, restore_env, stop_uploaders  # noqa: E402
 from shardckpt import cli, layout, remote, upload  # noqa: E402
 from shardckpt.errors import CorruptCheckpointError, RemoteError  # noqa: E402
 
@@ -46,21 +45,7 @@ def s3():
 def fresh_bucket(s3, tmp_path):
     s3.reset()
     yield
-    stop_uploaders(tmp_path)
-
-
-def stop_uploaders(base: Path) -> None:
-    """Uploaders started (indirectly) by a test exit on their own; make sure of it."""
-    for status in base.rglob(f"{upload.STATE_DIR}/status.json"):
-        body = upload.read_json(str(status))
-        pid = body.get("pid")
-        if body.get("state") != "running" or not isinstance(pid, int):
-            continue
-        deadline = time.monotonic() + 30
-        while upload.pid_alive(pid, body.get("pid_start")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if upload.pid_alive(pid, body.get("pid_start")):
-            os.kill(pid, signal.SIGTERM)
+    stop_uploaders(tmp_path, grace_s=30.0)
 
 
 def remote_manifests(s3: S3Server, prefix: str) -> list[int]:
@@ -320,7 +305,7 @@ def test_file_remote_auto_uploader_and_cli_pull_push(tmp_path):
 
 
 def test_errors_never_carry_credentials_and_name_the_object(s3, tmp_path):
-    url = f"s3://no-such-bucket-xyz/run"
+    url = "s3://no-such-bucket-xyz/run"
     store = remote.open_store(url, _opts(max_attempts=2))
     with pytest.raises(RemoteError) as info:
         upload.remote_steps(store, remote.Deadline(30))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shardckpt  # noqa: E402
 from faultproxy import FaultProxy  # noqa: E402
 from helpers import ROOT, free_port  # noqa: E402
-from s3server import BUCKET, CREDENTIALS, S3Server, apply_env, restore_env  # noqa: E402
+from s3server import BUCKET, CREDENTIALS, S3Server, apply_env, restore_env, stop_uploaders  # noqa: E402
 from shardckpt import layout, upload  # noqa: E402
 from shardckpt.errors import RemoteError  # noqa: E402
 
@@ -150,20 +149,7 @@ def auth_server(s3):
 def fresh_bucket(s3, tmp_path):
     s3.reset()
     yield
-    stop_uploaders(tmp_path)
-
-
-def stop_uploaders(base: Path) -> None:
-    """End the uploaders the test's trainers started (they would retry for minutes)."""
-    for status in base.rglob(f"{upload.STATE_DIR}/status.json"):
-        body = upload.read_json(str(status))
-        pid = body.get("pid")
-        if not isinstance(pid, int) or not upload.pid_alive(pid, body.get("pid_start")):
-            continue
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while upload.pid_alive(pid, body.get("pid_start")) and time.monotonic() < deadline:
-            time.sleep(0.1)
+    stop_uploaders(tmp_path, grace_s=0.0)
 
 
 # ---------------------------------------------------------------- helpers
@@ -199,7 +185,7 @@ SCENARIOS = ("missing_bucket", "wrong_credentials", "unreachable_endpoint")
 def _scenario(name: str, s3: S3Server, request) -> tuple[str, str, str, object]:
     """(remote URL, endpoint, what the error must name, server or None)."""
     if name == "missing_bucket":
-        return f"s3://no-such-bucket-xyz/run", s3.endpoint, "no-such-bucket-xyz", None
+        return "s3://no-such-bucket-xyz/run", s3.endpoint, "no-such-bucket-xyz", None
     if name == "wrong_credentials":
         server = request.getfixturevalue("auth_server")
         return f"s3://{BUCKET}/run", server.endpoint, BUCKET, server

@@ -2,22 +2,29 @@
 
 save(state, step)                                     (main thread, every rank)
   1. re-raise a failed background save
-  2. decide: interval policy, preemption flag (agreed by all ranks)
+  2. decide: interval policy; time and preemption triggers come from the
+     previous call's non-blocking vote (agreed by all ranks)
   3. wait for the previous write (never two at once; the wait is logged)
   4. capture the state (models, optimizers, stateful objects, values, RNG)
   5. check free space on the local tier (agreed by all ranks)
   6. stage: copy into reused host buffers          <- training blocks until here
-  7. hand the write to the background thread and return a SaveHandle
-     background: DCP write -> checksums -> manifest + rename (commit)
-                 -> barrier -> retention -> one log line
+  7. start this call's vote, hand the write to the background thread and
+     return a SaveHandle
+     background: DCP write -> checksums -> every rank reports -> manifest +
+                 rename (commit) -> outcome exchange -> retention -> log line
+     the uploader process (remote set) picks committed steps up from disk
 
 load(state, step=None)                                (main thread, every rank)
   1. wait for pending saves
-  2. pick the newest step committed for every rank (or the one asked for)
-  3. verify checksums (work split over ranks; a failure is seen by all)
-  4. read DCP metadata with a restricted unpickler, check keys (strict)
-  5. dcp.load into the live module/optimizer state dicts and rebuilt entries
+  2. pick the newest step committed for every rank, locally or remotely
+     (or the one asked for)
+  3. fetch missing files from the remote; verify checksums (work split over
+     ranks; a failure is seen by all)
+  4. read DCP metadata with a restricted unpickler, check run id, keys and
+     shapes (strict)
+  5. DCP read into the live module/optimizer state dicts and rebuilt entries
   6. apply to the live objects, restore this rank's RNG, one log line
+  7. elastic plan (accumulation / LR / data position), one log line
 """
 
 from __future__ import annotations
@@ -725,7 +732,7 @@ class Checkpointer:
                 f"(a checkpoint of another model?): {'; '.join(reshaped[:10])}"
                 + (f"; ... ({len(reshaped) - 10} more)" if len(reshaped) > 10 else "")
                 + ". Remedy: build the model with the configuration it was saved with, or load another "
-                f"checkpoint directory.",
+                "checkpoint directory.",
                 unexpected=[r.split(" ", 1)[0] for r in reshaped],
             )
         missing = sorted(f for f in live_fqns if f not in saved_fqns)

@@ -19,7 +19,6 @@ shards at 8 and 3 ranks.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
