@@ -11,6 +11,8 @@ import logging
 import os
 import urllib.request
 
+import pytest
+
 BUCKET = "shardckpt-test"
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing-key-id",
@@ -105,3 +107,15 @@ def stop_uploaders(base, grace_s: float = 0.0) -> None:
             deadline = _time.monotonic() + wait_s
             while _upload.pid_alive(pid, start) and _time.monotonic() < deadline:
                 _time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """One moto S3 server per test module, with the AWS_* environment pointing at it."""
+    server = S3Server()
+    previous = apply_env(server)
+    try:
+        yield server
+    finally:
+        restore_env(previous)
+        server.stop()

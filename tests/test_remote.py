@@ -22,23 +22,13 @@ import shardckpt  # noqa: E402
 from faultproxy import FaultProxy  # noqa: E402
 from helpers import PROGRAMS, free_port, kill_job, run_torchrun, start_torchrun, wait_for  # noqa: E402
 from helpers import child_env as job_env  # noqa: E402
-from s3server import BUCKET, CREDENTIALS, S3Server, apply_env, restore_env, stop_uploaders  # noqa: E402
+from s3server import s3  # noqa: E402,F401  (the module-scoped S3 server fixture)
+from s3server import BUCKET, CREDENTIALS, S3Server, stop_uploaders  # noqa: E402
 from shardckpt import cli, layout, remote, upload  # noqa: E402
 from shardckpt.errors import CorruptCheckpointError, RemoteError  # noqa: E402
 
 PROG = PROGRAMS / "remote_train.py"
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server = S3Server()
-    previous = apply_env(server)
-    try:
-        yield server
-    finally:
-        restore_env(previous)
-        server.stop()
 
 
 @pytest.fixture(autouse=True)

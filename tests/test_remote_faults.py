@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shardckpt  # noqa: E402
 from faultproxy import FaultProxy  # noqa: E402
 from helpers import ROOT, free_port  # noqa: E402
-from s3server import BUCKET, CREDENTIALS, S3Server, apply_env, restore_env, stop_uploaders  # noqa: E402
+from s3server import s3  # noqa: E402,F401  (the module-scoped S3 server fixture)
+from s3server import BUCKET, CREDENTIALS, S3Server, stop_uploaders  # noqa: E402
 from shardckpt import layout, upload  # noqa: E402
 from shardckpt.errors import RemoteError  # noqa: E402
 
@@ -70,17 +71,6 @@ def bounded(fn, limit: float = BOUND_S):
 
 
 # ---------------------------------------------------------------- servers
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server = S3Server()
-    previous = apply_env(server)
-    try:
-        yield server
-    finally:
-        restore_env(previous)
-        server.stop()
 
 
 class AuthServer:

@@ -223,20 +223,22 @@ class Store:
         return safe_url(f"{self.url}/{key}")
 
     def pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=self.options.concurrency, thread_name_prefix="shardckpt-xfer"
-                )
-            return self._pool
+        """Threads for requests (parts and small objects)."""
+        return self._lazy_pool("_pool", "shardckpt-xfer")
 
     def file_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        """Threads for whole files (each submits its parts to ``pool``)."""
+        return self._lazy_pool("_file_pool", "shardckpt-file")
+
+    def _lazy_pool(self, attr: str, prefix: str) -> concurrent.futures.ThreadPoolExecutor:
         with self._pool_lock:
-            if self._file_pool is None:
-                self._file_pool = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=self.options.concurrency, thread_name_prefix="shardckpt-file"
+            pool = getattr(self, attr)
+            if pool is None:
+                pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=self.options.concurrency, thread_name_prefix=prefix
                 )
-            return self._file_pool
+                setattr(self, attr, pool)
+            return pool
 
     def close(self) -> None:
         with self._pool_lock:
