@@ -14,7 +14,9 @@ usage: python benchmarks/bench_elastic_restore.py [--params-m 8] [--repeats 5] [
    * ``shardckpt, no verify``: the same with ``verify_on_load=False``.
    Every measurement is a barrier-to-barrier wall time on rank 0; the
    table shows medians and minima and their ratios to ``dcp.load`` measured
-   in the same run (the minimum is the less noisy figure on a shared machine).
+   in the same run, and the "paired ratio": the median over rounds of the
+   ratio to the ``dcp.load`` run of the same round (runs of one round are
+   back to back, so load on a shared machine hits both alike).
 """
 
 from __future__ import annotations
@@ -116,11 +118,12 @@ def child(args) -> None:
             base = statistics.median(times["dcp.load"])
             base_min = min(times["dcp.load"])
             print(f"\nrestore 8 -> 4 ranks, {size / 2**20:.0f} MiB checkpoint, {args.repeats} runs each")
-            print("| path | median s | median ratio | min s | min ratio |")
-            print("|---|---|---|---|---|")
+            print("| path | median s | median ratio | min s | min ratio | paired ratio |")
+            print("|---|---|---|---|---|---|")
             for name, ts in times.items():
                 med, low = statistics.median(ts), min(ts)
-                print(f"| {name} | {med:.3f} | {med / base:.2f}x | {low:.3f} | {low / base_min:.2f}x |")
+                paired = statistics.median(t / b for t, b in zip(ts, times["dcp.load"]))
+                print(f"| {name} | {med:.3f} | {med / base:.2f}x | {low:.3f} | {low / base_min:.2f}x | {paired:.2f}x |")
         for ckpt in checkpointers.values():
             ckpt.close()
     dist.barrier()

@@ -123,6 +123,7 @@ def run_trials(trials: int, seed: int, work: Path, torchrun_every: int = 0, remo
     stats = {"trials": 0, "failures": [], "points": {}, "max_step": 0, "lost_committed": 0}
     last_newest = 0
     points = list(_failpoints.POINTS)
+    points_log = work / "failpoints.log"
     for trial in range(trials):
         use_torchrun = torchrun_every and trial % torchrun_every == torchrun_every - 1
         if trial % 2 == 0:
@@ -131,6 +132,7 @@ def run_trials(trials: int, seed: int, work: Path, torchrun_every: int = 0, remo
             kind = point
         else:
             spec, kind = "", "random"
+        points_log.unlink(missing_ok=True)
         digests = work / "digests.txt"
         args = [str(PROGRAM), str(ckpt_dir), str(digests), str(TOTAL), "--sleep", "0.01"]
         if use_torchrun:
@@ -139,8 +141,8 @@ def run_trials(trials: int, seed: int, work: Path, torchrun_every: int = 0, remo
             kind += " (2 ranks)"
         else:
             cmd = [sys.executable] + args
-        proc = subprocess.Popen(cmd, env=env(SHARDCKPT_FAILPOINTS=spec), start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, env=env(SHARDCKPT_FAILPOINTS=spec, SHARDCKPT_FAILPOINTS_LOG=str(points_log)),
+                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         # Kill once training is under way: after the run has made progress
         # past where it resumed, at a random moment (or at the kill point).
         start_lines = _lines(digests)
@@ -148,16 +150,18 @@ def run_trials(trials: int, seed: int, work: Path, torchrun_every: int = 0, remo
         while time.monotonic() < deadline and proc.poll() is None and _lines(digests) <= start_lines + 1:
             time.sleep(0.01)
         if spec:
+            # Until a rank reaches the kill point (under torchrun the launcher
+            # outlives its killed worker, so its exit status does not tell).
             proc_deadline = time.monotonic() + 60
-            while time.monotonic() < proc_deadline and proc.poll() is None:
+            while time.monotonic() < proc_deadline and proc.poll() is None and not points_log.exists():
                 time.sleep(0.01)
         else:
             pause = time.monotonic() + rng.uniform(0.0, 1.5)
             while time.monotonic() < pause and proc.poll() is None:
                 time.sleep(0.005)
-        hit_point = proc.poll() == -signal.SIGKILL
         kill_job(proc)  # the launcher and every worker (torchrun gives workers their own sessions)
-        if spec and not hit_point:
+        fired = points_log.read_text().split()[:1] if points_log.exists() else []
+        if spec and fired != [spec.split("@")[0]]:
             kind += " (not reached)"
         stats["points"][kind] = stats["points"].get(kind, 0) + 1
         if use_torchrun:
@@ -169,7 +173,7 @@ def run_trials(trials: int, seed: int, work: Path, torchrun_every: int = 0, remo
                                env=env(), check=True, timeout=600, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
                 ref2 = {int(a): b for a, b in (line.split() for line in out2.read_text().splitlines())}
-            newest, failures = check(ckpt_dir, {**ref, **ref2} if False else ref2)
+            newest, failures = check(ckpt_dir, ref2)
         else:
             newest, failures = check(ckpt_dir, ref)
         stats["trials"] += 1
@@ -180,6 +184,9 @@ def run_trials(trials: int, seed: int, work: Path, torchrun_every: int = 0, remo
             stats["failures"].append(f"trial {trial} ({kind}): {failure}")
         last_newest = newest or 0
         stats["max_step"] = max(stats["max_step"], last_newest)
+        if progress:
+            print(f"trial {trial}: {kind}; newest committed {newest}, failures so far {len(stats['failures'])}",
+                  flush=True)
         # Each mode has its own reference, so a mode switch (or a finished run) starts over.
         next_torchrun = torchrun_every and (trial + 1) % torchrun_every == torchrun_every - 1
         if use_torchrun or next_torchrun or (newest or 0) >= TOTAL - 5:
@@ -415,7 +422,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="soak-kill-"))
     t0 = time.monotonic()
     try:
-        stats = run_trials(args.trials, args.seed, work, args.torchrun_every, remote=args.remote, progress=args.remote)
+        stats = run_trials(args.trials, args.seed, work, args.torchrun_every, remote=args.remote, progress=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"\ntrials: {stats['trials']}, wall time {time.monotonic() - t0:.0f} s, newest step reached {stats['max_step']}")

@@ -139,6 +139,42 @@ def test_truncated_file_is_detected(tmp_path):
         ckpt_for(tmp_path).load(make_state(1))
 
 
+def test_manifest_with_sha256_entries_still_verifies(tmp_path):
+    # Manifests written before checksums named their algorithm hold a bare
+    # "sha256" per file; they load, and corruption is still caught.
+    import hashlib
+
+    state = make_state()
+    with ckpt_for(tmp_path) as ckpt:
+        train(state)
+        ckpt.save(state, 1)
+    saved = params(state)
+    step_dir = tmp_path / layout.step_dirname(1)
+    path = step_dir / layout.MANIFEST_NAME
+    body = json.loads(path.read_text())
+    for name, entry in body["files"].items():
+        del entry["checksum"]
+        entry["sha256"] = hashlib.sha256((step_dir / name).read_bytes()).hexdigest()
+    path.write_text(json.dumps(body))
+    assert layout.read_manifest(str(step_dir)).files["__0_0.distcp"].checksum.startswith("sha256:")
+
+    restored = make_state(1)
+    assert ckpt_for(tmp_path).load(restored) == 1
+    assert all(torch.equal(a, b) for a, b in zip(saved, params(restored)))
+
+    shard = step_dir / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x40
+    shard.write_bytes(bytes(data))
+    with pytest.raises(shardckpt.CorruptCheckpointError, match="sha256 checksum"):
+        ckpt_for(tmp_path).load(make_state(1))
+
+    body["files"]["__0_0.distcp"] = {"size": 1, "checksum": "crc7:00", "rank": 0}
+    path.write_text(json.dumps(body))
+    with pytest.raises(shardckpt.CorruptCheckpointError, match="unknown kind"):
+        ckpt_for(tmp_path).load(make_state(1))
+
+
 def test_missing_and_unexpected_keys_are_listed(tmp_path):
     state = make_state()
     train(state)
@@ -288,7 +324,7 @@ def test_manifest_with_escaping_path_is_refused(tmp_path):
         ckpt.save(state, 1)
     path = tmp_path / layout.step_dirname(1) / layout.MANIFEST_NAME
     body = json.loads(path.read_text())
-    body["files"]["../../etc/passwd"] = {"size": 1, "sha256": "0" * 64, "rank": 0}
+    body["files"]["../../etc/passwd"] = {"size": 1, "checksum": "xxh3-128:" + "0" * 32, "rank": 0}
     path.write_text(json.dumps(body))
     with pytest.raises(shardckpt.CorruptCheckpointError, match="outside its step directory"):
         ckpt_for(tmp_path).load(make_state(1))

@@ -38,8 +38,8 @@ def _rewrite_manifest(step_dir):
     path = step_dir / layout.MANIFEST_NAME
     body = json.loads(path.read_text())
     for name in body["files"]:
-        size, digest = layout.sha256_file(str(step_dir / name))
-        body["files"][name].update(size=size, sha256=digest)
+        size, digest = layout.checksum_file(str(step_dir / name))
+        body["files"][name].update(size=size, checksum=digest)
     path.write_text(json.dumps(body))
 
 
@@ -67,7 +67,7 @@ def test_crafted_object_item_is_refused_unrun(tmp_path):
     dcp.save(planted, storage_writer=dcp.FileSystemWriter(str(step_dir)), no_dist=True)
     files = {}
     for name in os.listdir(step_dir):
-        size, digest = layout.sha256_file(str(step_dir / name))
+        size, digest = layout.checksum_file(str(step_dir / name))
         files[name] = layout.FileEntry(size, digest, 0)
     manifest = layout.Manifest(step=1, world_size=1, files=files, keys={"model": "module", "extra": "value"})
     (step_dir / layout.MANIFEST_NAME).write_text(manifest.to_json())
@@ -107,7 +107,7 @@ def test_manifest_naming_an_absent_file(tmp_path):
     step_dir = _save(tmp_path)
     path = step_dir / layout.MANIFEST_NAME
     body = json.loads(path.read_text())
-    body["files"]["__7_0.distcp"] = {"size": 10, "sha256": "0" * 64, "rank": 7}
+    body["files"]["__7_0.distcp"] = {"size": 10, "checksum": "xxh3-128:" + "0" * 32, "rank": 7}
     path.write_text(json.dumps(body))
     err = _load_error(tmp_path)
     assert isinstance(err.value, shardckpt.CorruptCheckpointError)

@@ -273,7 +273,7 @@ class Checkpointer:
         strict = self.config.strict if strict is None else strict
         t_start = time.monotonic()
         self._groups.ensure()
-        candidates = self._agreed_candidates(step)
+        candidates, early = self._agreed_candidates(step)
         if not candidates:
             if step is not None:
                 self._raise_not_found(step)
@@ -285,7 +285,7 @@ class Checkpointer:
         for candidate in candidates:
             step_dir = os.path.join(self.root, layout.step_dirname(candidate))
             try:
-                manifest = self._verify(candidate, step_dir)
+                manifest = self._verify(candidate, step_dir, early)
             except CorruptCheckpointError as exc:
                 if self.config.on_corrupt == OnCorrupt.FALLBACK and step is None:
                     log.warning("shardckpt: step %d failed verification, falling back: %s", candidate, exc)
@@ -644,15 +644,39 @@ class Checkpointer:
         self._remote_committed = set(found or [])
         return sorted(complete | self._remote_committed)
 
-    def _agreed_candidates(self, step: int | None) -> list[int]:
+    def _agreed_candidates(self, step: int | None) -> tuple[list[int], dict[int, list[str]]]:
+        """Steps every rank can load, newest first, and the verification already done.
+
+        Without a remote each rank checks its share of the step it expects to
+        load (the requested one, else its newest) before the one exchange of
+        step lists; when every rank checked the step that turns out to be the
+        agreed first candidate, its verification needs no second exchange.
+        Returns ``(candidates, {step: errors})``.
+        """
         mine = set(self._candidate_steps())
-        gathered = self._groups.all_gather_ctl(sorted(mine))
-        common = set(gathered[0])
-        for other in gathered[1:]:
+        report: tuple[int, str | None] | None = None
+        guess = step if step is not None else max(mine, default=None)
+        if self.config.remote is None and guess is not None and guess in mine:
+            step_dir = os.path.join(self.root, layout.step_dirname(guess))
+            try:
+                manifest = layout.read_manifest(step_dir)
+            except CorruptCheckpointError as exc:
+                report = (guess, str(exc))
+            else:
+                if manifest is not None:
+                    report = (guess, self._check_share(step_dir, manifest, set()))
+        gathered = self._groups.all_gather_ctl((sorted(mine), report))
+        common = set(gathered[0][0])
+        for other, _report in gathered[1:]:
             common &= set(other)
         if step is not None:
-            return [step] if step in common else []
-        return sorted(common, reverse=True)
+            candidates = [step] if step in common else []
+        else:
+            candidates = sorted(common, reverse=True)
+        early: dict[int, list[str]] = {}
+        if candidates and all(r is not None and r[0] == candidates[0] for _steps, r in gathered):
+            early[candidates[0]] = [r[1] for _steps, r in gathered if r[1]]
+        return candidates, early
 
     def _raise_not_found(self, step: int) -> None:
         step_dir = os.path.join(self.root, layout.step_dirname(step))
@@ -667,29 +691,45 @@ class Checkpointer:
             hint = f" Committed steps here: {self.steps() or 'none'}."
         raise CheckpointNotFoundError(f"step {step} is not committed in {self.root} on every rank.{hint}")
 
-    def _verify(self, step: int, step_dir: str) -> layout.Manifest:
-        fetched: set[str] = set()
-        if self.config.remote is not None:
-            fetched = self._fetch_missing(step, step_dir)
-        manifest = layout.read_manifest(step_dir)
-        if manifest is None:
-            self._raise_not_found(step)
-        error = None
-        if self.config.verify_on_load:
-            names = sorted(n for n in manifest.files if n not in fetched)
+    def _verify(self, step: int, step_dir: str, early: dict[int, list[str]] | None = None) -> layout.Manifest:
+        """Check ``step`` on every rank (each its share of the files); collective unless ``early`` has it.
+
+        ``early`` maps a step to the errors every rank already reported for it
+        (see :meth:`_agree_and_check_newest`), saving a round of messages.
+        """
+        if early is not None and step in early:
+            errors = early[step]
+            manifest = None if errors else layout.read_manifest(step_dir)
+        else:
+            fetched: set[str] = set()
             if self.config.remote is not None:
-                # Node-local copies: each node checks its own copy, split over its ranks.
-                share = names[_dist.local_rank() :: max(1, _dist.local_world_size())]
-            else:
-                share = names[_dist.rank() :: _dist.world_size()]
-            try:
-                layout.verify_files(step_dir, manifest, share)
-            except CorruptCheckpointError as exc:
-                error = str(exc)
-        errors = [e for e in self._groups.all_gather_ctl(error) if e]
+                fetched = self._fetch_missing(step, step_dir)
+            manifest = layout.read_manifest(step_dir)
+            if manifest is None:
+                self._raise_not_found(step)
+            error = self._check_share(step_dir, manifest, fetched)
+            errors = [e for e in self._groups.all_gather_ctl(error) if e]
         if errors:
             raise CorruptCheckpointError(errors[0] + (f" ({len(errors) - 1} more)" if len(errors) > 1 else ""))
+        if manifest is None:
+            self._raise_not_found(step)
         return manifest
+
+    def _check_share(self, step_dir: str, manifest: layout.Manifest, skip: set[str]) -> str | None:
+        """This rank's share of the checksum verification; the error message or ``None``."""
+        if not self.config.verify_on_load:
+            return None
+        names = sorted(n for n in manifest.files if n not in skip)
+        if self.config.remote is not None:
+            # Node-local copies: each node checks its own copy, split over its ranks.
+            share = names[_dist.local_rank() :: max(1, _dist.local_world_size())]
+        else:
+            share = names[_dist.rank() :: _dist.world_size()]
+        try:
+            layout.verify_files(step_dir, manifest, share)
+        except CorruptCheckpointError as exc:
+            return str(exc)
+        return None
 
     def _load_step(
         self,

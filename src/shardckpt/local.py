@@ -57,7 +57,7 @@ def own_files(directory: str, rank: int) -> list[str]:
 def hash_files(directory: str, names: list[str], rank: int) -> dict[str, tuple[int, str, int]]:
     out = {}
     for name in names:
-        size, digest = layout.sha256_file(os.path.join(directory, name))
+        size, digest = layout.checksum_file(os.path.join(directory, name))
         out[name] = (size, digest, rank)
     return out
 
@@ -272,7 +272,7 @@ def adopt(source: str, root: str, step: int, *, trust_pickles: bool = False) -> 
             if not os.path.isfile(path) or name == layout.MANIFEST_NAME:
                 continue
             shutil.copyfile(path, os.path.join(partial, name))
-            size, digest = layout.sha256_file(os.path.join(partial, name))
+            size, digest = layout.checksum_file(os.path.join(partial, name))
             match = re.match(r"__(\d+)_", name)
             files[name] = layout.FileEntry(size, digest, int(match.group(1)) if match else 0)
         ranks = {e.rank for n, e in files.items() if n.startswith("__")}

@@ -25,8 +25,8 @@ outlasted the attempts or the deadline.
 
 Store interface (every method may be called from several threads)::
 
-    put_file(path, key, size, sha256, deadline)  upload, then verify (size + checksum)
-    get_file(key, path, size, sha256, deadline)  download to path, verify before returning
+    put_file(path, key, size, checksum, deadline)  upload, then verify (size + checksum)
+    get_file(key, path, size, checksum, deadline)  download to path, verify before returning
     put_bytes(key, data, deadline) / get_bytes(key, deadline) -> bytes | None
     exists(key, deadline) -> bool
     list_dirs(prefix, deadline) -> names of the "directories" directly under prefix
@@ -39,7 +39,6 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import dataclasses
-import hashlib
 import logging
 import os
 import random
@@ -50,6 +49,7 @@ import time
 import zlib
 from typing import Any, Callable, TypeVar
 
+from . import layout
 from .errors import ConfigError, CorruptCheckpointError, RemoteError
 
 log = logging.getLogger("shardckpt")
@@ -191,10 +191,6 @@ def join(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
 
 
-def sha256_bytes(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def _b64_crc32(value: int) -> str:
     return base64.b64encode(value.to_bytes(4, "big")).decode()
 
@@ -319,10 +315,10 @@ class Store:
 
     # ---- interface
 
-    def put_file(self, path: str, key: str, size: int, sha256: str, deadline: Deadline) -> None:
+    def put_file(self, path: str, key: str, size: int, checksum: str, deadline: Deadline) -> None:
         raise NotImplementedError
 
-    def get_file(self, key: str, path: str, size: int, sha256: str, deadline: Deadline) -> None:
+    def get_file(self, key: str, path: str, size: int, checksum: str, deadline: Deadline) -> None:
         raise NotImplementedError
 
     def put_bytes(self, key: str, data: bytes, deadline: Deadline) -> None:
@@ -358,13 +354,13 @@ def _local_mismatch(path: str, key_where: str, what: str) -> CorruptCheckpointEr
     )
 
 
-def _check_download(path: str, where: str, size: int, sha256: str, got_size: int, got_sha: str) -> None:
-    if got_size != size or got_sha != sha256:
+def _check_download(path: str, where: str, size: int, checksum: str, got_size: int, got_sum: str) -> None:
+    if got_size != size or got_sum != checksum:
         try:
             os.unlink(path)
         except OSError:
             pass
-        detail = f"{got_size} bytes, expected {size}" if got_size != size else "SHA-256 differs from the manifest"
+        detail = f"{got_size} bytes, expected {size}" if got_size != size else "checksum differs from the manifest"
         raise CorruptCheckpointError(
             f"remote object {where} is corrupt ({detail}); it was not loaded. Remedy: load an earlier "
             f"step (load(step=...)) or set on_corrupt='fallback'; re-upload the step from a node that "
@@ -474,38 +470,38 @@ class S3Store(Store):
             "upload of", key, deadline,
         )
 
-    def put_file(self, path: str, key: str, size: int, sha256: str, deadline: Deadline) -> None:
+    def put_file(self, path: str, key: str, size: int, checksum: str, deadline: Deadline) -> None:
         opts = self.options
         fk = self.full_key(key)
         if size < opts.multipart_threshold:
             data = _read_exact(path, 0, size + 1)
-            if len(data) != size or sha256_bytes(data) != sha256:
-                raise _local_mismatch(path, self.where(key), "differs (size or SHA-256)")
+            if len(data) != size or layout.checksum_bytes(data, like=checksum) != checksum:
+                raise _local_mismatch(path, self.where(key), "differs (size or checksum)")
             crc = _b64_crc32(zlib.crc32(data))
             resp = self.retry(
                 lambda: self.client.put_object(
-                    Bucket=self.bucket, Key=fk, Body=data, ChecksumCRC32=crc, Metadata={"sha256": sha256}
+                    Bucket=self.bucket, Key=fk, Body=data, ChecksumCRC32=crc, Metadata={"checksum": checksum}
                 ),
                 "upload of", key, deadline,
             )
             if resp.get("ChecksumCRC32") != crc:
                 # The store did not confirm the checksum of what it stored: look.
-                self._verify_upload(key, size, sha256, crc, deadline)
+                self._verify_upload(key, size, checksum, crc, deadline)
             return
-        self._put_multipart(path, key, size, sha256, deadline)
+        self._put_multipart(path, key, size, checksum, deadline)
 
-    def _put_multipart(self, path: str, key: str, size: int, sha256: str, deadline: Deadline) -> None:
+    def _put_multipart(self, path: str, key: str, size: int, checksum: str, deadline: Deadline) -> None:
         opts = self.options
         fk = self.full_key(key)
         created = self.retry(
             lambda: self.client.create_multipart_upload(
-                Bucket=self.bucket, Key=fk, Metadata={"sha256": sha256}, ChecksumAlgorithm="CRC32"
+                Bucket=self.bucket, Key=fk, Metadata={"checksum": checksum}, ChecksumAlgorithm="CRC32"
             ),
             "start of multipart upload", key, deadline,
         )
         upload_id = created["UploadId"]
         nparts = (size + opts.part_size - 1) // opts.part_size
-        digest = hashlib.sha256()
+        digest = layout.Checksum.like(checksum)
         crcs: list[bytes] = [b""] * nparts
         etags: list[str] = [""] * nparts
         window = self.part_window
@@ -538,8 +534,8 @@ class S3Store(Store):
                 tail = f.read(1)
             for fut in futures:
                 fut.result()
-            if digest.hexdigest() != sha256 or tail or len(futures) != nparts:
-                raise _local_mismatch(path, self.where(key), "differs (size or SHA-256)")
+            if digest.value() != checksum or tail or len(futures) != nparts:
+                raise _local_mismatch(path, self.where(key), "differs (size or checksum)")
             parts = [
                 {"PartNumber": i + 1, "ETag": etags[i], "ChecksumCRC32": base64.b64encode(crcs[i]).decode()}
                 for i in range(nparts)
@@ -561,9 +557,9 @@ class S3Store(Store):
                 pass
             raise
         composite = _b64_crc32(zlib.crc32(b"".join(crcs)))
-        self._verify_upload(key, size, sha256, composite, deadline)
+        self._verify_upload(key, size, checksum, composite, deadline)
 
-    def _verify_upload(self, key: str, size: int, sha256: str, crc: str, deadline: Deadline) -> None:
+    def _verify_upload(self, key: str, size: int, checksum: str, crc: str, deadline: Deadline) -> None:
         head = self.retry(
             lambda: self.client.head_object(Bucket=self.bucket, Key=self.full_key(key), ChecksumMode="ENABLED"),
             "verification of", key, deadline,
@@ -572,8 +568,8 @@ class S3Store(Store):
         problems = []
         if head.get("ContentLength") != size:
             problems.append(f"{head.get('ContentLength')} bytes, expected {size}")
-        if head.get("Metadata", {}).get("sha256") not in (None, sha256):
-            problems.append("its recorded SHA-256 differs")
+        if head.get("Metadata", {}).get("checksum") not in (None, checksum):
+            problems.append("its recorded checksum differs")
         if got_crc and got_crc != crc:
             problems.append("the store's CRC32 differs from the bytes sent")
         if problems:
@@ -608,23 +604,23 @@ class S3Store(Store):
 
         return self.retry(call, "lookup of", key, deadline)
 
-    def get_file(self, key: str, path: str, size: int, sha256: str, deadline: Deadline) -> None:
+    def get_file(self, key: str, path: str, size: int, checksum: str, deadline: Deadline) -> None:
         opts = self.options
         fk = self.full_key(key)
         if size < opts.multipart_threshold:
             def call() -> tuple[int, str]:
                 resp = self.client.get_object(Bucket=self.bucket, Key=fk)
-                digest = hashlib.sha256()
+                digest = layout.Checksum.like(checksum)
                 n = 0
                 with open(path, "wb") as f:
                     for chunk in resp["Body"].iter_chunks(chunk_size=1 << 20):
                         digest.update(chunk)
                         f.write(chunk)
                         n += len(chunk)
-                return n, digest.hexdigest()
+                return n, digest.value()
 
             got_size, got_sha = self.retry(call, "download of", key, deadline)
-            _check_download(path, self.where(key), size, sha256, got_size, got_sha)
+            _check_download(path, self.where(key), size, checksum, got_size, got_sha)
             return
         with open(path, "wb") as f:
             f.truncate(size)
@@ -645,10 +641,8 @@ class S3Store(Store):
             self.retry(call, "download of", key, deadline)
 
         self.run_all([lambda o=o, n=n: fetch(o, n) for o, n in ranges])
-        from .layout import sha256_file
-
-        got_size, got_sha = sha256_file(path)
-        _check_download(path, self.where(key), size, sha256, got_size, got_sha)
+        got_size, got_sum = layout.checksum_file(path, like=checksum)
+        _check_download(path, self.where(key), size, checksum, got_size, got_sum)
 
     # ---- listing and deletion
 
@@ -715,23 +709,23 @@ class FsspecStore(Store):
     def path(self, key: str) -> str:
         return self.root + ("/" + key.strip("/") if key.strip("/") else "")
 
-    def _write(self, key: str, chunks: Callable[[], Any]) -> tuple[int, str]:
+    def _write(self, key: str, chunks: Callable[[], Any], like: str | None = None) -> tuple[int, str]:
         target = self.path(key)
         parent = target.rsplit("/", 1)[0]
         self.fs.makedirs(parent, exist_ok=True)
-        digest = hashlib.sha256()
+        digest = layout.Checksum() if like is None else layout.Checksum.like(like)
         n = 0
         with self.fs.open(target, "wb") as f:
             for chunk in chunks():
                 digest.update(chunk)
                 f.write(chunk)
                 n += len(chunk)
-        return n, digest.hexdigest()
+        return n, digest.value()
 
     def put_bytes(self, key: str, data: bytes, deadline: Deadline) -> None:
         self.retry(lambda: self._write(key, lambda: [data]), "upload of", key, deadline)
 
-    def put_file(self, path: str, key: str, size: int, sha256: str, deadline: Deadline) -> None:
+    def put_file(self, path: str, key: str, size: int, checksum: str, deadline: Deadline) -> None:
         def chunks():
             with open(path, "rb") as f:
                 while True:
@@ -740,9 +734,9 @@ class FsspecStore(Store):
                         return
                     yield chunk
 
-        n, digest = self.retry(lambda: self._write(key, chunks), "upload of", key, deadline)
-        if n != size or digest != sha256:
-            raise _local_mismatch(path, self.where(key), "differs (size or SHA-256)")
+        n, digest = self.retry(lambda: self._write(key, chunks, like=checksum), "upload of", key, deadline)
+        if n != size or digest != checksum:
+            raise _local_mismatch(path, self.where(key), "differs (size or checksum)")
         got = self.retry(lambda: self.fs.info(self.path(key))["size"], "verification of", key, deadline)
         if got != size:
             raise RemoteError(f"uploaded object {self.where(key)} is {got} bytes, expected {size}; it will be retried")
@@ -760,9 +754,9 @@ class FsspecStore(Store):
     def exists(self, key: str, deadline: Deadline) -> bool:
         return self.retry(lambda: self.fs.exists(self.path(key)), "lookup of", key, deadline)
 
-    def get_file(self, key: str, path: str, size: int, sha256: str, deadline: Deadline) -> None:
+    def get_file(self, key: str, path: str, size: int, checksum: str, deadline: Deadline) -> None:
         def call() -> tuple[int, str]:
-            digest = hashlib.sha256()
+            digest = layout.Checksum.like(checksum)
             n = 0
             with self.fs.open(self.path(key), "rb") as src, open(path, "wb") as dst:
                 while True:
@@ -772,10 +766,10 @@ class FsspecStore(Store):
                     digest.update(chunk)
                     dst.write(chunk)
                     n += len(chunk)
-            return n, digest.hexdigest()
+            return n, digest.value()
 
         got_size, got_sha = self.retry(call, "download of", key, deadline)
-        _check_download(path, self.where(key), size, sha256, got_size, got_sha)
+        _check_download(path, self.where(key), size, checksum, got_size, got_sha)
 
     def _ls(self, prefix: str) -> list[dict]:
         try:

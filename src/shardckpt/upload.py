@@ -81,7 +81,7 @@ def files_digest(manifest: layout.Manifest) -> str:
     """Identity of a step's content: the names and checksums of its files."""
     h = hashlib.sha256()
     for name in sorted(manifest.files):
-        h.update(f"{name}\0{manifest.files[name].sha256}\n".encode())
+        h.update(f"{name}\0{manifest.files[name].checksum}\n".encode())
     return h.hexdigest()
 
 
@@ -340,7 +340,7 @@ def push_step(
         "format": MARKER_FORMAT,
         "node": node,
         "ranks": ranks,
-        "files": {n: manifest.files[n].sha256 for n in mine},
+        "files": {n: manifest.files[n].checksum for n in mine},
         "files_digest": digest,
     }
     sent = 0
@@ -349,7 +349,7 @@ def push_step(
         if existing is None or _parse_marker(existing).get("files") != marker["files"]:
             jobs = [
                 (lambda n=n: store.put_file(
-                    os.path.join(step_dir, n), step_key(step, n), manifest.files[n].size, manifest.files[n].sha256, deadline
+                    os.path.join(step_dir, n), step_key(step, n), manifest.files[n].size, manifest.files[n].checksum, deadline
                 ))
                 for n in mine
             ]
@@ -419,7 +419,7 @@ def _all_markers_present(
             continue  # a stale marker of another save of this step number
         for name, sha in marker.get("files", {}).items():
             entry = manifest.files.get(name)
-            if entry is not None and entry.sha256 == sha:
+            if entry is not None and entry.checksum == sha:
                 covered.add(name)
     missing = sorted(set(manifest.files) - covered)
     if missing:
@@ -503,7 +503,7 @@ def fetch_step(
         os.makedirs(os.path.dirname(final), exist_ok=True)
         tmp = f"{final}.fetch-{uuid.uuid4().hex[:8]}"
         try:
-            store.get_file(step_key(step, name), tmp, entry.size, entry.sha256, deadline)
+            store.get_file(step_key(step, name), tmp, entry.size, entry.checksum, deadline)
             os.replace(tmp, final)
         finally:
             if os.path.exists(tmp):
