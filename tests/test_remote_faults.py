@@ -328,3 +328,30 @@ def test_sigkill_of_trainer_and_uploader_loses_no_remote_step(tmp_path):
     assert set(_failpoints.UPLOADER_POINTS) <= reached, stats["points"]
     assert stats["uploader_kills"] >= len(_failpoints.UPLOADER_POINTS)
     assert stats["max_remote_step"] > 0
+
+
+def test_slow_upload_logs_progress_and_commits(s3, tmp_path, caplog):
+    """An upload slowed by stalled requests reports its progress while it runs, then commits."""
+    from shardckpt import remote
+
+    src = tmp_path / "src"
+    with shardckpt.Checkpointer(local_dir=str(src), preemption_signals=()) as ckpt:
+        ckpt.save({"model": _model(seed=4)}, 3)
+    proxy = FaultProxy(s3.endpoint, stall_s=2.0, every=2)
+    proxy.set_mode("cycle", kinds=("stall",))
+    options = remote.TransferOptions(endpoint_url=proxy.endpoint, request_timeout_s=0.5, backoff_max_s=0.1,
+                                     max_attempts=10, step_deadline_s=60)
+    store = remote.open_store(f"s3://{BUCKET}/progress", options)
+    try:
+        with caplog.at_level(logging.INFO, logger="shardckpt"):
+            result = bounded(lambda: upload.push_step(store, str(src), 3, node="n0", policy=None, progress_s=0.2))
+    finally:
+        store.close()
+        proxy.stop()
+    assert result.state == upload.COMMITTED, result
+    assert proxy.counts.get("stall", 0) >= 1, proxy.counts
+    lines = [r.getMessage() for r in caplog.records if "uploading step 3 to s3://" in r.getMessage()]
+    assert lines and all(" of " in line and "MiB" in line for line in lines), caplog.text
+    client = s3.client()
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix="progress/").get("Contents", [])]
+    assert f"progress/{layout.step_dirname(3)}/{layout.MANIFEST_NAME}" in keys

@@ -315,10 +315,16 @@ class Store:
 
     # ---- interface
 
-    def put_file(self, path: str, key: str, size: int, checksum: str, deadline: Deadline) -> None:
+    def put_file(
+        self, path: str, key: str, size: int, checksum: str, deadline: Deadline, on_bytes: Callable[[int], None] | None = None
+    ) -> None:
+        """Upload ``path``; ``on_bytes(n)`` is called as parts of it are confirmed stored."""
         raise NotImplementedError
 
-    def get_file(self, key: str, path: str, size: int, checksum: str, deadline: Deadline) -> None:
+    def get_file(
+        self, key: str, path: str, size: int, checksum: str, deadline: Deadline, on_bytes: Callable[[int], None] | None = None
+    ) -> None:
+        """Download to ``path``; ``on_bytes(n)`` is called as parts of it arrive."""
         raise NotImplementedError
 
     def put_bytes(self, key: str, data: bytes, deadline: Deadline) -> None:
@@ -470,7 +476,9 @@ class S3Store(Store):
             "upload of", key, deadline,
         )
 
-    def put_file(self, path: str, key: str, size: int, checksum: str, deadline: Deadline) -> None:
+    def put_file(
+        self, path: str, key: str, size: int, checksum: str, deadline: Deadline, on_bytes: Callable[[int], None] | None = None
+    ) -> None:
         opts = self.options
         fk = self.full_key(key)
         if size < opts.multipart_threshold:
@@ -487,10 +495,14 @@ class S3Store(Store):
             if resp.get("ChecksumCRC32") != crc:
                 # The store did not confirm the checksum of what it stored: look.
                 self._verify_upload(key, size, checksum, crc, deadline)
+            if on_bytes is not None:
+                on_bytes(size)
             return
-        self._put_multipart(path, key, size, checksum, deadline)
+        self._put_multipart(path, key, size, checksum, deadline, on_bytes)
 
-    def _put_multipart(self, path: str, key: str, size: int, checksum: str, deadline: Deadline) -> None:
+    def _put_multipart(
+        self, path: str, key: str, size: int, checksum: str, deadline: Deadline, on_bytes: Callable[[int], None] | None
+    ) -> None:
         opts = self.options
         fk = self.full_key(key)
         created = self.retry(
@@ -519,6 +531,8 @@ class S3Store(Store):
                     f"upload of part {number}/{nparts} of", key, deadline,
                 )
                 etags[number - 1] = resp["ETag"]
+                if on_bytes is not None:
+                    on_bytes(len(data))
             finally:
                 window.release()
 
@@ -604,7 +618,9 @@ class S3Store(Store):
 
         return self.retry(call, "lookup of", key, deadline)
 
-    def get_file(self, key: str, path: str, size: int, checksum: str, deadline: Deadline) -> None:
+    def get_file(
+        self, key: str, path: str, size: int, checksum: str, deadline: Deadline, on_bytes: Callable[[int], None] | None = None
+    ) -> None:
         opts = self.options
         fk = self.full_key(key)
         if size < opts.multipart_threshold:
@@ -621,6 +637,8 @@ class S3Store(Store):
 
             got_size, got_sha = self.retry(call, "download of", key, deadline)
             _check_download(path, self.where(key), size, checksum, got_size, got_sha)
+            if on_bytes is not None:
+                on_bytes(got_size)
             return
         with open(path, "wb") as f:
             f.truncate(size)
@@ -639,6 +657,8 @@ class S3Store(Store):
                     os.close(fd)
 
             self.retry(call, "download of", key, deadline)
+            if on_bytes is not None:
+                on_bytes(length)
 
         self.run_all([lambda o=o, n=n: fetch(o, n) for o, n in ranges])
         got_size, got_sum = layout.checksum_file(path, like=checksum)
@@ -725,7 +745,9 @@ class FsspecStore(Store):
     def put_bytes(self, key: str, data: bytes, deadline: Deadline) -> None:
         self.retry(lambda: self._write(key, lambda: [data]), "upload of", key, deadline)
 
-    def put_file(self, path: str, key: str, size: int, checksum: str, deadline: Deadline) -> None:
+    def put_file(
+        self, path: str, key: str, size: int, checksum: str, deadline: Deadline, on_bytes: Callable[[int], None] | None = None
+    ) -> None:
         def chunks():
             with open(path, "rb") as f:
                 while True:
@@ -740,6 +762,8 @@ class FsspecStore(Store):
         got = self.retry(lambda: self.fs.info(self.path(key))["size"], "verification of", key, deadline)
         if got != size:
             raise RemoteError(f"uploaded object {self.where(key)} is {got} bytes, expected {size}; it will be retried")
+        if on_bytes is not None:
+            on_bytes(size)
 
     def get_bytes(self, key: str, deadline: Deadline) -> bytes | None:
         def call() -> bytes | None:
@@ -754,7 +778,9 @@ class FsspecStore(Store):
     def exists(self, key: str, deadline: Deadline) -> bool:
         return self.retry(lambda: self.fs.exists(self.path(key)), "lookup of", key, deadline)
 
-    def get_file(self, key: str, path: str, size: int, checksum: str, deadline: Deadline) -> None:
+    def get_file(
+        self, key: str, path: str, size: int, checksum: str, deadline: Deadline, on_bytes: Callable[[int], None] | None = None
+    ) -> None:
         def call() -> tuple[int, str]:
             digest = layout.Checksum.like(checksum)
             n = 0
@@ -770,6 +796,8 @@ class FsspecStore(Store):
 
         got_size, got_sha = self.retry(call, "download of", key, deadline)
         _check_download(path, self.where(key), size, checksum, got_size, got_sha)
+        if on_bytes is not None:
+            on_bytes(got_size)
 
     def _ls(self, prefix: str) -> list[dict]:
         try:

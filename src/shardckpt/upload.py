@@ -76,6 +76,53 @@ GONE = "gone"
 
 # ------------------------------------------------------------ small helpers
 
+PROGRESS_S = 10.0
+"""Seconds between progress lines of one long upload or download."""
+
+
+class Progress:
+    """Logs ``<what>: x of y MiB (r MiB/s)`` every ``every_s`` while a transfer runs.
+
+    Used as a context manager around the transfer; the store calls :meth:`add`
+    as parts of files are confirmed. Short transfers (under ``every_s``) log
+    nothing here.
+    """
+
+    def __init__(self, what: str, total: int, every_s: float) -> None:
+        self.what, self.total, self.every_s = what, total, every_s
+        self._done = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._started = time.monotonic()
+        self._thread: threading.Thread | None = None
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self._done += nbytes
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self._started
+
+    def _report(self) -> None:
+        while not self._stop.wait(self.every_s):
+            with self._lock:
+                done = self._done
+            log.info(
+                "shardckpt: %s: %.1f of %.1f MiB (%.1f MiB/s)",
+                self.what, done / 2**20, self.total / 2**20, done / 2**20 / max(1e-9, self.elapsed()),
+            )
+
+    def __enter__(self) -> "Progress":
+        self._started = time.monotonic()
+        self._thread = threading.Thread(target=self._report, name="shardckpt-progress", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
 
 def files_digest(manifest: layout.Manifest) -> str:
     """Identity of a step's content: the names and checksums of its files."""
@@ -298,6 +345,7 @@ def push_step(
     node: str,
     policy: RetentionPolicy | None,
     skip_upload_digest: str | None = None,
+    progress_s: float = PROGRESS_S,
 ) -> PushResult:
     """One pass of the protocol for one step of this node (see the module docstring)."""
     step_dir = os.path.join(root, layout.step_dirname(step))
@@ -347,14 +395,17 @@ def push_step(
     if skip_upload_digest != digest:
         existing = store.get_bytes(marker_key, deadline)
         if existing is None or _parse_marker(existing).get("files") != marker["files"]:
-            jobs = [
-                (lambda n=n: store.put_file(
-                    os.path.join(step_dir, n), step_key(step, n), manifest.files[n].size, manifest.files[n].checksum, deadline
-                ))
-                for n in mine
-            ]
+            total = sum(manifest.files[n].size for n in mine)
+            progress = Progress(f"uploading step {step} to {safe_url(store.url)}", total, progress_s)
+
+            def send(name: str) -> None:
+                entry = manifest.files[name]
+                path = os.path.join(step_dir, name)
+                store.put_file(path, step_key(step, name), entry.size, entry.checksum, deadline, progress.add)
+
             try:
-                store.run_all(jobs, files=True)
+                with progress:
+                    store.run_all([lambda n=n: send(n) for n in mine], files=True)
             except FileNotFoundError:
                 if layout.read_manifest(step_dir) is None:
                     return PushResult(GONE)
@@ -450,7 +501,7 @@ def fetch_step(
     *,
     names: list[str] | None = None,
     manifest: layout.Manifest | None = None,
-    progress_s: float = 10.0,
+    progress_s: float = PROGRESS_S,
 ) -> set[str]:
     """Bring the remote ``step`` into ``root``; return the names fetched (each verified).
 
@@ -482,20 +533,7 @@ def fetch_step(
         target = os.path.join(root, layout.partial_dirname(step, "fetch-" + uuid.uuid4().hex[:8]))
         os.makedirs(target)
     total = sum(remote.files[n].size for n in wanted)
-    done = [0]
-    lock = threading.Lock()
-    started = time.monotonic()
-    stop = threading.Event()
-
-    def report() -> None:
-        while not stop.wait(progress_s):
-            with lock:
-                got = done[0]
-            rate = got / max(1e-9, time.monotonic() - started)
-            log.info(
-                "shardckpt: fetching step %d from %s: %.1f of %.1f MiB (%.1f MiB/s)",
-                step, safe_url(store.url), got / 2**20, total / 2**20, rate / 2**20,
-            )
+    progress = Progress(f"fetching step {step} from {safe_url(store.url)}", total, progress_s)
 
     def one(name: str) -> None:
         entry = remote.files[name]
@@ -503,18 +541,15 @@ def fetch_step(
         os.makedirs(os.path.dirname(final), exist_ok=True)
         tmp = f"{final}.fetch-{uuid.uuid4().hex[:8]}"
         try:
-            store.get_file(step_key(step, name), tmp, entry.size, entry.checksum, deadline)
+            store.get_file(step_key(step, name), tmp, entry.size, entry.checksum, deadline, progress.add)
             os.replace(tmp, final)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        with lock:
-            done[0] += entry.size
 
-    watcher = threading.Thread(target=report, name="shardckpt-fetch-progress", daemon=True)
-    watcher.start()
     try:
-        store.run_all([lambda n=n: one(n) for n in wanted], files=True)
+        with progress:
+            store.run_all([lambda n=n: one(n) for n in wanted], files=True)
         if target != step_dir:
             layout.atomic_write_text(os.path.join(target, layout.MANIFEST_NAME), remote.to_json())
             mark_uploaded(target, store.url, remote)
@@ -525,9 +560,7 @@ def fetch_step(
         if target != step_dir:
             shutil.rmtree(target, ignore_errors=True)
         raise
-    finally:
-        stop.set()
-    took = time.monotonic() - started
+    took = progress.elapsed()
     if wanted:
         log.info(
             "shardckpt: fetched %d file(s) of step %d from %s: %.1f MiB in %.2f s",
