@@ -191,6 +191,21 @@ def join(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
 
 
+def _copy_checked(chunks: Any, dst: Any, like: str | None = None) -> tuple[int, str]:
+    """Write ``chunks`` to the open file ``dst``; their total size and checksum (algorithm of ``like``)."""
+    digest = layout.Checksum() if like is None else layout.Checksum.like(like)
+    n = 0
+    for chunk in chunks:
+        digest.update(chunk)
+        dst.write(chunk)
+        n += len(chunk)
+    return n, digest.value()
+
+
+def _file_chunks(f: Any, size: int = 8 << 20) -> Any:
+    return iter(lambda: f.read(size), b"")
+
+
 def _b64_crc32(value: int) -> str:
     return base64.b64encode(value.to_bytes(4, "big")).decode()
 
@@ -626,14 +641,8 @@ class S3Store(Store):
         if size < opts.multipart_threshold:
             def call() -> tuple[int, str]:
                 resp = self.client.get_object(Bucket=self.bucket, Key=fk)
-                digest = layout.Checksum.like(checksum)
-                n = 0
                 with open(path, "wb") as f:
-                    for chunk in resp["Body"].iter_chunks(chunk_size=1 << 20):
-                        digest.update(chunk)
-                        f.write(chunk)
-                        n += len(chunk)
-                return n, digest.value()
+                    return _copy_checked(resp["Body"].iter_chunks(chunk_size=1 << 20), f, like=checksum)
 
             got_size, got_sha = self.retry(call, "download of", key, deadline)
             _check_download(path, self.where(key), size, checksum, got_size, got_sha)
@@ -733,14 +742,8 @@ class FsspecStore(Store):
         target = self.path(key)
         parent = target.rsplit("/", 1)[0]
         self.fs.makedirs(parent, exist_ok=True)
-        digest = layout.Checksum() if like is None else layout.Checksum.like(like)
-        n = 0
         with self.fs.open(target, "wb") as f:
-            for chunk in chunks():
-                digest.update(chunk)
-                f.write(chunk)
-                n += len(chunk)
-        return n, digest.value()
+            return _copy_checked(chunks(), f, like=like)
 
     def put_bytes(self, key: str, data: bytes, deadline: Deadline) -> None:
         self.retry(lambda: self._write(key, lambda: [data]), "upload of", key, deadline)
@@ -750,11 +753,7 @@ class FsspecStore(Store):
     ) -> None:
         def chunks():
             with open(path, "rb") as f:
-                while True:
-                    chunk = f.read(8 << 20)
-                    if not chunk:
-                        return
-                    yield chunk
+                yield from _file_chunks(f)
 
         n, digest = self.retry(lambda: self._write(key, chunks, like=checksum), "upload of", key, deadline)
         if n != size or digest != checksum:
@@ -782,17 +781,8 @@ class FsspecStore(Store):
         self, key: str, path: str, size: int, checksum: str, deadline: Deadline, on_bytes: Callable[[int], None] | None = None
     ) -> None:
         def call() -> tuple[int, str]:
-            digest = layout.Checksum.like(checksum)
-            n = 0
             with self.fs.open(self.path(key), "rb") as src, open(path, "wb") as dst:
-                while True:
-                    chunk = src.read(8 << 20)
-                    if not chunk:
-                        break
-                    digest.update(chunk)
-                    dst.write(chunk)
-                    n += len(chunk)
-            return n, digest.value()
+                return _copy_checked(_file_chunks(src), dst, like=checksum)
 
         got_size, got_sha = self.retry(call, "download of", key, deadline)
         _check_download(path, self.where(key), size, checksum, got_size, got_sha)
