@@ -126,7 +126,9 @@ def run_trials(trials: int, seed: int, work: Path, torchrun_every: int = 0, remo
     points_log = work / "failpoints.log"
     for trial in range(trials):
         use_torchrun = torchrun_every and trial % torchrun_every == torchrun_every - 1
-        if trial % 2 == 0:
+        # Kill points on even trials; 2-rank trials alternate between a kill point and a random kill.
+        at_point = (trial // torchrun_every) % 2 == 0 if use_torchrun else trial % 2 == 0
+        if at_point:
             point = points[(trial // 2) % len(points)]
             spec = f"{point}@{rng.randint(1, 4)}"
             kind = point
