@@ -695,7 +695,7 @@ class Checkpointer:
         """Check ``step`` on every rank (each its share of the files); collective unless ``early`` has it.
 
         ``early`` maps a step to the errors every rank already reported for it
-        (see :meth:`_agree_and_check_newest`), saving a round of messages.
+        (see :meth:`_agreed_candidates`), saving a round of messages.
         """
         if early is not None and step in early:
             errors = early[step]
