@@ -129,7 +129,9 @@ def run_trials(trials: int, seed: int, work: Path, torchrun_every: int = 0, remo
         # Kill points on even trials; 2-rank trials alternate between a kill point and a random kill.
         at_point = (trial // torchrun_every) % 2 == 0 if use_torchrun else trial % 2 == 0
         if at_point:
-            point = points[(trial // 2) % len(points)]
+            # Each sequence (1-rank kill-point trials, 2-rank ones) walks through every point.
+            turn = trial // (2 * torchrun_every) if use_torchrun else trial // 2
+            point = points[turn % len(points)]
             spec = f"{point}@{rng.randint(1, 4)}"
             kind = point
         else:
