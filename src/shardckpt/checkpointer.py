@@ -644,17 +644,20 @@ class Checkpointer:
         self._remote_committed = set(found or [])
         return sorted(complete | self._remote_committed)
 
-    def _agreed_candidates(self, step: int | None) -> tuple[list[int], dict[int, list[str]]]:
+    def _agreed_candidates(
+        self, step: int | None
+    ) -> tuple[list[int], dict[int, tuple[list[str], layout.Manifest | None]]]:
         """Steps every rank can load, newest first, and the verification already done.
 
         Without a remote each rank checks its share of the step it expects to
         load (the requested one, else its newest) before the one exchange of
         step lists; when every rank checked the step that turns out to be the
         agreed first candidate, its verification needs no second exchange.
-        Returns ``(candidates, {step: errors})``.
+        Returns ``(candidates, {step: (errors of all ranks, this rank's manifest)})``.
         """
         mine = set(self._candidate_steps())
         report: tuple[int, str | None] | None = None
+        manifest: layout.Manifest | None = None
         guess = step if step is not None else max(mine, default=None)
         if self.config.remote is None and guess is not None and guess in mine:
             step_dir = os.path.join(self.root, layout.step_dirname(guess))
@@ -673,9 +676,11 @@ class Checkpointer:
             candidates = [step] if step in common else []
         else:
             candidates = sorted(common, reverse=True)
-        early: dict[int, list[str]] = {}
+        early: dict[int, tuple[list[str], layout.Manifest | None]] = {}
         if candidates and all(r is not None and r[0] == candidates[0] for _steps, r in gathered):
-            early[candidates[0]] = [r[1] for _steps, r in gathered if r[1]]
+            # A rank reports no error only after reading its manifest, so
+            # without errors every rank holds its manifest here.
+            early[candidates[0]] = ([r[1] for _steps, r in gathered if r[1]], manifest)
         return candidates, early
 
     def _raise_not_found(self, step: int) -> None:
@@ -691,15 +696,18 @@ class Checkpointer:
             hint = f" Committed steps here: {self.steps() or 'none'}."
         raise CheckpointNotFoundError(f"step {step} is not committed in {self.root} on every rank.{hint}")
 
-    def _verify(self, step: int, step_dir: str, early: dict[int, list[str]] | None = None) -> layout.Manifest:
+    def _verify(
+        self, step: int, step_dir: str, early: dict[int, tuple[list[str], layout.Manifest | None]] | None = None
+    ) -> layout.Manifest:
         """Check ``step`` on every rank (each its share of the files); collective unless ``early`` has it.
 
         ``early`` maps a step to the errors every rank already reported for it
-        (see :meth:`_agreed_candidates`), saving a round of messages.
+        and this rank's manifest (see :meth:`_agreed_candidates`), saving a
+        round of messages.
         """
+        manifest: layout.Manifest | None
         if early is not None and step in early:
-            errors = early[step]
-            manifest = None if errors else layout.read_manifest(step_dir)
+            errors, manifest = early[step]
         else:
             fetched: set[str] = set()
             if self.config.remote is not None:
@@ -711,8 +719,7 @@ class Checkpointer:
             errors = [e for e in self._groups.all_gather_ctl(error) if e]
         if errors:
             raise CorruptCheckpointError(errors[0] + (f" ({len(errors) - 1} more)" if len(errors) > 1 else ""))
-        if manifest is None:
-            self._raise_not_found(step)
+        assert manifest is not None
         return manifest
 
     def _check_share(self, step_dir: str, manifest: layout.Manifest, skip: set[str]) -> str | None:

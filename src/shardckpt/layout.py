@@ -72,9 +72,9 @@ class Checksum:
         self._h = _ALGOS[algo]()
 
     @classmethod
-    def like(cls, expected: str) -> "Checksum":
-        """A fresh checksum of the same algorithm as the value ``expected``."""
-        return cls(expected.split(":", 1)[0])
+    def like(cls, expected: str | None) -> "Checksum":
+        """A fresh checksum of the same algorithm as the value ``expected`` (the default one for ``None``)."""
+        return cls() if expected is None else cls(expected.split(":", 1)[0])
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         self._h.update(data)
@@ -84,14 +84,14 @@ class Checksum:
 
 
 def checksum_bytes(data: bytes | memoryview, like: str | None = None) -> str:
-    c = Checksum() if like is None else Checksum.like(like)
+    c = Checksum.like(like)
     c.update(data)
     return c.value()
 
 
 def checksum_file(path: str, like: str | None = None) -> tuple[int, str]:
     """Size and checksum of a file (algorithm of ``like`` when given), read in 8 MiB chunks."""
-    c = Checksum() if like is None else Checksum.like(like)
+    c = Checksum.like(like)
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
     size = 0

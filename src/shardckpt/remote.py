@@ -193,7 +193,7 @@ def join(*parts: str) -> str:
 
 def _copy_checked(chunks: Any, dst: Any, like: str | None = None) -> tuple[int, str]:
     """Write ``chunks`` to the open file ``dst``; their total size and checksum (algorithm of ``like``)."""
-    digest = layout.Checksum() if like is None else layout.Checksum.like(like)
+    digest = layout.Checksum.like(like)
     n = 0
     for chunk in chunks:
         digest.update(chunk)

@@ -410,7 +410,7 @@ def push_step(
                 if layout.read_manifest(step_dir) is None:
                     return PushResult(GONE)
                 raise
-            sent = sum(manifest.files[n].size for n in mine)
+            sent = total
             _failpoints.hit("upload.files_sent")
             store.put_bytes(marker_key, json.dumps(marker, sort_keys=True).encode(), deadline)
             _failpoints.hit("upload.marker_written")
