@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import torch  # noqa: E402
 
 import shardckpt  # noqa: E402
-from shardckpt import layout, remote, upload  # noqa: E402
+from shardckpt import layout, remote, remote_commit  # noqa: E402
 
 
 def make_state(size_mb: int) -> dict:
@@ -128,14 +128,14 @@ def main() -> int:
             return time.perf_counter() - t0
 
         def ours_upload(prefix: str) -> float:
-            for marker in step_dir.glob(upload.UPLOADED_NAME):
+            for marker in step_dir.glob(remote_commit.UPLOADED_NAME):
                 marker.unlink()
             store = remote.open_store(f"s3://{args.bucket}/{prefix}", opts)
             t0 = time.perf_counter()
-            result = upload.push_step(store, str(src), 1, node="bench", policy=None)
+            result = remote_commit.push_step(store, str(src), 1, node="bench", policy=None)
             took = time.perf_counter() - t0
             store.close()
-            if result.state != upload.COMMITTED:
+            if result.state != remote_commit.COMMITTED:
                 raise RuntimeError(f"push_step did not commit: {result}")
             return took
 

@@ -209,7 +209,7 @@ def check_both(ckpt_dir: Path, url: str, scratch: Path, ref: dict[int, str]) -> 
 import sys, json
 sys.path.insert(0, {str(PROGRAM.parent)!r})
 import soak_train, shardckpt
-from shardckpt import remote, upload
+from shardckpt import node_registry, remote, remote_commit, uploader
 
 def load_all(ckpt, steps):
     out = {{}}
@@ -228,7 +228,7 @@ def load_all(ckpt, steps):
 ckpt = shardckpt.Checkpointer(local_dir={str(ckpt_dir)!r}, preemption_signals=())
 local, local_newest = load_all(ckpt, ckpt.steps())
 store = remote.open_store({url!r})
-listed = upload.remote_steps(store, remote.Deadline(60))
+listed = remote_commit.remote_steps(store, remote.Deadline(60))
 store.close()
 ckpt = shardckpt.Checkpointer(local_dir={str(scratch)!r}, remote={url!r}, uploader="off", preemption_signals=())
 rem, remote_newest = load_all(ckpt, listed)
@@ -261,12 +261,12 @@ def _reported_remote(ckpt_dir: Path, url: str) -> set[int]:
     """Local steps marked as committed remotely (not merely superseded)."""
     import json
 
-    from shardckpt import layout, upload
+    from shardckpt import layout, remote_commit
 
     out = set()
     for step in layout.committed_steps(str(ckpt_dir)):
         try:
-            body = json.loads((ckpt_dir / layout.step_dirname(step) / upload.UPLOADED_NAME).read_text())
+            body = json.loads((ckpt_dir / layout.step_dirname(step) / remote_commit.UPLOADED_NAME).read_text())
         except (OSError, ValueError):
             continue
         if body.get("remote") == url and "superseded_by" not in body:
@@ -275,11 +275,11 @@ def _reported_remote(ckpt_dir: Path, url: str) -> set[int]:
 
 
 def _uploader_pid(ckpt_dir: Path) -> int | None:
-    from shardckpt import upload
+    from shardckpt import node_registry
 
-    status = upload.read_status(str(ckpt_dir))
+    status = node_registry.read_status(str(ckpt_dir))
     pid = status.get("pid")
-    if isinstance(pid, int) and status.get("state") == "running" and upload.pid_alive(pid, status.get("pid_start")):
+    if isinstance(pid, int) and status.get("state") == "running" and node_registry.pid_alive(pid, status.get("pid_start")):
         return pid
     return None
 

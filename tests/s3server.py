@@ -91,21 +91,21 @@ def stop_uploaders(base, grace_s: float = 0.0) -> None:
     import time as _time
     from pathlib import Path as _Path
 
-    from shardckpt import upload as _upload
+    from shardckpt import node_registry as _node_registry
 
-    for status in _Path(base).rglob(f"{_upload.STATE_DIR}/status.json"):
-        body = _upload.read_json(str(status))
+    for status in _Path(base).rglob(f"{_node_registry.STATE_DIR}/status.json"):
+        body = _node_registry.read_json(str(status))
         pid, start = body.get("pid"), body.get("pid_start")
         # In-process uploads (push/pull/sync --once from a test) record the test's own pid.
         if not isinstance(pid, int) or pid == os.getpid() or body.get("state") != "running":
             continue
         for wait_s, signum in ((grace_s, None), (30.0, _signal.SIGTERM)):
-            if not _upload.pid_alive(pid, start):
+            if not _node_registry.pid_alive(pid, start):
                 break
             if signum is not None:
                 os.kill(pid, signum)
             deadline = _time.monotonic() + wait_s
-            while _upload.pid_alive(pid, start) and _time.monotonic() < deadline:
+            while _node_registry.pid_alive(pid, start) and _time.monotonic() < deadline:
                 _time.sleep(0.1)
 
 

@@ -23,7 +23,7 @@ from helpers import PROGRAMS, free_port, kill_job, run_torchrun, start_torchrun,
 from helpers import child_env as job_env  # noqa: E402
 from s3server import s3  # noqa: E402,F401  (the module-scoped S3 server fixture)
 from s3server import BUCKET, CREDENTIALS, S3Server, stop_uploaders  # noqa: E402
-from shardckpt import cli, layout, remote, upload  # noqa: E402
+from shardckpt import cli, layout, node_registry, remote, remote_commit, uploader  # noqa: E402
 from shardckpt.errors import CorruptCheckpointError, RemoteError  # noqa: E402
 
 PROG = PROGRAMS / "remote_train.py"
@@ -74,9 +74,9 @@ def save_local_steps(local_dir: Path, steps: list[int], width: int = 64) -> dict
 
 
 def wait_uploader_exit(local_dir: Path, timeout: float = 90) -> dict:
-    status = local_dir / upload.STATE_DIR / "status.json"
-    wait_for(lambda: upload.read_json(str(status)).get("state") == "exited", timeout, f"the uploader of {local_dir} to exit")
-    return upload.read_json(str(status))
+    status = local_dir / node_registry.STATE_DIR / "status.json"
+    wait_for(lambda: node_registry.read_json(str(status)).get("state") == "exited", timeout, f"the uploader of {local_dir} to exit")
+    return node_registry.read_json(str(status))
 
 
 # ---------------------------------------------------------------- multi-node
@@ -109,12 +109,12 @@ def test_two_nodes_upload_then_restore_on_a_new_instance(s3, tmp_path):
 
     # Committed remotely: manifest + both nodes' markers; remote retention kept 2 steps.
     assert remote_manifests(s3, "twonode") == [2, 3]
-    markers = [k for k in s3.keys(f"twonode/{layout.step_dirname(3)}/{upload.NODES_DIR}/")]
+    markers = [k for k in s3.keys(f"twonode/{layout.step_dirname(3)}/{remote_commit.NODES_DIR}/")]
     assert len(markers) == 2, markers
     manifest = check_remote_step(s3, "twonode", 3)
     assert {e.rank for e in manifest.files.values()} == {0, 1, 2, 3}
     for node in ("node0", "node1"):
-        assert upload.is_uploaded(str(base / node / layout.step_dirname(3)), url)
+        assert remote_commit.is_uploaded(str(base / node / layout.step_dirname(3)), url)
         status = wait_uploader_exit(base / node)
         assert status["pending_steps"] == []
 
@@ -142,7 +142,7 @@ def test_uploader_commits_after_trainer_is_sigkilled(s3, tmp_path):
         wait_for(lambda: Path(str(out) + ".ready").exists(), 240, "step 3 committed locally", proc, log_path)
     finally:
         kill_job(proc)  # torchrun and every worker, at once
-    assert upload.trainers_alive(str(local_dir)) == []
+    assert node_registry.trainers_alive(str(local_dir)) == []
     assert layout.committed_steps(str(local_dir))[-1] == 3
     wait_for(lambda: 3 in remote_manifests(s3, "killed"), 120, "step 3 committed remotely after SIGKILL")
     check_remote_step(s3, "killed", 3)
@@ -150,7 +150,7 @@ def test_uploader_commits_after_trainer_is_sigkilled(s3, tmp_path):
     assert status["pending_steps"] == []
     assert status["latest_remote"] == 3
     for step in layout.committed_steps(str(local_dir)):
-        assert upload.is_uploaded(str(local_dir / layout.step_dirname(step)), url)
+        assert remote_commit.is_uploaded(str(local_dir / layout.step_dirname(step)), url)
 
 
 # ---------------------------------------------------------------- faults
@@ -173,8 +173,8 @@ def test_uploads_survive_throttling_errors_resets_and_stalls(s3, tmp_path):
     try:
         url = f"s3://{BUCKET}/faults"
         store = remote.open_store(url, _opts(endpoint_url=proxy.endpoint))
-        uploader = upload.Uploader(str(local_dir), store, node="n0", once=True, poll_s=0.05)
-        assert uploader.run() == 0, uploader.last_error
+        up = uploader.Uploader(str(local_dir), store, node="n0", once=True, poll_s=0.05)
+        assert up.run() == 0, up.last_error
     finally:
         proxy.stop()
     for kind in ("503", "500", "reset", "stall"):
@@ -192,16 +192,16 @@ def test_persistent_failure_is_reported_never_half_committed_then_retried(s3, tm
     try:
         proxy.set_mode("fail503")
         store = remote.open_store(url, _opts(endpoint_url=proxy.endpoint, max_attempts=3))
-        uploader = upload.Uploader(str(local_dir), store, node="n0", once=True, poll_s=0.05)
-        assert uploader.run() == 1
-        error = uploader.last_error
+        up = uploader.Uploader(str(local_dir), store, node="n0", once=True, poll_s=0.05)
+        assert up.run() == 1
+        error = up.last_error
         assert "503" in error and "SlowDown" in error and f"s3://{BUCKET}/down/" in error, error
         assert CREDENTIALS["AWS_SECRET_ACCESS_KEY"] not in error
-        status = upload.read_status(str(local_dir))
+        status = node_registry.read_status(str(local_dir))
         assert status["pending_steps"] == [1] and status["pending_bytes"] > 0
         assert status["last_error"] == error
         assert remote_manifests(s3, "down") == []
-        assert not upload.is_uploaded(str(local_dir / layout.step_dirname(1)), url)
+        assert not remote_commit.is_uploaded(str(local_dir / layout.step_dirname(1)), url)
 
         # A Checkpointer on this node reports it, and local retention keeps the step.
         ckpt = shardckpt.Checkpointer(local_dir=str(local_dir), remote=url, uploader="external",
@@ -213,14 +213,14 @@ def test_persistent_failure_is_reported_never_half_committed_then_retried(s3, tm
         ckpt.close()
 
         proxy.set_mode("pass")
-        uploader = upload.Uploader(str(local_dir), remote.open_store(url, _opts(endpoint_url=proxy.endpoint)),
+        up = uploader.Uploader(str(local_dir), remote.open_store(url, _opts(endpoint_url=proxy.endpoint)),
                                    node="n0", once=True, poll_s=0.05)
-        assert uploader.run() == 0
+        assert up.run() == 0
     finally:
         proxy.stop()
     assert remote_manifests(s3, "down") == [1]
     check_remote_step(s3, "down", 1)
-    assert upload.is_uploaded(str(local_dir / layout.step_dirname(1)), url)
+    assert remote_commit.is_uploaded(str(local_dir / layout.step_dirname(1)), url)
 
 
 # ---------------------------------------------------------------- corruption
@@ -230,8 +230,8 @@ def test_bit_flip_in_remote_object_is_refused_or_falls_back(s3, tmp_path):
     src = tmp_path / "src"
     saved = save_local_steps(src, [1, 2])
     url = f"s3://{BUCKET}/flip"
-    uploader = upload.Uploader(str(src), remote.open_store(url, _opts()), node="n0", once=True, poll_s=0.05)
-    assert uploader.run() == 0
+    up = uploader.Uploader(str(src), remote.open_store(url, _opts()), node="n0", once=True, poll_s=0.05)
+    assert up.run() == 0
     key = f"flip/{layout.step_dirname(2)}/__0_0.distcp"
     client = s3.client()
     data = bytearray(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
@@ -297,7 +297,7 @@ def test_errors_never_carry_credentials_and_name_the_object(s3, tmp_path):
     url = "s3://no-such-bucket-xyz/run"
     store = remote.open_store(url, _opts(max_attempts=2))
     with pytest.raises(RemoteError) as info:
-        upload.remote_steps(store, remote.Deadline(30))
+        remote_commit.remote_steps(store, remote.Deadline(30))
     text = str(info.value)
     assert "NoSuchBucket" in text and "no-such-bucket-xyz" in text and "Remedy" in text
     assert CREDENTIALS["AWS_SECRET_ACCESS_KEY"] not in text
@@ -309,15 +309,15 @@ def test_step_saved_again_replaces_its_remote_copy(s3, tmp_path):
     local_dir = tmp_path / "local"
     url = f"s3://{BUCKET}/again"
     save_local_steps(local_dir, [1])
-    assert upload.Uploader(str(local_dir), remote.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
+    assert uploader.Uploader(str(local_dir), remote.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
     first = check_remote_step(s3, "again", 1)
     time.sleep(0.01)  # a later manifest timestamp
     save_local_steps(local_dir, [1])  # fresh random weights: different content
     local = layout.read_manifest(str(local_dir / layout.step_dirname(1)))
-    assert upload.files_digest(local) != upload.files_digest(first)
-    assert upload.Uploader(str(local_dir), remote.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
+    assert remote_commit.files_digest(local) != remote_commit.files_digest(first)
+    assert uploader.Uploader(str(local_dir), remote.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
     second = check_remote_step(s3, "again", 1)
-    assert upload.files_digest(second) == upload.files_digest(local)
+    assert remote_commit.files_digest(second) == remote_commit.files_digest(local)
 
 
 def test_local_retention_keeps_unuploaded_steps_unless_disk_nearly_full(tmp_path, monkeypatch, caplog):
@@ -327,7 +327,7 @@ def test_local_retention_keeps_unuploaded_steps_unless_disk_nearly_full(tmp_path
     ckpt = shardckpt.Checkpointer(local_dir=str(local_dir), remote=url, uploader="external", drain_timeout_s=0.5,
                                   preemption_signals=())
     assert ckpt._deletable(1) is False
-    upload.mark_uploaded(str(local_dir / layout.step_dirname(1)), url, layout.read_manifest(str(local_dir / layout.step_dirname(1))))
+    remote_commit.mark_uploaded(str(local_dir / layout.step_dirname(1)), url, layout.read_manifest(str(local_dir / layout.step_dirname(1))))
     assert ckpt._deletable(1) is True
 
     import collections

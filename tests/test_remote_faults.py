@@ -33,7 +33,7 @@ from faultproxy import FaultProxy  # noqa: E402
 from helpers import ROOT, free_port  # noqa: E402
 from s3server import s3  # noqa: E402,F401  (the module-scoped S3 server fixture)
 from s3server import BUCKET, CREDENTIALS, S3Server, stop_uploaders  # noqa: E402
-from shardckpt import layout, upload  # noqa: E402
+from shardckpt import layout, node_registry, remote_commit  # noqa: E402
 from shardckpt.errors import RemoteError  # noqa: E402
 
 SECRET = CREDENTIALS["AWS_SECRET_ACCESS_KEY"]
@@ -161,9 +161,9 @@ def _save_two_steps(local_dir: Path, url: str, endpoint: str) -> dict:
         ckpt.save({"model": model}, step).wait()
         saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
     # Give the uploader a chance to fail at least once before close() drains.
-    status_file = local_dir / upload.STATE_DIR / "status.json"
+    status_file = local_dir / node_registry.STATE_DIR / "status.json"
     end = time.monotonic() + 60
-    while time.monotonic() < end and not upload.read_json(str(status_file)).get("last_error"):
+    while time.monotonic() < end and not node_registry.read_json(str(status_file)).get("last_error"):
         time.sleep(0.1)
     ckpt.close()
     return {"saved": saved, "status": ckpt.status()}
@@ -221,7 +221,7 @@ def test_broken_remote_save_close_and_load_end_in_bounded_clear_errors(scenario,
     assert status["latest_remote"] is None
     assert status["pending_upload_steps"] == [1, 2]
     for step in (1, 2):
-        assert not upload.is_uploaded(str(local_dir / layout.step_dirname(step)), url)
+        assert not remote_commit.is_uploaded(str(local_dir / layout.step_dirname(step)), url)
     if scenario == "missing_bucket":
         assert "no-such-bucket-xyz" not in [b["Name"] for b in s3.client().list_buckets()["Buckets"]]
     if server is not None:
@@ -344,11 +344,11 @@ def test_slow_upload_logs_progress_and_commits(s3, tmp_path, caplog):
     store = remote.open_store(f"s3://{BUCKET}/progress", options)
     try:
         with caplog.at_level(logging.INFO, logger="shardckpt"):
-            result = bounded(lambda: upload.push_step(store, str(src), 3, node="n0", policy=None, progress_s=0.2))
+            result = bounded(lambda: remote_commit.push_step(store, str(src), 3, node="n0", policy=None, progress_s=0.2))
     finally:
         store.close()
         proxy.stop()
-    assert result.state == upload.COMMITTED, result
+    assert result.state == remote_commit.COMMITTED, result
     assert proxy.counts.get("stall", 0) >= 1, proxy.counts
     lines = [r.getMessage() for r in caplog.records if "uploading step 3 to s3://" in r.getMessage()]
     assert lines and all(" of " in line and "MiB" in line for line in lines), caplog.text

@@ -29,7 +29,7 @@ POINTS = (
 )
 
 
-# Inside the uploader process (``shardckpt.upload``): the remote commit protocol.
+# Inside the uploader process (``shardckpt.uploader``): the remote commit protocol.
 UPLOADER_POINTS = (
     "upload.files_sent",  # this node's files uploaded and verified, no marker yet
     "upload.marker_written",  # node marker uploaded, the step's manifest not yet

@@ -108,19 +108,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _store(args: argparse.Namespace):
-    from .upload import store_from_args
+    from .uploader import store_from_args
 
     return store_from_args(args)
 
 
 def _remote_policy(args: argparse.Namespace):
-    from .upload import policy_from_args
+    from .uploader import policy_from_args
 
     return policy_from_args(args)
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
-    from .upload import sync_from_args
+    from .uploader import sync_from_args
 
     return sync_from_args(args)
 
@@ -128,19 +128,19 @@ def cmd_sync(args: argparse.Namespace) -> int:
 def cmd_push(args: argparse.Namespace) -> int:
     import socket
 
-    from . import upload
+    from . import remote_commit
 
     store = _store(args)
     try:
-        steps = [args.step] if args.step is not None else upload.pending_steps(args.local, args.remote)
+        steps = [args.step] if args.step is not None else remote_commit.pending_steps(args.local, args.remote)
         if args.step is not None and args.step not in layout.committed_steps(args.local):
             raise ShardckptError(f"step {args.step} is not committed in {args.local}")
         failed = 0
         for step in steps:
-            result = upload.push_step(
+            result = remote_commit.push_step(
                 store, args.local, step, node=args.node or socket.gethostname(), policy=_remote_policy(args)
             )
-            if result.state == upload.COMMITTED:
+            if result.state == remote_commit.COMMITTED:
                 print(f"committed step {step} on {store.where(layout.step_dirname(step))} ({_human(result.uploaded_bytes)} sent)")
             else:
                 failed += 1
@@ -153,18 +153,18 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from . import upload
+    from . import remote_commit
     from .remote import Deadline
 
     store = _store(args)
     try:
         step = args.step
         if step is None:
-            steps = upload.remote_steps(store, Deadline(args.step_deadline))
+            steps = remote_commit.remote_steps(store, Deadline(args.step_deadline))
             if not steps:
                 raise ShardckptError(f"no committed step on {store.where('')}")
             step = steps[-1]
-        fetched = upload.fetch_step(store, args.local, step)
+        fetched = remote_commit.fetch_step(store, args.local, step)
         step_dir = os.path.join(args.local, layout.step_dirname(step))
         print(f"step {step} in {step_dir}: fetched {len(fetched)} file(s), all verified")
         return 0
@@ -173,7 +173,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def _transfer_args(p: argparse.ArgumentParser) -> None:
-    from .upload import add_transfer_args
+    from .uploader import add_transfer_args
 
     add_transfer_args(p)
 
@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         "every node's marker is present). Runs until SIGTERM unless --once or --exit-when-idle. One "
         "uploader per directory: a second one exits at once.",
     )
-    from .upload import add_sync_args
+    from .uploader import add_sync_args
 
     add_sync_args(p)
     p.set_defaults(func=cmd_sync)

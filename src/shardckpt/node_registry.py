@@ -1,0 +1,123 @@
+"""What runs on this node: trainer processes and the uploader, seen through files.
+
+A node's trainers and its uploader share ``<local_dir>/.shardckpt-remote/``::
+
+    uploader.lock         flock held by the running uploader (one per local_dir)
+    status.json           what it is doing: pending steps and bytes, last error
+    uploader.log          its log
+    trainers/<host>-<pid>.json   one per live trainer process of this node
+
+Liveness is checked by pid and process start time, so a reused pid never
+looks like a live trainer or uploader.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Any
+
+from . import layout
+
+STATE_DIR = ".shardckpt-remote"
+
+
+def state_dir(root: str) -> str:
+    return os.path.join(root, STATE_DIR)
+
+
+
+def read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            body = json.load(f)
+        return body if isinstance(body, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def read_status(root: str) -> dict[str, Any]:
+    return read_json(os.path.join(state_dir(root), "status.json"))
+
+
+def proc_start(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    if fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
+
+
+def pid_alive(pid: int, start: str | None = None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    now = proc_start(pid)
+    if os.path.exists("/proc/self/stat"):
+        if now is None:
+            return False  # a zombie
+        if start is not None and now != start:
+            return False  # the pid was reused
+    return True
+
+
+def register_trainer(root: str) -> str:
+    """Record this process as a live trainer of the node; returns the file to remove."""
+    directory = os.path.join(state_dir(root), "trainers")
+    os.makedirs(directory, exist_ok=True)
+    pid = os.getpid()
+    path = os.path.join(directory, f"{socket.gethostname()}-{pid}.json")
+    body = {"pid": pid, "host": socket.gethostname(), "start": proc_start(pid), "time": time.time()}
+    layout.atomic_write_text(path, json.dumps(body))
+    return path
+
+
+def unregister_trainer(path: str | None) -> None:
+    if path:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def trainers_alive(root: str) -> list[int]:
+    directory = os.path.join(state_dir(root), "trainers")
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    alive = []
+    host = socket.gethostname()
+    for name in names:
+        body = read_json(os.path.join(directory, name))
+        pid = body.get("pid")
+        if not isinstance(pid, int) or body.get("host") != host:
+            continue
+        if pid_alive(pid, body.get("start")):
+            alive.append(pid)
+        else:
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
+    return alive
+
+
+def uploader_running(root: str) -> int | None:
+    """Pid of the uploader serving ``root`` (it holds the lock), else ``None``."""
+    status = read_status(root)
+    pid = status.get("pid")
+    if status.get("state") == "running" and isinstance(pid, int) and pid_alive(pid, status.get("pid_start")):
+        return pid
+    return None
+
+
+# ------------------------------------------------------------ remote listing

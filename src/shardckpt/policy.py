@@ -1,0 +1,145 @@
+"""When to save: the interval policy, the time and preemption votes, the signal handlers.
+
+Step-based decisions are the same on every rank by construction. Time- and
+signal-based triggers can differ between ranks, so they are agreed with an
+all-reduce. That vote is pipelined: each ``save()`` call starts a
+non-blocking all-reduce of this rank's flags and acts on the result of the
+previous call's vote, which has long completed. A signal or an elapsed
+interval therefore takes effect one ``save()`` call later on every rank at
+once, and deciding never blocks training.
+
+Signal handlers only set flags (no logging, no locks: neither is safe in a
+handler); what they noticed is logged by the next ``save()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from . import _dist
+from .options import CheckpointConfig
+
+log = logging.getLogger("shardckpt")
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    due: bool
+    """This call saves."""
+    preempt: bool
+    """It is the save a preemption signal asked for: synchronous, sets ``preempted``."""
+
+
+class SavePolicy:
+    """Decides, on every rank alike, whether a ``save()`` call saves."""
+
+    def __init__(self, config: CheckpointConfig, groups: _dist.SideGroups) -> None:
+        self.config = config
+        self._groups = groups
+        self._vote: tuple[Any, torch.Tensor] | None = None
+        self._last_save_time: float | None = None
+        self.last_saved_step: int | None = None
+        self.signal: int | None = None
+        """The preemption signal received, if any (set by the handler)."""
+        self._preempt_decided = False
+        self._previous_handlers: dict[int, Any] = {}
+
+    # ---- decisions
+
+    def decide(self, step: int, force: bool) -> Decision:
+        cfg = self.config
+        if step == self.last_saved_step and not force:
+            return Decision(False, False)
+        by_step = cfg.every_steps is not None and step % cfg.every_steps == 0
+        every_call = cfg.every_steps is None and cfg.every_seconds is None
+        if self._voting():
+            by_time, preempt = self._resolve_vote()
+        else:
+            by_time, preempt = self._local_flags()
+        return Decision(bool(force or every_call or by_step or by_time or preempt), bool(preempt))
+
+    def started(self, step: int, preempt: bool) -> None:
+        """A save of ``step`` started (after the checks that can still skip it)."""
+        self._last_save_time = time.monotonic()
+        self.last_saved_step = step
+        if preempt:
+            self._preempt_decided = True
+
+    def _voting(self) -> bool:
+        return _dist.is_dist() and (self.config.every_seconds is not None or bool(self._previous_handlers))
+
+    def _local_flags(self) -> tuple[int, int]:
+        cfg = self.config
+        by_time = 0
+        if cfg.every_seconds is not None and _dist.rank() == 0:
+            by_time = int(self._last_save_time is None or time.monotonic() - self._last_save_time >= cfg.every_seconds)
+        return by_time, int(self.signal is not None and not self._preempt_decided)
+
+    def _resolve_vote(self) -> tuple[int, int]:
+        vote = self._vote
+        self._vote = None
+        if vote is None:
+            return 0, 0
+        work, flags = vote
+        work.wait()
+        by_time, preempt = flags.tolist()
+        return by_time, preempt
+
+    def start_vote(self) -> None:
+        """Start this call's vote (resolved by the next call); every rank calls it alike."""
+        if not self._voting():
+            return
+        if self._vote is not None:  # an early return left one unresolved: finish it first
+            self._resolve_vote()
+        flags = torch.tensor(self._local_flags(), dtype=torch.int64)
+        work = torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self._groups.ctl, async_op=True)
+        self._vote = (work, flags)
+
+    def finish_vote(self) -> None:
+        """Complete a vote still in flight (every rank started the same one)."""
+        if self._vote is not None:
+            self._resolve_vote()
+
+    # ---- signals
+
+    def install_signal_handlers(self) -> None:
+        if not self.config.preemption_signals:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("shardckpt: not on the main thread; preemption signals are not handled")
+            return
+        for signum in self.config.preemption_signals:
+            previous = signal.getsignal(signum)
+            self._previous_handlers[signum] = previous
+            signal.signal(signum, self._make_handler(previous))
+
+    def _make_handler(self, previous: Any) -> Callable:
+        def handler(signum: int, frame: Any) -> None:
+            first = self.signal is None
+            self.signal = signum
+            if first:
+                log.warning(
+                    "shardckpt: received signal %d; the next save() saves at once and waits for the commit",
+                    signum,
+                )
+            if callable(previous):
+                previous(signum, frame)
+
+        return handler
+
+    def restore_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, previous in self._previous_handlers.items():
+            try:
+                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+            except (ValueError, TypeError):
+                pass
+        self._previous_handlers.clear()

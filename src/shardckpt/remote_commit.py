@@ -1,0 +1,475 @@
+"""The remote commit protocol: push a step, fetch a step, list and retire remote steps.
+
+Remote layout (``<remote>`` is the URL given as ``remote=``)::
+
+    <remote>/step_<N>/.metadata, __<rank>_<i>.distcp ...   the step's files
+    <remote>/step_<N>/_nodes/ranks-<a>-<b>-<n>.json          one marker per node
+    <remote>/step_<N>/shardckpt.json                         the manifest, LAST
+
+Protocol for one step, run by every node's uploader on its own (uploaders
+coordinate through the remote store and local files only, never through the
+trainer's process group):
+
+1. The node's files of the locally committed step (the manifest's files
+   present in its local step directory) are uploaded concurrently, each
+   verified after upload (size, the manifest's checksum, and the
+   store's own CRC32 checksum headers where it returns them).
+2. The node writes its marker: the ranks it holds files for and the checksum
+   of each file it uploaded.
+3. Exactly one node, the *committer* (the one holding ``.metadata``, rank
+   0's file), waits until the markers' files cover every file of the
+   manifest with matching checksums and the listing shows every object
+   with its size; then it uploads the manifest. From that moment the step
+   exists remotely; before, it does not exist for anyone.
+4. The committer applies the remote retention policy (never the newest
+   step, only after a newer step is committed). Every node marks its local
+   copy as committed remotely (``step_<N>/.shardckpt-uploaded.json``); only
+   then may local retention delete it.
+
+A step that fails (after the store's per-request retries, or past the
+step's deadline) raises here; the uploader (:mod:`shardckpt.uploader`)
+reports it and retries later with capped backoff. It is never half-committed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from typing import Any
+
+from . import _failpoints, layout
+from .errors import CorruptCheckpointError, RemoteError
+from .remote import Deadline, Store, join, safe_url
+from .retention import RetentionPolicy, plan_deletions
+
+log = logging.getLogger("shardckpt")
+
+UPLOADED_NAME = ".shardckpt-uploaded.json"
+NODES_DIR = "_nodes"
+MARKER_FORMAT = "shardckpt-node/1"
+COMMITTED = "committed"
+SUPERSEDED = "superseded"
+WAITING = "waiting"
+GONE = "gone"
+
+
+# ------------------------------------------------------------ small helpers
+
+PROGRESS_S = 10.0
+"""Seconds between progress lines of one long upload or download."""
+
+
+class Progress:
+    """Logs ``<what>: x of y MiB (r MiB/s)`` every ``every_s`` while a transfer runs.
+
+    Used as a context manager around the transfer; the store calls :meth:`add`
+    as parts of files are confirmed. Short transfers (under ``every_s``) log
+    nothing here.
+    """
+
+    def __init__(self, what: str, total: int, every_s: float) -> None:
+        self.what, self.total, self.every_s = what, total, every_s
+        self._done = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._started = time.monotonic()
+        self._thread: threading.Thread | None = None
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self._done += nbytes
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self._started
+
+    def _report(self) -> None:
+        while not self._stop.wait(self.every_s):
+            with self._lock:
+                done = self._done
+            log.info(
+                "shardckpt: %s: %.1f of %.1f MiB (%.1f MiB/s)",
+                self.what, done / 2**20, self.total / 2**20, done / 2**20 / max(1e-9, self.elapsed()),
+            )
+
+    def __enter__(self) -> "Progress":
+        self._started = time.monotonic()
+        self._thread = threading.Thread(target=self._report, name="shardckpt-progress", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def files_digest(manifest: layout.Manifest) -> str:
+    """Identity of a step's content: the names and checksums of its files."""
+    h = hashlib.sha256()
+    for name in sorted(manifest.files):
+        h.update(f"{name}\0{manifest.files[name].checksum}\n".encode())
+    return h.hexdigest()
+
+
+def step_key(step: int, name: str = "") -> str:
+    return join(layout.step_dirname(step), name)
+
+
+def present_files(step_dir: str, manifest: layout.Manifest) -> list[str]:
+    """Manifest files present in ``step_dir`` with their recorded size."""
+    missing = set(layout.missing_files(step_dir, manifest))
+    return sorted(n for n in manifest.files if n not in missing)
+
+
+def mark_uploaded(step_dir: str, url: str, manifest: layout.Manifest, superseded_by: int | None = None) -> None:
+    body = {"remote": safe_url(url), "files_digest": files_digest(manifest), "time": time.time()}
+    if superseded_by is not None:
+        body["superseded_by"] = superseded_by
+    try:
+        layout.atomic_write_text(os.path.join(step_dir, UPLOADED_NAME), json.dumps(body))
+    except FileNotFoundError:
+        pass  # the step was deleted meanwhile
+
+
+def is_uploaded(step_dir: str, url: str) -> bool:
+    """True when the local step carries a mark that it is committed on ``url``."""
+    try:
+        with open(os.path.join(step_dir, UPLOADED_NAME), encoding="utf-8") as f:
+            body = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return body.get("remote") == safe_url(url)
+
+
+def pending_steps(root: str, url: str) -> list[int]:
+    return [s for s in layout.committed_steps(root) if not is_uploaded(os.path.join(root, layout.step_dirname(s)), url)]
+
+
+def local_bytes(root: str, step: int) -> int:
+    step_dir = os.path.join(root, layout.step_dirname(step))
+    try:
+        manifest = layout.read_manifest(step_dir)
+    except CorruptCheckpointError:
+        return 0
+    if manifest is None:
+        return 0
+    return sum(manifest.files[n].size for n in present_files(step_dir, manifest))
+
+
+
+
+def remote_steps(store: Store, deadline: Deadline) -> list[int]:
+    """Steps committed on the remote (their manifest exists), oldest first."""
+    candidates = []
+    for name in store.list_dirs("", deadline):
+        step = layout.parse_step_dirname(name)
+        if step is not None:
+            candidates.append(step)
+    if not candidates:
+        return []
+    found = store.run_all(
+        [lambda s=s: (s, store.exists(step_key(s, layout.MANIFEST_NAME), deadline)) for s in candidates], files=True
+    )
+    return sorted(s for s, ok in found if ok)
+
+
+def remote_manifest(store: Store, step: int, deadline: Deadline) -> layout.Manifest | None:
+    key = step_key(step, layout.MANIFEST_NAME)
+    data = store.get_bytes(key, deadline)
+    if data is None:
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CorruptCheckpointError(f"remote manifest {store.where(key)} is not UTF-8 text; the step cannot be trusted") from exc
+    manifest = layout.Manifest.from_json(text, store.where(key))
+    if manifest.step != step:
+        raise CorruptCheckpointError(
+            f"remote manifest {store.where(key)} describes step {manifest.step}, not {step}; the step cannot be trusted"
+        )
+    return manifest
+
+
+def delete_remote_step(store: Store, step: int, deadline: Deadline) -> None:
+    """Un-commit first (manifest away), then delete the rest."""
+    store.delete(step_key(step, layout.MANIFEST_NAME), deadline)
+    _failpoints.hit("upload.retention_hidden")
+    store.delete_prefix(layout.step_dirname(step), deadline)
+
+
+# ------------------------------------------------------------ push (upload side)
+
+
+@dataclasses.dataclass
+class PushResult:
+    state: str
+    uploaded_bytes: int = 0
+    detail: str = ""
+
+
+def _marker_name(ranks: list[int]) -> str:
+    return f"ranks-{ranks[0]}-{ranks[-1]}-{len(ranks)}.json"
+
+
+def _committer_file(manifest: layout.Manifest) -> str:
+    if ".metadata" in manifest.files:
+        return ".metadata"
+    return min(manifest.files, key=lambda n: (manifest.files[n].rank, n))
+
+
+def push_step(
+    store: Store,
+    root: str,
+    step: int,
+    *,
+    node: str,
+    policy: RetentionPolicy | None,
+    skip_upload_digest: str | None = None,
+    progress_s: float = PROGRESS_S,
+) -> PushResult:
+    """One pass of the protocol for one step of this node (see the module docstring)."""
+    step_dir = os.path.join(root, layout.step_dirname(step))
+    manifest = layout.read_manifest(step_dir)
+    if manifest is None:
+        return PushResult(GONE)
+    digest = files_digest(manifest)
+    deadline = Deadline(store.options.step_deadline_s)
+    mine = present_files(step_dir, manifest)
+    committer = bool(mine) and _committer_file(manifest) in mine
+    committed = remote_manifest(store, step, deadline)
+    if committed is not None:
+        if files_digest(committed) == digest:
+            mark_uploaded(step_dir, store.url, manifest)
+            return PushResult(COMMITTED, detail="already committed")
+        if committed.created >= manifest.created:
+            raise RemoteError(
+                f"step {step}: {store.where(layout.step_dirname(step))} is already committed with different, "
+                f"newer content (another run writing to the same prefix?); it is not overwritten. Remedy: point "
+                f"remote= at a prefix of its own, or delete that remote step if it is stale."
+            )
+        # This step was saved again locally (e.g. after a rollback): the
+        # committer retires the remote copy of the earlier save first (its
+        # manifest away: the step stops existing remotely), then all nodes
+        # upload the new files as for any step.
+        if not committer:
+            return PushResult(WAITING, detail="waiting for the committing node to retire an earlier save of this step")
+        log.warning(
+            "shardckpt: step %d was saved again locally; retiring its earlier remote copy at %s",
+            step, store.where(layout.step_dirname(step)),
+        )
+        store.delete(step_key(step, layout.MANIFEST_NAME), deadline)
+    if not mine:
+        return _superseded_or(
+            store, step_dir, step, manifest, PushResult(WAITING, detail="this node holds no file of the step"), deadline
+        )
+    ranks = sorted({manifest.files[n].rank for n in mine})
+    marker_key = step_key(step, f"{NODES_DIR}/{_marker_name(ranks)}")
+    marker = {
+        "format": MARKER_FORMAT,
+        "node": node,
+        "ranks": ranks,
+        "files": {n: manifest.files[n].checksum for n in mine},
+        "files_digest": digest,
+    }
+    sent = 0
+    if skip_upload_digest != digest:
+        existing = store.get_bytes(marker_key, deadline)
+        if existing is None or _parse_marker(existing).get("files") != marker["files"]:
+            total = sum(manifest.files[n].size for n in mine)
+            progress = Progress(f"uploading step {step} to {safe_url(store.url)}", total, progress_s)
+
+            def send(name: str) -> None:
+                entry = manifest.files[name]
+                path = os.path.join(step_dir, name)
+                store.put_file(path, step_key(step, name), entry.size, entry.checksum, deadline, progress.add)
+
+            try:
+                with progress:
+                    store.run_all([lambda n=n: send(n) for n in mine], files=True)
+            except FileNotFoundError:
+                if layout.read_manifest(step_dir) is None:
+                    return PushResult(GONE)
+                raise
+            sent = total
+            _failpoints.hit("upload.files_sent")
+            store.put_bytes(marker_key, json.dumps(marker, sort_keys=True).encode(), deadline)
+            _failpoints.hit("upload.marker_written")
+    if not committer:
+        return _superseded_or(store, step_dir, step, manifest, PushResult(WAITING, sent, "waiting for the committing node"), deadline)
+    ready, why = _all_markers_present(store, step, manifest, digest, deadline)
+    if not ready:
+        return _superseded_or(store, step_dir, step, manifest, PushResult(WAITING, sent, why), deadline)
+    with open(os.path.join(step_dir, layout.MANIFEST_NAME), "rb") as f:
+        manifest_bytes = f.read()
+    store.put_bytes(step_key(step, layout.MANIFEST_NAME), manifest_bytes, deadline)
+    _failpoints.hit("upload.manifest_written")
+    mark_uploaded(step_dir, store.url, manifest)
+    if policy is not None:
+        apply_remote_retention(store, policy, deadline)
+    return PushResult(COMMITTED, sent)
+
+
+def _superseded_or(
+    store: Store, step_dir: str, step: int, manifest: layout.Manifest, waiting: PushResult, deadline: Deadline
+) -> PushResult:
+    """A step still waiting while a newer step is committed remotely is superseded.
+
+    (Its commit may have come and gone: remote retention may have removed it
+    before this node looked.) It is marked done locally, which lets local
+    retention drop it; the newer step is the one that is safe remotely.
+    """
+    newer = [s for s in remote_steps(store, deadline) if s > step]
+    if not newer:
+        return waiting
+    latest = remote_manifest(store, newer[-1], deadline)
+    if latest is None or latest.created < manifest.created:
+        return waiting  # an older timeline's step (this one was saved after a rollback)
+    mark_uploaded(step_dir, store.url, manifest, superseded_by=newer[-1])
+    return PushResult(SUPERSEDED, waiting.uploaded_bytes, f"superseded by step {newer[-1]}, committed remotely")
+
+
+def _parse_marker(data: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return {}
+    return body if isinstance(body, dict) and body.get("format") == MARKER_FORMAT else {}
+
+
+def _all_markers_present(
+    store: Store, step: int, manifest: layout.Manifest, digest: str, deadline: Deadline
+) -> tuple[bool, str]:
+    names = [n for n in store.list_sizes(step_key(step, NODES_DIR), deadline) if n.endswith(".json")]
+    bodies = store.run_all(
+        [lambda n=n: store.get_bytes(step_key(step, f"{NODES_DIR}/{n}"), deadline) for n in names], files=True
+    )
+    covered: set[str] = set()
+    for body in bodies:
+        marker = _parse_marker(body or b"")
+        if marker.get("files_digest") != digest:
+            continue  # a stale marker of another save of this step number
+        for name, sha in marker.get("files", {}).items():
+            entry = manifest.files.get(name)
+            if entry is not None and entry.checksum == sha:
+                covered.add(name)
+    missing = sorted(set(manifest.files) - covered)
+    if missing:
+        return False, f"waiting for node markers covering {len(missing)} file(s), e.g. {missing[0]}"
+    sizes = store.list_sizes(layout.step_dirname(step), deadline)
+    wrong = [n for n, e in manifest.files.items() if sizes.get(n) != e.size]
+    if wrong:
+        return False, f"object {store.where(step_key(step, wrong[0]))} is missing or has the wrong size"
+    return True, ""
+
+
+def apply_remote_retention(store: Store, policy: RetentionPolicy, deadline: Deadline) -> list[int]:
+    steps = remote_steps(store, deadline)
+    doomed = plan_deletions(steps, policy)
+    for old in doomed:
+        delete_remote_step(store, old, deadline)
+        log.info("shardckpt: remote retention removed step %d from %s", old, safe_url(store.url))
+    return doomed
+
+
+# ------------------------------------------------------------ pull (restore side)
+
+
+def fetch_step(
+    store: Store,
+    root: str,
+    step: int,
+    *,
+    names: list[str] | None = None,
+    manifest: layout.Manifest | None = None,
+    progress_s: float = PROGRESS_S,
+) -> set[str]:
+    """Bring the remote ``step`` into ``root``; return the names fetched (each verified).
+
+    When ``root`` already holds the committed step, only ``names`` (default:
+    the files missing locally) are fetched into it. Otherwise the step is
+    fetched into a partial directory and committed locally (manifest last)
+    only after every file passed its checksum.
+    """
+    deadline = Deadline(store.options.step_deadline_s)
+    step_dir = os.path.join(root, layout.step_dirname(step))
+    local_manifest = layout.read_manifest(step_dir)
+    remote = manifest or remote_manifest(store, step, deadline)
+    if remote is None:
+        raise RemoteError(
+            f"step {step} is not committed on {safe_url(store.url)} (no manifest). "
+            f"Remedy: pick a committed step (shardckpt ls on the remote) or check the URL."
+        )
+    if local_manifest is not None:
+        if files_digest(local_manifest) != files_digest(remote):
+            raise CorruptCheckpointError(
+                f"step {step}: the local copy {step_dir} and the remote copy {store.where(layout.step_dirname(step))} "
+                f"differ; refusing to mix them. Remedy: delete the local step directory, or load another step."
+            )
+        wanted = sorted(names) if names is not None else layout.missing_files(step_dir, local_manifest)
+        target = step_dir
+    else:
+        wanted = sorted(remote.files)
+        os.makedirs(root, exist_ok=True)
+        target = os.path.join(root, layout.partial_dirname(step, "fetch-" + uuid.uuid4().hex[:8]))
+        os.makedirs(target)
+    total = sum(remote.files[n].size for n in wanted)
+    progress = Progress(f"fetching step {step} from {safe_url(store.url)}", total, progress_s)
+
+    def one(name: str) -> None:
+        entry = remote.files[name]
+        final = os.path.join(target, name)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        tmp = f"{final}.fetch-{uuid.uuid4().hex[:8]}"
+        try:
+            store.get_file(step_key(step, name), tmp, entry.size, entry.checksum, deadline, progress.add)
+            os.replace(tmp, final)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    try:
+        with progress:
+            store.run_all([lambda n=n: one(n) for n in wanted], files=True)
+        if target != step_dir:
+            layout.atomic_write_text(os.path.join(target, layout.MANIFEST_NAME), remote.to_json())
+            mark_uploaded(target, store.url, remote)
+            _commit_fetched(root, target, step_dir)
+        else:
+            mark_uploaded(step_dir, store.url, remote)
+    except BaseException:
+        if target != step_dir:
+            shutil.rmtree(target, ignore_errors=True)
+        raise
+    took = progress.elapsed()
+    if wanted:
+        log.info(
+            "shardckpt: fetched %d file(s) of step %d from %s: %.1f MiB in %.2f s",
+            len(wanted), step, safe_url(store.url), total / 2**20, took,
+        )
+    return set(wanted)
+
+
+def _commit_fetched(root: str, partial: str, step_dir: str) -> None:
+    if os.path.isdir(step_dir):
+        if layout.read_manifest(step_dir) is not None:
+            shutil.rmtree(partial, ignore_errors=True)  # someone else committed it meanwhile
+            return
+        trash = os.path.join(root, f"{layout.TRASH_PREFIX}{os.path.basename(step_dir)}-{uuid.uuid4().hex[:8]}")
+        os.replace(step_dir, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    try:
+        os.replace(partial, step_dir)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST) and layout.read_manifest(step_dir) is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+            return
+        raise
+    layout.fsync_dir(root)

@@ -1,0 +1,341 @@
+"""The per-node uploader daemon: ``shardckpt sync``.
+
+One process per node (per local directory) uploads every committed local
+step to the remote and commits it there with the protocol of
+:mod:`shardckpt.remote_commit`. It is started by a trainer (see
+:mod:`shardckpt.uploader_client`), by a sidecar or by systemd, holds
+``uploader.lock`` so that a second one exits at once, and reports through
+``status.json`` (:mod:`shardckpt.node_registry`). It imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+from . import layout
+from .node_registry import proc_start, state_dir, trainers_alive
+from .errors import RemoteError
+from .remote import Deadline, Store, redact, safe_url
+from .remote_commit import COMMITTED, SUPERSEDED, WAITING, files_digest, local_bytes, pending_steps, push_step, remote_steps
+from .retention import RetentionPolicy
+
+log = logging.getLogger("shardckpt")
+
+
+@dataclasses.dataclass
+class _StepState:
+    attempts: int = 0
+    next_try: float = 0.0
+    error: str | None = None
+    permanent: bool = False
+    marker_digest: str | None = None
+    waiting: str = ""
+    first_seen: float = dataclasses.field(default_factory=time.monotonic)
+
+
+class Uploader:
+    """Uploads every committed step of one node's ``local_dir`` to the remote.
+
+    ``exit_when_idle``: exit once nothing is pending and no trainer of this
+    node is alive (how the trainer-started uploader ends). ``once``: exit
+    once nothing is pending or every pending step failed once. Otherwise run
+    until SIGTERM / SIGINT (a sidecar).
+    """
+
+    def __init__(
+        self,
+        root: str,
+        store: Store,
+        *,
+        node: str,
+        policy: RetentionPolicy | None = None,
+        poll_s: float = 0.5,
+        exit_when_idle: bool = False,
+        once: bool = False,
+        give_up_s: float = 600.0,
+    ) -> None:
+        self.root = os.path.abspath(root)
+        self.store = store
+        self.node = node
+        self.policy = policy
+        self.poll_s = poll_s
+        self.exit_when_idle = exit_when_idle
+        self.once = once
+        self.give_up_s = give_up_s
+        self.steps: dict[int, _StepState] = {}
+        self.latest_remote: int | None = None
+        self.last_error: str | None = None
+        self.last_error_step: int | None = None
+        self.last_error_time: float | None = None
+        self.uploaded_bytes = 0
+        self._stop = threading.Event()
+        self._lock_fd: int | None = None
+        self._last_status: dict[str, Any] = {}
+        self._last_status_time = 0.0
+        self._last_progress = time.monotonic()
+
+    # ---- lifecycle
+
+    def acquire_lock(self, wait_s: float = 2.0) -> bool:
+        os.makedirs(state_dir(self.root), exist_ok=True)
+        fd = os.open(os.path.join(state_dir(self.root), "uploader.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        end = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                if time.monotonic() >= end:
+                    os.close(fd)
+                    return False
+                time.sleep(0.1)
+                continue
+            self._lock_fd = fd
+            return True
+
+    def stop(self, *_: Any) -> None:
+        self._stop.set()
+
+    def run(self) -> int:
+        if not self.acquire_lock():
+            log.info("shardckpt: an uploader already serves %s; this one exits", self.root)
+            return 0
+        log.info("shardckpt: uploader (pid %d, node %s) syncing %s -> %s", os.getpid(), self.node, self.root, safe_url(self.store.url))
+        try:
+            return self._loop()
+        finally:
+            self.store.close()
+            self._write_status("exited")
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+
+    def _loop(self) -> int:
+        try:
+            known = remote_steps(self.store, Deadline(self.store.options.step_deadline_s))
+            self.latest_remote = known[-1] if known else None
+        except RemoteError as exc:
+            self._record_error(None, exc)
+        while not self._stop.is_set():
+            pending = self.tick()
+            self._write_status("running", pending)
+            now = time.monotonic()
+            if not pending:
+                if self.once:
+                    return 0
+                if self.exit_when_idle and not trainers_alive(self.root):
+                    log.info("shardckpt: uploader idle and no trainer left on this node; exiting")
+                    return 0
+            else:
+                if self.once and (
+                    all(s in self.steps and self.steps[s].attempts > 0 for s in pending)
+                    or now - self._last_progress > self.give_up_s
+                ):
+                    log.error("shardckpt: steps %s are not committed on %s (last error: %s)", pending, safe_url(self.store.url), self.last_error)
+                    return 1
+                if (
+                    self.exit_when_idle
+                    and not trainers_alive(self.root)
+                    and now - self._last_progress > self.give_up_s
+                ):
+                    log.error(
+                        "shardckpt: uploader gives up: steps %s are still not committed on %s after %.0f s "
+                        "without progress and no trainer is left (last error: %s). Remedy: fix the cause, then "
+                        "run `shardckpt sync --local %s --remote %s --once`.",
+                        pending, safe_url(self.store.url), self.give_up_s, self.last_error, self.root,
+                        safe_url(self.store.url),
+                    )
+                    return 1
+            self._stop.wait(self.poll_s)
+        return 0
+
+    def tick(self) -> list[int]:
+        """One pass over the pending steps; returns the steps still pending."""
+        pending = pending_steps(self.root, self.store.url)
+        for step in list(self.steps):
+            if step not in pending:
+                del self.steps[step]
+        now = time.monotonic()
+        for step in pending:
+            if self._stop.is_set():
+                break
+            st = self.steps.setdefault(step, _StepState())
+            if now < st.next_try:
+                continue
+            t0 = time.monotonic()
+            try:
+                result = push_step(
+                    self.store, self.root, step, node=self.node, policy=self.policy, skip_upload_digest=st.marker_digest
+                )
+            except Exception as exc:  # noqa: BLE001 - reported and retried later
+                st.attempts += 1
+                st.error = redact(str(exc))
+                st.permanent = getattr(exc, "retryable", True) is False
+                delay = min(60.0, 1.0 * 2 ** min(st.attempts - 1, 6))
+                st.next_try = time.monotonic() + delay
+                self._record_error(step, exc)
+                log.error("shardckpt: upload of step %d failed (attempt %d; retry in %.0f s): %s", step, st.attempts, delay, st.error)
+                continue
+            st.permanent = False
+            if result.uploaded_bytes:
+                self.uploaded_bytes += result.uploaded_bytes
+                self._last_progress = time.monotonic()
+            if result.state == COMMITTED:
+                self._last_progress = time.monotonic()
+                self.latest_remote = max(step, self.latest_remote or step)
+                if self.last_error_step == step:
+                    self.last_error = None
+                    self.last_error_step = None
+                log.info(
+                    "shardckpt: step %d committed on %s (%s, %.2f s)", step, safe_url(self.store.url),
+                    f"{result.uploaded_bytes / 2**20:.1f} MiB uploaded by this node" if result.uploaded_bytes else result.detail or "no bytes",
+                    time.monotonic() - t0,
+                )
+                self.steps.pop(step, None)
+            elif result.state == WAITING:
+                manifest = layout.read_manifest(os.path.join(self.root, layout.step_dirname(step)))
+                st.marker_digest = files_digest(manifest) if manifest is not None and result.detail != "this node holds no file of the step" else None
+                st.waiting = result.detail
+                st.next_try = time.monotonic() + min(5.0, max(self.poll_s, 0.25 * (1 + st.attempts)))
+            elif result.state == SUPERSEDED:
+                self._last_progress = time.monotonic()
+                log.info("shardckpt: step %d is not committed remotely but %s; not uploaded further", step, result.detail)
+                self.steps.pop(step, None)
+            else:
+                self.steps.pop(step, None)
+        return pending_steps(self.root, self.store.url)
+
+    def _record_error(self, step: int | None, exc: BaseException) -> None:
+        self.last_error = redact(f"{type(exc).__name__}: {exc}")
+        self.last_error_step = step
+        self.last_error_time = time.time()
+
+    def _write_status(self, state: str, pending: list[int] | None = None) -> None:
+        pending = pending if pending is not None else pending_steps(self.root, self.store.url)
+        steps = layout.committed_steps(self.root)
+        body = {
+            "state": state,
+            "pid": os.getpid(),
+            "pid_start": proc_start(os.getpid()),
+            "node": self.node,
+            "remote": safe_url(self.store.url),
+            "latest_local": steps[-1] if steps else None,
+            "latest_remote": self.latest_remote,
+            "pending_steps": pending,
+            "pending_bytes": sum(local_bytes(self.root, s) for s in pending if self.steps.get(s) is None or self.steps[s].marker_digest is None),
+            "waiting": {str(s): st.waiting for s, st in self.steps.items() if st.waiting and s in pending},
+            "failed": {str(s): st.error for s, st in self.steps.items() if st.error and s in pending},
+            # Pending steps whose last attempt failed for a reason retries do not fix.
+            "failed_permanently": sorted(s for s, st in self.steps.items() if st.permanent and s in pending),
+            "last_error": self.last_error,
+            "last_error_step": self.last_error_step,
+            "last_error_time": self.last_error_time,
+            "uploaded_bytes": self.uploaded_bytes,
+        }
+        now = time.monotonic()
+        if state == "running" and body == self._last_status and now - self._last_status_time < 5.0:
+            return  # unchanged: spare the disk a write + fsync per poll
+        self._last_status, self._last_status_time = dict(body), now
+        body["updated"] = time.time()
+        try:
+            os.makedirs(state_dir(self.root), exist_ok=True)
+            layout.atomic_write_text(os.path.join(state_dir(self.root), "status.json"), json.dumps(body, indent=1))
+        except OSError as exc:
+            log.warning("shardckpt: cannot write the uploader status under %s: %s", self.root, exc)
+
+
+def run_uploader(uploader: Uploader) -> int:
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        try:
+            signal.signal(signum, uploader.stop)
+        except ValueError:
+            pass
+    return uploader.run()
+
+
+def add_transfer_args(p: Any) -> None:
+    """Arguments shared by ``shardckpt sync | push | pull``."""
+    p.add_argument("--local", required=True, help="the node's local checkpoint directory (local_dir)")
+    p.add_argument("--remote", required=True, help="remote URL: s3://bucket/prefix, file:///mnt/nfs/run, ...")
+    p.add_argument("--endpoint-url", help="S3-compatible endpoint (default: AWS_ENDPOINT_URL or AWS)")
+    p.add_argument("--node", help="this node's name in its upload markers (default: hostname)")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
+    p.add_argument("--part-size", type=int, default=32 << 20, help="multipart part size in bytes (default 32 MiB)")
+    p.add_argument("--request-timeout", type=float, default=60.0, help="seconds per request (default 60)")
+    p.add_argument("--max-attempts", type=int, default=8, help="attempts per request (default 8)")
+    p.add_argument("--backoff-max", type=float, default=10.0, help="cap of the retry backoff in seconds (default 10)")
+    p.add_argument("--step-deadline", type=float, default=1800.0, help="seconds per step before it is retried later")
+
+
+def add_sync_args(p: Any) -> None:
+    add_transfer_args(p)
+    p.add_argument("--keep-last", type=int, help="remote retention: keep the newest N committed steps")
+    p.add_argument("--keep-every", type=int, help="remote retention: also keep every multiple of K")
+    p.add_argument("--once", action="store_true", help="exit when nothing is pending (status 1 if a step failed)")
+    p.add_argument("--exit-when-idle", action="store_true", help="exit when nothing is pending and no trainer of this node is alive")
+    p.add_argument("--poll", type=float, default=0.5, help="seconds between scans of the local directory")
+    p.add_argument("--give-up", type=float, default=600.0, help="with --exit-when-idle/--once: exit after this many seconds without progress")
+
+
+def store_from_args(args: Any) -> Store:
+    from .options import CheckpointConfig
+    from .remote import open_store
+
+    cfg = CheckpointConfig(
+        local_dir=args.local,
+        remote=args.remote,
+        endpoint_url=args.endpoint_url,
+        transfer_concurrency=args.concurrency,
+        part_size=args.part_size,
+        request_timeout_s=args.request_timeout,
+        remote_max_attempts=args.max_attempts,
+        backoff_max_s=args.backoff_max,
+        step_deadline_s=args.step_deadline,
+        preemption_signals=(),
+    )
+    return open_store(args.remote, cfg.transfer_options())
+
+
+def policy_from_args(args: Any) -> RetentionPolicy | None:
+    from .retention import policy_from
+
+    if getattr(args, "keep_last", None) is None:
+        return None
+    return policy_from(args.keep_last, args.keep_every)
+
+
+def sync_from_args(args: Any) -> int:
+    uploader = Uploader(
+        args.local,
+        store_from_args(args),
+        node=args.node or socket.gethostname(),
+        policy=policy_from_args(args),
+        poll_s=args.poll,
+        exit_when_idle=args.exit_when_idle,
+        once=args.once,
+        give_up_s=args.give_up,
+    )
+    return run_uploader(uploader)
+
+
+def sync_main(argv: list[str]) -> int:
+    """Entry point of the uploader process started by a trainer (no torch import)."""
+    import argparse
+
+    logger = logging.getLogger("shardckpt")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(os.environ.get("SHARDCKPT_LOG_LEVEL", "INFO").upper())
+        logger.propagate = False
+    parser = argparse.ArgumentParser(prog="shardckpt sync")
+    add_sync_args(parser)
+    return sync_from_args(parser.parse_args(argv))

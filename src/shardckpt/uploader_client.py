@@ -1,0 +1,217 @@
+"""The trainer's side of the uploader: start it, read its status, wait for it to drain.
+
+The uploader itself (:mod:`shardckpt.uploader`) is a separate process per
+node; the trainer never talks to it directly. It registers itself as a live
+trainer of the node (so the uploader knows when to exit), starts the
+uploader when none runs (``uploader="auto"``), reads ``status.json`` for
+``Checkpointer.status()``, and on ``close()`` waits, bounded, until this
+node's committed steps are committed remotely.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from . import _dist, layout, remote_commit
+from .node_registry import read_status, register_trainer, state_dir, unregister_trainer, uploader_running
+from .options import CheckpointConfig, UploaderMode
+from ._text import fmt_bytes
+from .remote import safe_url
+
+log = logging.getLogger("shardckpt")
+
+
+# The uploader forks once more and the intermediate exits: the uploader is
+# then no descendant of the trainer (a kill of the trainer's process tree
+# spares it) and runs in a session of its own. It imports only this module's
+# dependencies (no torch): a stub package object stands in for
+# shardckpt/__init__.py, which imports torch.
+_BOOTSTRAP = (
+    "import os, sys, types\n"
+    "if os.fork() > 0:\n"
+    "    os._exit(0)\n"
+    "pkg = types.ModuleType('shardckpt'); pkg.__path__ = [sys.argv[1]]; sys.modules['shardckpt'] = pkg\n"
+    "from shardckpt.uploader import sync_main\n"
+    "sys.exit(sync_main(sys.argv[2:]))\n"
+)
+
+
+def spawn_uploader(root: str, url: str, args: list[str]) -> None:
+    """Start the uploader for ``root`` detached from the trainer (it outlives it).
+
+    Returns once the uploader is forked; it reports through ``status.json``.
+    """
+    directory = state_dir(root)
+    os.makedirs(directory, exist_ok=True)
+    env = dict(os.environ)
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)
+    package_dir = os.path.dirname(os.path.abspath(__file__))
+    logfile = open(os.path.join(directory, "uploader.log"), "ab")
+    try:
+        cmd = [sys.executable, "-c", _BOOTSTRAP, package_dir, "--local", root, "--remote", url, *args]
+        launcher = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT,
+            start_new_session=True, close_fds=True, cwd=root,
+        )
+    finally:
+        logfile.close()
+    launcher.wait(timeout=60)  # the intermediate exits right after its fork
+
+
+
+
+class UploaderClient:
+    """This trainer process's view of its node's uploader (``remote`` set)."""
+
+    def __init__(self, config: CheckpointConfig, root: str) -> None:
+        self.config = config
+        self.root = root
+        self.url = config.remote
+        self._spawned_at: float | None = None
+        self._trainer_file: str | None = None
+        self.drain_report: dict[str, Any] | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.config.uploader != UploaderMode.OFF
+
+    def start(self) -> None:
+        """Register this process as a trainer of the node; local rank 0 starts the uploader."""
+        if not self.active:
+            return
+        os.makedirs(self.root, exist_ok=True)
+        self._trainer_file = register_trainer(self.root)
+        if self.config.uploader != UploaderMode.AUTO or _dist.local_rank() != 0:
+            return
+        running = uploader_running(self.root)
+        if running is not None:
+            log.info("shardckpt: uploader pid %d already serves %s", running, self.root)
+            return
+        spawn_uploader(self.root, self.url, self.uploader_args())
+        self._spawned_at = time.monotonic()
+        log.info(
+            "shardckpt: started the uploader for %s -> %s; log in %s",
+            self.root, safe_url(self.url), os.path.join(state_dir(self.root), "uploader.log"),
+        )
+
+    def uploader_args(self) -> list[str]:
+        cfg = self.config
+        args = [
+            "--exit-when-idle",
+            "--node", _dist.node_id(),
+            "--concurrency", str(cfg.transfer_concurrency),
+            "--part-size", str(cfg.part_size),
+            "--request-timeout", str(cfg.request_timeout_s),
+            "--max-attempts", str(cfg.remote_max_attempts),
+            "--backoff-max", str(cfg.backoff_max_s),
+            "--step-deadline", str(cfg.step_deadline_s),
+        ]
+        if cfg.endpoint_url:
+            args += ["--endpoint-url", cfg.endpoint_url]
+        if cfg.remote_keep_last is not None:
+            args += ["--keep-last", str(cfg.remote_keep_last)]
+        if cfg.remote_keep_every is not None:
+            args += ["--keep-every", str(cfg.remote_keep_every)]
+        return args
+
+    def status(self, known_remote: set[int]) -> dict[str, Any]:
+        """The ``Checkpointer.status()`` fields of the remote tier (no remote request)."""
+        url = self.url
+        info = read_status(self.root)
+        pending = remote_commit.pending_steps(self.root, url) if self.active else []
+        marked = [
+            s for s in layout.committed_steps(self.root)
+            if remote_commit.is_uploaded(os.path.join(self.root, layout.step_dirname(s)), url)
+        ]
+        known = [s for s in (info.get("latest_remote"), marked[-1] if marked else None) if isinstance(s, int)]
+        known += list(known_remote)
+        pid = uploader_running(self.root)
+        return {
+            "remote": safe_url(url),
+            "latest_remote": max(known) if known else None,
+            "pending_upload_steps": pending,
+            "pending_upload_bytes": sum(remote_commit.local_bytes(self.root, s) for s in pending),
+            "last_upload_error": info.get("last_error"),
+            "uploader": {"pid": pid, "running": pid is not None, "state": info.get("state"), "mode": self.config.uploader.value},
+            "drain": self.drain_report,
+        }
+
+    def close(self, timeout: float | None) -> None:
+        try:
+            if self.active and _dist.local_rank() == 0:
+                self.drain_report = self.drain(timeout)
+        finally:
+            unregister_trainer(self._trainer_file)
+            self._trainer_file = None
+
+    def drain(self, timeout: float | None) -> dict[str, Any]:
+        """Wait until this node's committed steps are committed remotely (bounded).
+
+        Ends early when the uploader reports every pending step as failed for a
+        reason retries cannot fix (see ``remote.RemoteError.retryable``); the
+        report's ``ended`` says why the wait stopped.
+        """
+        url = self.url
+        limit = self.config.drain_timeout_s if timeout is None else min(timeout, self.config.drain_timeout_s)
+        t0 = time.monotonic()
+        last_log = t0
+        ended = "uploaded"
+        while True:
+            pending = remote_commit.pending_steps(self.root, url)
+            running = uploader_running(self.root)
+            starting = (
+                running is None
+                and self._spawned_at is not None
+                and read_status(self.root).get("state") is None
+                and time.monotonic() - self._spawned_at < 60.0
+            )
+            waited = time.monotonic() - t0
+            if not pending:
+                break
+            if running is None and not starting and waited > 5.0:
+                ended = "no uploader running"
+                break
+            if waited >= limit:
+                ended = "drain_timeout_s"
+                break
+            # The uploader found that retrying will not help (a missing bucket, rejected
+            # credentials): waiting out drain_timeout_s would only delay the report.
+            if running is not None and set(pending) <= set(read_status(self.root).get("failed_permanently") or []):
+                ended = "permanent upload error"
+                break
+            if time.monotonic() - last_log >= 10.0:
+                last_log = time.monotonic()
+                log.info("shardckpt: close() waits for uploads of steps %s to %s", pending, safe_url(url))
+            time.sleep(0.2)
+        info = read_status(self.root)
+        report = {
+            "pending_steps": pending,
+            "pending_bytes": sum(remote_commit.local_bytes(self.root, s) for s in pending),
+            "uploader_running": running is not None,
+            "last_error": info.get("last_error"),
+            "waited_s": round(time.monotonic() - t0, 3),
+            "ended": ended,
+        }
+        if pending:
+            if running is not None:
+                what = (
+                    f"the uploader (pid {running}) keeps working on them after this process exits; "
+                    f"its log is {os.path.join(state_dir(self.root), 'uploader.log')}"
+                )
+            else:
+                what = (
+                    f"no uploader is running: run `shardckpt sync --local {self.root} --remote "
+                    f"{safe_url(url)} --once` to upload them"
+                )
+            log.warning(
+                "shardckpt: close(): steps %s (%s) of %s are not yet committed on %s after %.0f s; %s. Last upload error: %s",
+                pending, fmt_bytes(report["pending_bytes"]), self.root, safe_url(url), report["waited_s"], what,
+                report["last_error"],
+            )
+        return report
