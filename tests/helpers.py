@@ -112,3 +112,36 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None
             raise AssertionError(f"job exited ({proc.returncode}) before {what}:\n{log}")
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def run_two_nodes(nproc: int, script: str | Path, *args: str, timeout: float = 300, env: dict | None = None,
+                  log_dir: Path | None = None) -> list[str]:
+    """Run ``script`` as a 2-node job: two torchrun launchers (node ranks 0 and 1) on this machine.
+
+    Each launcher sees its own ``GROUP_RANK``, as on two machines. Raises with
+    both logs when either fails; returns their outputs.
+    """
+    port = free_port()
+    procs, logs = [], []
+    for node in range(2):
+        log_path = (log_dir or Path("/tmp")) / f"node{node}-{port}.log"
+        logs.append(log_path)
+        procs.append(start_torchrun(nproc, script, *args, nnodes=2, node_rank=node, port=port, env=env,
+                                    log_path=log_path))
+    try:
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_job(proc)
+    outputs = [Path(p).read_text() for p in logs]
+    if any(proc.returncode != 0 for proc in procs):
+        raise AssertionError(
+            f"2-node job {script} {args} failed ({[p.returncode for p in procs]}):\n"
+            + "\n".join(f"--- node {i}:\n{out[-5000:]}" for i, out in enumerate(outputs))
+        )
+    return outputs

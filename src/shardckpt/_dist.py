@@ -57,14 +57,33 @@ class SideGroups:
         self.ctl: Any = None
         self._ready = False
 
-    def ensure(self) -> None:
+    def ensure(self) -> bool:
+        """Create the groups on first use; True when this call created them."""
         if self._ready or not is_dist():
-            return
+            return False
         # new_group is collective over the default group: every rank reaches
         # this point in the same order (first save or first load).
         self.io = dist.new_group(backend="gloo", timeout=self.timeout)
         self.ctl = dist.new_group(backend="gloo", timeout=self.timeout)
         self._ready = True
+        return True
+
+    def destroy(self, *, io: bool = True) -> None:
+        """Release the groups' sockets (each Checkpointer has its own pair).
+
+        ``io=False`` keeps the writer's group: a write still in flight uses it.
+        """
+        if not self._ready or not is_dist():
+            return
+        for name in ("io", "ctl") if io else ("ctl",):
+            group = getattr(self, name)
+            setattr(self, name, None)
+            if group is not None:
+                try:
+                    dist.destroy_process_group(group)
+                except (RuntimeError, ValueError):
+                    pass  # the default group is gone already: so are its subgroups
+        self._ready = False
 
     # ---- main-thread (ctl) helpers
 

@@ -1,24 +1,50 @@
-"""Named kill points for crash-consistency testing.
+"""Named fault points for crash-consistency and failure testing.
 
-``SHARDCKPT_FAILPOINTS="commit.before_rename"`` (a comma-separated list,
-each ``name`` or ``name@N`` for the N-th time it is reached) makes the
-process SIGKILL itself at that point, the way a preempted machine dies. It is
-read once at import; unset (the default) every ``hit`` is a dict lookup.
-With ``SHARDCKPT_FAILPOINTS_LOG=FILE`` the process first appends
+``SHARDCKPT_FAILPOINTS="commit.renamed"`` (a comma-separated list, each
+``name`` or ``name@N`` for the N-th time it is reached) makes the process
+SIGKILL itself at that point, the way a preempted machine dies; an item
+``raise:name[@N]`` raises :class:`InjectedFault` there instead, the way a
+failing disk or a full filesystem does. The variable is read once at
+import; unset (the default) every ``hit`` is a dict lookup.
+With ``SHARDCKPT_FAILPOINTS_LOG=FILE`` a killed process first appends
 ``<name> <pid>`` to FILE, so a test harness knows which point killed whom.
+
+In-process, :func:`arm` does the same for the current process only (a test
+program arms one rank to fail while the others go on).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from typing import Any
 
-_SPEC: dict[str, int] = {}
+KILL, RAISE = "kill", "raise"
+
+_SPEC: dict[str, tuple[int, str]] = {}
 _COUNTS: dict[str, int] = {}
 
+
+class InjectedFault(OSError):
+    """The fault a ``raise`` point injects (an OSError, as a real I/O failure would be)."""
+
+
+def arm(name: str, action: Any = RAISE, nth: int = 1) -> None:
+    """Make the ``nth`` next hit of ``name`` in this process ``raise``, ``kill``, or call ``action()``.
+
+    A callable lets a test act at that exact point (save the step again while
+    it uploads, stall a write); it runs once, in the thread that hits the point.
+    """
+    if action not in (KILL, RAISE) and not callable(action):
+        raise ValueError(f"unknown fault action {action!r}")
+    _COUNTS[name] = 0
+    _SPEC[name] = (nth, action)
+
+
 for _item in filter(None, (s.strip() for s in os.environ.get("SHARDCKPT_FAILPOINTS", "").split(","))):
-    _name, _, _nth = _item.partition("@")
-    _SPEC[_name] = int(_nth) if _nth else 1
+    _action, _, _rest = _item.rpartition(":")
+    _name, _, _nth = _rest.partition("@")
+    arm(_name, _action or KILL, int(_nth) if _nth else 1)
 
 POINTS = (
     "save.staged",  # state copied to host buffers, nothing written yet
@@ -27,7 +53,11 @@ POINTS = (
     "commit.renamed",  # step visible, other ranks may not have seen it
     "retention.hidden",  # an old step lost its manifest, files not yet removed
 )
+"""The trainer's kill points, in the order a save reaches them (the kill soak walks them)."""
 
+# Also reached, not walked by the soak: "write.hashed" (this rank hashed its
+# files, before the exchange of file tables) and "remote.file_written" (a
+# file:// remote object written under its temporary name, not yet renamed).
 
 # Inside the uploader process (``shardckpt.uploader``): the remote commit protocol.
 UPLOADER_POINTS = (
@@ -42,12 +72,19 @@ def hit(name: str) -> None:
     if not _SPEC or name not in _SPEC:
         return
     _COUNTS[name] = _COUNTS.get(name, 0) + 1
-    if _COUNTS[name] == _SPEC[name]:
-        log = os.environ.get("SHARDCKPT_FAILPOINTS_LOG")
-        if log:
-            try:
-                with open(log, "a", encoding="utf-8") as f:
-                    f.write(f"{name} {os.getpid()}\n")
-            except OSError:
-                pass
-        os.kill(os.getpid(), signal.SIGKILL)
+    nth, action = _SPEC[name]
+    if _COUNTS[name] != nth:
+        return
+    if callable(action):
+        action()
+        return
+    if action == RAISE:
+        raise InjectedFault(f"fault injected at {name}")
+    log = os.environ.get("SHARDCKPT_FAILPOINTS_LOG")
+    if log:
+        try:
+            with open(log, "a", encoding="utf-8") as f:
+                f.write(f"{name} {os.getpid()}\n")
+        except OSError:
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -28,11 +28,12 @@ import logging
 import os
 import shutil
 import time
+import uuid
 from typing import Any
 
 import torch
 
-from . import _dist, _failpoints, layout, remote, remote_commit
+from . import _dist, _failpoints, layout, remote, remote_commit, topology
 from . import elastic as elastic_mod
 from . import state as state_mod
 from ._text import fmt_bytes
@@ -56,6 +57,8 @@ class SaveHandle:
     def __init__(self, step: int, future: concurrent.futures.Future) -> None:
         self.step = step
         self._future = future
+        self.reported = False
+        """Its failure was raised to the caller already (by this handle): not raised again."""
 
     def done(self) -> bool:
         return self._future.done()
@@ -66,6 +69,9 @@ class SaveHandle:
             return self._future.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"step {self.step} was not committed within {timeout} s") from None
+        except BaseException:
+            self.reported = True
+            raise
 
     def __repr__(self) -> str:
         return f"SaveHandle(step={self.step}, done={self.done()})"
@@ -87,6 +93,7 @@ class Checkpointer:
         if self.config.remote is not None:
             remote.check_remote_url(self.config.remote)
         self.root = os.path.abspath(self.config.local_dir)
+        _check_writable(self.root)
         self._groups = _dist.SideGroups(self.config.collective_timeout_s)
         pin = self.config.pin_memory
         if pin is None:
@@ -95,16 +102,23 @@ class Checkpointer:
         self._policy = SavePolicy(self.config, self._groups)
         self._writer = StepWriter(self.config, self.root, self._groups, self._deletable)
         self._restorer = Restorer(self.config, self.root, self._groups)
+        self._topology_known = False
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardckpt-save")
         self._pending: SaveHandle | None = None
-        self._failed: BaseException | None = None
+        self._last_error: str | None = None
         self._preempted = False
         self._closed = False
-        self._policy.install_signal_handlers()
         self._uploads: UploaderClient | None = None
         if self.config.remote is not None:
             self._uploads = UploaderClient(self.config, self.root)
-            self._uploads.start()
+            try:
+                self._uploads.register()
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot set up the uploader for {self.root} ({type(exc).__name__}: {exc}). Remedy: make "
+                    f"local_dir a writable directory, or set uploader='off' to only restore from the remote."
+                ) from exc
+        self._policy.install_signal_handlers()
 
     # ---------------------------------------------------------------- public
 
@@ -145,14 +159,20 @@ class Checkpointer:
         Returns a :class:`SaveHandle` when a save started, ``None`` when skipped.
         Blocks only while the state is copied into host memory, unless the
         mode is ``sync`` or a preemption signal arrived: then it returns once
-        the step is committed.
+        the step is committed. A failure of the previous save is raised here
+        (as :class:`SaveError`) by the next call that saves, on every rank.
         """
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
-        self._raise_failed()
         t_start = time.monotonic()
-        self._groups.ensure()
+        self._ensure_ready()
+        self._policy.report_signal()
+        if self._uploads is not None:
+            self._uploads.check_health()
+        # Every path from here resolves one vote and starts one (policy.py), so
+        # the ranks stay in step whatever happens; a failed earlier save is
+        # raised by _wait_previous, at the same call on every rank.
         try:
             decision = self._policy.decide(step, force)
             if not decision.due:
@@ -173,7 +193,9 @@ class Checkpointer:
         user_md = dict(self.config.metadata)
         user_md.update(metadata or {})
         job = SaveJob(step, staged, kinds, self._writer.partial_dir(step), user_md, t_start, blocked)
-        handle = SaveHandle(step, self._executor.submit(self._writer.write_and_commit, job))
+        future = self._executor.submit(self._writer.write_and_commit, job)
+        future.add_done_callback(self._record_outcome)
+        handle = SaveHandle(step, future)
         self._pending = handle
         if decision.preempt or self.config.mode == SaveMode.SYNC:
             try:
@@ -190,19 +212,23 @@ class Checkpointer:
         return handle
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the save in flight (if any) is committed; re-raise its failure."""
+        """Block until the save in flight (if any) is committed; re-raise its failure.
+
+        ``TimeoutError`` when it is still writing after ``timeout`` seconds (it
+        goes on; a later ``wait()`` or ``save()`` picks it up).
+        """
         handle = self._pending
-        if handle is not None:
-            try:
-                handle.wait(timeout)
-            except TimeoutError:
-                raise
-            except BaseException:
-                self._pending = None
-                self._failed = None
-                raise
+        if handle is None or handle.reported:
             self._pending = None
-        self._raise_failed()
+            return
+        try:
+            handle.wait(timeout)
+        except TimeoutError:
+            raise
+        except BaseException:
+            self._pending = None
+            raise
+        self._pending = None
 
     def load(
         self,
@@ -225,7 +251,10 @@ class Checkpointer:
         """
         self._check_open()
         self.wait()
+        self._ensure_ready()
         restored = self._restorer.load(state, step, strict=strict, trust_pickles=trust_pickles, elastic=elastic)
+        if self._restorer.next_lineage is not None:
+            self._writer.continue_lineage(self._restorer.next_lineage, self._restorer.newest_created)
         if restored is not None:
             self._policy.last_saved_step = restored
         return restored
@@ -233,11 +262,12 @@ class Checkpointer:
     def status(self) -> dict[str, Any]:
         """Newest committed step (locally and remotely), the save in flight, uploads and errors.
 
-        With a remote: ``latest_remote`` (newest step known committed there),
-        ``pending_upload_steps`` / ``pending_upload_bytes`` (this node's local
-        steps not yet committed remotely), ``last_upload_error`` and
-        ``uploader`` (pid and state of this node's uploader, from its status
-        file). No remote request is made.
+        ``last_error`` is the last failed save of this instance (``None`` if
+        none failed). With a remote: ``latest_remote`` (newest step known
+        committed there), ``pending_upload_steps`` / ``pending_upload_bytes``
+        (this node's local steps not yet committed remotely),
+        ``last_upload_error`` and ``uploader`` (pid and state of this node's
+        uploader, from its status file). No remote request is made.
         """
         steps = self.steps()
         pending = self._pending
@@ -246,27 +276,41 @@ class Checkpointer:
             "latest_local": steps[-1] if steps else None,
             "committed_local": steps,
             "in_flight": pending.step if pending is not None and not pending.done() else None,
-            "last_error": repr(self._failed) if self._failed is not None else None,
+            "last_error": self._last_error,
         }
         if self._uploads is not None:
             out.update(self._uploads.status(self._restorer.remote_committed))
         return out
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush the save in flight, stop the background thread, restore signal handlers."""
+        """Flush the save in flight and the node's uploads; release threads, groups and signal handlers.
+
+        ``timeout`` bounds the call: the wait for the save in flight raises
+        ``TimeoutError`` when it is still writing (the write goes on in its
+        thread, and the process waits for it at exit), and the wait for
+        uploads gets what is left (``drain_timeout_s`` when ``None``).
+        """
         if self._closed:
             return
+        t0 = time.monotonic()
+        writing = False
         try:
             self.wait(timeout)
+        except TimeoutError:
+            writing = True
+            raise
         finally:
             self._closed = True
-            self._executor.shutdown(wait=True)
+            self._executor.shutdown(wait=not writing)
             self._policy.finish_vote()  # every rank started the same vote: finish it
-            self._stager.release()
+            if not writing:
+                self._stager.release()
             self._policy.restore_signal_handlers()
+            self._groups.destroy(io=not writing)
             try:
                 if self._uploads is not None:
-                    self._uploads.close(timeout)
+                    left = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
+                    self._uploads.close(left)
             finally:
                 self._restorer.close()
 
@@ -282,36 +326,46 @@ class Checkpointer:
         if self._closed:
             raise ConfigError("this Checkpointer is closed; create a new one")
 
-    def _raise_failed(self) -> None:
-        pending = self._pending
-        if pending is not None and pending.done():
-            self._pending = None
-            exc = pending._future.exception()
-            if exc is not None:
-                raise exc
-        if self._failed is not None:
-            exc, self._failed = self._failed, None
-            raise exc
+    def _ensure_ready(self) -> None:
+        """First save or load: the side groups, and which ranks share this directory (collective)."""
+        self._groups.ensure()
+        if not self._topology_known:
+            found = topology.detect(self.root, self._groups)
+            self._writer.topology = found
+            self._restorer.topology = found
+            self._topology_known = True
+            if self._uploads is not None:
+                self._uploads.launch(found.committer)
+
+    def _record_outcome(self, future: concurrent.futures.Future) -> None:
+        """Done-callback of every save: keeps the last failure for ``status()`` and logs it at once."""
+        exc = future.exception()
+        if exc is None:
+            return
+        self._last_error = f"{type(exc).__name__}: {exc}"
+        if _dist.rank() == 0:
+            log.error("shardckpt: %s (raised by the next save() that saves, wait() or close())", exc)
 
     def _wait_previous(self, step: int) -> None:
+        """Wait for the save in flight; re-raise its failure (on every rank alike: the outcome was exchanged)."""
         pending = self._pending
         if pending is None:
             return
-        if not pending.done():
-            t0 = time.monotonic()
-            (log.info if _dist.rank() == 0 else log.debug)(
-                "shardckpt: step %d waits for step %d to finish writing (save interval shorter than write time)",
-                step,
-                pending.step,
-            )
-            try:
-                pending.wait()
-            finally:
-                self._pending = None
-            (log.info if _dist.rank() == 0 else log.debug)(
-                "shardckpt: waited %.2f s for step %d", time.monotonic() - t0, pending.step
-            )
-        self._raise_failed()
+        self._pending = None
+        if pending.done():
+            if not pending.reported:
+                pending.wait()  # returns, or raises its failure
+            return
+        t0 = time.monotonic()
+        (log.info if _dist.rank() == 0 else log.debug)(
+            "shardckpt: step %d waits for step %d to finish writing (save interval shorter than write time)",
+            step,
+            pending.step,
+        )
+        pending.wait()
+        (log.info if _dist.rank() == 0 else log.debug)(
+            "shardckpt: waited %.2f s for step %d", time.monotonic() - t0, pending.step
+        )
 
     def _deletable(self, step: int) -> bool:
         """Local retention guard: with uploads on, only steps already committed remotely go,
@@ -335,3 +389,19 @@ class Checkpointer:
             os.path.join(state_dir(self.root), "uploader.log"),
         )
         return True
+
+
+def _check_writable(root: str) -> None:
+    """An unwritable local_dir is a configuration error now, not at the first save hours later."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        probe = os.path.join(root, f".shardckpt-writable-{uuid.uuid4().hex}")
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(
+            f"local_dir {root} is not a writable directory ({type(exc).__name__}: {exc}). Remedy: point "
+            f"local_dir at a directory this process can create and write (node-local NVMe or a shared "
+            f"filesystem)."
+        ) from exc

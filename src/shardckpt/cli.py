@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Sequence
 
-from . import __version__, layout, local, retention
+from . import __version__, layout, lineage, local, retention
 from .errors import ShardckptError
 
 
@@ -46,11 +46,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not steps:
         print(f"no committed steps in {args.dir}")
         return 0
+    _live, abandoned = lineage.classify(lineage.local_infos(args.dir))
     print(f"{'step':>10}  {'size':>10}  {'files':>5}  {'world':>5}  saved at")
     for step in steps:
         manifest = layout.read_manifest(os.path.join(args.dir, layout.step_dirname(step)))
         when = datetime.datetime.fromtimestamp(manifest.created, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-        print(f"{step:>10}  {_human(manifest.total_bytes):>10}  {len(manifest.files):>5}  {manifest.world_size:>5}  {when} UTC")
+        note = f"  ({abandoned[step]})" if step in abandoned else ""
+        print(f"{step:>10}  {_human(manifest.total_bytes):>10}  {len(manifest.files):>5}  {manifest.world_size:>5}  {when} UTC{note}")
     return 0
 
 
@@ -83,22 +85,31 @@ def cmd_verify(args: argparse.Namespace) -> int:
         step_dir = os.path.join(args.dir, layout.step_dirname(step))
         try:
             manifest = layout.read_manifest(step_dir)
-            layout.verify_files(step_dir, manifest)
+            names, elsewhere = layout.copy_files(step_dir, manifest)
+            layout.verify_files(step_dir, manifest, names)
             local.read_metadata(step_dir, step)
         except ShardckptError as exc:
             failed += 1
             print(f"FAIL step {step}: {exc}")
         else:
-            print(f"ok   step {step}: {len(manifest.files)} files, {_human(manifest.total_bytes)}")
+            size = sum(manifest.files[n].size for n in names)
+            note = ""
+            if elsewhere:
+                spans = ", ".join(f"ranks {g[0]}-{g[-1]}" if len(g) > 1 else f"rank {g[0]}" for g in elsewhere)
+                note = f" (a node-local copy: the files of {spans} are in other nodes' directories or the remote)"
+            print(f"ok   step {step}: {len(names)} files, {_human(size)}{note}")
     return 1 if failed else 0
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    steps = layout.committed_steps(args.dir)
+    live, abandoned = lineage.classify(lineage.local_infos(args.dir))
     policy = retention.policy_from(args.keep_last, args.keep_every)
-    doomed = retention.plan_deletions(steps, policy)
+    doomed = retention.plan_deletions(live, policy)
+    if not args.keep_abandoned:
+        doomed = sorted(set(doomed) | set(abandoned))
     for step in doomed:
-        print(f"{'would delete' if args.dry_run else 'deleting'} step {step}")
+        why = f" ({abandoned[step]})" if step in abandoned else ""
+        print(f"{'would delete' if args.dry_run else 'deleting'} step {step}{why}")
         if not args.dry_run:
             local.delete_step(args.dir, step)
     removed = [] if args.dry_run else local.clean_leftovers(args.dir, keep_nonce=None)
@@ -132,16 +143,24 @@ def cmd_push(args: argparse.Namespace) -> int:
 
     store = _store(args)
     try:
-        steps = [args.step] if args.step is not None else remote_commit.pending_steps(args.local, args.remote)
-        if args.step is not None and args.step not in layout.committed_steps(args.local):
-            raise ShardckptError(f"step {args.step} is not committed in {args.local}")
+        committed = layout.committed_steps(args.local)
+        if args.step is not None and args.step not in committed:
+            raise ShardckptError(f"step {args.step} is not committed in {args.local}; committed: {committed or 'none'}")
+        if args.step is not None:
+            steps = [args.step]
+        elif args.no_verify:
+            steps = remote_commit.pending_steps(args.local, args.remote)
+        else:
+            steps = committed
         failed = 0
         for step in steps:
             result = remote_commit.push_step(
-                store, args.local, step, node=args.node or socket.gethostname(), policy=_remote_policy(args)
+                store, args.local, step, node=args.node or socket.gethostname(), policy=_remote_policy(args),
+                verify_remote=not args.no_verify,
             )
             if result.state == remote_commit.COMMITTED:
-                print(f"committed step {step} on {store.where(layout.step_dirname(step))} ({_human(result.uploaded_bytes)} sent)")
+                what = f"{_human(result.uploaded_bytes)} sent" + (f"; {result.detail}" if result.detail else "")
+                print(f"committed step {step} on {store.where(layout.step_dirname(step))} ({what})")
             else:
                 failed += 1
                 print(f"step {step}: uploaded this node's files; not committed yet ({result.detail or result.state})")
@@ -160,13 +179,19 @@ def cmd_pull(args: argparse.Namespace) -> int:
     try:
         step = args.step
         if step is None:
-            steps = remote_commit.remote_steps(store, Deadline(args.step_deadline))
-            if not steps:
+            manifests = remote_commit.remote_manifests(store, Deadline(args.step_deadline))
+            live, _abandoned = lineage.classify({s: lineage.info_of(m) for s, m in manifests.items()})
+            if not live:
                 raise ShardckptError(f"no committed step on {store.where('')}")
-            step = steps[-1]
-        fetched = remote_commit.fetch_step(store, args.local, step)
+            step = live[-1]
         step_dir = os.path.join(args.local, layout.step_dirname(step))
-        print(f"step {step} in {step_dir}: fetched {len(fetched)} file(s), all verified")
+        had = layout.read_manifest(step_dir) is not None
+        fetched = remote_commit.fetch_step(store, args.local, step, verify_local=True)
+        if had:
+            print(f"step {step} in {step_dir}: local files checked; fetched {len(fetched)} missing or failing "
+                  f"file(s){': ' + ', '.join(sorted(fetched)) if fetched else ''}; all verified")
+        else:
+            print(f"step {step} in {step_dir}: fetched {len(fetched)} file(s), all verified")
         return 0
     finally:
         store.close()
@@ -232,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-last", type=int, required=True, help="keep the newest N committed steps (N >= 1)")
     p.add_argument("--keep-every", type=int, help="also keep every step that is a multiple of K")
     p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
+    p.add_argument("--keep-abandoned", action="store_true", help="keep steps that a rollback abandoned (deleted by default)")
     p.set_defaults(func=cmd_gc)
 
     p = sub.add_parser(
@@ -247,9 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_sync_args(p)
     p.set_defaults(func=cmd_sync)
 
-    p = sub.add_parser("push", help="upload committed steps now", description="Upload this node's files of committed local steps (default: all not yet committed remotely) and commit them when every node's files are there.")
+    p = sub.add_parser("push", help="upload committed steps now", description="Upload this node's files of committed local steps and commit them when every node's files are there. Steps already committed remotely are checked: this node's objects are downloaded and hashed, and any that fail are uploaded again (--no-verify skips that).")
     _transfer_args(p)
-    p.add_argument("--step", type=int, help="step to push (default: every pending step)")
+    p.add_argument("--step", type=int, help="step to push (default: every committed local step)")
+    p.add_argument("--no-verify", action="store_true", help="only upload pending steps; do not check (and repair) the remote copies of steps already committed there")
     p.add_argument("--keep-last", type=int, help="remote retention after the commit: keep the newest N")
     p.add_argument("--keep-every", type=int, help="remote retention: also keep every multiple of K")
     p.set_defaults(func=cmd_push)

@@ -1,15 +1,22 @@
-"""The commit path: write -> hash -> exchange -> commit -> retention.
+"""The commit path: write -> hash -> exchange -> commit -> outcome -> retention.
 
 Runs in the background writer thread on every rank, over the ``io`` side
-group (never the trainer's process group)::
+group (never the trainer's process group). Every path through it passes both
+exchanges, so one rank's failure is every rank's failure, raised by every
+rank for the same step::
 
     1. DCP writes this rank's shards into <local_dir>/.partial-step_<N>-<nonce>
     2. every rank hashes the files it wrote (rank 0 also .metadata)
-    3. the ranks exchange their file tables and errors      (all_gather, io)
-    4. the node leader writes the manifest last and renames the partial
-       directory to step_<N>                               (the commit)
-    5. the ranks exchange the commit outcomes               (all_gather, io)
-    6. retention on the node leader, one log line on rank 0
+    3. exchange 1: file tables and errors                   (all_gather, io)
+       any error: the partial directory goes, every rank raises SaveError
+    4. each copy's committer (see topology.py: rank 0 of a shared directory,
+       the lowest rank of each node with node-local ones) writes the manifest
+       last and renames the partial directory to step_<N>: the commit
+    5. exchange 2: commit outcomes                           (all_gather, io)
+       any error: the copies that did commit withdraw the step (an earlier
+       copy of the same step number is put back); every rank raises SaveError
+    6. retention in each copy, by its committer; a failure there is logged as
+       a warning (the step is committed), never a failed save
 
 Before the write, on the main thread: free space is agreed by all ranks
 (:meth:`StepWriter.space_ok`), and the first save agrees on a nonce and
@@ -29,9 +36,11 @@ from typing import Any, Callable
 import torch
 
 from . import _dist, _failpoints, layout, local, retention
+from . import lineage as lineage_mod
 from ._text import fmt_bytes
 from .errors import InsufficientSpaceError, SaveError
 from .options import CheckpointConfig, OnDiskFull
+from .topology import Topology
 
 log = logging.getLogger("shardckpt")
 
@@ -70,6 +79,16 @@ class StepWriter:
         self._count = 0
         self.last_total_bytes: int | None = None
         self.last_committed: int | None = None
+        self.topology = Topology.single()
+        """Which ranks share this directory; set by the Checkpointer at the first save or load."""
+        self.lineage: lineage_mod.Lineage | None = None
+        """The branch this instance's saves belong to: set by a load, else at the first save."""
+        self._newest_created = 0.0
+
+    def continue_lineage(self, lineage: lineage_mod.Lineage, newest_created: float) -> None:
+        """After a load: later saves continue (or fork from) the loaded step's history."""
+        self.lineage = lineage
+        self._newest_created = max(self._newest_created, newest_created)
 
     # ---- main thread, before the write
 
@@ -77,8 +96,22 @@ class StepWriter:
         """First save: agree on a nonce for partial names, remove leftovers of crashed saves."""
         if self._nonce is not None:
             return
+        if self.lineage is None:
+            # Nothing was loaded: a directory with steps gets a new branch (see lineage.py).
+            proposal = None
+            if _dist.rank() == 0:
+                infos = lineage_mod.local_infos(self.root)
+                proposal = (lineage_mod.continue_from(infos, None), max((i.created for i in infos.values()), default=0.0))
+                if infos:
+                    log.warning(
+                        "shardckpt: %s holds steps %s but nothing was loaded from it: this run starts a new "
+                        "branch; those steps are kept, not resumed by default, not counted by retention "
+                        "(`shardckpt gc` removes them)", self.root, sorted(infos),
+                    )
+            lineage, newest = self._groups.broadcast_ctl(proposal)
+            self.continue_lineage(lineage, newest)
         self._nonce = self._groups.broadcast_ctl(uuid.uuid4().hex[:12])
-        if _dist.local_rank() == 0:
+        if self.topology.committer:
             removed = local.clean_leftovers(self.root, keep_nonce=self._nonce)
             if removed:
                 log.info("shardckpt: removed leftovers of interrupted saves in %s: %s", self.root, ", ".join(removed))
@@ -90,9 +123,9 @@ class StepWriter:
     def space_ok(self, step: int, local_bytes: int) -> bool:
         """Agree across ranks whether every node has room for this step."""
         os.makedirs(self.root, exist_ok=True)
-        # Upper bound of what this node writes: its ranks hold about as much
-        # as this one; never more than the whole previous checkpoint.
-        node_bytes = local_bytes * max(1, _dist.local_world_size())
+        # Upper bound of what this directory receives: the ranks sharing it hold
+        # about as much as this one; never more than the whole previous checkpoint.
+        node_bytes = local_bytes * len(self.topology.copy)
         if self.last_total_bytes is not None:
             node_bytes = min(node_bytes, max(self.last_total_bytes, local_bytes))
         needed = int(node_bytes * (1 + self.config.free_space_margin)) + (1 << 20)
@@ -115,36 +148,107 @@ class StepWriter:
     # ---- background thread
 
     def write_and_commit(self, job: SaveJob) -> str:
+        """Steps 1-6 above for one save; returns the step directory or raises :class:`SaveError`."""
+        topo = self.topology
         step, partial = job.step, job.partial
         rank = _dist.rank()
-        leader = _dist.local_rank() == 0
+
+        # 1-2: write and hash
         failure: BaseException | None = None
-        mine: dict[str, Any] = {}
+        table: dict[str, Any] = {}
+        metadata_bytes: bytes | None = None
         try:
             os.makedirs(partial, exist_ok=True)
             local.dcp_write(job.staged, partial, process_group=self._groups.io, io_threads=self.config.io_threads)
             _failpoints.hit("write.done")
-            mine = local.hash_files(partial, local.own_files(partial, rank), rank)
+            table = local.hash_files(partial, local.own_files(partial, rank), rank)
+            _failpoints.hit("write.hashed")
+            if rank == 0 and not topo.shared:
+                with open(os.path.join(partial, layout.METADATA_NAME), "rb") as f:
+                    metadata_bytes = f.read()  # every node-local copy holds .metadata
         except BaseException as exc:  # DCP reports failures as CheckpointException (a BaseException)
             failure = exc
-        # Every rank reports, so one rank's failure never leaves the others waiting.
-        reports = self._groups.all_gather_io((mine, None if failure is None else f"{type(failure).__name__}: {failure}"))
-        problems = [(r, err) for r, (_table, err) in enumerate(reports) if err is not None]
+
+        # 3: exchange 1
+        reports = self._groups.all_gather_io((table, _describe(failure), metadata_bytes, time.time()))
+        problems = [(r, report[1]) for r, report in enumerate(reports) if report[1] is not None]
         if problems:
-            if leader:
+            if topo.committer:
                 shutil.rmtree(partial, ignore_errors=True)
             where, what = problems[0]
             error = SaveError(
                 f"step {step}: writing {partial} failed on rank {where} ({what}); the partial step was "
-                f"removed and earlier steps are intact. Remedy: check the disk under {self.root}, then save again."
+                f"removed on every node and earlier steps are intact. Remedy: check the disk under "
+                f"{self.root}, then save again."
             )
             raise error from failure
+
+        # 4: commit, by each copy's committer
+        commit: local.Commit | None = None
+        manifest: layout.Manifest | None = None
+        try:
+            # One timestamp for every copy (rank 0's), and later than every step this run
+            # has seen: the newest manifest is the head of the run's history (lineage.py).
+            created = max(reports[0][3], self._newest_created + 1e-3)
+            manifest = self._manifest(job, [r[0] for r in reports], created)
+            if topo.committer:
+                meta = next((r[2] for r in reports if r[2] is not None), None)
+                if meta is not None and rank != 0:
+                    _write_file(os.path.join(partial, layout.METADATA_NAME), meta)
+                commit = local.commit_step(self.root, partial, manifest)
+                _failpoints.hit("commit.renamed")
+        except BaseException as exc:  # disk full while writing the manifest, ...
+            failure = exc
+            if commit is None and topo.committer:
+                shutil.rmtree(partial, ignore_errors=True)
+
+        # 5: exchange 2
+        outcomes = self._groups.all_gather_io(_describe(failure))
+        problems = [(r, err) for r, err in enumerate(outcomes) if err is not None]
+        if problems:
+            if commit is not None:
+                try:
+                    local.undo_commit(commit)
+                except OSError as exc:
+                    log.error("shardckpt: step %d: could not withdraw %s after a failed commit: %s", step, commit.final, exc)
+            where, what = problems[0]
+            error = SaveError(
+                f"step {step}: the commit failed on rank {where} ({what}); the step was withdrawn on every "
+                f"node and earlier steps are intact. Remedy: check the disk under {self.root}, then save again."
+            )
+            raise error from failure
+        if commit is not None:
+            local.finish_commit(commit)
+        if manifest is None:  # not reached: a failure to build it is reported by exchange 2
+            raise SaveError(f"step {step}: no manifest was built")
+        self.last_total_bytes = manifest.total_bytes
+        self.last_committed = step
+        self._newest_created = manifest.created
+
+        # 6: retention (after the step is committed on every copy)
+        if topo.committer:
+            try:
+                self.apply_retention()
+            except Exception as exc:  # noqa: BLE001 - the step is committed; old steps wait for the next save
+                log.warning(
+                    "shardckpt: step %d is committed, but retention in %s failed (%s: %s); older steps stay "
+                    "until the next save", step, self.root, type(exc).__name__, exc,
+                )
+        final = os.path.join(self.root, layout.step_dirname(step))
+        if rank == 0:
+            log.info(
+                "shardckpt: saved step %d to %s: %s, blocked %.3f s, committed in %.2f s",
+                step, final, fmt_bytes(manifest.total_bytes), job.blocked, time.monotonic() - job.t_start,
+            )
+        return final
+
+    def _manifest(self, job: SaveJob, tables: list[dict[str, Any]], created: float) -> layout.Manifest:
         files: dict[str, layout.FileEntry] = {}
-        for table, _err in reports:
+        for table in tables:
             for name, (size, digest, owner) in table.items():
                 files[name] = layout.FileEntry(size, digest, owner)
-        manifest = layout.Manifest(
-            step=step,
+        return layout.Manifest(
+            step=job.step,
             world_size=_dist.world_size(),
             files=files,
             torch_version=torch.__version__,
@@ -153,41 +257,26 @@ class StepWriter:
             metadata=job.metadata,
             total_bytes=sum(e.size for e in files.values()),
             run_id=self.config.run_id,
+            copies=[list(g) for g in self.topology.copies],
+            created=created,
+            lineage=(self.lineage or lineage_mod.Lineage()).to_json(),
         )
-        final = os.path.join(self.root, layout.step_dirname(step))
-        error: BaseException | None = None
-        if leader:
-            try:
-                final = local.commit_step(self.root, partial, manifest)
-                _failpoints.hit("commit.renamed")
-            except FileNotFoundError:
-                # Another node leader sharing this directory renamed it first.
-                if layout.read_manifest(final) is None:
-                    error = SaveError(f"step {step}: commit of {final} lost its partial directory")
-            except BaseException as exc:  # disk full while writing the manifest, ...
-                shutil.rmtree(partial, ignore_errors=True)
-                error = SaveError(f"step {step}: commit of {final} failed ({exc}); earlier steps are intact")
-                error.__cause__ = exc
-        outcomes = self._groups.all_gather_io(None if error is None else str(error))
-        if error is not None:
-            raise error
-        failures = [o for o in outcomes if o is not None]
-        if failures:
-            raise SaveError(f"step {step}: another node failed to commit: {failures[0]}")
-        self.last_total_bytes = manifest.total_bytes
-        self.last_committed = step
-        committed = time.monotonic() - job.t_start
-        if leader:
-            self.apply_retention()
-        if rank == 0:
-            log.info(
-                "shardckpt: saved step %d to %s: %s, blocked %.3f s, committed in %.2f s",
-                step, final, fmt_bytes(manifest.total_bytes), job.blocked, committed,
-            )
-        return final
 
     def apply_retention(self) -> None:
-        steps = layout.committed_steps(self.root)
-        for old in retention.plan_deletions(steps, self._policy, self._deletable):
+        """Retention over the live steps of this copy: steps abandoned by a rollback are neither
+        counted nor deleted (``shardckpt gc`` removes them)."""
+        live, _abandoned = lineage_mod.classify(lineage_mod.local_infos(self.root))
+        for old in retention.plan_deletions(live, self._policy, self._deletable):
             local.delete_step(self.root, old)
             log.debug("shardckpt: retention removed step %d from %s", old, self.root)
+
+
+def _describe(exc: BaseException | None) -> str | None:
+    return None if exc is None else f"{type(exc).__name__}: {exc}"
+
+
+def _write_file(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())

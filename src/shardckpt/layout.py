@@ -29,10 +29,13 @@ import xxhash
 from .errors import CorruptCheckpointError
 
 MANIFEST_NAME = "shardckpt.json"
+METADATA_NAME = ".metadata"
+HIDDEN_MANIFEST_NAME = "shardckpt.json.deleted"
 MANIFEST_FORMAT = "shardckpt/1"
 STEP_PREFIX = "step_"
 PARTIAL_PREFIX = ".partial-"
 TRASH_PREFIX = ".trash-"
+REPLACED_PREFIX = ".replaced-"
 _STEP_RE = re.compile(r"^step_(\d{10,})$")
 _CHUNK = 8 << 20
 
@@ -139,6 +142,13 @@ class Manifest:
     total_bytes: int = 0
     run_id: str | None = None
     """The run that wrote the step (``CheckpointConfig.run_id``), when set."""
+    copies: list[list[int]] = dataclasses.field(default_factory=list)
+    """Ranks whose shard files each directory copy holds: one group when the
+    directory was shared by all ranks, one per node when node-local. Every copy
+    holds ``.metadata``. Empty in manifests from before this field: one copy."""
+    lineage: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The branch of the run's history this step belongs to (see ``shardckpt.lineage``);
+    empty in manifests from before rollbacks were tracked: the first branch."""
     format: str = MANIFEST_FORMAT
 
     def to_json(self) -> str:
@@ -166,6 +176,8 @@ class Manifest:
                 metadata=dict(body.get("metadata", {})),
                 total_bytes=int(body.get("total_bytes", 0)),
                 run_id=None if body.get("run_id") is None else str(body["run_id"]),
+                copies=[[int(r) for r in group] for group in body.get("copies", [])],
+                lineage=dict(body.get("lineage") or {}),
             )
         except CorruptCheckpointError:
             raise
@@ -254,8 +266,9 @@ def verify_files(step_dir: str, manifest: Manifest, names: Iterable[str] | None 
         entry = manifest.files[name]
         path = os.path.join(step_dir, name)
         remedy = (
-            "Remedy: restore the file from the remote tier (shardckpt pull), "
-            "load an earlier step with load(step=...), or set on_corrupt='fallback'."
+            "Remedy: restore the file from the remote tier (`shardckpt pull --remote URL --local DIR "
+            f"--step {manifest.step}` replaces files that fail), load an earlier step with load(step=...), "
+            "or set on_corrupt='fallback'."
         )
         try:
             size, digest = checksum_file(path, like=entry.checksum)
@@ -275,6 +288,11 @@ def verify_files(step_dir: str, manifest: Manifest, names: Iterable[str] | None 
             )
 
 
+def absent_files(step_dir: str, manifest: Manifest) -> list[str]:
+    """Manifest files that do not exist in ``step_dir`` (held by another node's copy, or lost)."""
+    return sorted(n for n in manifest.files if not os.path.exists(os.path.join(step_dir, n)))
+
+
 def missing_files(step_dir: str, manifest: Manifest) -> list[str]:
     """Manifest files absent from ``step_dir`` or of the wrong size (cheap, no hashing)."""
     out = []
@@ -285,3 +303,27 @@ def missing_files(step_dir: str, manifest: Manifest) -> list[str]:
         except OSError:
             out.append(name)
     return out
+
+
+def copy_files(step_dir: str, manifest: Manifest) -> tuple[list[str], list[list[int]]]:
+    """The files this directory copy of a step must hold, and the copies held elsewhere.
+
+    A step saved into node-local directories leaves on each node the shard
+    files of that node's ranks (and ``.metadata``). A copy is recognised by
+    the files present: a group of ranks with any file here must have all of
+    them here; a group with none lives on another node (or on the remote).
+    """
+    groups = manifest.copies or [sorted({e.rank for e in manifest.files.values()})]
+    if len(groups) <= 1:
+        return sorted(manifest.files), []
+    must: list[str] = []
+    elsewhere: list[list[int]] = []
+    for group in groups:
+        names = [n for n, e in manifest.files.items() if e.rank in group and n != METADATA_NAME]
+        if any(os.path.exists(os.path.join(step_dir, n)) for n in names):
+            must += names
+        else:
+            elsewhere.append(list(group))
+    if METADATA_NAME in manifest.files:
+        must.append(METADATA_NAME)
+    return sorted(must), elsewhere

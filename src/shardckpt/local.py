@@ -14,6 +14,7 @@ Call order for one save (all ranks unless noted):
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -37,6 +38,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from . import _failpoints, layout
 from .errors import CorruptCheckpointError, ShardckptError, UntrustedCheckpointError
 from .safe_pickle import safe_load_metadata
+from .topology import PROBE_PREFIX
 
 log = logging.getLogger("shardckpt")
 
@@ -62,37 +64,96 @@ def hash_files(directory: str, names: list[str], rank: int) -> dict[str, tuple[i
     return out
 
 
+class CheckedWriter(FileSystemWriter):
+    """DCP's file writer, refusing to report success for items it did not write.
+
+    With ``thread_count > 1`` DCP writes files from helper threads; an
+    exception in one of those (an object that cannot be serialised, an I/O
+    error) is printed by the thread and lost, and the save would finish with
+    metadata that points at nothing. Here every planned item must come back
+    with a result, else the write fails, naming the items.
+    """
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        future = super().write_data(plan, planner)
+        written = {result.index for result in future.wait()}
+        lost = [item.index.fqn for item in plan.items if item.index not in written]
+        if lost:
+            raise OSError(
+                f"{len(lost)} item(s) were not written ({', '.join(sorted(lost)[:5])}): a writer thread failed "
+                f"(its traceback is on this process's stderr)"
+            )
+        return future
+
+
 def dcp_write(state_dict: dict[str, Any], directory: str, *, process_group: Any, io_threads: int) -> None:
-    writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=io_threads)
+    writer = CheckedWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=io_threads)
     no_dist = not (dist.is_available() and dist.is_initialized())
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
         dcp.save(state_dict, storage_writer=writer, process_group=process_group, no_dist=no_dist)
 
 
-def commit_step(root: str, partial: str, manifest: layout.Manifest) -> str:
-    """Write the manifest last and make the step visible. Returns the step dir."""
+@dataclasses.dataclass
+class Commit:
+    """A step renamed into place whose outcome the other ranks have not confirmed yet."""
+
+    root: str
+    final: str
+    displaced: str | None = None
+    """An earlier copy of the same step number, set aside until the outcome is known."""
+
+
+def commit_step(root: str, partial: str, manifest: layout.Manifest) -> Commit:
+    """Write the manifest last and make the step visible.
+
+    An earlier copy of the same step number (the step saved again, e.g. after a
+    rollback) is first renamed out of the way, which hides it at once; it is
+    deleted by :func:`finish_commit`, or put back by :func:`undo_commit` when
+    another rank failed to commit its part.
+    """
     final = os.path.join(root, layout.step_dirname(manifest.step))
     layout.atomic_write_text(os.path.join(partial, layout.MANIFEST_NAME), manifest.to_json())
     _failpoints.hit("commit.manifest_written")
+    displaced = None
     if os.path.exists(final):
-        # The same step saved again (e.g. after a resume): hide the old one
-        # first (manifest away), then swap the new one in.
-        trash = os.path.join(root, f"{layout.TRASH_PREFIX}{os.path.basename(final)}-{uuid.uuid4().hex[:8]}")
-        _hide_step(final)
-        os.replace(final, trash)
+        displaced = os.path.join(root, f"{layout.REPLACED_PREFIX}{os.path.basename(final)}-{uuid.uuid4().hex[:8]}")
+        os.replace(final, displaced)
+    try:
         os.replace(partial, final)
-        layout.fsync_dir(root)
+    except BaseException:
+        if displaced is not None:
+            os.replace(displaced, final)
+        raise
+    layout.fsync_dir(root)
+    return Commit(root, final, displaced)
+
+
+def finish_commit(commit: Commit) -> None:
+    """Every rank committed: the earlier copy of the step (if any) goes."""
+    if commit.displaced is not None:
+        shutil.rmtree(commit.displaced, ignore_errors=True)
+
+
+def undo_commit(commit: Commit) -> None:
+    """Another rank failed to commit: hide and remove this copy, put any earlier one back."""
+    _hide_step(commit.final)
+    trash = os.path.join(commit.root, f"{layout.TRASH_PREFIX}{os.path.basename(commit.final)}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.replace(commit.final, trash)
+    except FileNotFoundError:
+        trash = ""
+    if commit.displaced is not None:
+        os.replace(commit.displaced, commit.final)
+    layout.fsync_dir(commit.root)
+    if trash:
         shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(partial, final)
-        layout.fsync_dir(root)
-    return final
 
 
 def _hide_step(step_dir: str) -> None:
+    """Un-commit a step: its manifest is renamed aside (which also marks the directory as ours to delete)."""
     try:
-        os.unlink(os.path.join(step_dir, layout.MANIFEST_NAME))
+        os.replace(os.path.join(step_dir, layout.MANIFEST_NAME), os.path.join(step_dir, layout.HIDDEN_MANIFEST_NAME))
     except FileNotFoundError:
         pass
 
@@ -112,31 +173,61 @@ def delete_step(root: str, step: int) -> None:
 
 
 def clean_leftovers(root: str, keep_nonce: str | None) -> list[str]:
-    """Remove partial and trash directories of crashed saves (not ``keep_nonce``'s)."""
+    """Remove partial and trash directories of crashed saves (not ``keep_nonce``'s).
+
+    A copy of a step set aside by a save of the same step number that never
+    committed (the process died between the two renames) is put back.
+    """
     removed = []
     try:
-        names = os.listdir(root)
+        names = sorted(os.listdir(root))
     except FileNotFoundError:
         return removed
     for name in names:
-        if name.startswith(layout.TRASH_PREFIX) or (
+        path = os.path.join(root, name)
+        if name.startswith(layout.REPLACED_PREFIX):
+            step_name = name[len(layout.REPLACED_PREFIX) :].rsplit("-", 1)[0]
+            final = os.path.join(root, step_name)
+            if (
+                layout.parse_step_dirname(step_name) is not None
+                and not os.path.exists(os.path.join(final, layout.MANIFEST_NAME))
+                and os.path.exists(os.path.join(path, layout.MANIFEST_NAME))
+            ):
+                if os.path.isdir(final):
+                    shutil.rmtree(final, ignore_errors=True)
+                os.replace(path, final)
+                layout.fsync_dir(root)
+                log.warning("shardckpt: put back %s: the save that replaced it never committed", final)
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(name)
+        elif name.startswith(layout.TRASH_PREFIX) or name.startswith(PROBE_PREFIX) or (
             name.startswith(layout.PARTIAL_PREFIX) and not (keep_nonce and name.endswith("-" + keep_nonce))
         ):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
             removed.append(name)
         elif layout.parse_step_dirname(name) is not None and not os.path.exists(
-            os.path.join(root, name, layout.MANIFEST_NAME)
-        ) and _looks_ours(os.path.join(root, name)):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            os.path.join(path, layout.MANIFEST_NAME)
+        ) and _looks_ours(path):
+            shutil.rmtree(path, ignore_errors=True)
             removed.append(name)
     return removed
 
 
 def _looks_ours(step_dir: str) -> bool:
     # A step directory without manifest is only ours to delete when it is a
-    # leftover of our own protocol (an interrupted deletion leaves no
-    # manifest but also no .metadata-less stock DCP checkpoint).
-    return not os.path.exists(os.path.join(step_dir, ".metadata"))
+    # leftover of our own protocol: an interrupted deletion leaves its manifest
+    # renamed aside. A directory with .metadata and no trace of ours may be a
+    # stock DCP checkpoint someone put there: never deleted.
+    return os.path.exists(os.path.join(step_dir, layout.HIDDEN_MANIFEST_NAME)) or not os.path.exists(
+        os.path.join(step_dir, ".metadata")
+    )
 
 
 # ------------------------------------------------------------------ loading
@@ -289,7 +380,9 @@ def adopt(source: str, root: str, step: int, *, trust_pickles: bool = False) -> 
             metadata={"adopted_from": os.path.abspath(source)},
             total_bytes=sum(e.size for e in files.values()),
         )
-        return commit_step(root, partial, manifest)
+        commit = commit_step(root, partial, manifest)
+        finish_commit(commit)
+        return commit.final
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise

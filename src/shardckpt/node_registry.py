@@ -13,6 +13,7 @@ looks like a live trainer or uploader.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -111,13 +112,34 @@ def trainers_alive(root: str) -> list[int]:
     return alive
 
 
+LOCK_NAME = "uploader.lock"
+
+
+def lock_path(root: str) -> str:
+    return os.path.join(state_dir(root), LOCK_NAME)
+
+
 def uploader_running(root: str) -> int | None:
-    """Pid of the uploader serving ``root`` (it holds the lock), else ``None``."""
-    status = read_status(root)
-    pid = status.get("pid")
-    if status.get("state") == "running" and isinstance(pid, int) and pid_alive(pid, status.get("pid_start")):
-        return pid
-    return None
+    """Pid of the uploader serving ``root``, else ``None`` (0 when it runs but its pid is unknown).
+
+    The uploader holds ``uploader.lock`` while it runs, so the lock, not the
+    pid, is the test: a sidecar in another container (another PID namespace,
+    where its pid means nothing here) is seen as running all the same.
+    """
+    try:
+        fd = os.open(lock_path(root), os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        pid = read_status(root).get("pid")
+        return pid if isinstance(pid, int) else 0  # held: an uploader runs
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 # ------------------------------------------------------------ remote listing

@@ -49,6 +49,7 @@ class SavePolicy:
         self.signal: int | None = None
         """The preemption signal received, if any (set by the handler)."""
         self._preempt_decided = False
+        self._signal_reported = False
         self._previous_handlers: dict[int, Any] = {}
 
     # ---- decisions
@@ -122,17 +123,23 @@ class SavePolicy:
 
     def _make_handler(self, previous: Any) -> Callable:
         def handler(signum: int, frame: Any) -> None:
-            first = self.signal is None
-            self.signal = signum
-            if first:
-                log.warning(
-                    "shardckpt: received signal %d; the next save() saves at once and waits for the commit",
-                    signum,
-                )
+            # Only a flag: logging takes locks, which a handler interrupting
+            # the logging module itself would deadlock on. report_signal() logs.
+            if self.signal is None:
+                self.signal = signum
             if callable(previous):
                 previous(signum, frame)
 
         return handler
+
+    def report_signal(self) -> None:
+        """Log, once, that a preemption signal arrived (called from ``save()``, not the handler)."""
+        if self.signal is not None and not self._signal_reported:
+            self._signal_reported = True
+            log.warning(
+                "shardckpt: received signal %d; this save() or the next one saves at once and waits for the commit",
+                self.signal,
+            )
 
     def restore_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -27,6 +27,7 @@ Store interface (every method may be called from several threads)::
 
     put_file(path, key, size, checksum, deadline)  upload, then verify (size + checksum)
     get_file(key, path, size, checksum, deadline)  download to path, verify before returning
+    read_checksum(key, like, deadline) -> (size, checksum) | None   stream an object through its checksum
     put_bytes(key, data, deadline) / get_bytes(key, deadline) -> bytes | None
     exists(key, deadline) -> bool
     list_dirs(prefix, deadline) -> names of the "directories" directly under prefix
@@ -46,10 +47,11 @@ import re
 import socket
 import threading
 import time
+import uuid
 import zlib
 from typing import Any, Callable, TypeVar
 
-from . import layout
+from . import _failpoints, layout
 from .errors import ConfigError, CorruptCheckpointError, RemoteError
 
 log = logging.getLogger("shardckpt")
@@ -342,6 +344,10 @@ class Store:
         """Download to ``path``; ``on_bytes(n)`` is called as parts of it arrive."""
         raise NotImplementedError
 
+    def read_checksum(self, key: str, like: str, deadline: Deadline) -> tuple[int, str] | None:
+        """Size and checksum (the algorithm of ``like``) of the stored object; ``None`` when absent."""
+        raise NotImplementedError
+
     def put_bytes(self, key: str, data: bytes, deadline: Deadline) -> None:
         raise NotImplementedError
 
@@ -384,8 +390,9 @@ def _check_download(path: str, where: str, size: int, checksum: str, got_size: i
         detail = f"{got_size} bytes, expected {size}" if got_size != size else "checksum differs from the manifest"
         raise CorruptCheckpointError(
             f"remote object {where} is corrupt ({detail}); it was not loaded. Remedy: load an earlier "
-            f"step (load(step=...)) or set on_corrupt='fallback'; re-upload the step from a node that "
-            f"still has it (shardckpt push)."
+            f"step (load(step=...)) or set on_corrupt='fallback'; repair it from a node that still has "
+            f"the step (`shardckpt push --local LOCAL_DIR --remote URL --step N` checks the remote copy and "
+            f"uploads again what fails)."
         )
 
 
@@ -651,10 +658,37 @@ class S3Store(Store):
             return
         with open(path, "wb") as f:
             f.truncate(size)
-        ranges = [(off, min(opts.part_size, size - off)) for off in range(0, size, opts.part_size)]
+        got_size, got_sum = self._get_ranges(key, path, size, checksum, deadline, on_bytes)
+        _check_download(path, self.where(key), size, checksum, got_size, got_sum)
+
+    def _get_ranges(
+        self, key: str, path: str, size: int, checksum: str, deadline: Deadline, on_bytes: Callable[[int], None] | None
+    ) -> tuple[int, str]:
+        """Ranged GETs in parallel, written in place and hashed in order as they arrive.
+
+        A part waits in memory until the parts before it are hashed; each part
+        holds a slot of ``part_window`` from its request until it is hashed,
+        which bounds that memory to ``concurrency`` parts.
+        """
+        opts = self.options
+        fk = self.full_key(key)
+        digest = layout.Checksum.like(checksum)
+        window = self.part_window
+        lock = threading.Lock()
+        waiting: dict[int, bytes] = {}
+        hashed = [0]
+
+        def absorb(off: int, data: bytes) -> None:
+            with lock:
+                waiting[off] = data
+                while hashed[0] in waiting:
+                    chunk = waiting.pop(hashed[0])
+                    digest.update(chunk)
+                    hashed[0] += len(chunk)
+                    window.release()
 
         def fetch(off: int, length: int) -> None:
-            def call() -> None:
+            def call() -> bytes:
                 resp = self.client.get_object(Bucket=self.bucket, Key=fk, Range=f"bytes={off}-{off + length - 1}")
                 data = resp["Body"].read()
                 if len(data) != length:
@@ -664,14 +698,53 @@ class S3Store(Store):
                     os.pwrite(fd, data, off)
                 finally:
                     os.close(fd)
+                return data
 
-            self.retry(call, "download of", key, deadline)
+            try:
+                data = self.retry(call, "download of", key, deadline)
+            except BaseException:
+                window.release()
+                raise
+            absorb(off, data)
             if on_bytes is not None:
                 on_bytes(length)
 
-        self.run_all([lambda o=o, n=n: fetch(o, n) for o, n in ranges])
-        got_size, got_sum = layout.checksum_file(path, like=checksum)
-        _check_download(path, self.where(key), size, checksum, got_size, got_sum)
+        futures: list[concurrent.futures.Future] = []
+        try:
+            for off in range(0, size, opts.part_size):
+                window.acquire()
+                futures.append(self.pool().submit(fetch, off, min(opts.part_size, size - off)))
+                if any(fut.done() and fut.exception() for fut in futures):
+                    break
+            for fut in futures:
+                fut.result()
+        finally:
+            for fut in futures:
+                if fut.cancel():
+                    window.release()  # never ran
+            concurrent.futures.wait(futures)
+            with lock:
+                for _ in waiting:
+                    window.release()  # parts never hashed (an earlier one failed)
+                waiting.clear()
+        return hashed[0], digest.value()
+
+    def read_checksum(self, key: str, like: str, deadline: Deadline) -> tuple[int, str] | None:
+        def call() -> tuple[int, str] | None:
+            try:
+                resp = self.client.get_object(Bucket=self.bucket, Key=self.full_key(key))
+            except self._bexc.ClientError as exc:
+                if self._is_missing(exc):
+                    return None
+                raise
+            digest = layout.Checksum.like(like)
+            n = 0
+            for chunk in resp["Body"].iter_chunks(chunk_size=1 << 20):
+                digest.update(chunk)
+                n += len(chunk)
+            return n, digest.value()
+
+        return self.retry(call, "verification of", key, deadline)
 
     # ---- listing and deletion
 
@@ -729,6 +802,9 @@ class FsspecStore(Store):
         self.fs = fsspec.filesystem(scheme, **options.storage_options)
         self.root = rest if scheme != "file" else "/" + rest.lstrip("/")
         self.retryable_types = Store.retryable_types
+        self.local = scheme in ("file", "local")
+        """A filesystem path (``file://``, e.g. an NFS mount): writes go to a temporary name,
+        are fsynced and renamed, so a crash never leaves a partial object under its name."""
 
     def is_retryable(self, exc: BaseException) -> bool:
         if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
@@ -738,12 +814,34 @@ class FsspecStore(Store):
     def path(self, key: str) -> str:
         return self.root + ("/" + key.strip("/") if key.strip("/") else "")
 
-    def _write(self, key: str, chunks: Callable[[], Any], like: str | None = None) -> tuple[int, str]:
+    def _write(
+        self, key: str, chunks: Callable[[], Any], like: str | None = None, expect: tuple[int, str] | None = None
+    ) -> tuple[int, str]:
+        """Write an object; returns the size and checksum of what was written.
+
+        With ``expect`` (size, checksum), an object whose bytes differ is not
+        put in place (on a local filesystem; object stores replace whole objects anyway).
+        """
         target = self.path(key)
         parent = target.rsplit("/", 1)[0]
         self.fs.makedirs(parent, exist_ok=True)
-        with self.fs.open(target, "wb") as f:
-            return _copy_checked(chunks(), f, like=like)
+        if not self.local:
+            with self.fs.open(target, "wb") as f:
+                return _copy_checked(chunks(), f, like=like)
+        tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(tmp, "wb") as f:
+                got = _copy_checked(chunks(), f, like=like)
+                _failpoints.hit("remote.file_written")
+                f.flush()
+                os.fsync(f.fileno())
+            if expect is None or got == expect:
+                os.replace(tmp, target)
+                layout.fsync_dir(parent)
+            return got
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
     def put_bytes(self, key: str, data: bytes, deadline: Deadline) -> None:
         self.retry(lambda: self._write(key, lambda: [data]), "upload of", key, deadline)
@@ -755,7 +853,7 @@ class FsspecStore(Store):
             with open(path, "rb") as f:
                 yield from _file_chunks(f)
 
-        n, digest = self.retry(lambda: self._write(key, chunks, like=checksum), "upload of", key, deadline)
+        n, digest = self.retry(lambda: self._write(key, chunks, like=checksum, expect=(size, checksum)), "upload of", key, deadline)
         if n != size or digest != checksum:
             raise _local_mismatch(path, self.where(key), "differs (size or checksum)")
         got = self.retry(lambda: self.fs.info(self.path(key))["size"], "verification of", key, deadline)
@@ -776,6 +874,21 @@ class FsspecStore(Store):
 
     def exists(self, key: str, deadline: Deadline) -> bool:
         return self.retry(lambda: self.fs.exists(self.path(key)), "lookup of", key, deadline)
+
+    def read_checksum(self, key: str, like: str, deadline: Deadline) -> tuple[int, str] | None:
+        def call() -> tuple[int, str] | None:
+            digest = layout.Checksum.like(like)
+            n = 0
+            try:
+                with self.fs.open(self.path(key), "rb") as f:
+                    for chunk in _file_chunks(f):
+                        digest.update(chunk)
+                        n += len(chunk)
+            except FileNotFoundError:
+                return None
+            return n, digest.value()
+
+        return self.retry(call, "verification of", key, deadline)
 
     def get_file(
         self, key: str, path: str, size: int, checksum: str, deadline: Deadline, on_bytes: Callable[[int], None] | None = None

@@ -46,6 +46,7 @@ import uuid
 from typing import Any
 
 from . import _failpoints, layout
+from . import lineage as lineage_mod
 from .errors import CorruptCheckpointError, RemoteError
 from .remote import Deadline, Store, join, safe_url
 from .retention import RetentionPolicy, plan_deletions
@@ -140,13 +141,21 @@ def mark_uploaded(step_dir: str, url: str, manifest: layout.Manifest, superseded
 
 
 def is_uploaded(step_dir: str, url: str) -> bool:
-    """True when the local step carries a mark that it is committed on ``url``."""
+    """True when the local step carries a mark that *its content* is committed on ``url``.
+
+    The mark names the digest of the files that were committed: a step saved
+    again under the same number (a rollback, a restart) has other files, so
+    an old mark does not count for it.
+    """
     try:
         with open(os.path.join(step_dir, UPLOADED_NAME), encoding="utf-8") as f:
             body = json.load(f)
+        manifest = layout.read_manifest(step_dir)
     except (OSError, ValueError):
         return False
-    return body.get("remote") == safe_url(url)
+    if manifest is None or body.get("remote") != safe_url(url):
+        return False
+    return body.get("files_digest") == files_digest(manifest)
 
 
 def pending_steps(root: str, url: str) -> list[int]:
@@ -168,17 +177,46 @@ def local_bytes(root: str, step: int) -> int:
 
 def remote_steps(store: Store, deadline: Deadline) -> list[int]:
     """Steps committed on the remote (their manifest exists), oldest first."""
-    candidates = []
-    for name in store.list_dirs("", deadline):
-        step = layout.parse_step_dirname(name)
-        if step is not None:
-            candidates.append(step)
+    candidates = _step_dirs(store, deadline)
     if not candidates:
         return []
     found = store.run_all(
         [lambda s=s: (s, store.exists(step_key(s, layout.MANIFEST_NAME), deadline)) for s in candidates], files=True
     )
     return sorted(s for s, ok in found if ok)
+
+
+def _step_dirs(store: Store, deadline: Deadline) -> list[int]:
+    steps = []
+    for name in store.list_dirs("", deadline):
+        step = layout.parse_step_dirname(name)
+        if step is not None:
+            steps.append(step)
+    return sorted(steps)
+
+
+def remote_manifests(store: Store, deadline: Deadline, steps: list[int] | None = None) -> dict[int, layout.Manifest]:
+    """The manifests of the steps committed on the remote (of ``steps`` only, when given).
+
+    A remote manifest that cannot be read is left out with a warning: that
+    step cannot be loaded, and it must not decide what else is live.
+    """
+    candidates = _step_dirs(store, deadline) if steps is None else sorted(steps)
+
+    def one(step: int) -> tuple[int, layout.Manifest | None]:
+        try:
+            return step, remote_manifest(store, step, deadline)
+        except CorruptCheckpointError as exc:
+            log.warning("shardckpt: skipping remote step %d: %s", step, exc)
+            return step, None
+
+    found = store.run_all([lambda s=s: one(s) for s in candidates], files=True) if candidates else []
+    return {s: m for s, m in found if m is not None}
+
+
+def remote_infos(store: Store, deadline: Deadline) -> dict[int, tuple[float, dict[str, Any]]]:
+    """``{step: (created, lineage)}`` of the steps committed on the remote."""
+    return {s: (m.created, m.lineage) for s, m in remote_manifests(store, deadline).items()}
 
 
 def remote_manifest(store: Store, step: int, deadline: Deadline) -> layout.Manifest | None:
@@ -213,6 +251,8 @@ class PushResult:
     state: str
     uploaded_bytes: int = 0
     detail: str = ""
+    marked: str | None = None
+    """The files digest whose node marker this node has on the remote (its part is done)."""
 
 
 def _marker_name(ranks: list[int]) -> str:
@@ -220,9 +260,38 @@ def _marker_name(ranks: list[int]) -> str:
 
 
 def _committer_file(manifest: layout.Manifest) -> str:
-    if ".metadata" in manifest.files:
-        return ".metadata"
-    return min(manifest.files, key=lambda n: (manifest.files[n].rank, n))
+    """The file whose holder commits the step: rank 0's first shard file.
+
+    (Every node-local copy holds ``.metadata``, so it cannot single one out.)
+    """
+    shards = [n for n in manifest.files if n != layout.METADATA_NAME]
+    if not shards:
+        return layout.METADATA_NAME
+    return min(shards, key=lambda n: (manifest.files[n].rank, n))
+
+
+def _read_local_manifest(step_dir: str) -> tuple[bytes, layout.Manifest] | None:
+    """The manifest's bytes and their parse: the one version this pass works with."""
+    path = os.path.join(step_dir, layout.MANIFEST_NAME)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CorruptCheckpointError(f"manifest {path} is not UTF-8 text; the step cannot be trusted") from exc
+    return data, layout.Manifest.from_json(text, path)
+
+
+def _saved_again(step_dir: str, digest: str) -> bool:
+    """The local step now holds other content than the manifest this pass started with."""
+    try:
+        current = layout.read_manifest(step_dir)
+    except CorruptCheckpointError:
+        return True
+    return current is None or files_digest(current) != digest
 
 
 def push_step(
@@ -234,12 +303,25 @@ def push_step(
     policy: RetentionPolicy | None,
     skip_upload_digest: str | None = None,
     progress_s: float = PROGRESS_S,
+    verify_remote: bool = False,
 ) -> PushResult:
-    """One pass of the protocol for one step of this node (see the module docstring)."""
+    """One pass of the protocol for one step of this node (see the module docstring).
+
+    The manifest is read once; every file is checked against *that* manifest
+    as it is uploaded, and those very manifest bytes are uploaded last. A step
+    saved again locally while it uploads (same number, other content) makes
+    this pass stop (``WAITING``, retried with the new content), so a remote
+    step never mixes files and manifest of different saves.
+
+    ``verify_remote`` (``shardckpt push``): when the step is already
+    committed remotely, download and check this node's objects of it and
+    upload again those that fail.
+    """
     step_dir = os.path.join(root, layout.step_dirname(step))
-    manifest = layout.read_manifest(step_dir)
-    if manifest is None:
+    local = _read_local_manifest(step_dir)
+    if local is None:
         return PushResult(GONE)
+    manifest_bytes, manifest = local
     digest = files_digest(manifest)
     deadline = Deadline(store.options.step_deadline_s)
     mine = present_files(step_dir, manifest)
@@ -247,8 +329,10 @@ def push_step(
     committed = remote_manifest(store, step, deadline)
     if committed is not None:
         if files_digest(committed) == digest:
+            repaired = _repair_remote(store, step_dir, step, manifest, mine, deadline) if verify_remote else []
             mark_uploaded(step_dir, store.url, manifest)
-            return PushResult(COMMITTED, detail="already committed")
+            detail = f"already committed; replaced {len(repaired)} corrupt object(s): {', '.join(repaired)}" if repaired else "already committed"
+            return PushResult(COMMITTED, sum(manifest.files[n].size for n in repaired), detail)
         if committed.created >= manifest.created:
             raise RemoteError(
                 f"step {step}: {store.where(layout.step_dirname(step))} is already committed with different, "
@@ -282,7 +366,7 @@ def push_step(
     sent = 0
     if skip_upload_digest != digest:
         existing = store.get_bytes(marker_key, deadline)
-        if existing is None or _parse_marker(existing).get("files") != marker["files"]:
+        if existing is None or _parse_marker(existing).get("files_digest") != digest:
             total = sum(manifest.files[n].size for n in mine)
             progress = Progress(f"uploading step {step} to {safe_url(store.url)}", total, progress_s)
 
@@ -294,46 +378,79 @@ def push_step(
             try:
                 with progress:
                     store.run_all([lambda n=n: send(n) for n in mine], files=True)
-            except FileNotFoundError:
+            except (FileNotFoundError, CorruptCheckpointError):
+                # A file vanished or differs from the manifest: the step was deleted or saved
+                # again meanwhile (else the local copy is damaged: the error stands).
                 if layout.read_manifest(step_dir) is None:
                     return PushResult(GONE)
+                if _saved_again(step_dir, digest):
+                    return PushResult(WAITING, detail=SAVED_AGAIN)
                 raise
             sent = total
             _failpoints.hit("upload.files_sent")
             store.put_bytes(marker_key, json.dumps(marker, sort_keys=True).encode(), deadline)
             _failpoints.hit("upload.marker_written")
     if not committer:
-        return _superseded_or(store, step_dir, step, manifest, PushResult(WAITING, sent, "waiting for the committing node"), deadline)
+        waiting = PushResult(WAITING, sent, "waiting for the committing node", marked=digest)
+        return _superseded_or(store, step_dir, step, manifest, waiting, deadline)
     ready, why = _all_markers_present(store, step, manifest, digest, deadline)
     if not ready:
-        return _superseded_or(store, step_dir, step, manifest, PushResult(WAITING, sent, why), deadline)
-    with open(os.path.join(step_dir, layout.MANIFEST_NAME), "rb") as f:
-        manifest_bytes = f.read()
+        return _superseded_or(store, step_dir, step, manifest, PushResult(WAITING, sent, why, marked=digest), deadline)
     store.put_bytes(step_key(step, layout.MANIFEST_NAME), manifest_bytes, deadline)
     _failpoints.hit("upload.manifest_written")
     mark_uploaded(step_dir, store.url, manifest)
     if policy is not None:
-        apply_remote_retention(store, policy, deadline)
+        try:
+            apply_remote_retention(store, policy, deadline)
+        except (RemoteError, CorruptCheckpointError) as exc:
+            log.warning("shardckpt: step %d is committed on %s, but remote retention failed: %s", step, safe_url(store.url), exc)
     return PushResult(COMMITTED, sent)
+
+
+SAVED_AGAIN = "saved again locally while uploading; starting over with the new content"
+
+
+def _repair_remote(
+    store: Store, step_dir: str, step: int, manifest: layout.Manifest, names: list[str], deadline: Deadline
+) -> list[str]:
+    """Download and check this node's objects of a committed step; upload again those that fail."""
+    def check(name: str) -> str | None:
+        entry = manifest.files[name]
+        got = store.read_checksum(step_key(step, name), entry.checksum, deadline)
+        return None if got == (entry.size, entry.checksum) else name
+
+    bad = sorted(n for n in store.run_all([lambda n=n: check(n) for n in names], files=True) if n)
+    for name in bad:
+        entry = manifest.files[name]
+        log.warning("shardckpt: remote object %s fails its checksum; uploading it again", store.where(step_key(step, name)))
+        store.put_file(os.path.join(step_dir, name), step_key(step, name), entry.size, entry.checksum, deadline)
+    return bad
 
 
 def _superseded_or(
     store: Store, step_dir: str, step: int, manifest: layout.Manifest, waiting: PushResult, deadline: Deadline
 ) -> PushResult:
-    """A step still waiting while a newer step is committed remotely is superseded.
+    """A step still waiting while a newer step of its history is committed remotely is superseded.
 
     (Its commit may have come and gone: remote retention may have removed it
     before this node looked.) It is marked done locally, which lets local
-    retention drop it; the newer step is the one that is safe remotely.
+    retention drop it; the newer step is the one that is safe remotely. A
+    newer step of another branch (this one was saved after a rollback) does
+    not count.
     """
-    newer = [s for s in remote_steps(store, deadline) if s > step]
+    newer = [s for s in _step_dirs(store, deadline) if s > step]
     if not newer:
         return waiting
-    latest = remote_manifest(store, newer[-1], deadline)
-    if latest is None or latest.created < manifest.created:
-        return waiting  # an older timeline's step (this one was saved after a rollback)
-    mark_uploaded(step_dir, store.url, manifest, superseded_by=newer[-1])
-    return PushResult(SUPERSEDED, waiting.uploaded_bytes, f"superseded by step {newer[-1]}, committed remotely")
+    mine = lineage_mod.info_of(manifest)
+    for other in reversed(newer):
+        latest = remote_manifest(store, other, deadline)
+        if latest is None or latest.created < manifest.created:
+            continue
+        if lineage_mod.excluded_by(lineage_mod.Lineage.from_json(latest.lineage), step, mine.lineage) is not None:
+            continue
+        mark_uploaded(step_dir, store.url, manifest, superseded_by=other)
+        return PushResult(SUPERSEDED, waiting.uploaded_bytes, f"superseded by step {other}, committed remotely")
+    return waiting
 
 
 def _parse_marker(data: bytes) -> dict[str, Any]:
@@ -371,8 +488,10 @@ def _all_markers_present(
 
 
 def apply_remote_retention(store: Store, policy: RetentionPolicy, deadline: Deadline) -> list[int]:
-    steps = remote_steps(store, deadline)
-    doomed = plan_deletions(steps, policy)
+    """Retention over the live remote steps; steps abandoned by a rollback stay until ``shardckpt gc``."""
+    infos = {s: lineage_mod.info_of(m) for s, m in remote_manifests(store, deadline).items()}
+    live, _abandoned = lineage_mod.classify(infos)
+    doomed = plan_deletions(live, policy)
     for old in doomed:
         delete_remote_step(store, old, deadline)
         log.info("shardckpt: remote retention removed step %d from %s", old, safe_url(store.url))
@@ -390,13 +509,15 @@ def fetch_step(
     names: list[str] | None = None,
     manifest: layout.Manifest | None = None,
     progress_s: float = PROGRESS_S,
+    verify_local: bool = False,
 ) -> set[str]:
     """Bring the remote ``step`` into ``root``; return the names fetched (each verified).
 
     When ``root`` already holds the committed step, only ``names`` (default:
-    the files missing locally) are fetched into it. Otherwise the step is
-    fetched into a partial directory and committed locally (manifest last)
-    only after every file passed its checksum.
+    the files missing locally, and with ``verify_local`` also those failing
+    their checksum) are fetched into it, each replacing the local file only
+    once it passed. Otherwise the step is fetched into a partial directory
+    and committed locally (manifest last) only after every file passed.
     """
     deadline = Deadline(store.options.step_deadline_s)
     step_dir = os.path.join(root, layout.step_dirname(step))
@@ -413,7 +534,12 @@ def fetch_step(
                 f"step {step}: the local copy {step_dir} and the remote copy {store.where(layout.step_dirname(step))} "
                 f"differ; refusing to mix them. Remedy: delete the local step directory, or load another step."
             )
-        wanted = sorted(names) if names is not None else layout.missing_files(step_dir, local_manifest)
+        if names is not None:
+            wanted = sorted(names)
+        else:
+            wanted = layout.missing_files(step_dir, local_manifest)
+            if verify_local:
+                wanted = sorted(set(wanted) | set(_failing_files(step_dir, local_manifest)))
         target = step_dir
     else:
         wanted = sorted(remote.files)
@@ -455,6 +581,17 @@ def fetch_step(
             len(wanted), step, safe_url(store.url), total / 2**20, took,
         )
     return set(wanted)
+
+
+def _failing_files(step_dir: str, manifest: layout.Manifest) -> list[str]:
+    """Local files of the step that fail their size or checksum."""
+    bad = []
+    for name in manifest.files:
+        try:
+            layout.verify_files(step_dir, manifest, [name])
+        except CorruptCheckpointError:
+            bad.append(name)
+    return bad
 
 
 def _commit_fetched(root: str, partial: str, step_dir: str) -> None:

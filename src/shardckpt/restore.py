@@ -1,32 +1,44 @@
-"""The restore path: candidates -> fetch -> verify -> match keys -> load -> elastic plan.
+"""The restore path: survey -> fetch -> verify -> match keys -> load -> elastic plan.
 
 ``Restorer.load`` runs on the main thread of every rank, collectively over the
 ``ctl`` side group::
 
-    1. pick the steps every rank can load, newest first (local steps, and
-       with a remote the steps committed there; rank 0 lists the remote)
-    2. node leaders fetch missing files from the remote, each checked against
-       the manifest while it downloads; all ranks learn every node's outcome
-    3. verify checksums, the work split over ranks; a failure is seen by all
-       (and with on_corrupt="fallback" every rank moves on to the next step)
+    1. survey: every rank reads the manifests of its directory; rank 0 lists
+       the remote (and reads its manifests); one exchange. Every rank then
+       computes alike which steps are live (``lineage.py``: steps of a branch
+       abandoned by a rollback are not resumed by default) and which of them
+       every rank can load: complete in its directory, committed on the
+       remote, or completable from the other nodes' node-local copies
+    2. fetch what a directory copy lacks: from the remote (each file checked
+       against the manifest while it downloads), else from the copies of
+       other nodes over the process group (also checked); one exchange
+    3. verify checksums, the work split over the ranks of each copy; a file
+       failing it is fetched again from the remote when the step is there;
+       every rank sees every failure (and with ``on_corrupt="fallback"`` every
+       rank moves on to the next step)
     4. read DCP's metadata through the restricted unpickler, check run id,
        keys and shapes (strict)
     5. DCP read into the live module / optimizer state dicts and into rebuilt
        entries (plain values, stateful objects, this rank's RNG)
-    6. apply to the live objects, restore RNG; one log line; the elastic plan
+    6. apply to the live objects, restore RNG; one log line; the elastic plan;
+       the lineage the next saves continue (agreed on rank 0)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
+import uuid
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from . import _dist, layout, local, remote, remote_commit
 from . import elastic as elastic_mod
+from . import lineage as lineage_mod
 from . import state as state_mod
 from ._text import fmt_bytes
 from .errors import (
@@ -37,8 +49,28 @@ from .errors import (
     StateMismatchError,
 )
 from .options import CheckpointConfig, OnCorrupt
+from .topology import Topology
 
 log = logging.getLogger("shardckpt")
+
+PEER_CHUNK = 64 << 20
+"""Bytes per message when a node-local copy receives a file from another node."""
+
+
+@dataclasses.dataclass
+class Survey:
+    """What every rank knows after the survey exchange (identical on every rank)."""
+
+    infos: dict[int, lineage_mod.StepInfo]
+    live: list[int]
+    abandoned: dict[int, str]
+    candidates: list[int]
+    """Steps every rank can load, newest first (or the one asked for)."""
+    remote_steps: set[int]
+    missing: list[dict[int, list[str]]]
+    """Per rank: for each step it holds, the manifest files absent from its directory."""
+    early: dict[int, list[str]]
+    """Steps already verified during the survey -> the errors reported."""
 
 
 class Restorer:
@@ -49,9 +81,15 @@ class Restorer:
         self.root = root
         self._groups = groups
         self._store: remote.Store | None = None
+        self.topology = Topology.single()
+        """Which ranks share this directory; set by the Checkpointer before the first load."""
         self.remote_committed: set[int] = set()
         """Steps seen committed on the remote at the last listing."""
         self.last_plan: elastic_mod.ElasticPlan | None = None
+        self.next_lineage: lineage_mod.Lineage | None = None
+        """The lineage the saves after the last load continue (agreed by all ranks)."""
+        self.newest_created = 0.0
+        """The newest manifest time seen by the last load: later saves are stamped after it."""
 
     def steps(self) -> list[int]:
         return layout.committed_steps(self.root)
@@ -70,50 +108,44 @@ class Restorer:
         trust_pickles: bool = False,
         elastic: "elastic_mod.ElasticPolicy | None" = None,
     ) -> int | None:
-        """Restore ``state`` in place from ``step`` (default: the newest committed).
+        """Restore ``state`` in place from ``step`` (default: the newest live step).
 
         Returns the restored step, or ``None`` when there is nothing to resume.
-        ``trust_pickles=True`` lifts the restricted unpickling of DCP metadata
-        and non-tensor items; only for checkpoints whose origin you trust.
-        ``elastic`` (an :class:`ElasticPolicy`) says how batch and learning
-        rate follow a world-size change; without it the global batch is kept,
-        to the nearest accumulation count with a warning when not exactly.
         The resulting plan is logged in one line and kept as ``self.last_plan``.
         Collective over the ``ctl`` group: every rank calls it alike.
         """
         strict = self.config.strict if strict is None else strict
         t_start = time.monotonic()
-        self._groups.ensure()
-        candidates, early = self._agreed_candidates(step)
-        if not candidates:
+        survey = self._survey(step)
+        self.newest_created = max((i.created for i in survey.infos.values()), default=0.0)
+        if not survey.candidates:
             if step is not None:
-                self._raise_not_found(step)
+                self._raise_not_found(step, survey)
             if _dist.rank() == 0:
                 log.info("shardckpt: nothing to resume in %s; starting fresh", self.root)
             self.last_plan = None
+            self.next_lineage = self._agree_lineage(survey, None)
             return None
         last_error: BaseException | None = None
-        for candidate in candidates:
+        for candidate in survey.candidates:
             step_dir = os.path.join(self.root, layout.step_dirname(candidate))
             try:
-                manifest = self._verify(candidate, step_dir, early)
+                manifest = self._prepare(candidate, step_dir, survey)
             except CorruptCheckpointError as exc:
                 if self.config.on_corrupt == OnCorrupt.FALLBACK and step is None:
-                    log.warning("shardckpt: step %d failed verification, falling back: %s", candidate, exc)
+                    if _dist.rank() == 0:
+                        log.warning("shardckpt: step %d failed verification, falling back: %s", candidate, exc)
                     last_error = exc
                     continue
                 raise
             self._load_step(state, candidate, step_dir, manifest, strict=strict, trust_pickles=trust_pickles)
             took = time.monotonic() - t_start
             if _dist.rank() == 0:
+                note = f" ({survey.abandoned[candidate]})" if candidate in survey.abandoned else ""
                 log.info(
-                    "shardckpt: restored step %d from %s: %s, world size %d -> %d, %.2f s",
-                    candidate,
-                    step_dir,
-                    fmt_bytes(manifest.total_bytes),
-                    manifest.world_size,
-                    _dist.world_size(),
-                    took,
+                    "shardckpt: restored step %d%s from %s: %s, world size %d -> %d, %.2f s",
+                    candidate, note, step_dir, fmt_bytes(manifest.total_bytes), manifest.world_size,
+                    _dist.world_size(), took,
                 )
             self.last_plan = elastic_mod.after_restore(
                 state,
@@ -125,105 +157,135 @@ class Restorer:
                 config=self.config,
                 log_plan=_dist.rank() == 0,
             )
+            self.next_lineage = self._agree_lineage(survey, candidate)
             return candidate
         raise CorruptCheckpointError(
             f"no committed step in {self.root} passed verification; the last error was: {last_error}"
         ) from last_error
 
-    def _candidate_steps(self) -> list[int]:
-        """Steps committed locally, plus (with a remote) those committed remotely.
+    # ------------------------------------------------------------ 1. survey
 
-        Collective over the ``ctl`` group when a remote is set: rank 0 lists
-        the remote and broadcasts the list (one listing per job, not per rank).
-        When the listing fails (after its bounded retries), ranks that all hold
-        a committed local step go on with the local steps and a warning; if
-        any rank holds none, every rank raises :class:`RemoteError` rather
-        than report "nothing to resume" and restart training from scratch.
-        """
-        steps = set(layout.committed_steps(self.root))
-        if self.config.remote is None:
-            return sorted(steps)
-        # With node-local disks a local step may hold only this node's shards:
-        # it counts here when complete, or when the remote can complete it.
-        complete = set()
-        for step in steps:
+    def _survey(self, step: int | None) -> Survey:
+        """One exchange: every rank's steps, rank 0's remote listing, early verification."""
+        infos, missing, unreadable = _scan(self.root)
+        remote_report: tuple[dict[int, tuple[float, Any]], str | None] | None = None
+        if self.config.remote is not None and _dist.rank() == 0:
             try:
-                manifest = layout.read_manifest(os.path.join(self.root, layout.step_dirname(step)))
-            except CorruptCheckpointError:
-                complete.add(step)  # let verification report it
-                continue
-            if manifest is not None and not layout.missing_files(
-                os.path.join(self.root, layout.step_dirname(step)), manifest
-            ):
-                complete.add(step)
-        listing: tuple[list[int], str | None] = ([], None)
-        if _dist.rank() == 0:
-            try:
-                listing = (remote_commit.remote_steps(self._remote_store(), remote.Deadline(self.config.step_deadline_s)), None)
+                listed = remote_commit.remote_infos(self._remote_store(), remote.Deadline(self.config.step_deadline_s))
+                remote_report = (listed, None)
             except RemoteError as exc:
-                listing = ([], remote.redact(str(exc)))
-        found, error = self._groups.broadcast_ctl(listing)
+                remote_report = ({}, remote.redact(str(exc)))
+        early = self._early_check(step, infos, missing)
+        payload = {
+            "infos": {s: (i.created, i.lineage.to_json()) for s, i in infos.items()},
+            "missing": missing,
+            "unreadable": sorted(unreadable),
+            "remote": remote_report,
+            "early": early,
+        }
+        gathered = self._groups.all_gather_ctl(payload)
+
+        merged: dict[int, lineage_mod.StepInfo] = {}
+
+        def take(s: int, created: float, body: Any) -> None:
+            if s not in merged or created > merged[s].created:
+                merged[s] = lineage_mod.StepInfo(s, created, lineage_mod.Lineage.from_json(body))
+
+        for g in gathered:
+            for s, (created, body) in g["infos"].items():
+                take(s, created, body)
+        listed, error = gathered[0]["remote"] or ({}, None)
+        for s, (created, body) in listed.items():
+            take(s, created, body)
+        remote_steps = set(listed)
         if error is not None:
-            # Every rank decides alike: all see the same error and the same
-            # agreement below. Without any local step, "nothing to resume"
-            # would silently restart training from scratch: refuse instead.
-            have_local = self._groups.all_gather_ctl(bool(complete))
-            if not all(have_local):
-                where = self.root if not complete else f"the local_dir of {have_local.count(False)} rank(s)"
-                raise RemoteError(
-                    f"cannot list the remote {remote.safe_url(self.config.remote)} and {where} holds no "
-                    f"committed step, so nothing was loaded (starting fresh could discard a run that exists "
-                    f"remotely). Cause: {error}"
-                )
-            if _dist.rank() == 0:
-                log.warning(
-                    "shardckpt: cannot list the remote %s; using local steps only (a newer step committed "
-                    "remotely would be missed): %s",
-                    remote.safe_url(self.config.remote), error,
-                )
-        self.remote_committed = set(found or [])
-        return sorted(complete | self.remote_committed)
+            self._remote_unlisted(error, gathered)
+        self.remote_committed = remote_steps
+        live, abandoned = lineage_mod.classify(merged)
+        per_rank_missing = [g["missing"] for g in gathered]
 
-    def _agreed_candidates(
-        self, step: int | None
-    ) -> tuple[list[int], dict[int, tuple[list[str], layout.Manifest | None]]]:
-        """Steps every rank can load, newest first, and the verification already done.
+        def loadable(s: int) -> bool:
+            # Committed remotely, or committed in every rank's directory (files a copy
+            # lacks come from another node's copy; fetching says which are nowhere).
+            return s in remote_steps or all(s in m for m in per_rank_missing)
 
-        Without a remote each rank checks its share of the step it expects to
-        load (the requested one, else its newest) before the one exchange of
-        step lists; when every rank checked the step that turns out to be the
-        agreed first candidate, its verification needs no second exchange.
-        Returns ``(candidates, {step: (errors of all ranks, this rank's manifest)})``.
-        """
-        mine = set(self._candidate_steps())
-        report: tuple[int, str | None] | None = None
-        manifest: layout.Manifest | None = None
-        guess = step if step is not None else max(mine, default=None)
-        if self.config.remote is None and guess is not None and guess in mine:
-            step_dir = os.path.join(self.root, layout.step_dirname(guess))
-            try:
-                manifest = layout.read_manifest(step_dir)
-            except CorruptCheckpointError as exc:
-                report = (guess, str(exc))
-            else:
-                if manifest is not None:
-                    report = (guess, self._check_share(step_dir, manifest, set()))
-        gathered = self._groups.all_gather_ctl((sorted(mine), report))
-        common = set(gathered[0][0])
-        for other, _report in gathered[1:]:
-            common &= set(other)
+        unreadable_everywhere = set.intersection(*(set(g["unreadable"]) for g in gathered)) if gathered else set()
         if step is not None:
-            candidates = [step] if step in common else []
+            ok = step in unreadable_everywhere or (step in merged and loadable(step))
+            candidates = [step] if ok else []
         else:
-            candidates = sorted(common, reverse=True)
-        early: dict[int, tuple[list[str], layout.Manifest | None]] = {}
-        if candidates and all(r is not None and r[0] == candidates[0] for _steps, r in gathered):
-            # A rank reports no error only after reading its manifest, so
-            # without errors every rank holds its manifest here.
-            early[candidates[0]] = ([r[1] for _steps, r in gathered if r[1]], manifest)
-        return candidates, early
+            newest_live = max((s for s in live if loadable(s)), default=-1)
+            # A step whose manifest no rank can read is listed when it is newer than every
+            # live step (most likely the last save): verification then reports it.
+            pool = {s for s in live if loadable(s)} | {s for s in unreadable_everywhere if s > newest_live}
+            candidates = sorted(pool, reverse=True)
+        verified: dict[int, list[str]] = {}
+        reports = [g["early"] for g in gathered]
+        if candidates and all(r is not None and r[0] == candidates[0] for r in reports):
+            verified[candidates[0]] = [r[1] for r in reports if r[1]]
+        return Survey(merged, live, abandoned, candidates, remote_steps, per_rank_missing, verified)
 
-    def _raise_not_found(self, step: int) -> None:
+    def _early_check(
+        self, step: int | None, infos: dict[int, lineage_mod.StepInfo], missing: dict[int, list[str]]
+    ) -> tuple[int, str | None] | None:
+        """Without a remote, check this rank's share of the step it expects before the exchange.
+
+        When every rank checked the step that turns out to be the first
+        candidate, verifying it needs no exchange of its own.
+        """
+        if self.config.remote is not None:
+            return None
+        live, _abandoned = lineage_mod.classify(infos)
+        guess = step if step is not None else max((s for s in live if not missing.get(s)), default=None)
+        if guess is None or missing.get(guess) != []:
+            return None
+        step_dir = os.path.join(self.root, layout.step_dirname(guess))
+        try:
+            manifest = layout.read_manifest(step_dir)
+        except CorruptCheckpointError as exc:
+            return (guess, str(exc))
+        if manifest is None:
+            return None
+        error, _names = self._check_share(step_dir, manifest, set())
+        return (guess, error)
+
+    def _remote_unlisted(self, error: str, gathered: list[dict[str, Any]]) -> None:
+        """The remote could not be listed: go on with local steps only if every rank has one.
+
+        Without any local step, "nothing to resume" would silently restart
+        training from scratch: every rank raises instead.
+        """
+        have_local = [any(not m for m in g["missing"].values()) for g in gathered]
+        if not all(have_local):
+            mine = have_local[_dist.rank()]
+            where = self.root if not mine else f"the local_dir of {have_local.count(False)} rank(s)"
+            raise RemoteError(
+                f"cannot list the remote {remote.safe_url(self.config.remote)} and {where} holds no "
+                f"committed step, so nothing was loaded (starting fresh could discard a run that exists "
+                f"remotely). Cause: {error}"
+            )
+        if _dist.rank() == 0:
+            log.warning(
+                "shardckpt: cannot list the remote %s; using local steps only (a newer step committed "
+                "remotely would be missed): %s",
+                remote.safe_url(self.config.remote), error,
+            )
+
+    def _agree_lineage(self, survey: Survey, step: int | None) -> lineage_mod.Lineage:
+        """The lineage of the next saves, decided on rank 0 (a new branch gets one id everywhere)."""
+        mine = lineage_mod.continue_from(survey.infos, step) if _dist.rank() == 0 else None
+        agreed = self._groups.broadcast_ctl(mine)
+        if step is not None and agreed.forks and agreed.forks[-1][1] == agreed.branch and agreed != survey.infos[step].lineage:
+            if _dist.rank() == 0:
+                newer = sorted(s for s in survey.infos if s > step)
+                log.warning(
+                    "shardckpt: rolled back to step %d: the next save starts a new branch; steps %s are kept "
+                    "but no longer resumed by default, nor counted by retention (`shardckpt gc` removes them)",
+                    step, newer,
+                )
+        return agreed
+
+    def _raise_not_found(self, step: int, survey: Survey) -> None:
         step_dir = os.path.join(self.root, layout.step_dirname(step))
         if os.path.isdir(step_dir) and not os.path.exists(os.path.join(step_dir, layout.MANIFEST_NAME)):
             hint = (
@@ -232,51 +294,159 @@ class Restorer:
                 "to use a stock DCP checkpoint, commit a copy of it with `shardckpt adopt DIR --into "
                 "LOCAL_DIR --step N`, or read it with torch.distributed.checkpoint.load directly."
             )
+        elif step in survey.infos and self.config.remote is None and not self.topology.shared:
+            hint = (
+                f" Its files are spread over node-local directories and some nodes' files are not on any "
+                f"node of this job ({self.topology.describe()}). Remedy: run on the nodes that saved it, "
+                f"copy their local_dir into one shared directory, or configure remote= so that every "
+                f"node's files are uploaded."
+            )
         else:
             hint = f" Committed steps here: {self.steps() or 'none'}."
         raise CheckpointNotFoundError(f"step {step} is not committed in {self.root} on every rank.{hint}")
 
-    def _verify(
-        self, step: int, step_dir: str, early: dict[int, tuple[list[str], layout.Manifest | None]] | None = None
-    ) -> layout.Manifest:
-        """Check ``step`` on every rank (each its share of the files); collective unless ``early`` has it.
+    # ------------------------------------------------------------ 2-3. fetch, verify
 
-        ``early`` maps a step to the errors every rank already reported for it
-        and this rank's manifest (see :meth:`_agreed_candidates`), saving a
-        round of messages.
-        """
-        manifest: layout.Manifest | None
-        if early is not None and step in early:
-            errors, manifest = early[step]
+    def _prepare(self, step: int, step_dir: str, survey: Survey) -> layout.Manifest:
+        """Complete this copy of ``step`` and verify it (collective); returns its manifest."""
+        if step in survey.early:
+            errors = survey.early[step]
+            manifest = layout.read_manifest(step_dir)
         else:
-            fetched: set[str] = set()
-            if self.config.remote is not None:
-                fetched = self._fetch_missing(step, step_dir)
+            received: set[str] = set()
+            lacking = any(step in m and m[step] for m in survey.missing) or any(step not in m for m in survey.missing)
+            if lacking and step in survey.remote_steps:
+                received = self._fetch_missing(step, step_dir)
+            elif lacking:
+                received = self._exchange_with_peers(step, step_dir, survey)
             manifest = layout.read_manifest(step_dir)
             if manifest is None:
-                self._raise_not_found(step)
-            error = self._check_share(step_dir, manifest, fetched)
-            errors = [e for e in self._groups.all_gather_ctl(error) if e]
+                self._raise_not_found(step, survey)
+            error, failed = self._check_share(step_dir, manifest, received)
+            gathered = self._groups.all_gather_ctl((error, failed))
+            errors = [e for e, _f in gathered if e]
+            if errors and step in survey.remote_steps:
+                errors = self._refetch(step, step_dir, errors, [f for _e, f in gathered])
         if errors:
             raise CorruptCheckpointError(errors[0] + (f" ({len(errors) - 1} more)" if len(errors) > 1 else ""))
-        assert manifest is not None
+        if manifest is None:
+            self._raise_not_found(step, survey)
         return manifest
 
-    def _check_share(self, step_dir: str, manifest: layout.Manifest, skip: set[str]) -> str | None:
-        """This rank's share of the checksum verification; the error message or ``None``."""
+    def _check_share(self, step_dir: str, manifest: layout.Manifest, skip: set[str]) -> tuple[str | None, list[str]]:
+        """This rank's share of the checksum verification of its copy: (first error, failing files)."""
         if not self.config.verify_on_load:
-            return None
+            return None, []
         names = sorted(n for n in manifest.files if n not in skip)
-        if self.config.remote is not None:
-            # Node-local copies: each node checks its own copy, split over its ranks.
-            share = names[_dist.local_rank() :: max(1, _dist.local_world_size())]
-        else:
-            share = names[_dist.rank() :: _dist.world_size()]
-        try:
-            layout.verify_files(step_dir, manifest, share)
-        except CorruptCheckpointError as exc:
-            return str(exc)
-        return None
+        error: str | None = None
+        failed: list[str] = []
+        for name in self.topology.share_of(names):
+            try:
+                layout.verify_files(step_dir, manifest, [name])
+            except CorruptCheckpointError as exc:
+                error = error or str(exc)
+                failed.append(name)
+        return error, failed
+
+    def _refetch(self, step: int, step_dir: str, errors: list[str], failed: list[list[str]]) -> list[str]:
+        """Replace files that failed verification with the remote's copy (checked while downloading).
+
+        Returns the errors left: none when every bad file was replaced by a good one.
+        """
+        group = self.topology.copy
+        names = sorted({n for r in group for n in failed[r]})
+        error = None
+        if self.topology.committer and names:
+            try:
+                remote_commit.fetch_step(self._remote_store(), self.root, step, names=names)
+                log.warning(
+                    "shardckpt: step %d: replaced %d file(s) of %s that failed verification with the remote's "
+                    "copy (%s)", step, len(names), step_dir, ", ".join(names[:5]),
+                )
+            except (CorruptCheckpointError, RemoteError, OSError) as exc:
+                error = f"{errors[0]} The remote copy could not replace it: {remote.redact(str(exc))}"
+        left = [e for e in self._groups.all_gather_ctl(error) if e]
+        return left
+
+    def _remote_store(self) -> remote.Store:
+        if self._store is None:
+            self._store = remote.open_store(self.config.remote, self.config.transfer_options())
+        return self._store
+
+    def _fetch_missing(self, step: int, step_dir: str) -> set[str]:
+        """Each copy's committer brings missing files of ``step`` from the remote; all ranks agree.
+
+        Returns the names this copy fetched (already verified against the
+        manifest while downloading). Collective over the ``ctl`` group.
+        """
+        error: tuple[str, str] | None = None
+        fetched: list[str] = []
+        if self.topology.committer:
+            try:
+                fetched = sorted(remote_commit.fetch_step(self._remote_store(), self.root, step))
+            except CorruptCheckpointError as exc:
+                error = ("corrupt", str(exc))
+            except (RemoteError, OSError) as exc:
+                error = ("remote", remote.redact(str(exc)))
+        gathered = self._groups.all_gather_ctl((error, fetched))
+        errors = [g[0] for g in gathered if g[0] is not None]
+        if errors:
+            kind, message = next((e for e in errors if e[0] == "corrupt"), errors[0])
+            more = f" ({len(errors) - 1} more node(s) failed too)" if len(errors) > 1 else ""
+            if kind == "corrupt":
+                raise CorruptCheckpointError(message + more)
+            raise RemoteError(message + more)
+        return set(gathered[self.topology.copy[0]][1])
+
+    def _exchange_with_peers(self, step: int, step_dir: str, survey: Survey) -> set[str]:
+        """Node-local copies without a remote: each copy receives the files it lacks from another node.
+
+        Every rank computes the same plan from the survey; only the committer
+        of the copy that has a file and the committer of the copy that lacks
+        it take part in its transfer (point-to-point over the ``ctl`` group),
+        in the plan's order. Each received file is checked against the
+        manifest before it is renamed into place. Returns the names this
+        copy received.
+        """
+        topo = self.topology
+        plan: list[tuple[str, int, int]] = []
+        for dst in topo.committers:
+            for name in sorted(survey.missing[dst].get(step, [])):
+                src = next((c for c in topo.committers if c != dst and step in survey.missing[c]
+                            and name not in survey.missing[c][step]), None)
+                if src is None:
+                    elsewhere = "" if topo.shared else f", and no other node's directory of this job has it ({topo.describe()})"
+                    raise CorruptCheckpointError(
+                        f"step {step}: file {os.path.join(step_dir, name)} named in the manifest is missing{elsewhere}. "
+                        f"Remedy: load an earlier step (load(step=...) or on_corrupt='fallback'), run on the nodes "
+                        f"that saved it, or configure remote= so that every node's files are uploaded."
+                    )
+                plan.append((name, src, dst))
+        rank = _dist.rank()
+        manifest = layout.read_manifest(step_dir) if any(rank in (s, d) for _n, s, d in plan) else None
+        error: str | None = None
+        received: list[str] = []
+        total = 0
+        t0 = time.monotonic()
+        for name, src, dst in plan:
+            if rank == src:
+                _send_file(os.path.join(step_dir, name), manifest.files[name].size, dst, self._groups.ctl)
+            elif rank == dst:
+                try:
+                    _receive_file(os.path.join(step_dir, name), manifest.files[name], src, self._groups.ctl, step)
+                    received.append(name)
+                    total += manifest.files[name].size
+                except (CorruptCheckpointError, OSError) as exc:
+                    error = error or str(exc)
+        errors = [e for e in self._groups.all_gather_ctl(error) if e]
+        if errors:
+            raise CorruptCheckpointError(errors[0])
+        if received:
+            log.info(
+                "shardckpt: step %d: received %d file(s), %s, from other nodes' copies into %s in %.2f s",
+                step, len(received), fmt_bytes(total), step_dir, time.monotonic() - t0,
+            )
+        return set(received)
 
     def _load_step(
         self,
@@ -379,47 +549,6 @@ class Restorer:
                     manifest.world_size,
                 )
 
-    def _remote_store(self) -> remote.Store:
-        if self._store is None:
-            self._store = remote.open_store(self.config.remote, self.config.transfer_options())
-        return self._store
-
-
-    def _fetch_missing(self, step: int, step_dir: str) -> set[str]:
-        """Node leaders bring missing files of ``step`` from the remote; all ranks agree.
-
-        Returns the names this node fetched (already verified against the
-        manifest while downloading). Collective over the ``ctl`` group.
-        """
-        error: tuple[str, str] | None = None
-        fetched: list[str] = []
-        if _dist.local_rank() == 0:
-            try:
-                fetched = sorted(self._fetch_node(step, step_dir))
-            except CorruptCheckpointError as exc:
-                error = ("corrupt", str(exc))
-            except (RemoteError, OSError) as exc:
-                error = ("remote", remote.redact(str(exc)))
-        gathered = self._groups.all_gather_ctl((error, fetched))
-        errors = [g[0] for g in gathered if g[0] is not None]
-        if errors:
-            kind, message = next((e for e in errors if e[0] == "corrupt"), errors[0])
-            more = f" ({len(errors) - 1} more node(s) failed too)" if len(errors) > 1 else ""
-            if kind == "corrupt":
-                raise CorruptCheckpointError(message + more)
-            raise RemoteError(message + more)
-        leader = _dist.rank() - _dist.local_rank()
-        mine = gathered[leader][1] if 0 <= leader < len(gathered) else []
-        return set(mine)
-
-    def _fetch_node(self, step: int, step_dir: str) -> set[str]:
-        manifest = layout.read_manifest(step_dir)
-        if manifest is not None and not layout.missing_files(step_dir, manifest):
-            return set()
-        if step not in self.remote_committed:
-            return set()  # verification reports what is missing
-        return remote_commit.fetch_step(self._remote_store(), self.root, step)
-
 
 def _shape_mismatches(flat_live: dict[str, Any], metadata: Any) -> list[str]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -469,3 +598,104 @@ def _prune_missing(targets: dict[str, Any], key: str, saved_fqns: set[str]) -> N
 
 
 _DROP = object()
+
+
+def _scan(root: str) -> tuple[dict[int, lineage_mod.StepInfo], dict[int, list[str]], set[int]]:
+    """This directory's committed steps: their lineage, the files each lacks, unreadable manifests."""
+    infos: dict[int, lineage_mod.StepInfo] = {}
+    missing: dict[int, list[str]] = {}
+    unreadable: set[int] = set()
+    for step in layout.committed_steps(root):
+        step_dir = os.path.join(root, layout.step_dirname(step))
+        try:
+            manifest = layout.read_manifest(step_dir)
+        except CorruptCheckpointError:
+            unreadable.add(step)
+            continue
+        if manifest is None:
+            continue
+        infos[step] = lineage_mod.info_of(manifest)
+        # Absent, not merely damaged: a file of the wrong size is verification's to report.
+        missing[step] = layout.absent_files(step_dir, manifest)
+    return infos, missing, unreadable
+
+
+def _send_file(path: str, size: int, dst: int, group: Any) -> None:
+    """Send ``size`` bytes of ``path`` to ``dst`` in chunks; never stops early (the receiver counts on them).
+
+    A file that cannot be read is sent as zeros: the receiver's checksum refuses it.
+    """
+    try:
+        f = open(path, "rb", buffering=0)
+    except OSError:
+        f = None
+    try:
+        sent = 0
+        while sent < size:
+            n = min(PEER_CHUNK, size - sent)
+            buf = torch.zeros(n, dtype=torch.uint8)
+            if f is not None:
+                try:
+                    f.readinto(memoryview(buf.numpy()))
+                except OSError:
+                    f.close()
+                    f = None
+            dist.send(buf, dst=dst, group=group)
+            sent += n
+    finally:
+        if f is not None:
+            f.close()
+
+
+def _receive_file(path: str, entry: layout.FileEntry, src: int, group: Any, step: int) -> None:
+    """Receive one file from ``src``, check it against the manifest, rename it into place.
+
+    Every chunk is received even when writing fails (the sender goes on
+    sending); the failure is raised afterwards.
+    """
+    tmp = f"{path}.peer-{uuid.uuid4().hex[:8]}"
+    checksum = layout.Checksum.like(entry.checksum)
+    write_error: OSError | None = None
+    f = None
+    try:
+        try:
+            f = open(tmp, "wb")
+        except OSError as exc:
+            write_error = exc
+        received = 0
+        while received < entry.size:
+            n = min(PEER_CHUNK, entry.size - received)
+            buf = torch.empty(n, dtype=torch.uint8)
+            dist.recv(buf, src=src, group=group)
+            view = memoryview(buf.numpy())
+            checksum.update(view)
+            if f is not None and write_error is None:
+                try:
+                    f.write(view)
+                except OSError as exc:
+                    write_error = exc
+            received += n
+        if f is not None and write_error is None:
+            try:
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError as exc:
+                write_error = exc
+        if write_error is not None:
+            raise CorruptCheckpointError(
+                f"step {step}: could not write {path} received from rank {src} ({write_error}). Remedy: free "
+                f"disk space under {os.path.dirname(os.path.dirname(path))}, then load again."
+            ) from write_error
+        if checksum.value() != entry.checksum:
+            raise CorruptCheckpointError(
+                f"step {step}: {os.path.basename(path)} from rank {src}'s copy fails its checksum; it was not "
+                f"used. Remedy: run `shardckpt verify` on that node's local_dir, or load an earlier step."
+            )
+        f.close()
+        f = None
+        os.replace(tmp, path)
+    finally:
+        if f is not None:
+            f.close()
+        if os.path.exists(tmp):
+            os.unlink(tmp)

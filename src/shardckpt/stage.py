@@ -2,37 +2,31 @@
 
 ``save()`` blocks only while the state is copied into these buffers; the
 background writer then reads them while training mutates the live tensors.
-Buffers are re-allocated only when the structure of the state changes (a new
-key, a new shape or dtype: e.g. the optimizer's first step creates its state).
+Each tensor has its own buffer, keyed by its path in the state dict and
+re-allocated only when that tensor's shape, dtype or sharding changes (the
+optimizer's first step creating its state, a new parameter). Everything that
+is not a tensor is copied at every save (it is small: counters, a sampler's
+position, user values), so a list that grows does not touch any buffer.
 """
 
 from __future__ import annotations
 
+import copy
+import io
 from typing import Any
 
 import torch
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.tensor import DTensor
 
+_PLAIN = (int, float, bool, str, bytes, type(None))
 
-def _signature(obj: Any, path: tuple = ()) -> list:
-    out: list = []
+
+def _leaf_signature(obj: torch.Tensor) -> tuple:
     if isinstance(obj, DTensor):
         local = obj._local_tensor
-        out.append((path, "dtensor", tuple(local.shape), local.dtype, tuple(obj.shape)))
-    elif isinstance(obj, torch.Tensor):
-        out.append((path, "tensor", tuple(obj.shape), obj.dtype))
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            out.extend(_signature(value, path + (key,)))
-        out.append((path, "dict", len(obj)))
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            out.extend(_signature(value, path + (i,)))
-        out.append((path, type(obj).__name__, len(obj)))
-    else:
-        out.append((path, "object"))
-    return out
+        return ("dtensor", tuple(local.shape), local.dtype, tuple(obj.shape), tuple(obj.placements))
+    return (type(obj).__name__, tuple(obj.shape), obj.dtype)
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -54,25 +48,59 @@ class HostStager:
 
     def __init__(self, pin_memory: bool = False) -> None:
         self.pin_memory = pin_memory
-        self._buffers: dict[str, Any] | None = None
-        self._signature: list | None = None
+        self._buffers: dict[tuple, Any] = {}
+        self._signatures: dict[tuple, tuple] = {}
         self.allocations = 0
-        """How many times buffers were (re)allocated; 1 in steady state."""
+        """How many ``stage()`` calls had to allocate a buffer; 1 in steady state."""
 
     @torch.no_grad()
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        signature = _signature(state_dict)
-        if self._buffers is None or signature != self._signature:
-            self._buffers = None  # drop the old buffers before allocating new ones
-            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=self.pin_memory)
-            self._signature = signature
-            self.allocations += 1
         non_blocking = self.pin_memory and torch.cuda.is_available()
-        staged = _copy_state_dict(state_dict, self._buffers, non_blocking=non_blocking, type_check=False)
+        seen: set[tuple] = set()
+        allocated = [False]
+
+        def walk(obj: Any, path: tuple) -> Any:
+            if isinstance(obj, torch.Tensor):
+                seen.add(path)
+                return self._copy_leaf(obj, path, non_blocking, allocated)
+            if isinstance(obj, dict):
+                return {k: walk(v, path + (k,)) for k, v in obj.items()}
+            if isinstance(obj, list):
+                return [walk(v, path + (i,)) for i, v in enumerate(obj)]
+            if isinstance(obj, tuple):
+                return tuple(walk(v, path + (i,)) for i, v in enumerate(obj))
+            if isinstance(obj, _PLAIN):
+                return obj
+            if isinstance(obj, io.BytesIO):
+                return io.BytesIO(obj.getvalue())
+            return copy.deepcopy(obj)
+
+        staged = walk(state_dict, ())
+        for path in set(self._buffers) - seen:  # tensors that left the state: their buffers go
+            del self._buffers[path], self._signatures[path]
+        if allocated[0]:
+            self.allocations += 1
         if non_blocking:
             torch.cuda.synchronize()
         return staged
 
+    def _copy_leaf(self, obj: torch.Tensor, path: tuple, non_blocking: bool, allocated: list[bool]) -> Any:
+        signature = _leaf_signature(obj)
+        buf = self._buffers.get(path)
+        if buf is None or self._signatures[path] != signature:
+            self._buffers.pop(path, None)  # drop the old buffer before allocating its successor
+            buf = _create_cpu_state_dict({"t": obj}, pin_memory=self.pin_memory)["t"]
+            self._buffers[path] = buf
+            self._signatures[path] = signature
+            allocated[0] = True
+        if isinstance(obj, DTensor) and isinstance(buf, DTensor) and buf is not obj:
+            buf._local_tensor.copy_(obj._local_tensor, non_blocking=non_blocking)
+        elif type(obj) is torch.Tensor or (isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor)):
+            buf.copy_(obj, non_blocking=non_blocking)
+        else:  # ShardedTensor and other tensor subclasses: torch's own per-shard copy
+            buf = _copy_state_dict({"t": obj}, {"t": buf}, non_blocking=non_blocking, type_check=False)["t"]
+        return buf
+
     def release(self) -> None:
-        self._buffers = None
-        self._signature = None
+        self._buffers.clear()
+        self._signatures.clear()

@@ -141,9 +141,43 @@ def restore(
         elif kind == STATEFUL:
             state[key].load_state_dict(value)
         else:
-            state[key] = value
+            state[key] = fill_in_place(state[key], value) if key in state else value
         restored.append(key)
     return restored
+
+
+@torch.no_grad()
+def fill_in_place(live: Any, loaded: Any) -> Any:
+    """Put ``loaded`` into the caller's own ``live`` object where types allow; returns what to store.
+
+    A user who keeps a reference (``meta = {}``; ``state = {"meta": meta}``)
+    must see the restored values in *their* object, not in a new one that
+    replaced it in ``state``. Dicts are updated key by key (keys only the
+    live dict has stay), lists take the loaded items (same length: item by
+    item, recursively), tensors of the same shape and dtype are copied into.
+    Anything else (numbers, strings, tuples) is returned as loaded.
+    """
+    if isinstance(live, dict) and isinstance(loaded, dict):
+        for k, v in loaded.items():
+            live[k] = fill_in_place(live[k], v) if k in live else v
+        return live
+    if isinstance(live, list) and isinstance(loaded, (list, tuple)):
+        if len(live) == len(loaded):
+            for i, v in enumerate(loaded):
+                live[i] = fill_in_place(live[i], v)
+        else:
+            live[:] = list(loaded)
+        return live
+    if (
+        isinstance(live, torch.Tensor)
+        and isinstance(loaded, torch.Tensor)
+        and type(live) is torch.Tensor
+        and live.shape == loaded.shape
+        and live.dtype == loaded.dtype
+    ):
+        live.copy_(loaded)
+        return live
+    return loaded
 
 
 # ---------------------------------------------------------------- RNG state

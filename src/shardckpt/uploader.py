@@ -22,10 +22,10 @@ import time
 from typing import Any
 
 from . import layout
-from .node_registry import proc_start, state_dir, trainers_alive
+from .node_registry import lock_path, proc_start, state_dir, trainers_alive
 from .errors import RemoteError
 from .remote import Deadline, Store, redact, safe_url
-from .remote_commit import COMMITTED, SUPERSEDED, WAITING, files_digest, local_bytes, pending_steps, push_step, remote_steps
+from .remote_commit import COMMITTED, SUPERSEDED, WAITING, local_bytes, pending_steps, push_step, remote_steps
 from .retention import RetentionPolicy
 
 log = logging.getLogger("shardckpt")
@@ -87,7 +87,7 @@ class Uploader:
 
     def acquire_lock(self, wait_s: float = 2.0) -> bool:
         os.makedirs(state_dir(self.root), exist_ok=True)
-        fd = os.open(os.path.join(state_dir(self.root), "uploader.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(lock_path(self.root), os.O_RDWR | os.O_CREAT, 0o644)
         end = time.monotonic() + wait_s
         while True:
             try:
@@ -200,8 +200,7 @@ class Uploader:
                 )
                 self.steps.pop(step, None)
             elif result.state == WAITING:
-                manifest = layout.read_manifest(os.path.join(self.root, layout.step_dirname(step)))
-                st.marker_digest = files_digest(manifest) if manifest is not None and result.detail != "this node holds no file of the step" else None
+                st.marker_digest = result.marked
                 st.waiting = result.detail
                 st.next_try = time.monotonic() + min(5.0, max(self.poll_s, 0.25 * (1 + st.attempts)))
             elif result.state == SUPERSEDED:

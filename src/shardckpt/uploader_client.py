@@ -25,6 +25,11 @@ from .remote import safe_url
 
 log = logging.getLogger("shardckpt")
 
+HEALTH_EVERY_S = 10.0
+"""How often ``save()`` looks at the uploader's status file."""
+WARN_EVERY_S = 60.0
+"""Upload trouble is repeated in the trainer's log at most this often."""
+
 
 # The uploader forks once more and the intermediate exits: the uploader is
 # then no descendant of the trainer (a kill of the trainer's process tree
@@ -76,18 +81,26 @@ class UploaderClient:
         self._spawned_at: float | None = None
         self._trainer_file: str | None = None
         self.drain_report: dict[str, Any] | None = None
+        self._next_check = 0.0
+        self._warned: dict[str, float] = {}
+        self.committer = _dist.local_rank() == 0
+        """This rank looks after the uploader of its directory copy (set by :meth:`launch`)."""
 
     @property
     def active(self) -> bool:
         return self.config.uploader != UploaderMode.OFF
 
-    def start(self) -> None:
-        """Register this process as a trainer of the node; local rank 0 starts the uploader."""
+    def register(self) -> None:
+        """Record this process as a live trainer of the node (the uploader exits once none is left)."""
         if not self.active:
             return
         os.makedirs(self.root, exist_ok=True)
         self._trainer_file = register_trainer(self.root)
-        if self.config.uploader != UploaderMode.AUTO or _dist.local_rank() != 0:
+
+    def launch(self, committer: bool) -> None:
+        """At the first save or load: the committer of each directory copy starts its uploader (``auto``)."""
+        self.committer = committer
+        if not self.starts_uploader:
             return
         running = uploader_running(self.root)
         if running is not None:
@@ -99,6 +112,63 @@ class UploaderClient:
             "shardckpt: started the uploader for %s -> %s; log in %s",
             self.root, safe_url(self.url), os.path.join(state_dir(self.root), "uploader.log"),
         )
+
+    @property
+    def starts_uploader(self) -> bool:
+        """This process starts (and restarts) its directory's uploader: ``auto`` mode, the copy's committer."""
+        return self.config.uploader == UploaderMode.AUTO and self.committer
+
+    def check_health(self, now: float | None = None) -> None:
+        """Surface upload trouble in the trainer's own log (called by ``save()``; cheap, rate-limited).
+
+        Reads the uploader's status file at most every ``HEALTH_EVERY_S``; warns
+        when uploads fail (with the cause) or when no uploader runs while
+        steps wait, at most once per ``WARN_EVERY_S`` per kind of trouble.
+        An ``auto`` uploader that died is started again.
+        """
+        if not self.active or not self.committer:
+            return
+        now = time.monotonic() if now is None else now
+        if now < self._next_check:
+            return
+        self._next_check = now + HEALTH_EVERY_S
+        pending = remote_commit.pending_steps(self.root, self.url)
+        if not pending:
+            return
+        info = read_status(self.root)
+        running = uploader_running(self.root)
+        if running is None and self.starts_uploader and (self._spawned_at is None or now - self._spawned_at > 60.0):
+            self._warn(
+                "restart", now,
+                "shardckpt: the uploader of %s is not running while steps %s wait for %s; starting it again "
+                "(its log: %s)", self.root, pending, safe_url(self.url), os.path.join(state_dir(self.root), "uploader.log"),
+            )
+            spawn_uploader(self.root, self.url, self.uploader_args())
+            self._spawned_at = now
+            return
+        if running is None and not self.starts_uploader and self._spawned_at is None:
+            self._warn(
+                "absent", now,
+                "shardckpt: steps %s of %s wait for upload to %s, but no uploader is running on this node. "
+                "Remedy: start the sidecar (`shardckpt sync --local %s --remote %s`), or set uploader='auto'.",
+                pending, self.root, safe_url(self.url), self.root, safe_url(self.url),
+            )
+            return
+        error = info.get("last_error")
+        if error:
+            self._warn(
+                "error", now,
+                "shardckpt: uploads to %s are failing: %s. Steps %s (%s) wait on the local disk; the uploader "
+                "keeps retrying (its log: %s)",
+                safe_url(self.url), error, pending, fmt_bytes(sum(remote_commit.local_bytes(self.root, s) for s in pending)),
+                os.path.join(state_dir(self.root), "uploader.log"),
+            )
+
+    def _warn(self, kind: str, now: float, message: str, *args: Any) -> None:
+        if now - self._warned.get(kind, -WARN_EVERY_S) < WARN_EVERY_S:
+            return
+        self._warned[kind] = now
+        log.warning(message, *args)
 
     def uploader_args(self) -> list[str]:
         cfg = self.config
@@ -144,7 +214,7 @@ class UploaderClient:
 
     def close(self, timeout: float | None) -> None:
         try:
-            if self.active and _dist.local_rank() == 0:
+            if self.active and self.committer:
                 self.drain_report = self.drain(timeout)
         finally:
             unregister_trainer(self._trainer_file)
@@ -162,6 +232,14 @@ class UploaderClient:
         t0 = time.monotonic()
         last_log = t0
         ended = "uploaded"
+        first = remote_commit.pending_steps(self.root, url)
+        if first:
+            log.info(
+                "shardckpt: close() waits up to %.0f s for steps %s (%s) to be committed on %s; set "
+                "drain_timeout_s or pass close(timeout=...) to wait less (the uploader goes on after this "
+                "process exits, unless the machine goes away)",
+                limit, first, fmt_bytes(sum(remote_commit.local_bytes(self.root, s) for s in first)), safe_url(url),
+            )
         while True:
             pending = remote_commit.pending_steps(self.root, url)
             running = uploader_running(self.root)
@@ -187,7 +265,12 @@ class UploaderClient:
                 break
             if time.monotonic() - last_log >= 10.0:
                 last_log = time.monotonic()
-                log.info("shardckpt: close() waits for uploads of steps %s to %s", pending, safe_url(url))
+                log.info(
+                    "shardckpt: close() still waits for steps %s to be committed on %s (%.0f of %.0f s)%s",
+                    pending, safe_url(url), waited, limit,
+                    f"; last upload error: {read_status(self.root).get('last_error')}"
+                    if read_status(self.root).get("last_error") else "",
+                )
             time.sleep(0.2)
         info = read_status(self.root)
         report = {

@@ -1,0 +1,154 @@
+"""Multi-node save/restore under torchrun (two launchers make two "nodes" on one machine).
+
+usage: multinode.py save    DIR OUT --layout shared|local [--steps N]
+       multinode.py restore DIR OUT --layout shared|local
+       multinode.py faults  DIR OUT --layout shared|local
+
+``--layout shared``: every node uses DIR itself; ``local``: node g uses
+DIR/node<g> (GROUP_RANK), as node-local NVMe would be.
+
+save:    N async saves of an FSDP2 model (every rank's state changes each
+         step); rank 0 writes OUT/saved.pt (full tensors, the step) and every
+         rank OUT/outcome.<rank>.json.
+restore: load the newest step, rank 0 writes OUT/restored.pt.
+faults:  a sequence of saves in which one rank fails at a named point of the
+         commit path (write, hash, commit, retention); every rank records the
+         outcome of every step in OUT/outcome.<rank>.json.
+"""
+
+import argparse
+import json
+import os
+import re
+
+import common
+import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+import shardckpt
+from shardckpt import _failpoints
+
+
+def build():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    net = common.TinyNet(width=24)
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    for layer in (net.fc1, net.fc2, net.fc3):
+        fully_shard(layer, mesh=mesh)
+    model = fully_shard(net, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train_step(model, optim, gen):
+    model(torch.randn(4, 8, generator=gen)).pow(2).mean().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def full_state(model, optim):
+    flat = common.flat_tensors(get_model_state_dict(model))
+    flat.update({"optim." + k: v for k, v in common.flat_tensors(get_optimizer_state_dict(model, optim)).items()})
+    return flat
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["save", "restore", "faults"])
+    parser.add_argument("dir")
+    parser.add_argument("out")
+    parser.add_argument("--layout", choices=["shared", "local"], required=True)
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args()
+    rank, world = common.init()
+    node = os.environ.get("GROUP_RANK", "0")
+    local_dir = args.dir if args.layout == "shared" else os.path.join(args.dir, f"node{node}")
+    model, optim = build()
+    state = {"model": model, "optimizer": optim, "extra": {"rank_count": world}}
+    gen = torch.Generator().manual_seed(100 + rank)
+    outcome = {}
+
+    if args.mode == "save":
+        ckpt = shardckpt.Checkpointer(local_dir=local_dir, keep_last=None, preemption_signals=())
+        for step in range(1, args.steps + 1):
+            train_step(model, optim, gen)
+            ckpt.save(state, step)  # async: the next save waits for this one
+        ckpt.close()
+        outcome = {"steps": ckpt.steps()}
+        tensors = full_state(model, optim)  # collective (DTensor.full_tensor): every rank
+        if rank == 0:
+            torch.save({"step": args.steps, "tensors": tensors}, os.path.join(args.out, "saved.pt"))
+    elif args.mode == "restore":
+        ckpt = shardckpt.Checkpointer(local_dir=local_dir, preemption_signals=())
+        step = ckpt.load(state)
+        ckpt.close()
+        outcome = {"restored": step, "extra": state["extra"]}
+        tensors = full_state(model, optim)
+        if rank == 0:
+            torch.save({"step": step, "tensors": tensors}, os.path.join(args.out, "restored.pt"))
+    else:
+        run_faults(args, state, model, optim, gen, local_dir, outcome)
+    with open(os.path.join(args.out, f"outcome.{rank}.json"), "w") as f:
+        json.dump(outcome, f)
+    common.finish()
+
+
+def run_faults(args, state, model, optim, gen, local_dir, outcome) -> None:
+    """Every rank saves the same steps; FAULTS says which rank fails where.
+
+    The failing rank is a non-committer for write and hash failures, and the
+    committer of the second node's copy (the last rank's copy) for commit
+    and retention failures, where one copy may already have committed.
+    """
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    late_committer = world // 2 if args.layout == "local" else 0
+    faults = {
+        2: (1, "write.done"),
+        4: (world - 1, "write.hashed"),
+        6: (late_committer, "commit.manifest_written"),
+        8: (late_committer, "commit.renamed"),
+        10: (late_committer, "retention.hidden"),
+    }
+    ckpt = shardckpt.Checkpointer(local_dir=local_dir, keep_last=2, preemption_signals=())
+    snapshots = {}
+    for step in range(1, 12):
+        train_step(model, optim, gen)
+        who, point = faults.get(step, (None, None))
+        if who == rank:
+            _failpoints.arm(point, "raise")
+        outcome[str(step)] = _save(ckpt, state, step)
+        snapshots[step] = full_state(model, optim)
+    # Step 11 saved again (other content) while the second node's commit fails: the
+    # first node's copy must be put back as it was.
+    train_step(model, optim, gen)
+    if rank == late_committer:
+        _failpoints.arm("commit.renamed", "raise")
+    outcome["11-again"] = _save(ckpt, state, 11, force=True)
+    train_step(model, optim, gen)
+    outcome["12"] = _save(ckpt, state, 12)
+    ckpt.close()
+    outcome["committed"] = ckpt.steps()
+    # The copy of step 11 that survived is the first save's.
+    fresh_model, fresh_optim = build()
+    again = shardckpt.Checkpointer(local_dir=local_dir, preemption_signals=())
+    loaded = again.load({"model": fresh_model, "optimizer": fresh_optim, "extra": {}}, step=11)
+    again.close()
+    got = full_state(fresh_model, fresh_optim)
+    outcome["step11_is_first_save"] = loaded == 11 and all(torch.equal(got[k], v) for k, v in snapshots[11].items())
+
+
+def _save(ckpt, state, step, force=False) -> str:
+    """``ok``, or ``failed on rank R: <error>`` as the SaveError says (the same on every rank)."""
+    try:
+        handle = ckpt.save(state, step, force=force)
+        handle.wait()
+    except shardckpt.SaveError as exc:
+        found = re.search(r"failed on rank (\d+) \((\w+): ([^)]*)\)", str(exc))
+        return f"failed on rank {found.group(1)}: {found.group(3)}" if found else f"unexpected: {exc}"
+    return "ok"
+
+
+if __name__ == "__main__":
+    main()

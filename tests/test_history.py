@@ -1,0 +1,130 @@
+"""A run's history across rollbacks and re-saves, on both tiers.
+
+Rollback: the steps after the step rolled back to are kept but never resumed
+by default, nor counted by retention. Re-saving a step number while the
+uploader sends the earlier save of it never commits a remote step that mixes
+the two. A ``file://`` remote never shows a half-written object.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import shardckpt  # noqa: E402
+from helpers import PROGRAMS, ROOT, child_env, run_torchrun  # noqa: E402
+from s3server import s3  # noqa: E402,F401  (the module-scoped S3 server fixture)
+from s3server import BUCKET, stop_uploaders  # noqa: E402
+from shardckpt import _failpoints, cli, layout, remote, remote_commit  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_bucket(s3, tmp_path):
+    s3.reset()
+    yield
+    stop_uploaders(tmp_path, grace_s=30.0)
+
+
+def remote_steps(url: str) -> list[int]:
+    store = remote.open_store(url)
+    try:
+        return remote_commit.remote_steps(store, remote.Deadline(60))
+    finally:
+        store.close()
+
+
+def test_rollback_resumes_the_new_branch_and_keeps_the_old_until_gc(s3, tmp_path, capsys):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    url = f"s3://{BUCKET}/rollback"
+    run_torchrun(2, PROGRAMS / "rollback.py", ckpt, url, out, env=child_env(**s3.env()), timeout=300)
+    for rank in (0, 1):
+        got = json.loads((out / f"result.{rank}.json").read_text())
+        assert got["rolled"] == 100 and got["at_rollback"] == 100, got
+        assert got["resumed"] == 130, got  # not 300: that branch was abandoned
+        assert got["from_remote"] == 130 and got["extra"] == {"at": 130}, got
+    # keep_last=3 kept the new branch whole; the abandoned steps stay until gc
+    assert layout.committed_steps(str(ckpt)) == [110, 120, 130, 200, 300]
+    assert remote_steps(url) == [110, 120, 130, 200, 300]
+    assert cli.main(["ls", str(ckpt)]) == 0
+    listing = capsys.readouterr().out
+    for step in (200, 300):
+        assert any(line.split()[0] == str(step) and "abandoned: rolled back to step 100" in line
+                   for line in listing.splitlines()), listing
+    assert "abandoned" not in next(line for line in listing.splitlines() if line.split()[0] == "130")
+    assert cli.main(["gc", str(ckpt), "--keep-last", "3"]) == 0
+    assert layout.committed_steps(str(ckpt)) == [110, 120, 130]
+
+
+def save_step(local_dir: Path, step: int, seed: int) -> None:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(48, 48)
+    with shardckpt.Checkpointer(local_dir=str(local_dir), keep_last=None, preemption_signals=()) as ckpt:
+        ckpt.save({"model": model}, step).wait()
+
+
+def check_remote_step_consistent(s3, prefix: str, step: int) -> layout.Manifest:
+    client = s3.client()
+    base = f"{prefix}/{layout.step_dirname(step)}"
+    body = client.get_object(Bucket=BUCKET, Key=f"{base}/{layout.MANIFEST_NAME}")["Body"].read().decode()
+    manifest = layout.Manifest.from_json(body, base)
+    for name, entry in manifest.files.items():
+        data = client.get_object(Bucket=BUCKET, Key=f"{base}/{name}")["Body"].read()
+        assert layout.checksum_bytes(data, like=entry.checksum) == entry.checksum, name
+    return manifest
+
+
+def test_step_saved_again_while_it_uploads_is_never_mixed(s3, tmp_path):
+    local_dir = tmp_path / "local"
+    url = f"s3://{BUCKET}/resave"
+    save_step(local_dir, 1, seed=1)
+    first = layout.read_manifest(str(local_dir / layout.step_dirname(1)))
+    # Right after this node's files went up, the same step number is saved again (other content).
+    _failpoints.arm("upload.files_sent", lambda: save_step(local_dir, 1, seed=2))
+    store = remote.open_store(url)
+    try:
+        remote_commit.push_step(store, str(local_dir), 1, node="n0", policy=None)
+        second = layout.read_manifest(str(local_dir / layout.step_dirname(1)))
+        assert remote_commit.files_digest(second) != remote_commit.files_digest(first)
+        # What is committed remotely is one save, whole: the first one.
+        committed = check_remote_step_consistent(s3, "resave", 1)
+        assert remote_commit.files_digest(committed) == remote_commit.files_digest(first)
+        # The new local step is not taken for uploaded because the old one was.
+        assert not remote_commit.is_uploaded(str(local_dir / layout.step_dirname(1)), url)
+        assert remote_commit.pending_steps(str(local_dir), url) == [1]
+        result = remote_commit.push_step(store, str(local_dir), 1, node="n0", policy=None)
+    finally:
+        store.close()
+    assert result.state == remote_commit.COMMITTED
+    committed = check_remote_step_consistent(s3, "resave", 1)
+    assert remote_commit.files_digest(committed) == remote_commit.files_digest(second)
+    assert remote_commit.is_uploaded(str(local_dir / layout.step_dirname(1)), url)
+
+
+def test_file_remote_killed_while_writing_shows_no_object(tmp_path):
+    local_dir, mount = tmp_path / "local", tmp_path / "nfs"
+    save_step(local_dir, 1, seed=1)
+    manifest = layout.read_manifest(str(local_dir / layout.step_dirname(1)))
+    # Objects written by a push: every file, the node marker, then the manifest last.
+    manifest_write = len(manifest.files) + 2
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardckpt.cli", "push", "--local", str(local_dir), "--remote", f"file://{mount}",
+         "--no-verify"],
+        env=child_env(SHARDCKPT_FAILPOINTS=f"remote.file_written@{manifest_write}"), cwd=str(ROOT), timeout=120,
+    )
+    assert proc.returncode == -9  # SIGKILLed while the manifest was half written
+    step_dir = mount / layout.step_dirname(1)
+    assert not (step_dir / layout.MANIFEST_NAME).exists()  # not under its name, so not committed
+    assert [p.name for p in step_dir.iterdir() if ".tmp-" in p.name]  # the partial object is elsewhere
+    assert remote_steps(f"file://{mount}") == []
+    # A later push commits it; the leftover does not disturb it.
+    assert cli.main(["push", "--local", str(local_dir), "--remote", f"file://{mount}"]) == 0
+    assert remote_steps(f"file://{mount}") == [1]
+    layout.verify_files(str(step_dir), layout.read_manifest(str(step_dir)))

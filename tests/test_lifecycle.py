@@ -1,0 +1,168 @@
+"""What a Checkpointer promises over its life: preemption, close(), status, signals, values.
+
+Multi-rank behaviour (the preemption vote, side groups) runs at 2 ranks under
+torchrun; the rest in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shardckpt
+from helpers import PROGRAMS, run_torchrun
+from shardckpt import _failpoints
+
+PROG = PROGRAMS / "lifecycle.py"
+
+
+def results(out, world=2):
+    return [json.loads((out / f"result.{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or os.system(f"mount -t tmpfs -o size=2m tmpfs {mount} 2>/dev/null") != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    yield mount
+    os.system(f"umount {mount}")
+
+
+def test_preemption_save_skipped_for_space_is_retried_and_then_preempted(tmp_path, small_disk):
+    out = tmp_path / "out"
+    out.mkdir()
+    run_torchrun(2, PROG, "preempt-disk-full", small_disk, out)
+    for got in results(out):
+        # step 1: interval skip; 2: the vote carries rank 1's signal; 3: the preemption
+        # save does not fit and is skipped; 4: it is retried and commits on both ranks.
+        assert got["saved"] == [False, False, False, True], got
+        assert got["preempted"] == [False, False, False, True], got
+        assert got["steps"] == [4], got
+
+
+def test_closed_instances_leave_no_file_descriptors_behind(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    run_torchrun(2, PROG, "instances", tmp_path / "ckpt", out)
+    for got in results(out):
+        # The first instance may warm up lazily created resources; later ones must not grow.
+        assert [after - before for before, after in got["fds"][1:]] == [0, 0], got
+
+
+def make_state():
+    torch.manual_seed(0)
+    model = nn.Linear(6, 4)
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+
+def ckpt_for(path, **kw):
+    kw.setdefault("preemption_signals", ())
+    return shardckpt.Checkpointer(local_dir=str(path), **kw)
+
+
+def test_close_with_timeout_returns_while_a_write_is_stuck(tmp_path):
+    ckpt = ckpt_for(tmp_path)
+    _failpoints.arm("write.done", lambda: time.sleep(4.0))  # a write that hangs for a while
+    ckpt.save(make_state(), 1)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="step 1"):
+        ckpt.close(timeout=0.3)
+    assert time.monotonic() - t0 < 2.5  # bounded by the timeout, not by the write
+    deadline = time.monotonic() + 60
+    while ckpt.steps() != [1] and time.monotonic() < deadline:  # the write still completes
+        time.sleep(0.05)
+    assert ckpt.steps() == [1]
+
+
+def test_status_reports_the_last_failed_save(tmp_path):
+    state = make_state()
+    ckpt = ckpt_for(tmp_path)
+    ckpt.save(state, 1).wait()
+    assert ckpt.status()["last_error"] is None
+    state["bad"] = {"fn": lambda: 0}  # staged, but the writer cannot serialise it
+    ckpt.save(state, 2)
+    with pytest.raises(shardckpt.SaveError, match="step 2"):
+        ckpt.wait()
+    assert "SaveError" in ckpt.status()["last_error"] and "step 2" in ckpt.status()["last_error"]
+    del state["bad"]
+    ckpt.save(state, 3).wait()
+    ckpt.close()
+
+
+def test_signal_handler_only_sets_a_flag_and_save_logs_it(tmp_path, caplog):
+    previous = signal.getsignal(signal.SIGUSR2)
+    ckpt = shardckpt.Checkpointer(local_dir=str(tmp_path), every_steps=100, preemption_signals=(signal.SIGUSR2,))
+    try:
+        with caplog.at_level(logging.INFO, logger="shardckpt"):
+            os.kill(os.getpid(), signal.SIGUSR2)
+            assert ckpt.preemption_requested
+            assert "received signal" not in caplog.text  # nothing logged from inside the handler
+            assert ckpt.save(make_state(), 1) is not None
+        assert f"received signal {int(signal.SIGUSR2)}" in caplog.text and ckpt.preempted
+    finally:
+        ckpt.close()
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def test_growing_plain_values_do_not_reallocate_staging_buffers(tmp_path):
+    state = make_state()
+    state["history"] = []
+    with ckpt_for(tmp_path, keep_last=1) as ckpt:
+        for step in range(1, 6):
+            state["history"].append({"step": step, "loss": 1.0 / step})
+            ckpt.save(state, step)
+        ckpt.wait()
+        assert ckpt._stager.allocations == 1
+    restored = {"history": []}
+    assert ckpt_for(tmp_path).load(restored, strict=False) == 5
+    assert [h["step"] for h in restored["history"]] == [1, 2, 3, 4, 5]
+
+
+def test_plain_values_come_back_into_the_callers_own_objects(tmp_path):
+    state = make_state()
+    state["meta"] = {"epoch": 7, "nested": {"seen": [1, 2, 3]}, "best": torch.tensor([0.5, 0.25])}
+    state["order"] = [3, 1, 2]
+    with ckpt_for(tmp_path) as ckpt:
+        ckpt.save(state, 1)
+    meta, order = {}, []
+    best = torch.zeros(2)
+    nested = {"seen": []}
+    fresh = make_state()
+    fresh.update(meta=meta, order=order)
+    meta.update(best=best, nested=nested)
+    assert ckpt_for(tmp_path).load(fresh) == 1
+    assert fresh["meta"] is meta and fresh["order"] is order
+    assert meta["epoch"] == 7 and meta.get("epoch", 0) == 7
+    assert meta["nested"] is nested and nested["seen"] == [1, 2, 3]
+    assert meta["best"] is best and torch.equal(best, torch.tensor([0.5, 0.25]))
+    assert order == [3, 1, 2]
+
+
+def test_unwritable_local_dir_is_refused_at_construction(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(shardckpt.ConfigError, match="not a writable directory") as err:
+        shardckpt.Checkpointer(local_dir=str(blocker / "ckpt"), preemption_signals=())
+    assert str(blocker / "ckpt") in str(err.value) and "Remedy" in str(err.value)
+
+
+def test_read_only_local_dir_with_a_remote_is_a_shardckpt_error(tmp_path):
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if os.geteuid() != 0 or os.system(f"mount -t tmpfs -o ro,size=1m tmpfs {mount} 2>/dev/null") != 0:
+        pytest.skip("needs root to mount a read-only tmpfs")
+    try:
+        with pytest.raises(shardckpt.ShardckptError, match="not a writable directory"):
+            shardckpt.Checkpointer(local_dir=str(mount / "ckpt"), remote=f"file://{tmp_path / 'nfs'}",
+                                   preemption_signals=())
+    finally:
+        os.system(f"umount {mount}")
