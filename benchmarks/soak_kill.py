@@ -1,7 +1,9 @@
 """Crash-consistency soak: SIGKILL the trainer at random moments and at named kill points.
 
     .venv/bin/python benchmarks/soak_kill.py --trials 200
-    .venv/bin/python benchmarks/soak_kill.py --trials 200 --remote   # with the remote tier
+    .venv/bin/python benchmarks/soak_kill.py --trials 50 --nodes 2     # 2 nodes x 2 ranks, shared directory
+    .venv/bin/python benchmarks/soak_kill.py --trials 200 --remote   # with the remote tier (file://)
+    .venv/bin/python benchmarks/soak_kill.py --trials 50 --remote --store s3   # against moto's S3 server
 
 Each trial resumes the same checkpoint directory (as a job that is preempted
 again and again), runs until it is killed, then a fresh process loads the
@@ -11,8 +13,14 @@ step must verify and load. Kills come at random times and at every named kill
 point in turn (see ``shardckpt._failpoints.POINTS``). Prints a table and exits
 non-zero on any failure.
 
+``--nodes 2``: every trial is a job of two nodes with two ranks each (two
+torchrun launchers on this machine, as in the multi-node tests) writing one
+shared directory; all four ranks are killed at a kill point (every rank
+that reaches it dies there) or at a random moment.
+
 ``--remote``: the trainer also uploads every committed step to a ``file://``
-remote through its uploader process (``uploader="auto"``, remote retention
+remote (``--store s3``: an S3 bucket on moto's server, started here on
+127.0.0.1) through its uploader process (``uploader="auto"``, remote retention
 keeping 2 steps). Trials SIGKILL the trainer at its kill points, the uploader
 at its kill points (``shardckpt._failpoints.UPLOADER_POINTS``: after the
 files, after the node marker, after the manifest, inside remote retention),
@@ -57,10 +65,35 @@ def env(**extra):
     return e
 
 
-def reference(work: Path) -> dict[int, str]:
-    out = work / "reference.txt"
-    subprocess.run([sys.executable, str(PROGRAM), str(work / "unused"), str(out), str(TOTAL), "--no-save"],
-                   env=env(), check=True, timeout=600)
+def start(layout: str, args: list[str], environ: dict[str, str]) -> list[subprocess.Popen]:
+    """Start the trainer: ``1`` process, ``2`` ranks under torchrun, or ``2x2`` (two nodes of two ranks)."""
+    if layout == "1":
+        commands = [[sys.executable] + args]
+    elif layout == "2":
+        commands = [[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                     "--max-restarts=0"] + args]
+    else:
+        from helpers import free_port
+
+        port = free_port()
+        commands = [[sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+                     "--nproc-per-node=2", "--rdzv-backend=static", "--master-addr=127.0.0.1",
+                     f"--master-port={port}", "--max-restarts=0"] + args for node in range(2)]
+    return [subprocess.Popen(cmd, env=environ, start_new_session=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL) for cmd in commands]
+
+
+def running(procs: list[subprocess.Popen]) -> bool:
+    return all(p.poll() is None for p in procs)
+
+
+def reference(work: Path, layout: str = "1") -> dict[int, str]:
+    """Digests of an uninterrupted run of the same layout (ranks train differently per world size)."""
+    out = work / f"reference-{layout}.txt"
+    procs = start(layout, [str(PROGRAM), str(work / f"unused-{layout}"), str(out), str(TOTAL), "--no-save"], env())
+    for proc in procs:
+        if proc.wait(timeout=900) != 0:
+            raise RuntimeError(f"the reference run ({layout}) failed")
     return {int(a): b for a, b in (line.split() for line in out.read_text().splitlines())}
 
 
@@ -111,19 +144,20 @@ def _lines(path: Path) -> int:
 
 
 def run_trials(trials: int, seed: int, work: Path, torchrun_every: int = 0, remote: bool = False,
-               progress: bool = False) -> dict:
+               progress: bool = False, nodes: int = 1, store: str = "file") -> dict:
     if remote:
-        return run_remote_trials(trials, seed, work, progress)
+        return run_remote_trials(trials, seed, work, progress, store)
     from shardckpt import _failpoints
 
     rng = random.Random(seed)
-    ref = reference(work)
-    ref2: dict[int, str] | None = None
+    refs: dict[str, dict[int, str]] = {}
     ckpt_dir = work / "ckpt"
     stats = {"trials": 0, "failures": [], "points": {}, "max_step": 0, "lost_committed": 0}
     last_newest = 0
     points = list(_failpoints.POINTS)
     points_log = work / "failpoints.log"
+    if nodes == 2:
+        torchrun_every = 1  # every trial is multi-rank: kill points and random kills alternate
     for trial in range(trials):
         use_torchrun = torchrun_every and trial % torchrun_every == torchrun_every - 1
         # Kill points on even trials; 2-rank trials alternate between a kill point and a random kill.
@@ -139,47 +173,34 @@ def run_trials(trials: int, seed: int, work: Path, torchrun_every: int = 0, remo
         points_log.unlink(missing_ok=True)
         digests = work / "digests.txt"
         args = [str(PROGRAM), str(ckpt_dir), str(digests), str(TOTAL), "--sleep", "0.01"]
-        if use_torchrun:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                   "--max-restarts=0"] + args
-            kind += " (2 ranks)"
-        else:
-            cmd = [sys.executable] + args
-        proc = subprocess.Popen(cmd, env=env(SHARDCKPT_FAILPOINTS=spec, SHARDCKPT_FAILPOINTS_LOG=str(points_log)),
-                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        layout = "2x2" if nodes == 2 else "2" if use_torchrun else "1"
+        kind += {"1": "", "2": " (2 ranks)", "2x2": " (2 nodes x 2 ranks)"}[layout]
+        procs = start(layout, args, env(SHARDCKPT_FAILPOINTS=spec, SHARDCKPT_FAILPOINTS_LOG=str(points_log)))
         # Kill once training is under way: after the run has made progress
         # past where it resumed, at a random moment (or at the kill point).
         start_lines = _lines(digests)
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None and _lines(digests) <= start_lines + 1:
+        while time.monotonic() < deadline and running(procs) and _lines(digests) <= start_lines + 1:
             time.sleep(0.01)
         if spec:
             # Until a rank reaches the kill point (under torchrun the launcher
             # outlives its killed worker, so its exit status does not tell).
             proc_deadline = time.monotonic() + 60
-            while time.monotonic() < proc_deadline and proc.poll() is None and not points_log.exists():
+            while time.monotonic() < proc_deadline and running(procs) and not points_log.exists():
                 time.sleep(0.01)
         else:
             pause = time.monotonic() + rng.uniform(0.0, 1.5)
-            while time.monotonic() < pause and proc.poll() is None:
+            while time.monotonic() < pause and running(procs):
                 time.sleep(0.005)
-        kill_job(proc)  # the launcher and every worker (torchrun gives workers their own sessions)
+        for proc in procs:
+            kill_job(proc)  # the launcher and every worker (torchrun gives workers their own sessions)
         fired = points_log.read_text().split()[:1] if points_log.exists() else []
         if spec and fired != [spec.split("@")[0]]:
             kind += " (not reached)"
         stats["points"][kind] = stats["points"].get(kind, 0) + 1
-        if use_torchrun:
-            # A 2-rank run trains differently: compare against its own reference.
-            if ref2 is None:
-                out2 = work / "reference2.txt"
-                subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                                str(PROGRAM), str(work / "unused2"), str(out2), str(TOTAL), "--no-save"],
-                               env=env(), check=True, timeout=600, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-                ref2 = {int(a): b for a, b in (line.split() for line in out2.read_text().splitlines())}
-            newest, failures = check(ckpt_dir, ref2)
-        else:
-            newest, failures = check(ckpt_dir, ref)
+        if layout not in refs:
+            refs[layout] = reference(work, layout)
+        newest, failures = check(ckpt_dir, refs[layout])
         stats["trials"] += 1
         if newest is not None and newest < last_newest:
             stats["lost_committed"] += 1
@@ -193,7 +214,7 @@ def run_trials(trials: int, seed: int, work: Path, torchrun_every: int = 0, remo
                   flush=True)
         # Each mode has its own reference, so a mode switch (or a finished run) starts over.
         next_torchrun = torchrun_every and (trial + 1) % torchrun_every == torchrun_every - 1
-        if use_torchrun or next_torchrun or (newest or 0) >= TOTAL - 5:
+        if (use_torchrun and nodes == 1) or (next_torchrun and nodes == 1) or (newest or 0) >= TOTAL - 5:
             shutil.rmtree(ckpt_dir, ignore_errors=True)
             last_newest = 0
     return stats
@@ -304,16 +325,31 @@ def _wait_uploader_gone(ckpt_dir: Path, timeout: float) -> bool:
     return False
 
 
-def run_remote_trials(trials: int, seed: int, work: Path, progress: bool = False) -> dict:
+def run_remote_trials(trials: int, seed: int, work: Path, progress: bool = False, store: str = "file") -> dict:
+    if store == "s3":
+        from s3server import BUCKET, S3Server, apply_env, restore_env
+
+        server = S3Server()
+        previous = apply_env(server)  # the trainers, their uploaders and the checker inherit it
+        try:
+            server.reset()
+            return _remote_trials(trials, seed, work, progress, f"s3://{BUCKET}/soak", lambda: server.reset())
+        finally:
+            restore_env(previous)
+            server.stop()
+    remote_dir = work / "remote"
+    return _remote_trials(trials, seed, work, progress, f"file://{remote_dir}",
+                          lambda: shutil.rmtree(remote_dir, ignore_errors=True))
+
+
+def _remote_trials(trials: int, seed: int, work: Path, progress: bool, url: str, wipe_remote) -> dict:
     from shardckpt import _failpoints
 
     rng = random.Random(seed)
     ref = reference(work)
     ckpt_dir = work / "ckpt"
-    remote_dir = work / "remote"
-    url = f"file://{remote_dir}"
     stats = {"trials": 0, "failures": [], "points": {}, "max_step": 0, "lost_committed": 0,
-             "max_remote_step": 0, "uploader_kills": 0, "remote": True}
+             "max_remote_step": 0, "uploader_kills": 0, "remote": url.split("://")[0]}
     last_newest = 0
     last_remote = 0
     ever_remote: set[int] = set()
@@ -409,7 +445,7 @@ def run_remote_trials(trials: int, seed: int, work: Path, progress: bool = False
                   f"failures so far {len(stats['failures'])}", flush=True)
         if (newest or 0) >= TOTAL - 5:
             shutil.rmtree(ckpt_dir, ignore_errors=True)
-            shutil.rmtree(remote_dir, ignore_errors=True)
+            wipe_remote()
             last_newest = last_remote = 0
             ever_remote = set()
     return stats
@@ -421,12 +457,17 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--torchrun-every", type=int, default=10, help="every N-th trial runs 2 ranks under torchrun (0: never)")
-    parser.add_argument("--remote", action="store_true", help="also upload to a file:// remote and kill the uploader")
+    parser.add_argument("--remote", action="store_true", help="also upload to a remote and kill the uploader")
+    parser.add_argument("--store", choices=["file", "s3"], default="file",
+                        help="with --remote: a file:// directory, or an S3 bucket on moto's server (127.0.0.1)")
+    parser.add_argument("--nodes", type=int, choices=[1, 2], default=1,
+                        help="2: every trial is 2 nodes x 2 ranks on one shared directory")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="soak-kill-"))
     t0 = time.monotonic()
     try:
-        stats = run_trials(args.trials, args.seed, work, args.torchrun_every, remote=args.remote, progress=True)
+        stats = run_trials(args.trials, args.seed, work, args.torchrun_every, remote=args.remote, progress=True,
+                           nodes=args.nodes, store=args.store)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"\ntrials: {stats['trials']}, wall time {time.monotonic() - t0:.0f} s, newest step reached {stats['max_step']}")
@@ -435,7 +476,8 @@ def main() -> None:
     for name, count in sorted(stats["points"].items()):
         print(f"| {name:<34} | {count:>6} |")
     if stats.get("remote"):
-        print(f"newest remote step reached {stats['max_remote_step']}; uploader SIGKILLs: {stats['uploader_kills']}")
+        print(f"remote store {stats['remote']}: newest remote step reached {stats['max_remote_step']}; "
+              f"uploader SIGKILLs: {stats['uploader_kills']}")
     print(f"failures: {len(stats['failures'])}; committed steps lost: {stats['lost_committed']}")
     for failure in stats["failures"][:20]:
         print("  " + failure)
