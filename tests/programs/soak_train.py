@@ -3,7 +3,7 @@
 usage: soak_train.py CKPT_DIR DIGESTS_OUT TOTAL_STEPS [--no-save] [--sleep S]
                      [--remote URL [--remote-keep-last N]]
 
-Runs single-process or under torchrun (DDP). After every optimizer step rank 0
+Runs single-process or under torchrun (data parallel, gradients averaged in rank order). After every optimizer step rank 0
 appends ``step digest`` to DIGESTS_OUT, where the digest covers the model,
 the optimizer state and the sampler position. With --no-save it is the
 reference run: the digests of an uninterrupted run. With --remote every
@@ -56,6 +56,23 @@ def digest(model: nn.Module, optim: torch.optim.Optimizer, sampler) -> str:
     return h.hexdigest()[:32]
 
 
+def average_gradients(model: nn.Module, world: int) -> None:
+    """Data-parallel gradient averaging that sums in rank order, identically after every restart.
+
+    DDP all-reduces buckets it rebuilds after the first iteration; at three
+    ranks or more the float sums then associate differently in a resumed
+    process than in the run it resumes, and the trainings drift apart by a
+    rounding error, which this bitwise soak would report as a wrong restore.
+    """
+    for p in model.parameters():
+        parts = [torch.empty_like(p.grad) for _ in range(world)]
+        dist.all_gather(parts, p.grad)
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        p.grad = total / world
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("ckpt_dir")
@@ -73,7 +90,7 @@ def main() -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
     model, optim, _ = build()
     sampler = shardckpt.ResumableSampler(4096, batch_size=16, seed=1, rank=rank, world_size=world)
-    wrapped = nn.parallel.DistributedDataParallel(model) if distributed else model
+    wrapped = model
     data_gen = torch.Generator().manual_seed(9)
     xs, ys = torch.randn(4096, 16, generator=data_gen), torch.randn(4096, 4, generator=data_gen)
     torch.manual_seed(100 + rank)
@@ -97,6 +114,8 @@ def main() -> None:
         loss = nn.functional.mse_loss(wrapped(x), y)
         optim.zero_grad()
         loss.backward()
+        if distributed:
+            average_gradients(model, world)
         optim.step()
         step += 1
         if out is not None:
