@@ -1,9 +1,13 @@
 """The deploy/ recipes do what they promise.
 
-deploy/torchrun/launch.sh runs examples/train_ddp.py under torchrun; a worker
-SIGKILLed mid-run makes torchrun restart the group, which resumes from the
-newest committed step and ends bitwise equal to an uninterrupted run; SIGTERM
-to the launcher reaches every worker and the job saves and exits.
+* deploy/torchrun/launch.sh runs examples/train_ddp.py under torchrun; a
+  worker SIGKILLed mid-run makes torchrun restart the group, which resumes from
+  the newest committed step and ends bitwise equal to an uninterrupted run;
+  SIGTERM to the launcher reaches every worker and the job saves and exits.
+* The Kubernetes manifests are parsed and checked field by field (the wiring
+  between uploader and trainer, the grace-period arithmetic, credentials from
+  Secrets); the pod's own settings are then run for real against a local S3
+  server.
 """
 
 from __future__ import annotations
@@ -15,10 +19,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
+import pytest
 import torch
+import yaml
 
 from helpers import ROOT, child_env, descendants, free_port, kill_job, wait_for
+from s3server import S3Server
 
 DEPLOY = ROOT / "deploy"
 LAUNCH = DEPLOY / "torchrun" / "launch.sh"
@@ -158,3 +166,210 @@ def test_sigterm_to_the_launcher_saves_once_more_and_exits(tmp_path):
     step = int(found.group(1))
     assert step >= 5 and step % 1000, "the save came from the signal, not the interval"
     assert (tmp_path / "ckpt" / step_manifest(step)).exists()
+
+
+# --------------------------------------------------------------- Kubernetes
+
+SECRET_NAME = re.compile(r"KEY|SECRET|TOKEN|PASSWORD", re.I)
+
+
+def k8s_docs(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((DEPLOY / "k8s" / name).read_text()) if d]
+
+
+def k8s_pods() -> dict[str, tuple[dict, dict]]:
+    """(owning object, pod spec) for every pod template of the k8s recipes."""
+    pods = {}
+    for doc in k8s_docs("indexed-job.yaml"):
+        if doc["kind"] == "Job":
+            pods["indexed-job"] = (doc, doc["spec"]["template"]["spec"])
+    for doc in k8s_docs("pytorchjob.yaml"):
+        if doc["kind"] == "PyTorchJob":
+            for role, replica in doc["spec"]["pytorchReplicaSpecs"].items():
+                pods[f"pytorchjob-{role}"] = (doc, replica["template"]["spec"])
+    return pods
+
+
+PODS = k8s_pods()
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def env_value(container: dict, name: str) -> str:
+    return env_of(container)[name]["value"]
+
+
+def option(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def sidecar_and_trainer(pod: dict) -> tuple[dict, dict]:
+    sidecars = [c for c in pod.get("initContainers", []) if c.get("restartPolicy") == "Always"]
+    assert len(sidecars) == 1, "the uploader must be the one native sidecar (an initContainer, restartPolicy Always)"
+    trainers = [c for c in pod["containers"] if "launch.sh" in " ".join(c.get("command", []) + c.get("args", []))]
+    assert len(trainers) == 1
+    return sidecars[0], trainers[0]
+
+
+def mount_of(container: dict, path: str) -> dict:
+    """The volume mount that holds ``path`` in ``container``."""
+    mounts = [m for m in container["volumeMounts"] if path == m["mountPath"] or path.startswith(m["mountPath"] + "/")]
+    assert mounts, f"{path} is on no volume of {container['name']}"
+    return mounts[0]
+
+
+@pytest.mark.parametrize("name", sorted(PODS))
+def test_k8s_sidecar_and_trainer_share_checkpoints_remote_and_credentials(name):
+    _, pod = PODS[name]
+    sidecar, trainer = sidecar_and_trainer(pod)
+    argv = sidecar["command"] + sidecar.get("args", [])
+    assert argv[:2] == ["shardckpt", "sync"], argv
+    local, remote = option(argv, "--local"), option(argv, "--remote")
+
+    assert env_value(trainer, "SHARDCKPT_LOCAL_DIR") == local
+    assert env_value(trainer, "SHARDCKPT_REMOTE") == remote
+    assert env_value(trainer, "SHARDCKPT_UPLOADER") == "external"  # no second uploader in the trainer
+    assert env_value(trainer, "AWS_ENDPOINT_URL") == env_value(sidecar, "AWS_ENDPOINT_URL")
+
+    sidecar_mount, trainer_mount = mount_of(sidecar, local), mount_of(trainer, local)
+    assert sidecar_mount == trainer_mount, "the same volume at the same path in both containers"
+    volume = next(v for v in pod["volumes"] if v["name"] == sidecar_mount["name"])
+    assert "hostPath" in volume or "ephemeral" in volume, f"checkpoint volume {volume} is not node-local"
+    # Without it the trainer cannot see the sidecar's pid and close() stops waiting for uploads.
+    assert pod.get("shareProcessNamespace") is True
+
+    for container in (sidecar, trainer):
+        for var_name, var in env_of(container).items():
+            if SECRET_NAME.search(var_name):
+                assert "value" not in var and "secretKeyRef" in var.get("valueFrom", {}), (container["name"], var_name)
+
+
+@pytest.mark.parametrize("name", sorted(PODS))
+def test_k8s_trainer_execs_torchrun_from_the_image(name):
+    _, pod = PODS[name]
+    _, trainer = sidecar_and_trainer(pod)
+    dockerfile = (DEPLOY / "compose" / "Dockerfile").read_text()
+    assert f"WORKDIR {trainer['workingDir']}" in dockerfile
+    argv = trainer["command"]
+    assert argv[0] == "deploy/torchrun/launch.sh" and (ROOT / argv[1]).is_file()
+    assert "COPY deploy/torchrun deploy/torchrun" in dockerfile and "COPY examples examples" in dockerfile
+    # launch.sh ends in exec: torchrun becomes the container's main process and gets SIGTERM.
+    assert LAUNCH.read_text().rstrip().splitlines()[-1].startswith("exec ")
+
+
+@pytest.mark.parametrize("name", sorted(PODS))
+def test_k8s_grace_period_covers_the_emergency_save_and_upload(name):
+    owner, pod = PODS[name]
+    _, trainer = sidecar_and_trainer(pod)
+    ann = owner["metadata"]["annotations"]
+    size, save_rate, upload_rate, step_s, margin = (
+        float(ann[f"shardckpt/grace-{k}"])
+        for k in ("state-gb-per-node", "save-gb-per-s", "upload-gb-per-s", "step-s", "margin-s")
+    )
+    to_commit = 2 * step_s + 2 * size / save_rate  # signal acted on 2 steps later; a save in flight + the emergency one
+    upload = 2 * size / upload_rate  # that step's upload and the emergency step's
+    grace = pod["terminationGracePeriodSeconds"]
+    shutdown = int(env_value(trainer, "SHUTDOWN_TIMEOUT"))
+    drain = float(env_value(trainer, "SHARDCKPT_DRAIN_TIMEOUT_S"))
+    assert grace >= to_commit + upload + margin
+    assert to_commit + upload <= shutdown < grace, "torchrun must not SIGKILL workers that save, nor outlive the pod"
+    assert drain >= upload and to_commit + drain <= shutdown, "close() waits for the upload and returns in time"
+
+
+def test_indexed_job_runs_one_pod_per_node_with_a_rendezvous_service():
+    docs = {d["kind"]: d for d in k8s_docs("indexed-job.yaml")}
+    job, service = docs["Job"], docs["Service"]
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    _, trainer = sidecar_and_trainer(pod)
+    nnodes = int(env_value(trainer, "NNODES"))
+    assert spec["completionMode"] == "Indexed"
+    assert spec["parallelism"] == spec["completions"] == nnodes
+    assert pod["serviceAccountName"] == docs["ServiceAccount"]["metadata"]["name"]
+
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": job["metadata"]["name"]}
+    assert pod["subdomain"] == service["metadata"]["name"]
+    host, port = env_value(trainer, "RDZV_ENDPOINT").rsplit(":", 1)
+    assert host == f"{job['metadata']['name']}-0.{service['metadata']['name']}"  # pod 0's DNS name
+    assert int(port) in [p["port"] for p in service["spec"]["ports"]]
+    assert int(port) in [p["containerPort"] for p in trainer["ports"]]
+
+    assert pod["restartPolicy"] == "Never"
+    rules = spec["podFailurePolicy"]["rules"]
+    assert {"action": "Ignore", "type": "DisruptionTarget"} in [
+        {"action": r["action"], "type": c["type"]} for r in rules for c in r.get("onPodConditions", [])
+    ], "a preempted pod must not count as a failure"
+
+
+def test_pytorchjob_replicas_match_nnodes_and_the_operator_endpoint():
+    job = next(d for d in k8s_docs("pytorchjob.yaml") if d["kind"] == "PyTorchJob")
+    assert job["apiVersion"] == "kubeflow.org/v1"
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    assert replicas["Master"]["replicas"] == 1
+    for role, replica in replicas.items():
+        _, trainer = sidecar_and_trainer(replica["template"]["spec"])
+        assert int(env_value(trainer, "NNODES")) == sum(r["replicas"] for r in replicas.values()), role
+        # The operator sets MASTER_ADDR/MASTER_PORT in the container named pytorch from this port;
+        # launch.sh turns them into the rendezvous endpoint.
+        assert trainer["name"] == "pytorch"
+        assert [p["name"] for p in trainer["ports"]] == ["pytorchjob-port"]
+        assert "RDZV_ENDPOINT" not in env_of(trainer)
+
+
+def test_k8s_recipes_run_the_same_pod():
+    """The PyTorchJob repeats the Indexed Job's pod; only what the operator dictates differs."""
+    (job, job_pod), (pytorchjob, master_pod) = PODS["indexed-job"], PODS["pytorchjob-Master"]
+    assert job["metadata"]["annotations"] == pytorchjob["metadata"]["annotations"]  # the grace-period inputs
+    job_sidecar, job_trainer = sidecar_and_trainer(job_pod)
+    master_sidecar, master_trainer = sidecar_and_trainer(master_pod)
+    assert job_sidecar == master_sidecar
+    assert job_pod["volumes"] == master_pod["volumes"]
+    for key in ("serviceAccountName", "shareProcessNamespace", "terminationGracePeriodSeconds"):
+        assert job_pod[key] == master_pod[key], key
+    operator_set = {"name", "ports", "env"}
+    assert {k: v for k, v in job_trainer.items() if k not in operator_set} == {
+        k: v for k, v in master_trainer.items() if k not in operator_set}
+    assert {k: v for k, v in env_of(job_trainer).items() if k != "RDZV_ENDPOINT"} == env_of(master_trainer)
+
+
+def test_k8s_pod_trainer_waits_for_its_sidecar_to_upload(tmp_path):
+    """The indexed Job's pod, run here: the sidecar's command and the trainer's environment.
+
+    Node-specific values are swapped for local ones (the volume becomes a
+    directory, the endpoint a local S3 server, 1 node of 2 workers, 10 steps);
+    the rest, uploader mode and drain timeout included, comes from the manifest.
+    When the trainer exits, its last step must already be committed remotely.
+    """
+    _, pod = PODS["indexed-job"]
+    sidecar, trainer = sidecar_and_trainer(pod)
+    mount = mount_of(trainer, env_value(trainer, "SHARDCKPT_LOCAL_DIR"))["mountPath"]
+
+    def local(value: str) -> str:
+        return value.replace(mount, str(tmp_path / "volume"), 1) if value.startswith(mount) else value
+
+    s3 = S3Server()
+    sidecar_proc = None
+    try:
+        remote = urlparse(env_value(trainer, "SHARDCKPT_REMOTE"))
+        s3.client().create_bucket(Bucket=remote.netloc)
+        env = {name: local(var["value"]) for name, var in env_of(trainer).items() if "value" in var}
+        env.update(s3.env(), NNODES="1", NPROC_PER_NODE="2", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}")
+        argv = [local(a) for a in sidecar["command"]]
+        sidecar_proc = subprocess.Popen([sys.executable, "-m", "shardckpt.cli", *argv[1:]], env=child_env(**s3.env()),
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+        script = trainer["command"][1]
+        job = subprocess.run([str(ROOT / trainer["command"][0]), script, "--steps", "10", "--every", "5"],
+                             env=child_env(PYTHON=sys.executable, **env), cwd=str(ROOT), capture_output=True,
+                             text=True, timeout=300)
+        assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-4000:]
+        assert "finished 10 steps" in job.stdout
+        prefix = remote.path.strip("/")
+        keys = s3.client().list_objects_v2(Bucket=remote.netloc, Prefix=prefix).get("Contents", [])
+        assert f"{prefix}/{step_manifest(10)}" in [k["Key"] for k in keys], "close() returned before the upload"
+    finally:
+        if sidecar_proc is not None:
+            sidecar_proc.send_signal(signal.SIGTERM)
+            sidecar_proc.wait(timeout=60)
+        s3.stop()
