@@ -4,16 +4,17 @@
   worker SIGKILLed mid-run makes torchrun restart the group, which resumes from
   the newest committed step and ends bitwise equal to an uninterrupted run;
   SIGTERM to the launcher reaches every worker and the job saves and exits.
-* The Kubernetes manifests are parsed and checked field by field (the wiring
-  between uploader and trainer, the grace-period arithmetic, credentials from
-  Secrets); the pod's own settings are then run for real against a local S3
-  server.
+* The Kubernetes manifests and the compose file are parsed and checked field
+  by field (the wiring between uploader and trainer, the grace-period
+  arithmetic, credentials from Secrets); the pod's and the compose trainer's
+  own settings are then run for real against a local S3 server.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ import torch
 import yaml
 
 from helpers import ROOT, child_env, descendants, free_port, kill_job, wait_for
-from s3server import S3Server
+from s3server import S3Server, stop_uploaders
 
 DEPLOY = ROOT / "deploy"
 LAUNCH = DEPLOY / "torchrun" / "launch.sh"
@@ -372,4 +373,95 @@ def test_k8s_pod_trainer_waits_for_its_sidecar_to_upload(tmp_path):
         if sidecar_proc is not None:
             sidecar_proc.send_signal(signal.SIGTERM)
             sidecar_proc.wait(timeout=60)
+        s3.stop()
+
+
+# --------------------------------------------------------------- docker compose
+
+COMPOSE = DEPLOY / "compose" / "compose.yaml"
+
+
+def compose_defaults(value):
+    """The value as compose interpolates it with nothing set: ${VAR:-default} -> default."""
+    if isinstance(value, str):
+        return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", value)
+    return value
+
+
+def compose_services() -> dict[str, dict]:
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    for svc in services.values():
+        svc["environment"] = {k: compose_defaults(v) for k, v in svc.get("environment", {}).items()}
+    return services
+
+
+def test_compose_minio_bucket_and_trainer_agree():
+    services = compose_services()
+    minio, mc, trainer = services["minio"], services["create-bucket"], services["trainer"]
+    assert minio["image"].startswith("minio/minio:") and mc["image"].startswith("minio/mc:")
+    assert "healthcheck" in minio
+    assert mc["depends_on"] == {"minio": {"condition": "service_healthy"}}
+    assert trainer["depends_on"] == {"minio": {"condition": "service_healthy"},
+                                     "create-bucket": {"condition": "service_completed_successfully"}}
+
+    env = trainer["environment"]
+    endpoint = urlparse(env["AWS_ENDPOINT_URL"])
+    assert endpoint.hostname == "minio"
+    assert option(minio["command"], "--address") == f":{endpoint.port}"
+    assert env["AWS_ACCESS_KEY_ID"] == minio["environment"]["MINIO_ROOT_USER"] == mc["environment"]["MINIO_ROOT_USER"]
+    assert (env["AWS_SECRET_ACCESS_KEY"] == minio["environment"]["MINIO_ROOT_PASSWORD"]
+            == mc["environment"]["MINIO_ROOT_PASSWORD"])
+
+    script = " ".join(mc["command"])
+    alias = re.search(r"mc alias set (\S+) (\S+) \"\$\$MINIO_ROOT_USER\" \"\$\$MINIO_ROOT_PASSWORD\"", script)
+    assert alias and alias.group(2) == env["AWS_ENDPOINT_URL"]
+    bucket = re.search(rf"mc mb --ignore-existing {alias.group(1)}/(\S+)", script).group(1)
+    assert urlparse(env["REMOTE"]).netloc == bucket and env["REMOTE"].startswith("s3://")
+
+    assert trainer["command"][:2] == ["deploy/torchrun/launch.sh", "examples/train_ddp.py"]
+    assert env["NPROC_PER_NODE"] == "2"
+    grace = int(trainer["stop_grace_period"].rstrip("s"))
+    assert float(env["SHARDCKPT_DRAIN_TIMEOUT_S"]) < int(env["SHUTDOWN_TIMEOUT"]) < grace
+
+
+def test_compose_image_installs_cpu_torch_then_the_pinned_project():
+    trainer = compose_services()["trainer"]
+    context = (COMPOSE.parent / trainer["build"]["context"]).resolve()
+    assert context == ROOT
+    dockerfile = context / trainer["build"]["dockerfile"]
+    lines = [line.strip() for line in dockerfile.read_text().splitlines()]
+    torch_line = next(i for i, line in enumerate(lines) if "pip install torch==2.13.0" in line)
+    assert "--index-url https://download.pytorch.org/whl/cpu" in lines[torch_line]
+    project_line = next(i for i, line in enumerate(lines) if "pip install -c deploy/constraints.txt ." in line)
+    assert torch_line < project_line
+    # Every COPY source exists and gets past the Dockerfile's own ignore file.
+    allowed = [line[1:] for line in (dockerfile.parent / "Dockerfile.dockerignore").read_text().splitlines()
+               if line.startswith("!")]
+    for line in lines:
+        if line.startswith("COPY "):
+            for source in shlex.split(line)[1:-1]:
+                assert (context / source).exists(), source
+                assert source in allowed, f"{source} is excluded by Dockerfile.dockerignore"
+
+
+def test_compose_trainer_settings_upload_to_s3(tmp_path):
+    """The compose trainer's command and environment, against a local S3 server instead of MinIO."""
+    trainer = compose_services()["trainer"]
+    env = dict(trainer["environment"])
+    s3 = S3Server()
+    try:
+        remote = urlparse(env["REMOTE"])
+        s3.client().create_bucket(Bucket=remote.netloc)  # what the create-bucket service does
+        env.update(s3.env(), CKPT_DIR=str(tmp_path / "ckpt"))
+        argv = list(trainer["command"])
+        argv[argv.index("--steps") + 1] = "10"
+        argv[argv.index("--step-sleep") + 1] = "0"
+        job = subprocess.run([str(ROOT / argv[0]), *argv[1:]], env=child_env(PYTHON=sys.executable, **env),
+                             cwd=str(ROOT), capture_output=True, text=True, timeout=300)
+        assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-4000:]
+        prefix = remote.path.strip("/")
+        keys = [k["Key"] for k in s3.client().list_objects_v2(Bucket=remote.netloc, Prefix=prefix)["Contents"]]
+        assert f"{prefix}/{step_manifest(10)}" in keys, "the last step is committed in the bucket on exit"
+    finally:
+        stop_uploaders(tmp_path, grace_s=30.0)
         s3.stop()
