@@ -4,14 +4,15 @@
   worker SIGKILLed mid-run makes torchrun restart the group, which resumes from
   the newest committed step and ends bitwise equal to an uninterrupted run;
   SIGTERM to the launcher reaches every worker and the job saves and exits.
-* The Kubernetes manifests and the compose file are parsed and checked field
-  by field (the wiring between uploader and trainer, the grace-period
-  arithmetic, credentials from Secrets); the pod's and the compose trainer's
-  own settings are then run for real against a local S3 server.
+* The Kubernetes manifests, the compose file and the systemd unit are parsed
+  and checked field by field (the wiring between uploader and trainer, the
+  grace-period arithmetic, credentials from Secrets); the pod's and the compose
+  trainer's own settings are then run for real against a local S3 server.
 """
 
 from __future__ import annotations
 
+import configparser
 import os
 import re
 import shlex
@@ -465,3 +466,23 @@ def test_compose_trainer_settings_upload_to_s3(tmp_path):
     finally:
         stop_uploaders(tmp_path, grace_s=30.0)
         s3.stop()
+
+
+# --------------------------------------------------------------- systemd
+
+
+def test_systemd_unit_runs_the_uploader_and_restarts_it():
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str  # systemd keys are case-sensitive
+    text = (DEPLOY / "shardckpt-sync.service").read_text()
+    unit.read_string(text)
+    service = unit["Service"]
+    argv = shlex.split(service["ExecStart"])
+    assert argv[0].endswith("/shardckpt") and argv[1] == "sync"
+    for flag in ("--local", "--remote"):
+        value = option(argv, flag)
+        var = re.fullmatch(r"\$\{(\w+)\}", value).group(1)
+        assert re.search(rf"^#\s+{var}=", text, re.M), f"{var} is not documented for the EnvironmentFile"
+    assert service["Restart"] in ("on-failure", "always")
+    assert service["EnvironmentFile"]
+    assert unit["Install"]["WantedBy"]
