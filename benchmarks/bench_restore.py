@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -43,7 +42,6 @@ def main() -> None:
     model = common.make_model(int(args.gib * common.GIB))
     state = {"model": model}
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    expected = common.fingerprint(model)
     result = common.new_result("restore", nbytes, repeats=args.repeats)
     with common.scratch("restore", args.dir) as root:
         ckpt = shardckpt.Checkpointer(local_dir=str(root), mode="sync", keep_last=None, preemption_signals=())
@@ -52,7 +50,7 @@ def main() -> None:
         (step_dir,) = root.glob("step_*")
         files = common.files_under(step_dir)
         on_disk = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())
-        checked: set[str] = set()
+        check = common.RestoreCheck(model)
 
         def load(verify: bool) -> None:
             c = shardckpt.Checkpointer(local_dir=str(root), verify_on_load=verify, preemption_signals=())
@@ -67,35 +65,20 @@ def main() -> None:
             dcp.load(sd, checkpoint_id=str(step_dir))
             set_model_state_dict(model, sd["model"])
 
-        def checked_once(label: str):
-            """Before the first call: zero the parameters; after it: compare with the saved state."""
-            def before() -> None:
-                if label not in checked:
-                    with torch.no_grad():
-                        for p in model.parameters():
-                            p.zero_()
-
-            def after() -> None:
-                if label not in checked:
-                    if common.fingerprint(model) != expected:
-                        raise RuntimeError(f"{label} restored different values")
-                    checked.add(label)
-            return before, after
-
-        loaders = [("shardckpt load", lambda: load(True)), ("shardckpt load, no verify", lambda: load(False)),
-                   ("dcp.load", stock)]
         methods: set[str] = set()
 
         def cold() -> None:
             methods.add(common.evict(files))
 
         for group, prepare in (("warm", None), ("cold", cold)):
-            tools = [common.Tool("read the step's files (floor)", lambda: common.read_files(files), before=prepare,
-                                 floor=True)]
-            for label, fn in loaders:
-                check_before, check_after = checked_once(label)
-                tools.append(common.Tool(label, fn, before=lambda p=prepare, c=check_before: (c(), p and p()),
-                                         after=check_after))
+            tools = [
+                common.Tool("read the step's files (floor)", lambda: common.read_files(files), floor=True),
+                check.wrap(common.Tool("shardckpt load", lambda: load(True))),
+                check.wrap(common.Tool("shardckpt load, no verify", lambda: load(False))),
+                check.wrap(common.Tool("dcp.load", stock)),
+            ]
+            if prepare is not None:
+                tools = [common.before_each(t, prepare) for t in tools]
             common.add_rate(common.compare(result, tools, args.repeats, group=group), on_disk)
         result["notes"].append(f"{len(files)} files, {common.fmt_bytes(on_disk)} on disk; cold: evicted by "
                                f"{' / '.join(sorted(methods)) or 'n/a'} after os.sync(), <= 2 % of pages left cached "

@@ -106,6 +106,16 @@ class Tool:
     floor: bool = False
 
 
+def before_each(tool: Tool, fn: Callable[[], Any]) -> Tool:
+    """The tool with ``fn`` run (untimed) before every call, ahead of its own ``before``."""
+    def before() -> None:
+        fn()
+        if tool.before is not None:
+            tool.before()
+
+    return dataclasses.replace(tool, before=before)
+
+
 def _call(tool: Tool) -> tuple[float, dict]:
     if tool.before is not None:
         tool.before()
@@ -466,6 +476,37 @@ def fingerprint(module) -> list[float]:
 
     with torch.no_grad():
         return [float(p.sum(dtype=torch.float64)) for p in module.parameters()]
+
+
+class RestoreCheck:
+    """Proves each loader restores the saved values: before its first call the
+    parameters are zeroed, after it they must match the fingerprint taken at save time."""
+
+    def __init__(self, module) -> None:
+        self.module = module
+        self.expected = fingerprint(module)
+        self.checked: set[str] = set()
+
+    def wrap(self, tool: Tool) -> Tool:
+        import torch
+
+        def before() -> None:
+            if tool.label not in self.checked:
+                with torch.no_grad():
+                    for p in self.module.parameters():
+                        p.zero_()
+            if tool.before is not None:
+                tool.before()
+
+        def after() -> None:
+            if tool.after is not None:
+                tool.after()
+            if tool.label not in self.checked:
+                if fingerprint(self.module) != self.expected:
+                    raise RuntimeError(f"{tool.label} restored different values")
+                self.checked.add(tool.label)
+
+        return dataclasses.replace(tool, before=before, after=after)
 
 
 def slowest(seconds: float) -> float:
