@@ -229,7 +229,7 @@ COLUMNS = {
     "rss_growth_rank_bytes": "RSS growth / rank",
     "host_peak_bytes": "host RAM peak (all processes)",
     "resident_after_evict": "cached after eviction",
-    "steps": "steps",
+    "paired_ratio": "paired ratio",
 }
 
 
@@ -242,7 +242,7 @@ def fmt_bytes(n: float) -> str:
 
 
 def fmt_size(n: int) -> str:
-    return f"{n / GIB:g} GiB" if n >= GIB else f"{n / MIB:g} MiB"
+    return f"{n / GIB:.4g} GiB" if n >= GIB else f"{n / MIB:.4g} MiB"
 
 
 def fmt_number(v: Any) -> str:
