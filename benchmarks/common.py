@@ -545,7 +545,11 @@ def hardware(path: str | os.PathLike = ".") -> dict[str, Any]:
                 total = int(line.split()[1]) * KIB
     df = _run(["df", "-hT", str(path)]).splitlines()
     source = df[-1].split()[0] if len(df) > 1 else ""
-    device = _run(["lsblk", "-ndo", "NAME,MODEL,ROTA,SIZE", source]) if source.startswith("/dev/") else ""
+    device = ""
+    if source.startswith("/dev/") and len(fields := _run(["lsblk", "-ndo", "NAME,ROTA,SIZE,MODEL", source]).split()) >= 3:
+        model = " ".join(fields[3:])
+        device = (f"{fields[0]}, {fields[2]}{', ' + model if model else ''}, "
+                  f"{'rotational' if fields[1] == '1' else 'non-rotational'} as the kernel reports it")
     try:
         import torch
 
@@ -559,7 +563,7 @@ def hardware(path: str | os.PathLike = ".") -> dict[str, Any]:
         "cores_usable": len(os.sched_getaffinity(0)),
         "ram_bytes": total,
         "ram": fmt_bytes(total),
-        "disk": df[-1] if len(df) > 1 else "",
+        "disk": _describe_df(df[-1]) if len(df) > 1 else "",
         "disk_df": "\n".join(df),
         "disk_device": device,
         "kernel": platform.release(),
@@ -570,6 +574,13 @@ def hardware(path: str | os.PathLike = ".") -> dict[str, Any]:
         "hostname": socket.gethostname(),
         "loadavg": os.getloadavg(),
     }
+
+
+def _describe_df(line: str) -> str:
+    fields = line.split()  # Filesystem Type Size Used Avail Use% Mounted-on
+    if len(fields) < 7:
+        return line
+    return f"{fields[0]} ({fields[1]}, {fields[2]}, {fields[4]} free) mounted on {' '.join(fields[6:])}"
 
 
 def git_info() -> dict[str, Any]:
