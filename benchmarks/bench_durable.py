@@ -18,7 +18,6 @@ round-robin, the order rotating each round, after one warm-up call each:
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 
@@ -30,16 +29,8 @@ import shardckpt  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1.0)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed writes per tool (median reported)")
-    parser.add_argument("--dir", default=None, help="where the scratch directory goes (default: the system's temp)")
-    parser.add_argument("--json", help="write the result here")
-    args = parser.parse_args()
-
-    model = common.make_model(int(args.gib * common.GIB))
-    state = {"model": model}
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    args = common.sized_args(__doc__, "timed writes per tool (median reported)")
+    model, state, nbytes = common.sized_state(args.gib)
     result = common.new_result("durable", nbytes, repeats=args.repeats)
     with common.scratch("durable", args.dir) as root:
         out = root / "out"

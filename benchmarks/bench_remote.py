@@ -69,9 +69,7 @@ class Bench:
         self.part = args.part_mb * common.MIB
         self.client = common.s3_client(endpoint)
         self.manager = create_transfer_manager(self.client, common.transfer_config(self.part, args.concurrency))
-        self.model = common.make_model(int(args.gib * common.GIB))
-        self.state = {"model": self.model}
-        self.nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.model, self.state, self.nbytes = common.sized_state(args.gib)
         self.src = root / "src"
         ckpt = shardckpt.Checkpointer(local_dir=str(self.src), mode="sync", io_threads=args.files, keep_last=None,
                                       preemption_signals=())

@@ -22,7 +22,6 @@ every tensor with the saved state.
 
 from __future__ import annotations
 
-import argparse
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -32,16 +31,8 @@ import shardckpt  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1.0)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed restores per tool and cache state")
-    parser.add_argument("--dir", default=None, help="where the scratch directory goes (default: the system's temp)")
-    parser.add_argument("--json", help="write the result here")
-    args = parser.parse_args()
-
-    model = common.make_model(int(args.gib * common.GIB))
-    state = {"model": model}
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    args = common.sized_args(__doc__, "timed restores per tool and cache state")
+    model, state, nbytes = common.sized_state(args.gib)
     result = common.new_result("restore", nbytes, repeats=args.repeats)
     with common.scratch("restore", args.dir) as root:
         ckpt = shardckpt.Checkpointer(local_dir=str(root), mode="sync", keep_last=None, preemption_signals=())

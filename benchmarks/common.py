@@ -18,6 +18,7 @@ absolute times on shared machines drift.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import dataclasses
@@ -452,6 +453,17 @@ def fresh_dir(path: str | os.PathLike) -> Path:
 
 # ------------------------------------------------------------------ states
 
+def sized_args(doc: str | None, repeats_help: str) -> argparse.Namespace:
+    """The options of a single-process case measuring one state size."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1.0)")
+    parser.add_argument("--repeats", type=int, default=3, help=repeats_help)
+    parser.add_argument("--dir", default=None, help="where the scratch directory goes (default: the system's temp)")
+    parser.add_argument("--json", help="write the result here")
+    return parser.parse_args()
+
+
+
 def make_model(nbytes: int, *, chunk: int = 64 * MIB, fill: bool = True):
     """A module holding ``nbytes`` of fp32 parameters in tensors of at most ``chunk`` bytes."""
     import torch
@@ -468,6 +480,16 @@ def make_model(nbytes: int, *, chunk: int = 64 * MIB, fill: bool = True):
             t.uniform_(-1, 1, generator=gen)
         params.append(torch.nn.Parameter(t))
     return torch.nn.ParameterList(params)
+
+
+def nbytes_of(module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def sized_state(gib: float) -> tuple[Any, dict[str, Any], int]:
+    """``(model, {"model": model}, bytes)``: the state the single-process cases save and restore."""
+    model = make_model(int(gib * GIB))
+    return model, {"model": model}, nbytes_of(model)
 
 
 def fingerprint(module) -> list[float]:

@@ -153,10 +153,11 @@ def plot(doc: dict, out: Path) -> Path | None:
 def summary(docs: list[dict], out: Path, readme: Path) -> str:
     """The README block: per case at its largest state, shardckpt against the floor and the others."""
     rel = os.path.relpath(out, readme.parent)
+    rel = "" if rel == "." else rel + "/"
     first = docs[0]
     lines = [f"Measured by `{first.get('run_command', 'python benchmarks/run.py')}` on {first['date'][:10]}: "
              f"{describe_machine(first)}. Full tables, commands and what was skipped: "
-             f"[{rel}/{PAGE}]({rel}/{PAGE}).", "",
+             f"[{rel}{PAGE}]({rel}{PAGE}).", "",
              "| case | state | floor / baseline | shardckpt (× floor) | others (× floor) |", "|---|---|---|---|---|"]
     for doc in docs:
         results = [common.summarize(r) for r in doc["results"] if r["rows"]]
@@ -185,7 +186,7 @@ def summary(docs: list[dict], out: Path, readme: Path) -> str:
                          f"{'<br>'.join(ours) or '–'} | {'<br>'.join(others) or '–'} |")
     plots = [d for d in docs if d.get("plot") and (out / d["plot"]).exists()]
     if plots:
-        lines += [""] + [f"![{d['title']}]({rel}/{d['plot']})" for d in plots]
+        lines += [""] + [f"![{d['title']}]({rel}{d['plot']})" for d in plots]
     if any(d.get("quick") for d in docs):
         lines += ["", "(Quick run: small states, few repeats — not numbers to quote.)"]
     return "\n".join(lines)

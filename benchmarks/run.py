@@ -48,9 +48,15 @@ from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
 
 import common  # noqa: E402
 import report  # noqa: E402
+from helpers import descendants  # noqa: E402
+
+
+def repeats(args: argparse.Namespace, quick: int, full: int) -> str:
+    return str(args.repeats or (quick if args.quick else full))
 
 
 @dataclasses.dataclass
@@ -74,41 +80,41 @@ CASES = [
          "slowest rank, one warm-up save first. Floor: a copy of the local shards into host buffers allocated "
          "beforehand. Each tool runs in fresh processes: RSS peak / rank is the largest rank's high-water mark, "
          "host RAM peak the sum of the PSS of every process of the job (DCP's daemons included), sampled at 5 Hz.",
-         lambda a: ["--repeat", str(a.repeats or (2 if a.quick else 3))], nproc=2, per_tool=True, memory=1.2,
+         lambda a: ["--repeat", repeats(a, 2, 3)], nproc=2, per_tool=True, memory=1.2,
          disk=1.5, plot="blocked.png"),
     Case("durable", "Time to durable (save → locally committed)", "bench_durable.py",
          "One process: from `save()` until the step is committed on the local disk (`save(...).wait()`), against "
          "`dd` of the same bytes with `conv=fdatasync` (floor) and with `oflag=direct`, stock `dcp.save` and "
          "`torch.save` + `fsync`. Every write starts after `os.sync()` with the previous output deleted.",
-         lambda a: ["--repeats", str(a.repeats or (2 if a.quick else 3))], memory=2.2, disk=1.5, plot="durable.png"),
+         lambda a: ["--repeats", repeats(a, 2, 3)], memory=2.2, disk=1.5, plot="durable.png"),
     Case("restore", "Restore from the local tier", "bench_restore.py",
          "One process restores the step into the live model: `Checkpointer.load` with checksums verified and "
          "with `verify_on_load=False`, stock `dcp.load`, against reading every file of the step (floor); with "
          "the page cache warm, and cold (the step's files evicted before every run).",
-         lambda a: ["--repeats", str(a.repeats or (2 if a.quick else 3))], memory=2.2, disk=1.3, plot="restore.png"),
+         lambda a: ["--repeats", repeats(a, 2, 3)], memory=2.2, disk=1.3, plot="restore.png"),
     Case("remote_restore", "Restore from the remote tier on an empty instance", "bench_remote.py",
          "moto's S3 server in its own process on 127.0.0.1. shardckpt `load()` into an empty `local_dir` from "
          "`remote=s3://...` against a tuned raw download of the same objects (boto3 transfer manager, "
          "32 MiB parts, 8 in flight) followed by a local load without verification (floor).",
-         lambda a: ["--case", "restore", "--repeats", str(a.repeats or (2 if a.quick else 3))], sizes="remote",
+         lambda a: ["--case", "restore", "--repeats", repeats(a, 2, 3)], sizes="remote",
          memory=10.0, disk=4.0, plot="remote_restore.png"),
     Case("remote_durable", "Time to durable remotely (RPO of a spot user)", "bench_remote.py",
          "From `save()` (sync mode, uploader process running) until the step's manifest is in the bucket, against "
          "a raw upload of the step's files (boto3 transfer manager, 32 MiB parts, 8 in flight; floor), "
          "`shardckpt push` of the committed step, and stock `dcp.async_save` straight to `s3://` (FsspecWriter, "
          "s3fs). Seconds per GiB give the largest state per node that fits a 30 s (GCP) and a 120 s (AWS) notice.",
-         lambda a: ["--case", "durable", "--repeats", str(a.repeats or (2 if a.quick else 3))], sizes="remote",
+         lambda a: ["--case", "durable", "--repeats", repeats(a, 2, 3)], sizes="remote",
          memory=10.0, disk=4.0, plot="remote_durable.png"),
     Case("training", "Training slowdown", "bench_train.py",
          "Steps/s of a small DDP training loop (2 ranks, an MLP of about 4 MB with AdamW) checkpointing every N "
          "steps, against the same loop without checkpoints, measured in alternating rounds.",
          lambda a: ["--every", str(a.every), "--steps", "40" if a.quick else "200",
-                    "--repeats", str(a.repeats or (2 if a.quick else 5))], nproc=2, sizes=None),
+                    "--repeats", repeats(a, 2, 5)], nproc=2, sizes=None),
     Case("elastic", "Restore 8 ranks → 4 ranks", "bench_elastic_restore.py",
          "An FSDP2 model + AdamW + sampler saved by 8 ranks, restored by 4 (gloo on CPU): shardckpt `load` with "
          "and without verification against stock `dcp.load` + `set_state_dict` (floor); the paths back to back "
          "in every round.",
-         lambda a: ["--params-m", "8", "--repeats", str(a.repeats or (3 if a.quick else 11))], sizes=None),
+         lambda a: ["--params-m", "8", "--repeats", repeats(a, 3, 11)], sizes=None),
 ]
 BY_NAME = {c.name: c for c in CASES}
 QUICK_SIZES, FULL_SIZES = [0.0625, 0.25], [1.0, 4.0, 8.0]
@@ -116,24 +122,6 @@ QUICK_REMOTE, FULL_REMOTE = [0.0625], [0.125, 0.25, 0.5]
 
 
 # ---------------------------------------------------------------- processes
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
 
 def _pss(pid: int) -> int:
     try:
@@ -157,7 +145,7 @@ class RamSampler(threading.Thread):
 
     def run(self) -> None:
         while not self._done.wait(self.interval):
-            pids = _descendants(self.pid) + ([self.pid] if self.include_root else [])
+            pids = descendants(self.pid) + ([self.pid] if self.include_root else [])
             self.peak = max(self.peak, sum(_pss(p) for p in pids))
 
     def stop(self) -> int:
@@ -266,7 +254,30 @@ def tools_of(case: Case) -> dict[str | None, str]:
     return dict(TOOLS)
 
 
-def run_size(case: Case, gib: float | None, args: argparse.Namespace, work: Path) -> tuple[dict, list[dict]]:
+def predicted_peak(history: list[tuple[int, int]], size: int) -> float | None:
+    """RAM peak at ``size`` extrapolated from the peaks at smaller sizes (linear; one point: proportional)."""
+    points = sorted(p for p in history if p[0] < size and p[1] > 0)
+    if not points:
+        return None
+    if len(points) == 1:
+        return points[0][1] * size / points[0][0]
+    (s1, p1), (s2, p2) = points[-2:]
+    return p2 + max((p2 - p1) / (s2 - s1), 0.0) * (size - s2)
+
+
+def too_big(history: list[tuple[int, int]], size: int) -> str | None:
+    """Why running at ``size`` would risk exhausting the RAM, judged by the smaller sizes; or None."""
+    peak = predicted_peak(history, size)
+    have = common.mem_available()
+    if peak is None or 1.1 * peak + common.GIB <= have:
+        return None
+    seen = ", ".join(f"{common.fmt_bytes(p)} at {common.fmt_size(s)}" for s, p in sorted(history))
+    return (f"the RAM peaks of the smaller states ({seen}) extrapolate to about {common.fmt_bytes(peak)} "
+            f"here; {common.fmt_bytes(have)} available")
+
+
+def run_size(case: Case, gib: float | None, args: argparse.Namespace, work: Path,
+             history: dict[str | None, list[tuple[int, int]]]) -> tuple[dict, list[dict]]:
     size_bytes = int((gib or 0) * common.GIB)
     invocations: list[dict] = []
     parts: list[dict] = []
@@ -276,6 +287,11 @@ def run_size(case: Case, gib: float | None, args: argparse.Namespace, work: Path
         common.add_skip(result, "every tool", reason)
         return result, invocations
     for tool, label in tools_of(case).items():
+        if gib is not None and (reason := too_big(history.get(tool, []), size_bytes)) is not None:
+            skipped = common.new_result(case.name, size_bytes)
+            common.add_skip(skipped, label if tool else "every tool", reason)
+            parts.append(skipped)
+            continue
         with common.scratch(case.name, args.scratch) as scratch:
             out = work / f"{case.name}-{gib}-{tool}.json"
             extra = [*(["--gib", str(gib)] if gib is not None else []), *(["--tool", tool] if tool else []),
@@ -289,6 +305,7 @@ def run_size(case: Case, gib: float | None, args: argparse.Namespace, work: Path
             inv["cmd"] = display
         inv.update(size_bytes=size_bytes, tool=tool)
         invocations.append(inv)
+        history.setdefault(tool, []).append((size_bytes, inv["host_peak_bytes"]))
         if inv["rc"] == 0 and out.exists():
             got = json.loads(out.read_text())
             part = got if isinstance(got, dict) else got[0]
@@ -329,8 +346,9 @@ def run_case(case: Case, order: int, args: argparse.Namespace, work: Path, run_c
         "plot": case.plot, "results": [], "invocations": [],
     }
     path = Path(args.out) / f"{case.name}.json"
-    for gib in sizes_for(case, args):
-        result, invocations = run_size(case, gib, args, work)
+    history: dict[str | None, list[tuple[int, int]]] = {}  # RAM peaks per tool, to stop before one will not fit
+    for gib in sorted(sizes_for(case, args), key=lambda g: g or 0):
+        result, invocations = run_size(case, gib, args, work, history)
         doc["results"].append(result)
         doc["invocations"] += invocations
         doc["finished"] = common.now_utc()
