@@ -79,7 +79,8 @@ CASES = [
          "Time the training loop waits per checkpoint: 2 ranks, an FSDP2-sharded model on CPU (gloo), the "
          "slowest rank, one warm-up save first. Floor: a copy of the local shards into host buffers allocated "
          "beforehand. Each tool runs in fresh processes: RSS peak / rank is the largest rank's high-water mark, "
-         "host RAM peak the sum of the PSS of every process of the job (DCP's daemons included), sampled at 5 Hz.",
+         "host RAM peak the largest sum of anonymous and shared-memory RSS over every process of the job (DCP's "
+         "daemons included), sampled at 5 Hz.",
          lambda a: ["--repeat", repeats(a, 2, 3)], nproc=2, per_tool=True, memory=1.2,
          disk=1.5, plot="blocked.png"),
     Case("durable", "Time to durable (save → locally committed)", "bench_durable.py",
@@ -123,19 +124,25 @@ QUICK_REMOTE, FULL_REMOTE = [0.0625], [0.125, 0.25, 0.5]
 
 # ---------------------------------------------------------------- processes
 
-def _pss(pid: int) -> int:
+def _ram(pid: int) -> int:
+    """Anonymous and shared-memory RSS of a process (O(1) to read, unlike smaps' PSS)."""
+    total = 0
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * common.KIB
+                if line.startswith(("RssAnon:", "RssShmem:")):
+                    total += int(line.split()[1]) * common.KIB
     except OSError:
         pass
-    return 0
+    return total
 
 
 class RamSampler(threading.Thread):
-    """Peak of the summed PSS of a process tree (the root itself left out when it is a launcher)."""
+    """Peak of the summed RAM of a process tree (the root left out when it is only a launcher).
+
+    Counts anonymous and shared memory, not the page cache of files; a
+    shared-memory segment mapped by two processes counts twice.
+    """
 
     def __init__(self, pid: int, include_root: bool, interval: float = 0.2) -> None:
         super().__init__(daemon=True)
@@ -146,7 +153,7 @@ class RamSampler(threading.Thread):
     def run(self) -> None:
         while not self._done.wait(self.interval):
             pids = descendants(self.pid) + ([self.pid] if self.include_root else [])
-            self.peak = max(self.peak, sum(_pss(p) for p in pids))
+            self.peak = max(self.peak, sum(_ram(p) for p in pids))
 
     def stop(self) -> int:
         self._done.set()
