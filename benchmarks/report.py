@@ -102,6 +102,22 @@ def page(docs: list[dict]) -> str:
 
 # --------------------------------------------------------------------- plots
 
+OURS = ["#d62728", "#ff7f0e", "#e377c2"]  # shardckpt: warm colours, drawn thick
+FLOORS = ["#333333", "#888888"]  # dashed
+OTHERS = ["#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#17becf", "#bcbd22", "#7f7f7f", "#aec7e8"]
+
+
+def line_colors(tools: list[str], floors: set[str]) -> dict[str, str]:
+    """The same kind of line looks alike in every plot: shardckpt warm, floors grey, the rest cool."""
+    out, used = {}, {"ours": 0, "floor": 0, "other": 0}
+    for tool in tools:
+        kind, palette = (("floor", FLOORS) if tool in floors else ("ours", OURS) if tool.startswith("shardckpt")
+                         else ("other", OTHERS))
+        out[tool] = palette[used[kind] % len(palette)]
+        used[kind] += 1
+    return out
+
+
 def plot(doc: dict, out: Path) -> Path | None:
     """Median time against state size, one line per tool, floors dashed; a panel per cache state."""
     results = [r for r in doc["results"] if r["rows"]]
@@ -111,13 +127,15 @@ def plot(doc: dict, out: Path) -> Path | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     groups = list(dict.fromkeys(row["group"] for r in results for row in r["rows"]))
     tools = list(dict.fromkeys(row["tool"] for r in results for row in r["rows"]))
     sizes = sorted({r["size_bytes"] for r in results})
     fig, axes = plt.subplots(1, len(groups), figsize=(5.6 * len(groups) + 1.0, 4.2 + 0.22 * len(tools)),
                              squeeze=False, sharey=True)
-    colors = {t: plt.get_cmap("tab10")(i % 10) for i, t in enumerate(tools)}
+    floors = {row["tool"] for r in results for row in r["rows"] if row["floor"]}
+    colors = line_colors(tools, floors)
     for ax, group in zip(axes[0], groups):
         for tool in tools:
             points = sorted((r["size_bytes"], row["median"]) for r in results for row in r["rows"]
@@ -134,6 +152,10 @@ def plot(doc: dict, out: Path) -> Path | None:
         ax.minorticks_off()
         ax.set_xlabel("state size")
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(
+            lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "25" else ""))
+        ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.grid(True, which="major", alpha=0.3)
         ax.set_title(f"{doc['title']}{f' — {group} page cache' if group else ''}", fontsize=10)
     axes[0][0].set_ylabel(f"median time ({results[0]['unit']}, log scale)")

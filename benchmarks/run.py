@@ -303,8 +303,7 @@ def run_size(case: Case, gib: float | None, args: argparse.Namespace, work: Path
             out = work / f"{case.name}-{gib}-{tool}.json"
             extra = [*(["--gib", str(gib)] if gib is not None else []), *(["--tool", tool] if tool else []),
                      *case.args(args), "--json", str(out)]
-            if case.name != "elastic":  # it takes --dir as the checkpoint directory itself
-                extra += ["--dir", str(scratch)]
+            extra += ["--dir", str(scratch)]
             cmd = command(case, extra)
             display = shown(cmd, {str(out): "RESULT.json", str(scratch): "SCRATCH"})
             print(f"  $ {display}", flush=True)
