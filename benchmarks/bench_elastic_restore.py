@@ -1,6 +1,6 @@
 """Restore time 8 -> 4 ranks: shardckpt ``load`` vs stock ``dcp.load`` of the same files.
 
-usage: python benchmarks/bench_elastic_restore.py [--params-m 8] [--repeats 5] [--dir DIR]
+usage: python benchmarks/bench_elastic_restore.py [--params-m 8] [--repeats 5] [--dir DIR] [--json FILE]
 
 1. 8 ranks (torchrun, gloo on CPU) train an FSDP2 MLP one step and save it
    with shardckpt (sync mode).
@@ -17,6 +17,9 @@ usage: python benchmarks/bench_elastic_restore.py [--params-m 8] [--repeats 5] [
    in the same run, and the "paired ratio": the median over rounds of the
    ratio to the ``dcp.load`` run of the same round (runs of one round are
    back to back, so load on a shared machine hits both alike).
+
+``--json FILE`` writes the result as ``benchmarks/run.py`` collects it (case
+``elastic``).
 """
 
 from __future__ import annotations
@@ -114,16 +117,18 @@ def child(args) -> None:
                 dist.barrier()
                 times[name].append(time.perf_counter() - t0)
         if rank == 0:
+            import common
+
             size = sum(os.path.getsize(os.path.join(step_dir, f)) for f in os.listdir(step_dir))
-            base = statistics.median(times["dcp.load"])
-            base_min = min(times["dcp.load"])
-            print(f"\nrestore 8 -> 4 ranks, {size / 2**20:.0f} MiB checkpoint, {args.repeats} runs each")
-            print("| path | median s | median ratio | min s | min ratio | paired ratio |")
-            print("|---|---|---|---|---|---|")
+            result = common.new_result("elastic", size, ratio_label="dcp.load", repeats=args.repeats,
+                                       saved_world_size=8, world_size=world)
             for name, ts in times.items():
-                med, low = statistics.median(ts), min(ts)
                 paired = statistics.median(t / b for t, b in zip(ts, times["dcp.load"]))
-                print(f"| {name} | {med:.3f} | {med / base:.2f}x | {low:.3f} | {low / base_min:.2f}x | {paired:.2f}x |")
+                common.add_row(result, name, ts, floor=name == "dcp.load", paired_ratio=paired)
+            result["notes"].append(f"restore 8 -> {world} ranks (gloo on CPU), FSDP2 MLP + AdamW + sampler, "
+                                   f"{args.repeats} rounds, the paths back to back in each; paired ratio: median "
+                                   "over rounds of the ratio to that round's dcp.load")
+            common.emit(result, args.json)
         for ckpt in checkpointers.values():
             ckpt.close()
     dist.barrier()
@@ -144,6 +149,7 @@ def main() -> None:
     p.add_argument("--params-m", type=float, default=8.0, help="model parameters, in millions")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dir", default=None)
+    p.add_argument("--json", help="write the result here")
     p.add_argument("--child", action="store_true")
     p.add_argument("--mode", default="save")
     args = p.parse_args()
@@ -152,9 +158,9 @@ def main() -> None:
         return
     directory = args.dir or tempfile.mkdtemp(prefix="shardckpt-bench-elastic-")
     try:
-        common = ["--params-m", str(args.params_m), "--repeats", str(args.repeats), "--dir", directory]
-        torchrun(8, *common, "--mode", "save")
-        torchrun(4, *common, "--mode", "restore")
+        shared = ["--params-m", str(args.params_m), "--repeats", str(args.repeats), "--dir", directory]
+        torchrun(8, *shared, "--mode", "save")
+        torchrun(4, *shared, "--mode", "restore", *(["--json", os.path.abspath(args.json)] if args.json else []))
     finally:
         if args.dir is None:
             shutil.rmtree(directory, ignore_errors=True)

@@ -1,224 +1,274 @@
-"""Remote tier throughput against tuned boto3, on the same endpoint and the same files.
+"""The remote tier against tuned boto3 on the same endpoint (cases ``remote_restore``, ``remote_durable``).
 
-    python benchmarks/bench_remote.py [--size-mb 256] [--files 4] [--repeats 3]
-                                      [--endpoint URL --bucket NAME]
+    python benchmarks/bench_remote.py [--case restore|durable|all] [--size-mb 256 | --gib 0.25]
+        [--repeats 3] [--files 4] [--concurrency 8] [--part-mb 32]
+        [--endpoint URL --bucket NAME] [--dir DIR] [--json FILE]
 
-Without ``--endpoint`` a moto S3 server is started on 127.0.0.1 (a free
-port). One checkpoint (a single-process save split over ``--files`` shard
-files) is written locally once; then, alternating, ``--repeats`` times:
+Without ``--endpoint`` moto's S3 server runs on 127.0.0.1 (a free port) in a
+process of its own, so that client threads and server do not share a GIL.
+moto keeps every object in memory: keep states at 512 MiB or less. One
+process saves a state of ``--size-mb`` (fp32, ``--files`` shard files) as a
+committed local step; the tools then run round-robin, the order rotating
+each round, after one warm-up call each (not counted).
 
-* upload:  boto3 ``upload_file`` per file with a tuned ``TransferConfig``
-  (multipart at the part size, ``max_concurrency`` = the concurrency)
-  vs. shardckpt's ``push_step`` (upload + verification + node marker +
-  manifest = a remote commit) of the same step;
-* restore: boto3 ``download_file`` of the same objects (same TransferConfig)
-  followed by a local ``Checkpointer.load`` vs. ``Checkpointer.load`` on an
-  empty local dir with ``remote=`` (fetch + checksum + load).
+``--case restore`` (remote_restore): an empty instance restores the step from the bucket.
 
-Reports medians in MB/s and seconds, and the median of the per-round
-(paired) ratios against the targets (upload >= 1.0x boto3 throughput,
-restore <= 1.2x raw download + local load). moto runs as its own process.
+  boto3 download + local load (floor)  every object of the step through one boto3 transfer
+                                       manager (``download_file``: ``--part-mb`` parts,
+                                       ``--concurrency`` in flight), then ``Checkpointer.load``
+                                       of that directory with ``verify_on_load=False``
+  shardckpt load from the remote       ``Checkpointer(local_dir=<empty>, remote=s3://...,
+                                       uploader="off").load(state)``: fetch, verify, load
+  shardckpt load from the remote, no verify   the same, ``verify_on_load=False``
+
+``--case durable`` (remote_durable): the RPO of a spot user, from ``save()`` until
+the step's manifest is on the remote; reported also as seconds per GiB and as
+the largest state per node that fits a 30 s (GCP) and a 120 s (AWS) notice.
+
+  boto3 upload (floor)            the committed step's files through one transfer manager
+                                  (``upload_file``, same parts and concurrency)
+  shardckpt push (CLI)            ``shardckpt push --step N`` of the committed step (upload,
+                                  verify, node marker, manifest last)
+  shardckpt save → remote commit  ``save(state, step)`` (sync mode) with the uploader process
+                                  running (``uploader="auto"``) until ``step_<N>/shardckpt.json``
+                                  is in the bucket (polled every 20 ms); "local commit" is when
+                                  ``save()`` returned
+  dcp.async_save → s3 (FsspecWriter)  stock DCP straight to ``s3://`` through s3fs, until its
+                                  future completes
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
+import contextlib
+import io
 import os
-import shutil
+import signal
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "tests"))
-
-import torch  # noqa: E402
-
+import common  # noqa: E402  (puts src/ on sys.path)
 import shardckpt  # noqa: E402
-from shardckpt import layout, remote, remote_commit  # noqa: E402
+from shardckpt import cli  # noqa: E402
+
+NOTICES = {"fits_30s_gib": 30.0, "fits_120s_gib": 120.0}
 
 
-def make_state(size_mb: int) -> dict:
-    n = max(1, int(size_mb * (1 << 20) / 4 / 8))
-    torch.manual_seed(0)
-    return {"model": torch.nn.ParameterList([torch.nn.Parameter(torch.randn(n)) for _ in range(8)])}
+class Bench:
+    """The bucket, the client side and the committed source step both cases use."""
+
+    def __init__(self, args: argparse.Namespace, endpoint: str, root: Path) -> None:
+        from boto3.s3.transfer import create_transfer_manager
+
+        self.args = args
+        self.endpoint = endpoint
+        self.bucket = args.bucket
+        self.root = root
+        self.part = args.part_mb * common.MIB
+        self.client = common.s3_client(endpoint)
+        self.manager = create_transfer_manager(self.client, common.transfer_config(self.part, args.concurrency))
+        self.model, self.state, self.nbytes = common.sized_state(args.gib)
+        self.src = root / "src"
+        ckpt = shardckpt.Checkpointer(local_dir=str(self.src), mode="sync", io_threads=args.files, keep_last=None,
+                                      preemption_signals=())
+        ckpt.save(self.state, 1)
+        ckpt.close()
+        (self.step_dir,) = self.src.glob("step_*")
+        self.names = sorted(str(p.relative_to(self.step_dir)) for p in self.step_dir.rglob("*") if p.is_file())
+        self.step_bytes = sum((self.step_dir / n).stat().st_size for n in self.names)
+
+    def url(self, prefix: str) -> str:
+        return f"s3://{self.bucket}/{prefix}"
+
+    def transfer(self) -> dict[str, Any]:
+        return {"endpoint_url": self.endpoint, "transfer_concurrency": self.args.concurrency, "part_size": self.part}
+
+    def keys(self, prefix: str) -> list[str]:
+        out = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix + "/"):
+            out += [o["Key"] for o in page.get("Contents", [])]
+        return out
+
+    def delete(self, prefix: str) -> None:
+        keys = self.keys(prefix)
+        for i in range(0, len(keys), 1000):
+            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]]})
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=key)
+            return True
+        except self.client.exceptions.ClientError:
+            return False
+
+    def push(self, prefix: str) -> None:
+        argv = ["push", "--local", str(self.src), "--remote", self.url(prefix), "--step", "1",
+                "--endpoint-url", self.endpoint, "--concurrency", str(self.args.concurrency),
+                "--part-size", str(self.part)]
+        with contextlib.redirect_stdout(io.StringIO()) as said:
+            code = cli.main(argv)
+        if code != 0:
+            raise RuntimeError(f"shardckpt {' '.join(argv)} exited {code}: {said.getvalue().strip()}")
+
+    def upload(self, prefix: str) -> None:
+        futures = [self.manager.upload(str(self.step_dir / n), self.bucket, f"{prefix}/{self.step_dir.name}/{n}")
+                   for n in self.names]
+        for f in futures:
+            f.result()
+
+    def download(self, prefix: str, dest: Path) -> None:
+        step_prefix = f"{prefix}/{self.step_dir.name}"
+        futures = []
+        for key in self.keys(step_prefix):
+            target = dest / self.step_dir.name / key[len(step_prefix) + 1:]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            futures.append(self.manager.download(self.bucket, key, str(target)))
+        for f in futures:
+            f.result()
 
 
-def fresh_state(size_mb: int) -> dict:
-    n = max(1, int(size_mb * (1 << 20) / 4 / 8))
-    return {"model": torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for _ in range(8)])}
+def load_into(bench: Bench, local_dir: Path, **kwargs: Any) -> None:
+    ckpt = shardckpt.Checkpointer(local_dir=str(local_dir), preemption_signals=(), **kwargs)
+    try:
+        if ckpt.load(bench.state) != 1:
+            raise RuntimeError(f"load() from {local_dir} did not restore step 1")
+    finally:
+        ckpt.close()
 
 
-def main() -> int:
+def case_restore(bench: Bench, repeats: int) -> dict:
+    result = common.new_result("remote_restore", bench.nbytes, repeats=repeats)
+    bench.push("restore")
+    raw, new = bench.root / "raw", bench.root / "new"
+
+    def floor() -> None:
+        bench.download("restore", raw)
+        load_into(bench, raw, verify_on_load=False)
+
+    def ours(verify: bool) -> None:
+        load_into(bench, new, remote=bench.url("restore"), uploader="off", verify_on_load=verify, **bench.transfer())
+
+    check = common.RestoreCheck(bench.model)
+    tools = [
+        common.Tool("boto3 download + local load (floor)", floor, before=lambda: common.fresh_dir(raw), floor=True),
+        common.Tool("shardckpt load from the remote", lambda: ours(True), before=lambda: common.fresh_dir(new)),
+        common.Tool("shardckpt load from the remote, no verify", lambda: ours(False),
+                    before=lambda: common.fresh_dir(new)),
+    ]
+    rows = common.compare(result, [check.wrap(t) for t in tools], repeats)
+    common.add_rate(rows, bench.step_bytes)
+    return result
+
+
+@contextlib.contextmanager
+def uploading_checkpointer(bench: Bench, prefix: str):
+    """A Checkpointer with its uploader process; that process is gone afterwards."""
+    ckpt = shardckpt.Checkpointer(local_dir=str(bench.root / prefix), remote=bench.url(prefix), uploader="auto",
+                                  mode="sync", keep_last=1, remote_keep_last=1, io_threads=bench.args.files,
+                                  preemption_signals=(), **bench.transfer())
+    pid = None
+    try:
+        yield ckpt
+    finally:
+        pid = (ckpt.status().get("uploader") or {}).get("pid")
+        ckpt.close()
+        deadline = time.monotonic() + 15  # it exits by itself once idle with no trainer left
+        while pid and time.monotonic() < deadline and (ckpt.status().get("uploader") or {}).get("running"):
+            time.sleep(0.1)
+        if pid and (ckpt.status().get("uploader") or {}).get("running"):
+            os.kill(pid, signal.SIGTERM)
+
+
+def case_durable(bench: Bench, repeats: int) -> dict:
+    from torch.distributed.checkpoint import async_save
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    result = common.new_result("remote_durable", bench.nbytes, repeats=repeats)
+    runs = {"push": 0, "dcp": 0}
+
+    def renew(prefix: str) -> None:
+        """Untimed: drop earlier runs' objects (moto holds them in RAM); the next run gets a fresh prefix."""
+        bench.delete(prefix)
+        runs[prefix] += 1
+
+    def push() -> None:
+        bench.push(f"push/{runs['push']}")  # a fresh prefix: the step is not committed there yet
+
+    def dcp_fsspec() -> None:
+        writer = FsspecWriter(f"s3://{bench.bucket}/dcp/{runs['dcp']}", endpoint_url=bench.endpoint)
+        async_save(bench.state, storage_writer=writer).result()
+
+    with uploading_checkpointer(bench, "rpo") as ckpt:
+        step = [0]
+
+        def save_to_remote() -> common.Measured:
+            step[0] += 1
+            t0 = time.perf_counter()
+            ckpt.save(bench.state, step[0])
+            local = time.perf_counter() - t0
+            (step_dir,) = (bench.root / "rpo").glob("step_*")  # keep_last=1: the step just committed
+            key = f"rpo/{step_dir.name}/shardckpt.json"
+            deadline = t0 + 600
+            while not bench.exists(key):
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(f"{key} not in the bucket 600 s after save(); status: {ckpt.status()}")
+                time.sleep(0.02)
+            return common.Measured(time.perf_counter() - t0, {"local_commit_s": local})
+
+        tools = [
+            common.Tool("boto3 upload (floor)", lambda: bench.upload("raw"), before=lambda: bench.delete("raw"),
+                        floor=True),
+            common.Tool("shardckpt push (CLI)", push, before=lambda: renew("push")),
+            common.Tool("shardckpt save → remote commit", save_to_remote),
+            common.Tool("dcp.async_save → s3 (FsspecWriter)", dcp_fsspec, before=lambda: renew("dcp")),
+        ]
+        rows = common.compare(result, tools, repeats)
+    for row in rows:
+        per_gib = statistics.median(row["values"]) / (bench.nbytes / common.GIB)
+        row["extra"]["s_per_gib"] = per_gib
+        for key, notice in NOTICES.items():
+            row["extra"][key] = notice / per_gib
+    result["notes"].append("fits a notice: notice length / (seconds per GiB) at this size; a fixed delay "
+                           "(the uploader's scan of the local directory, requests) weighs more on small states")
+    return result
+
+
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-mb", type=int, default=256)
-    parser.add_argument("--files", type=int, default=4, help="shard files (DCP writer threads)")
+    parser.add_argument("--case", choices=("restore", "durable", "all"), default="all")
+    parser.add_argument("--size-mb", type=int, default=256, help="state size in MiB (default 256)")
+    parser.add_argument("--gib", type=float, help="state size in GiB (instead of --size-mb)")
+    parser.add_argument("--files", type=int, default=4, help="shard files per step (the writer threads)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--part-mb", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=common.CONCURRENCY)
+    parser.add_argument("--part-mb", type=int, default=common.PART // common.MIB)
     parser.add_argument("--endpoint", help="existing S3 endpoint (default: start moto on 127.0.0.1)")
     parser.add_argument("--bucket", default="shardckpt-bench")
-    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--dir", default=None, help="where the scratch directory goes (default: the system's temp)")
+    parser.add_argument("--json", help="write the result here (a list of results with --case all)")
     args = parser.parse_args()
-    logging.getLogger("shardckpt").setLevel(logging.WARNING)
-
-    server = None
-    if args.endpoint is None:
-        # moto in its own process: the client's threads do not share a GIL with the server's.
-        import subprocess
-        import urllib.request
-
-        from helpers import free_port
-        from s3server import CREDENTIALS
-
-        port = free_port()
-        moto = Path(sys.executable).with_name("moto_server")
-        server = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        endpoint = f"http://127.0.0.1:{port}"
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.1)
-        os.environ.update(CREDENTIALS)
-    else:
-        endpoint = args.endpoint
-    os.environ["AWS_ENDPOINT_URL"] = endpoint
-    import boto3
-    from boto3.s3.transfer import TransferConfig
-
-    client = boto3.client("s3", endpoint_url=endpoint, region_name=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
-    try:
-        client.create_bucket(Bucket=args.bucket)
-    except client.exceptions.BucketAlreadyOwnedByYou:
-        pass
-    part = args.part_mb << 20
-    tcfg = TransferConfig(multipart_threshold=2 * part, multipart_chunksize=part, max_concurrency=args.concurrency, use_threads=True)
-    opts = remote.TransferOptions(endpoint_url=endpoint, concurrency=args.concurrency, part_size=part, multipart_threshold=2 * part)
-
-    work = Path(tempfile.mkdtemp(prefix="shardckpt-bench-"))
-    try:
-        src = work / "src"
-        state = make_state(args.size_mb)
-        ckpt = shardckpt.Checkpointer(local_dir=str(src), io_threads=args.files, keep_last=None, preemption_signals=())
-        ckpt.save(state, 1).wait()
-        ckpt.close()
-        step_dir = src / layout.step_dirname(1)
-        manifest = layout.read_manifest(str(step_dir))
-        names = sorted(manifest.files) + [layout.MANIFEST_NAME]
-        total = sum(os.path.getsize(step_dir / n) for n in names)
-        expected = {k: v.detach().clone() for k, v in state["model"].state_dict().items()}
-
-        def clear(prefix: str) -> None:
-            store = remote.open_store(f"s3://{args.bucket}/{prefix}", opts)
-            store.delete_prefix("", remote.Deadline(600))
-            store.close()
-
-        def boto_upload(prefix: str) -> float:
-            t0 = time.perf_counter()
-            for n in names:
-                client.upload_file(str(step_dir / n), args.bucket, f"{prefix}/{layout.step_dirname(1)}/{n}", Config=tcfg)
-            return time.perf_counter() - t0
-
-        def ours_upload(prefix: str) -> float:
-            for marker in step_dir.glob(remote_commit.UPLOADED_NAME):
-                marker.unlink()
-            store = remote.open_store(f"s3://{args.bucket}/{prefix}", opts)
-            t0 = time.perf_counter()
-            result = remote_commit.push_step(store, str(src), 1, node="bench", policy=None)
-            took = time.perf_counter() - t0
-            store.close()
-            if result.state != remote_commit.COMMITTED:
-                raise RuntimeError(f"push_step did not commit: {result}")
-            return took
-
-        def check(st: dict) -> None:
-            got = st["model"].state_dict()
-            for k, v in expected.items():
-                if not torch.equal(got[k], v):
-                    raise RuntimeError(f"restored {k} differs")
-
-        def boto_restore(prefix: str) -> float:
-            dest = work / "raw" / layout.step_dirname(1)
-            shutil.rmtree(work / "raw", ignore_errors=True)
-            dest.mkdir(parents=True)
-            st = fresh_state(args.size_mb)
-            t0 = time.perf_counter()
-            for n in names:
-                client.download_file(args.bucket, f"{prefix}/{layout.step_dirname(1)}/{n}", str(dest / n), Config=tcfg)
-            c = shardckpt.Checkpointer(local_dir=str(work / "raw"), preemption_signals=())
-            c.load(st)
-            took = time.perf_counter() - t0
-            c.close()
-            check(st)
-            return took
-
-        def ours_restore(prefix: str) -> float:
-            shutil.rmtree(work / "new", ignore_errors=True)
-            st = fresh_state(args.size_mb)
-            t0 = time.perf_counter()
-            c = shardckpt.Checkpointer(
-                local_dir=str(work / "new"), remote=f"s3://{args.bucket}/{prefix}", uploader="off",
-                endpoint_url=endpoint, transfer_concurrency=args.concurrency, part_size=part, preemption_signals=(),
-            )
-            c.load(st)
-            took = time.perf_counter() - t0
-            c.close()
-            check(st)
-            return took
-
-        results: dict[str, list[float]] = {"boto3_upload": [], "shardckpt_upload": [], "boto3_restore": [], "shardckpt_restore": []}
-        # Warm-up (not counted): first requests, allocator growth in the server.
-        for fn, prefix in ((boto_upload, "raw"), (ours_upload, "ours")):
-            clear(prefix)
-            fn(prefix)
-        boto_restore("raw")
-        ours_restore("ours")
-        for i in range(args.repeats):
-            order = [("boto3_upload", boto_upload, "raw"), ("shardckpt_upload", ours_upload, "ours")]
-            if i % 2:
-                order.reverse()
-            for name, fn, prefix in order:
-                clear(prefix)
-                results[name].append(fn(prefix))
-            order = [("boto3_restore", boto_restore, "raw"), ("shardckpt_restore", ours_restore, "ours")]
-            if i % 2:
-                order.reverse()
-            for name, fn, prefix in order:
-                results[name].append(fn(prefix))
-            print(f"round {i + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in results.items()), flush=True)
-        med = {k: statistics.median(v) for k, v in results.items()}
-        mb = total / 1e6
-        # Paired: each round ran both sides back to back (order alternating).
-        up_ratio = statistics.median(b / o for b, o in zip(results["boto3_upload"], results["shardckpt_upload"]))
-        re_ratio = statistics.median(o / b for b, o in zip(results["boto3_restore"], results["shardckpt_restore"]))
-        print()
-        print(f"{mb:.0f} MB in {len(names)} files, part {args.part_mb} MiB, concurrency {args.concurrency}, "
-              f"endpoint {'moto_server on 127.0.0.1' if server else remote.safe_url(endpoint)}, median of {args.repeats} rounds")
-        print()
-        print("| operation | tuned boto3 | shardckpt | ratio | target |")
-        print("|---|---|---|---|---|")
-        print(f"| upload (MB/s) | {mb / med['boto3_upload']:.0f} | {mb / med['shardckpt_upload']:.0f} | "
-              f"{up_ratio:.2f}x throughput | >= 1.0x {'(met)' if up_ratio >= 1.0 else '(NOT met)'} |")
-        print(f"| restore (s) | {med['boto3_restore']:.2f} (download + load) | {med['shardckpt_restore']:.2f} | "
-              f"{re_ratio:.2f}x time | <= 1.2x {'(met)' if re_ratio <= 1.2 else '(NOT met)'} |")
-        if args.json:
-            Path(args.json).write_text(json.dumps({"bytes": total, "files": len(names), "runs": results, "median": med,
-                                                   "upload_ratio": up_ratio, "restore_ratio": re_ratio}, indent=1))
-        return 0
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        if server is not None:
-            server.terminate()
-            server.wait(timeout=30)
+    if args.gib is None:
+        args.gib = args.size_mb / 1024
+    server = contextlib.nullcontext(args.endpoint) if args.endpoint else common.moto_server(args.bucket)
+    results = []
+    with server as endpoint, common.scratch("remote", args.dir) as root:
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+        bench = Bench(args, endpoint, root)
+        note = (f"{bench.step_bytes / 1e6:.0f} MB in {len(bench.names)} files, parts of {args.part_mb} MiB, "
+                f"{args.concurrency} in flight, endpoint "
+                + ("moto_server on 127.0.0.1 (own process)" if not args.endpoint else "given by --endpoint"))
+        for name, fn in (("restore", case_restore), ("durable", case_durable)):
+            if args.case in (name, "all"):
+                result = fn(bench, args.repeats)
+                result["notes"].insert(0, note)
+                common.emit(result, None)
+                results.append(result)
+        bench.manager.shutdown()
+    if args.json:
+        common.write_json(args.json, results[0] if len(results) == 1 else results)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

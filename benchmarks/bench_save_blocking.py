@@ -1,35 +1,67 @@
-"""Time the training loop is blocked per checkpoint, shardckpt vs the alternatives.
+"""Time the training loop is blocked per checkpoint, shardckpt vs the alternatives (case ``blocked``).
 
 Run under torchrun (2 ranks by default), e.g.
 
-    .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node=2 \
-        benchmarks/bench_save_blocking.py --gib 1.0 --repeat 3
+    .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node=2 \\
+        benchmarks/bench_save_blocking.py --gib 1.0 --repeat 3 [--tool NAME ...] [--json FILE]
 
 The state is an FSDP2-sharded model (the parameters split over the ranks;
-``--gib`` of fp32 in total). For each method the time until the training loop
-could continue is measured on every rank; the slowest rank counts, and the
-median over ``--repeat`` runs is printed with its ratio to the floor: a copy
+``--gib`` of fp32 in total). For each tool the time until the training loop
+could continue is measured on every rank; the slowest rank counts. One
+warm-up save comes first (not counted; shown as "first": shardckpt allocates
+its staging buffers there, DCP's process mode starts its daemons); the table
+shows the median over ``--repeat`` saves and its ratio to the floor: a copy
 of the same local shards into host buffers that already exist.
+
+Tools (``--tool``, default all of them, one after another):
+
+  floor              copy into preallocated host buffers
+  shardckpt          ``shardckpt.save`` (async): returns once staged into its reused buffers
+  dcp_save           ``dcp.save``: returns once written
+  dcp_async          ``dcp.async_save``, thread mode, default stager (copies inside the call)
+  dcp_async_process  ``dcp.async_save(async_checkpointer_type=PROCESS)``: a daemon per rank writes
+  dcp_async_staged   ``dcp.async_save`` with ``DefaultStager(StagingOptions(use_pinned_memory=False,
+                     use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=False))``,
+                     blocked until its ``staging_completion`` (the optimizer may not step before)
+  torch_save         rank 0 gathers the full state and ``torch.save``s it
+
+Each rank's RSS high-water mark is reset before every tool and reported
+(largest rank); ``benchmarks/run.py`` starts a fresh torchrun per tool and
+also samples the RAM of all processes (DCP's daemons included). DCP's async
+saves get a gloo group of their own: on CPU they deadlock on the trainer's.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-
+import common  # noqa: E402  (puts src/ on sys.path)
 import shardckpt  # noqa: E402
+
+TOOLS = {
+    "floor": "copy into preallocated host buffers (floor)",
+    "shardckpt": "shardckpt.save (async)",
+    "dcp_save": "dcp.save (sync)",
+    "dcp_async": "dcp.async_save (thread, default stager)",
+    "dcp_async_process": "dcp.async_save (process)",
+    "dcp_async_staged": "dcp.async_save (DefaultStager, async staging)",
+    "torch_save": "rank-0 torch.save of the full state",
+}
+# Host memory a tool needs beyond the model, as a multiple of the whole state (all ranks of the node).
+MEMORY = {"floor": 1.0, "shardckpt": 1.0, "dcp_save": 0.3, "dcp_async": 1.0, "dcp_async_process": 2.0,
+          "dcp_async_staged": 1.0, "torch_save": 1.3}
 
 
 def build_model(total_bytes: int, world: int) -> nn.Module:
@@ -52,93 +84,209 @@ def build_model(total_bytes: int, world: int) -> nn.Module:
     return model
 
 
-def slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+class Context:
+    """What the tools share: the state, the scratch root, a side group, the rounds."""
+
+    def __init__(self, model: nn.Module, root: str, repeat: int) -> None:
+        self.model = model
+        self.state = {"model": model}
+        self.root = root
+        self.repeat = repeat
+        self.rank = dist.get_rank()
+        self.side = dist.new_group(backend="gloo")
+        self.local_shards = [p.to_local() for p in model.parameters()]
+
+    def rounds(self) -> range:
+        return range(self.repeat + 1)  # round 0 is the warm-up
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def remove(self, name: str) -> None:
+        """Delete a finished save (every rank is done with it first)."""
+        dist.barrier()
+        if self.rank == 0:
+            path = self.path(name)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+        dist.barrier()
+
+
+Tool = Callable[[Context], Iterator[Any]]
+
+
+def floor(ctx: Context) -> Iterator[float]:
+    buffers = [torch.empty_like(t) for t in ctx.local_shards]
+    for _ in ctx.rounds():
+        dist.barrier()
+        t0 = time.perf_counter()
+        for b, t in zip(buffers, ctx.local_shards):
+            b.copy_(t)
+        yield time.perf_counter() - t0
+
+
+def shardckpt_save(ctx: Context) -> Iterator[float]:
+    ckpt = shardckpt.Checkpointer(local_dir=ctx.path("shardckpt"), keep_last=1, preemption_signals=())
+    try:
+        for i in ctx.rounds():
+            dist.barrier()
+            t0 = time.perf_counter()
+            handle = ckpt.save(ctx.state, i)
+            yield time.perf_counter() - t0
+            handle.wait()
+    finally:
+        ckpt.close()
+
+
+def dcp_save(ctx: Context) -> Iterator[float]:
+    for i in ctx.rounds():
+        dist.barrier()
+        t0 = time.perf_counter()
+        dcp.save(ctx.state, checkpoint_id=ctx.path(f"dcp_save_{i}"))
+        yield time.perf_counter() - t0
+        ctx.remove(f"dcp_save_{i}")
+
+
+def dcp_async(ctx: Context, **kwargs: Any) -> Iterator[float]:
+    for i in ctx.rounds():
+        dist.barrier()
+        t0 = time.perf_counter()
+        future = dcp.async_save(ctx.state, checkpoint_id=ctx.path(f"dcp_async_{i}"), process_group=ctx.side, **kwargs)
+        yield time.perf_counter() - t0
+        future.result()
+        ctx.remove(f"dcp_async_{i}")
+
+
+def dcp_async_process(ctx: Context) -> Iterator[float]:
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    return dcp_async(ctx, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+
+
+def dcp_async_staged(ctx: Context) -> Iterator[tuple[float, dict]]:
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
+                                          use_non_blocking_copy=False))
+    try:
+        for i in ctx.rounds():
+            dist.barrier()
+            t0 = time.perf_counter()
+            response = dcp.async_save(ctx.state, checkpoint_id=ctx.path(f"dcp_staged_{i}"), process_group=ctx.side,
+                                      async_stager=stager)
+            returned = time.perf_counter() - t0
+            response.staging_completion.result()
+            yield time.perf_counter() - t0, {"returned_s": returned}
+            response.upload_completion.result()
+            ctx.remove(f"dcp_staged_{i}")
+    finally:
+        stager.close()
+
+
+def torch_save(ctx: Context) -> Iterator[float]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # only rank 0 keeps the gathered tensors
+    for i in ctx.rounds():
+        dist.barrier()
+        t0 = time.perf_counter()
+        full = get_model_state_dict(ctx.model, options=options)
+        if ctx.rank == 0:
+            torch.save(full, ctx.path(f"torch_save_{i}.pt"))
+        del full
+        dist.barrier()
+        yield time.perf_counter() - t0
+        ctx.remove(f"torch_save_{i}.pt")
+
+
+RUNNERS: dict[str, Tool] = {
+    "floor": floor,
+    "shardckpt": shardckpt_save,
+    "dcp_save": dcp_save,
+    "dcp_async": dcp_async,
+    "dcp_async_process": dcp_async_process,
+    "dcp_async_staged": dcp_async_staged,
+    "torch_save": torch_save,
+}
+
+
+def agreed_skip(ctx: Context, name: str, total_bytes: int) -> str | None:
+    """Rank 0 checks that the tool's memory fits; every rank gets the same answer."""
+    reason = None
+    if ctx.rank == 0:
+        try:
+            common.require_memory(MEMORY[name] * total_bytes, TOOLS[name])
+        except common.Skip as exc:
+            reason = str(exc)
+    box = [reason]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def measure(ctx: Context, name: str) -> tuple[list[float], dict[str, Any]]:
+    gc.collect()
+    common.reset_peak_rss()
+    before = common.rss_bytes()
+    times: list[float] = []
+    extra: dict[str, list[float]] = {}
+    first = None
+    for i, got in enumerate(RUNNERS[name](ctx)):
+        seconds, more = got if isinstance(got, tuple) else (got, {})
+        seconds = common.slowest(seconds)
+        if i == 0:
+            first = seconds
+            continue
+        times.append(seconds)
+        for k, v in more.items():
+            extra.setdefault(k, []).append(common.slowest(v))
+    peak = common.peak_rss_bytes()
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (peak, peak - before))
+    out: dict[str, Any] = {k: statistics.median(v) for k, v in extra.items()}
+    out.update(first_s=first, peak_rss_rank_bytes=max(p for p, _ in gathered),
+               rss_growth_rank_bytes=max(g for _, g in gathered))
+    return times, out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=1.0, help="total state size in GiB (default 1.0)")
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs per method (median reported)")
-    parser.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
+    parser.add_argument("--repeat", "--repeats", type=int, default=3, help="timed saves per tool (median reported)")
+    parser.add_argument("--tool", action="append", choices=list(TOOLS), help="tool to run (repeatable; default all)")
+    parser.add_argument("--dir", default=None, help="where the scratch directory goes (default: the system's temp)")
+    parser.add_argument("--json", help="write the result here (rank 0)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    shardckpt_log = __import__("logging").getLogger("shardckpt")
-    shardckpt_log.setLevel("WARNING")
 
-    root = args.dir or (tempfile.mkdtemp(prefix="bench-save-") if rank == 0 else None)
-    box = [root]
+    box = [tempfile.mkdtemp(prefix="shardckpt-bench-blocked-", dir=args.dir) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    root = box[0]
-    model = build_model(int(args.gib * (1 << 30)), world)
-    state = {"model": model}
-    local_shards = [p.to_local() for p in model.parameters()]
-    local_bytes = sum(t.numel() * t.element_size() for t in local_shards)
-    side = dist.new_group(backend="gloo")
-    results: dict[str, list[float]] = {}
-
-    def record(name: str, seconds: float) -> None:
-        results.setdefault(name, []).append(slowest(seconds))
-
-    # Floor: copy into host buffers allocated beforehand.
-    buffers = [torch.empty_like(t) for t in local_shards]
-    for i in range(args.repeat + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for b, t in zip(buffers, local_shards):
-            b.copy_(t)
-        if i:
-            record("copy into preallocated host buffers (floor)", time.perf_counter() - t0)
-    del buffers
-
-    ckpt = shardckpt.Checkpointer(local_dir=os.path.join(root, "shardckpt"), keep_last=1, capture_rng=True)
-    ckpt.save(state, 0).wait()  # first save allocates the staging buffers
-    for i in range(1, args.repeat + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        handle = ckpt.save(state, i)
-        record("shardckpt.save (async)", time.perf_counter() - t0)
-        handle.wait()
-    ckpt.close()
-
-    for i in range(args.repeat):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dcp.save(state, checkpoint_id=os.path.join(root, f"dcp_sync_{i}"))
-        record("dcp.save (sync)", time.perf_counter() - t0)
-
-    for i in range(args.repeat):
-        dist.barrier()
-        t0 = time.perf_counter()
-        future = dcp.async_save(state, checkpoint_id=os.path.join(root, f"dcp_async_{i}"), process_group=side)
-        record("dcp.async_save (default)", time.perf_counter() - t0)
-        result = future.result() if hasattr(future, "result") else future.upload_completion.result()
-        del result
-
-    for i in range(args.repeat):
-        dist.barrier()
-        t0 = time.perf_counter()
-        full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    model = build_model(int(args.gib * common.GIB), world)
+    ctx = Context(model, box[0], args.repeat)
+    local_bytes = sum(t.numel() * t.element_size() for t in ctx.local_shards)
+    total_t = torch.tensor([local_bytes], dtype=torch.int64)
+    dist.all_reduce(total_t)
+    total = int(total_t.item())
+    result = common.new_result("blocked", total, repeats=args.repeat, world_size=world, rank_bytes=local_bytes)
+    try:
+        for name in args.tool or list(TOOLS):
+            reason = agreed_skip(ctx, name, total)
+            if reason is not None:
+                if rank == 0:
+                    common.add_skip(result, TOOLS[name], reason)
+                continue
+            times, extra = measure(ctx, name)
+            if rank == 0:
+                common.add_row(result, TOOLS[name], times, floor=name == "floor", **extra)
+                print(f"{TOOLS[name]}: median {statistics.median(times):.3f} s, first {extra['first_s']:.3f} s",
+                      flush=True)
         if rank == 0:
-            torch.save(full, os.path.join(root, f"torch_save_{i}.pt"))
-        del full
+            result["notes"].append(f"{world} ranks, FSDP2 on CPU (gloo), {common.fmt_bytes(local_bytes)} per rank; "
+                                   "blocked time of the slowest rank")
+            common.emit(result, args.json)
+    finally:
         dist.barrier()
-        record("rank-0 torch.save of the full state", time.perf_counter() - t0)
-
-    if rank == 0:
-        floor = statistics.median(results["copy into preallocated host buffers (floor)"])
-        print(f"\nstate: {args.gib:.2f} GiB fp32 over {world} ranks ({local_bytes / (1 << 20):.0f} MiB per rank), "
-              f"median of {args.repeat}, slowest rank\n")
-        print(f"| {'method':<42} | {'blocked (s)':>11} | {'x floor':>7} |")
-        print(f"|{'-' * 44}|{'-' * 13}|{'-' * 9}|")
-        for name, values in results.items():
-            median = statistics.median(values)
-            print(f"| {name:<42} | {median:>11.3f} | {median / floor:>7.2f} |")
-        shutil.rmtree(root, ignore_errors=True)
-    dist.barrier()
+        if rank == 0:
+            shutil.rmtree(box[0], ignore_errors=True)
     dist.destroy_process_group()
 
 
