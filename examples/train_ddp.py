@@ -25,6 +25,7 @@ SHARDCKPT_REMOTE, SHARDCKPT_UPLOADER); any other SHARDCKPT_* variable
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import time
@@ -80,22 +81,32 @@ def main() -> None:
     ))
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
     start = ckpt.load(state) or 0
+    # At another world size the plan keeps the global batch: e.g. 2 ranks -> 1 accumulates 2 micro-batches.
+    accum = ckpt.last_plan.accum_steps if start and ckpt.last_plan and ckpt.last_plan.accum_steps else 1
     if rank == 0:
-        print(f"[train_ddp] {f'resuming from step {start}' if start else 'starting fresh'}", flush=True)
+        print(f"[train_ddp] {f'resuming from step {start}' if start else 'starting fresh'}"
+              f" with {dist.get_world_size()} rank(s), {accum} micro-batch(es) per step", flush=True)
 
     step = start
     loader_gen = torch.Generator().manual_seed(2)  # keeps the DataLoader off the global RNG
     dataset = TensorDataset(xs, ys)
+    micro = 0
     while step < args.steps:
         for x, y in DataLoader(dataset, batch_size=32, sampler=sampler, generator=loader_gen):
+            sync = micro == accum - 1  # DDP all-reduces the gradients once per optimizer step
+            with contextlib.nullcontext() if sync else model.no_sync():
+                loss = nn.functional.mse_loss(model(x), y) / accum
+                loss.backward()
+            micro += 1
+            if not sync:
+                continue
+            micro = 0
             step += 1
-            loss = nn.functional.mse_loss(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
             optimizer.step()
+            optimizer.zero_grad()
             scheduler.step()
             if rank == 0 and step % 5 == 0:
-                print(f"[train_ddp] step {step:4d}  loss {loss.item():.4f}  lr {scheduler.get_last_lr()[0]:.5f}",
+                print(f"[train_ddp] step {step:4d}  loss {loss.item() * accum:.4f}  lr {scheduler.get_last_lr()[0]:.5f}",
                       flush=True)
             ckpt.save(state, step)
             if ckpt.preempted:

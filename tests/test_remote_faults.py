@@ -151,9 +151,10 @@ def _model(seed: int = 0) -> torch.nn.Module:
 
 
 def _save_two_steps(local_dir: Path, url: str, endpoint: str) -> dict:
-    """A trainer with the broken remote saves steps 1 and 2, then closes."""
+    """A trainer told to go on without its broken remote saves steps 1 and 2, then closes."""
     model = _model()
-    ckpt = shardckpt.Checkpointer(local_dir=str(local_dir), remote=url, endpoint_url=endpoint, keep_last=1, **FAST)
+    ckpt = shardckpt.Checkpointer(local_dir=str(local_dir), remote=url, endpoint_url=endpoint, keep_last=1,
+                                  on_remote_unavailable="warn", **FAST)
     saved = {}
     for step in (1, 2):
         with torch.no_grad():
@@ -199,7 +200,19 @@ def test_broken_remote_save_close_and_load_end_in_bounded_clear_errors(scenario,
     url, endpoint, must_name, server = _scenario(scenario, s3, request)
     local_dir = tmp_path / "node0"
 
-    # (a) save + close return; the upload error is reported; nothing committed remotely.
+    # (0) by default the first save finds out: RemoteError with the remedy, on every rank, nothing saved.
+    strict = shardckpt.Checkpointer(local_dir=str(tmp_path / "strict"), remote=url, endpoint_url=endpoint, **FAST)
+    with pytest.raises(RemoteError) as info:
+        bounded(lambda: strict.save({"model": _model()}, 1))
+    _check_message(str(info.value), must_name)
+    assert "Nothing was saved" in str(info.value) and "on_remote_unavailable='warn'" in str(info.value)
+    assert strict.steps() == []
+    strict.close()
+    if server is not None:
+        assert server.keys_unauthenticated() == [], "something reached the bucket"
+        server.set_free_actions(0)
+
+    # (a) told to go on: save + close return; the upload error is reported; nothing committed remotely.
     result = bounded(lambda: _save_two_steps(local_dir, url, endpoint))
     status = result["status"]
     _check_message(status["last_upload_error"], must_name)

@@ -141,6 +141,7 @@ def test_unreachable_store_shows_in_the_trainers_log_and_close_says_why_it_waits
     ckpt = shardckpt.Checkpointer(
         local_dir=str(tmp_path / "local"), remote=f"s3://{BUCKET}/down", endpoint_url=dead, request_timeout_s=1.0,
         remote_max_attempts=2, backoff_max_s=0.1, step_deadline_s=5.0, drain_timeout_s=2.0, preemption_signals=(),
+        on_remote_unavailable="warn",
     )
     model = torch.nn.Linear(8, 8)
     with caplog.at_level(logging.INFO, logger="shardckpt"):

@@ -11,13 +11,16 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .checkpointer import Checkpointer, SaveHandle
+    from .elastic import ElasticPlan
 
 __version__ = "0.1.0"
 
-from .checkpointer import Checkpointer, SaveHandle  # noqa: E402
-from .data import ResumableSampler, epoch_order, rank_slice  # noqa: E402
-from .elastic import BatchPolicy, ElasticPlan, ElasticPolicy, LRRule, OnInexact, PerRank  # noqa: E402
+# torch-free parts, imported at once; the rest (and torch with it) on first
+# use, so that `shardckpt ls` and friends start in well under a second.
 from .errors import (  # noqa: E402
     CheckpointNotFoundError,
     ConfigError,
@@ -30,8 +33,34 @@ from .errors import (  # noqa: E402
     StateMismatchError,
     UntrustedCheckpointError,
 )
-from .options import CheckpointConfig, OnCorrupt, OnDiskFull, SaveMode, UploaderMode  # noqa: E402
+from .options import CheckpointConfig, OnCorrupt, OnDiskFull, OnRemoteUnavailable, SaveMode, UploaderMode  # noqa: E402
 from .retention import AnyOf, KeepAll, KeepEvery, KeepLast  # noqa: E402
+
+_LAZY = {
+    "Checkpointer": "checkpointer",
+    "SaveHandle": "checkpointer",
+    "ResumableSampler": "data",
+    "epoch_order": "data",
+    "rank_slice": "data",
+    "BatchPolicy": "elastic",
+    "ElasticPlan": "elastic",
+    "ElasticPolicy": "elastic",
+    "LRRule": "elastic",
+    "OnInexact": "elastic",
+    "PerRank": "elastic",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardckpt' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AnyOf",
@@ -57,6 +86,7 @@ __all__ = [
     "KeepLast",
     "OnCorrupt",
     "OnDiskFull",
+    "OnRemoteUnavailable",
     "RemoteError",
     "ResumableSampler",
     "SaveError",
@@ -90,11 +120,11 @@ def _configure_logging() -> None:
 
 _configure_logging()
 
-_default: Checkpointer | None = None
+_default: Any = None
 _default_lock = threading.Lock()
 
 
-def init(config: CheckpointConfig | None = None, **kwargs: Any) -> Checkpointer:
+def init(config: CheckpointConfig | None = None, **kwargs: Any) -> "Checkpointer":
     """Create (or replace) the default instance used by the module-level calls."""
     global _default
     with _default_lock:
@@ -104,19 +134,23 @@ def init(config: CheckpointConfig | None = None, **kwargs: Any) -> Checkpointer:
             config = CheckpointConfig.from_env(**kwargs)
         elif kwargs:
             raise ConfigError("pass either a CheckpointConfig or keyword options, not both")
+        from .checkpointer import Checkpointer
+
         _default = Checkpointer(config)
         return _default
 
 
-def _instance() -> Checkpointer:
+def _instance() -> "Checkpointer":
     global _default
     with _default_lock:
         if _default is None:
+            from .checkpointer import Checkpointer
+
             _default = Checkpointer(CheckpointConfig.from_env())
         return _default
 
 
-def save(state: dict[str, Any], step: int, **kwargs: Any) -> SaveHandle | None:
+def save(state: dict[str, Any], step: int, **kwargs: Any) -> "SaveHandle | None":
     """``Checkpointer.save`` on the default instance."""
     return _instance().save(state, step, **kwargs)
 
@@ -140,7 +174,7 @@ def close(timeout: float | None = None) -> None:
         instance.close(timeout)
 
 
-def last_plan() -> ElasticPlan | None:
+def last_plan() -> "ElasticPlan | None":
     """The elastic plan of the default instance's last ``load()`` (``None`` before one)."""
     with _default_lock:
         instance = _default

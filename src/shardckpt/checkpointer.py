@@ -38,9 +38,9 @@ from . import elastic as elastic_mod
 from . import state as state_mod
 from ._text import fmt_bytes
 from .commit import SaveJob, StepWriter
-from .errors import ConfigError
+from .errors import ConfigError, RemoteError
 from .node_registry import state_dir
-from .options import CheckpointConfig, SaveMode, UploaderMode
+from .options import CheckpointConfig, OnRemoteUnavailable, SaveMode, UploaderMode
 from .policy import SavePolicy
 from .restore import Restorer
 from .stage import HostStager, tensor_bytes
@@ -89,7 +89,9 @@ class Checkpointer:
     def __init__(self, config: CheckpointConfig | None = None, **kwargs: Any) -> None:
         if config is not None and kwargs:
             raise ConfigError("pass either a CheckpointConfig or keyword options, not both")
-        self.config = config if config is not None else CheckpointConfig(**kwargs)
+        # Explicit arguments win, then SHARDCKPT_* variables, then the defaults. A
+        # CheckpointConfig object is taken as it is (CheckpointConfig.from_env builds one by the rule).
+        self.config = config if config is not None else CheckpointConfig.from_env(**kwargs)
         if self.config.remote is not None:
             remote.check_remote_url(self.config.remote)
         self.root = os.path.abspath(self.config.local_dir)
@@ -103,6 +105,7 @@ class Checkpointer:
         self._writer = StepWriter(self.config, self.root, self._groups, self._deletable)
         self._restorer = Restorer(self.config, self.root, self._groups)
         self._topology_known = False
+        self._remote_checked = self.config.remote is None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardckpt-save")
         self._pending: SaveHandle | None = None
         self._last_error: str | None = None
@@ -167,6 +170,8 @@ class Checkpointer:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
         t_start = time.monotonic()
         self._ensure_ready()
+        if not self._remote_checked:
+            self._check_remote()
         self._policy.report_signal()
         if self._uploads is not None:
             self._uploads.check_health()
@@ -336,6 +341,43 @@ class Checkpointer:
             self._topology_known = True
             if self._uploads is not None:
                 self._uploads.launch(found.committer)
+
+    def _check_remote(self) -> None:
+        """First save: rank 0 lists the remote (and probes a write when this job uploads); all ranks agree.
+
+        With ``on_remote_unavailable="error"`` (the default) a failure raises
+        :class:`RemoteError` on every rank, naming the remote and the remedy.
+        """
+        self._remote_checked = True
+        cfg = self.config
+        uploads = cfg.uploader != UploaderMode.OFF
+        error = None
+        if _dist.rank() == 0:
+            try:
+                remote_commit.probe(self._restorer.store(), remote.Deadline(min(60.0, cfg.step_deadline_s)), write=uploads)
+            except (RemoteError, OSError) as exc:
+                error = remote.redact(str(exc))
+            if uploads and cfg.remote_keep_last is None:
+                log.warning(
+                    "shardckpt: remote retention keeps every step committed on %s (remote_keep_last=None); set "
+                    "remote_keep_last (and remote_keep_every) to bound what the bucket holds, or clean it with "
+                    "`shardckpt gc`", remote.safe_url(cfg.remote),
+                )
+        error = self._groups.broadcast_ctl(error)
+        if error is None:
+            return
+        if cfg.on_remote_unavailable == OnRemoteUnavailable.WARN:
+            if _dist.rank() == 0:
+                log.warning(
+                    "shardckpt: the remote %s does not work (on_remote_unavailable='warn': training goes on with "
+                    "local checkpoints only, uploads are retried): %s", remote.safe_url(cfg.remote), error,
+                )
+            return
+        raise RemoteError(
+            f"the remote {remote.safe_url(cfg.remote)} cannot be {'written' if uploads else 'listed'}, so no step "
+            f"would reach it: {error} Nothing was saved. Set on_remote_unavailable='warn' to train on with local "
+            f"checkpoints only."
+        )
 
     def _record_outcome(self, future: concurrent.futures.Future) -> None:
         """Done-callback of every save: keeps the last failure for ``status()`` and logs it at once."""

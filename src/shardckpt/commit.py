@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _dist, _failpoints, layout, local, retention
+from . import _dist, _failpoints, layout, local, retention, step_dirs
 from . import lineage as lineage_mod
 from ._text import fmt_bytes
 from .errors import InsufficientSpaceError, SaveError
@@ -112,7 +112,7 @@ class StepWriter:
             self.continue_lineage(lineage, newest)
         self._nonce = self._groups.broadcast_ctl(uuid.uuid4().hex[:12])
         if self.topology.committer:
-            removed = local.clean_leftovers(self.root, keep_nonce=self._nonce)
+            removed = step_dirs.clean_leftovers(self.root, keep_nonce=self._nonce)
             if removed:
                 log.info("shardckpt: removed leftovers of interrupted saves in %s: %s", self.root, ", ".join(removed))
 
@@ -161,7 +161,7 @@ class StepWriter:
             os.makedirs(partial, exist_ok=True)
             local.dcp_write(job.staged, partial, process_group=self._groups.io, io_threads=self.config.io_threads)
             _failpoints.hit("write.done")
-            table = local.hash_files(partial, local.own_files(partial, rank), rank)
+            table = step_dirs.hash_files(partial, step_dirs.own_files(partial, rank), rank)
             _failpoints.hit("write.hashed")
             if rank == 0 and not topo.shared:
                 with open(os.path.join(partial, layout.METADATA_NAME), "rb") as f:
@@ -184,7 +184,7 @@ class StepWriter:
             raise error from failure
 
         # 4: commit, by each copy's committer
-        commit: local.Commit | None = None
+        commit: step_dirs.Commit | None = None
         manifest: layout.Manifest | None = None
         try:
             # One timestamp for every copy (rank 0's), and later than every step this run
@@ -195,7 +195,7 @@ class StepWriter:
                 meta = next((r[2] for r in reports if r[2] is not None), None)
                 if meta is not None and rank != 0:
                     _write_file(os.path.join(partial, layout.METADATA_NAME), meta)
-                commit = local.commit_step(self.root, partial, manifest)
+                commit = step_dirs.commit_step(self.root, partial, manifest)
                 _failpoints.hit("commit.renamed")
         except BaseException as exc:  # disk full while writing the manifest, ...
             failure = exc
@@ -208,7 +208,7 @@ class StepWriter:
         if problems:
             if commit is not None:
                 try:
-                    local.undo_commit(commit)
+                    step_dirs.undo_commit(commit)
                 except OSError as exc:
                     log.error("shardckpt: step %d: could not withdraw %s after a failed commit: %s", step, commit.final, exc)
             where, what = problems[0]
@@ -218,7 +218,7 @@ class StepWriter:
             )
             raise error from failure
         if commit is not None:
-            local.finish_commit(commit)
+            step_dirs.finish_commit(commit)
         if manifest is None:  # not reached: a failure to build it is reported by exchange 2
             raise SaveError(f"step {step}: no manifest was built")
         self.last_total_bytes = manifest.total_bytes
@@ -267,7 +267,7 @@ class StepWriter:
         counted nor deleted (``shardckpt gc`` removes them)."""
         live, _abandoned = lineage_mod.classify(lineage_mod.local_infos(self.root))
         for old in retention.plan_deletions(live, self._policy, self._deletable):
-            local.delete_step(self.root, old)
+            step_dirs.delete_step(self.root, old)
             log.debug("shardckpt: retention removed step %d from %s", old, self.root)
 
 

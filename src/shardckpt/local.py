@@ -1,20 +1,14 @@
-"""Local tier: DCP write into a partial directory, commit, and DCP read back.
+"""The local tier's DCP side: write a step's shards, read its metadata safely, load it back.
 
-Call order for one save (all ranks unless noted):
-
-1. ``write_step``: ``dcp.save`` of the staged state into
-   ``<local_dir>/.partial-step_<N>-<nonce>`` over the ``io`` side group;
-   every rank hashes the files it wrote (rank 0 also ``.metadata``); the
-   file tables are all-gathered.
-2. ``commit_step`` (one rank per node, the node leader): manifest written
-   into the partial directory (tmp + fsync + rename), then the directory is
-   renamed to ``step_<N>`` and the parent fsynced. From here the step exists.
-3. A barrier on the ``io`` group; retention runs on the node leader.
+Writes go through :class:`CheckedWriter` (DCP's file writer, refusing to
+report items its threads did not write). Reads take the step's ``.metadata``
+through the allow-list unpickler (``safe_pickle``) unless the caller trusts
+the checkpoint, and load non-tensor items with ``torch.load(weights_only=True)``.
+The directory side (commit, withdraw, delete, clean-up) is ``step_dirs``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import logging
 import os
@@ -35,10 +29,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from . import _failpoints, layout
+from . import layout, step_dirs
 from .errors import CorruptCheckpointError, ShardckptError, UntrustedCheckpointError
 from .safe_pickle import safe_load_metadata
-from .topology import PROBE_PREFIX
 
 log = logging.getLogger("shardckpt")
 
@@ -46,22 +39,6 @@ try:
     from torch.distributed.checkpoint._traverse import set_element
 except ImportError:  # pragma: no cover - moved between torch releases
     from torch.distributed.checkpoint._nested_dict import set_element  # type: ignore
-
-
-def own_files(directory: str, rank: int) -> list[str]:
-    prefix = f"__{rank}_"
-    names = [n for n in os.listdir(directory) if n.startswith(prefix) and not n.endswith(".tmp")]
-    if rank == 0 and os.path.exists(os.path.join(directory, ".metadata")):
-        names.append(".metadata")
-    return sorted(names)
-
-
-def hash_files(directory: str, names: list[str], rank: int) -> dict[str, tuple[int, str, int]]:
-    out = {}
-    for name in names:
-        size, digest = layout.checksum_file(os.path.join(directory, name))
-        out[name] = (size, digest, rank)
-    return out
 
 
 class CheckedWriter(FileSystemWriter):
@@ -92,142 +69,6 @@ def dcp_write(state_dict: dict[str, Any], directory: str, *, process_group: Any,
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
         dcp.save(state_dict, storage_writer=writer, process_group=process_group, no_dist=no_dist)
-
-
-@dataclasses.dataclass
-class Commit:
-    """A step renamed into place whose outcome the other ranks have not confirmed yet."""
-
-    root: str
-    final: str
-    displaced: str | None = None
-    """An earlier copy of the same step number, set aside until the outcome is known."""
-
-
-def commit_step(root: str, partial: str, manifest: layout.Manifest) -> Commit:
-    """Write the manifest last and make the step visible.
-
-    An earlier copy of the same step number (the step saved again, e.g. after a
-    rollback) is first renamed out of the way, which hides it at once; it is
-    deleted by :func:`finish_commit`, or put back by :func:`undo_commit` when
-    another rank failed to commit its part.
-    """
-    final = os.path.join(root, layout.step_dirname(manifest.step))
-    layout.atomic_write_text(os.path.join(partial, layout.MANIFEST_NAME), manifest.to_json())
-    _failpoints.hit("commit.manifest_written")
-    displaced = None
-    if os.path.exists(final):
-        displaced = os.path.join(root, f"{layout.REPLACED_PREFIX}{os.path.basename(final)}-{uuid.uuid4().hex[:8]}")
-        os.replace(final, displaced)
-    try:
-        os.replace(partial, final)
-    except BaseException:
-        if displaced is not None:
-            os.replace(displaced, final)
-        raise
-    layout.fsync_dir(root)
-    return Commit(root, final, displaced)
-
-
-def finish_commit(commit: Commit) -> None:
-    """Every rank committed: the earlier copy of the step (if any) goes."""
-    if commit.displaced is not None:
-        shutil.rmtree(commit.displaced, ignore_errors=True)
-
-
-def undo_commit(commit: Commit) -> None:
-    """Another rank failed to commit: hide and remove this copy, put any earlier one back."""
-    _hide_step(commit.final)
-    trash = os.path.join(commit.root, f"{layout.TRASH_PREFIX}{os.path.basename(commit.final)}-{uuid.uuid4().hex[:8]}")
-    try:
-        os.replace(commit.final, trash)
-    except FileNotFoundError:
-        trash = ""
-    if commit.displaced is not None:
-        os.replace(commit.displaced, commit.final)
-    layout.fsync_dir(commit.root)
-    if trash:
-        shutil.rmtree(trash, ignore_errors=True)
-
-
-def _hide_step(step_dir: str) -> None:
-    """Un-commit a step: its manifest is renamed aside (which also marks the directory as ours to delete)."""
-    try:
-        os.replace(os.path.join(step_dir, layout.MANIFEST_NAME), os.path.join(step_dir, layout.HIDDEN_MANIFEST_NAME))
-    except FileNotFoundError:
-        pass
-
-
-def delete_step(root: str, step: int) -> None:
-    """Delete a step so that an interruption leaves it invisible, never half-listed."""
-    step_dir = os.path.join(root, layout.step_dirname(step))
-    _hide_step(step_dir)
-    layout.fsync_dir(step_dir)
-    _failpoints.hit("retention.hidden")
-    trash = os.path.join(root, f"{layout.TRASH_PREFIX}{layout.step_dirname(step)}-{uuid.uuid4().hex[:8]}")
-    try:
-        os.replace(step_dir, trash)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def clean_leftovers(root: str, keep_nonce: str | None) -> list[str]:
-    """Remove partial and trash directories of crashed saves (not ``keep_nonce``'s).
-
-    A copy of a step set aside by a save of the same step number that never
-    committed (the process died between the two renames) is put back.
-    """
-    removed = []
-    try:
-        names = sorted(os.listdir(root))
-    except FileNotFoundError:
-        return removed
-    for name in names:
-        path = os.path.join(root, name)
-        if name.startswith(layout.REPLACED_PREFIX):
-            step_name = name[len(layout.REPLACED_PREFIX) :].rsplit("-", 1)[0]
-            final = os.path.join(root, step_name)
-            if (
-                layout.parse_step_dirname(step_name) is not None
-                and not os.path.exists(os.path.join(final, layout.MANIFEST_NAME))
-                and os.path.exists(os.path.join(path, layout.MANIFEST_NAME))
-            ):
-                if os.path.isdir(final):
-                    shutil.rmtree(final, ignore_errors=True)
-                os.replace(path, final)
-                layout.fsync_dir(root)
-                log.warning("shardckpt: put back %s: the save that replaced it never committed", final)
-                continue
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(name)
-        elif name.startswith(layout.TRASH_PREFIX) or name.startswith(PROBE_PREFIX) or (
-            name.startswith(layout.PARTIAL_PREFIX) and not (keep_nonce and name.endswith("-" + keep_nonce))
-        ):
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-            removed.append(name)
-        elif layout.parse_step_dirname(name) is not None and not os.path.exists(
-            os.path.join(path, layout.MANIFEST_NAME)
-        ) and _looks_ours(path):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(name)
-    return removed
-
-
-def _looks_ours(step_dir: str) -> bool:
-    # A step directory without manifest is only ours to delete when it is a
-    # leftover of our own protocol: an interrupted deletion leaves its manifest
-    # renamed aside. A directory with .metadata and no trace of ours may be a
-    # stock DCP checkpoint someone put there: never deleted.
-    return os.path.exists(os.path.join(step_dir, layout.HIDDEN_MANIFEST_NAME)) or not os.path.exists(
-        os.path.join(step_dir, ".metadata")
-    )
 
 
 # ------------------------------------------------------------------ loading
@@ -380,8 +221,8 @@ def adopt(source: str, root: str, step: int, *, trust_pickles: bool = False) -> 
             metadata={"adopted_from": os.path.abspath(source)},
             total_bytes=sum(e.size for e in files.values()),
         )
-        commit = commit_step(root, partial, manifest)
-        finish_commit(commit)
+        commit = step_dirs.commit_step(root, partial, manifest)
+        step_dirs.finish_commit(commit)
         return commit.final
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)

@@ -45,6 +45,13 @@ class UploaderMode(str, enum.Enum):
     OFF = "off"
 
 
+class OnRemoteUnavailable(str, enum.Enum):
+    """What happens when the remote cannot be listed or written at the first save or load."""
+
+    ERROR = "error"
+    WARN = "warn"
+
+
 class OnCorrupt(str, enum.Enum):
     """What ``load()`` does when a committed step fails verification."""
 
@@ -121,6 +128,12 @@ class CheckpointConfig:
     uploader: UploaderMode = UploaderMode.AUTO
     """``auto`` starts one uploader process per node; ``external`` expects a
     ``shardckpt sync`` sidecar; ``off`` never uploads (restore only)."""
+
+    on_remote_unavailable: OnRemoteUnavailable = OnRemoteUnavailable.ERROR
+    """At the first save or load the remote is listed and (when this job uploads) a small probe
+    object written and deleted. ``error``: a failure raises :class:`RemoteError` with the remedy
+    (a typo'd bucket or endpoint must not let a long run go on without a copy in the remote);
+    ``warn``: log it and go on with the local tier (uploads are retried)."""
 
     endpoint_url: str | None = None
     """S3-compatible endpoint (MinIO, Ceph RGW, ...); ``None`` uses ``AWS_ENDPOINT_URL``
@@ -202,6 +215,7 @@ class CheckpointConfig:
             ("on_disk_full", OnDiskFull),
             ("on_corrupt", OnCorrupt),
             ("uploader", UploaderMode),
+            ("on_remote_unavailable", OnRemoteUnavailable),
         ):
             value = getattr(self, name)
             try:
@@ -224,7 +238,12 @@ class CheckpointConfig:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> "CheckpointConfig":
-        """Build a config from ``SHARDCKPT_<FIELD>`` variables; ``overrides`` win."""
+        """Build a config from ``SHARDCKPT_<FIELD>`` variables; ``overrides`` win.
+
+        The one rule of every entry point (``Checkpointer(**fields)``,
+        ``shardckpt.init(**fields)``, the module-level default instance):
+        explicit arguments, then ``SHARDCKPT_*``, then the defaults.
+        """
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for field in dataclasses.fields(cls):

@@ -76,6 +76,10 @@ class Progress:
     nothing here.
     """
 
+    bar_factory: Any = None
+    """``(what, total) -> bar``: a progress bar with ``update(n)`` / ``close()`` that
+    replaces the log lines (the command line sets one on a terminal)."""
+
     def __init__(self, what: str, total: int, every_s: float) -> None:
         self.what, self.total, self.every_s = what, total, every_s
         self._done = 0
@@ -83,10 +87,13 @@ class Progress:
         self._stop = threading.Event()
         self._started = time.monotonic()
         self._thread: threading.Thread | None = None
+        self._bar: Any = None
 
     def add(self, nbytes: int) -> None:
         with self._lock:
             self._done += nbytes
+            if self._bar is not None:
+                self._bar.update(nbytes)
 
     def elapsed(self) -> float:
         return time.monotonic() - self._started
@@ -102,14 +109,20 @@ class Progress:
 
     def __enter__(self) -> "Progress":
         self._started = time.monotonic()
-        self._thread = threading.Thread(target=self._report, name="shardckpt-progress", daemon=True)
-        self._thread.start()
+        factory = Progress.bar_factory
+        self._bar = factory(self.what, self.total) if factory is not None and self.total else None
+        if self._bar is None:
+            self._thread = threading.Thread(target=self._report, name="shardckpt-progress", daemon=True)
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def files_digest(manifest: layout.Manifest) -> str:
@@ -173,6 +186,23 @@ def local_bytes(root: str, step: int) -> int:
     return sum(manifest.files[n].size for n in present_files(step_dir, manifest))
 
 
+
+
+PROBE_PREFIX = ".shardckpt-probe"
+
+
+def probe(store: Store, deadline: Deadline, *, write: bool) -> None:
+    """List the remote and, with ``write``, put and delete a small object: raises :class:`RemoteError`.
+
+    A run that uploads checks this at its first save: a typo'd bucket or
+    endpoint, or credentials that cannot write, must stop it at once rather
+    than let it train for days with no copy in the remote.
+    """
+    store.list_dirs("", deadline)
+    if write:
+        key = join(PROBE_PREFIX, f"{uuid.uuid4().hex}.txt")
+        store.put_bytes(key, b"shardckpt write probe; safe to delete\n", deadline)
+        store.delete(key, deadline)
 
 
 def remote_steps(store: Store, deadline: Deadline) -> list[int]:

@@ -368,6 +368,10 @@ class Restorer:
         left = [e for e in self._groups.all_gather_ctl(error) if e]
         return left
 
+    def store(self) -> remote.Store:
+        """The remote store (opened on first use, closed by :meth:`close`)."""
+        return self._remote_store()
+
     def _remote_store(self) -> remote.Store:
         if self._store is None:
             self._store = remote.open_store(self.config.remote, self.config.transfer_options())

@@ -24,10 +24,10 @@ import uuid
 
 from . import _dist
 from .errors import ShardckptError
+from .step_dirs import PROBE_PREFIX
 
 log = logging.getLogger("shardckpt")
 
-PROBE_PREFIX = ".shardckpt-probe-"
 
 
 @dataclasses.dataclass(frozen=True)

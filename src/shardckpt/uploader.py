@@ -259,24 +259,47 @@ def run_uploader(uploader: Uploader) -> int:
     return uploader.run()
 
 
+def _env(field: str, default: Any = None, cast: Any = str) -> Any:
+    """The default of an option: ``SHARDCKPT_<FIELD>`` when set (as for a Checkpointer), else ``default``."""
+    raw = os.environ.get("SHARDCKPT_" + field.upper())
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return cast(raw.strip())
+    except ValueError:
+        raise SystemExit(f"shardckpt: error: SHARDCKPT_{field.upper()}={raw!r} is not a valid value") from None
+
+
 def add_transfer_args(p: Any) -> None:
-    """Arguments shared by ``shardckpt sync | push | pull``."""
-    p.add_argument("--local", required=True, help="the node's local checkpoint directory (local_dir)")
-    p.add_argument("--remote", required=True, help="remote URL: s3://bucket/prefix, file:///mnt/nfs/run, ...")
-    p.add_argument("--endpoint-url", help="S3-compatible endpoint (default: AWS_ENDPOINT_URL or AWS)")
+    """Arguments shared by ``shardckpt sync | push | pull``; each defaults to its SHARDCKPT_* variable."""
+    local, url = _env("local_dir"), _env("remote")
+    p.add_argument("--local", required=local is None, default=local,
+                   help="the node's local checkpoint directory, the local_dir (default: SHARDCKPT_LOCAL_DIR)")
+    p.add_argument("--remote", required=url is None, default=url,
+                   help="remote URL: s3://bucket/prefix, file:///mnt/nfs/run, ... (default: SHARDCKPT_REMOTE)")
+    p.add_argument("--endpoint-url", default=_env("endpoint_url"),
+                   help="S3-compatible endpoint (default: SHARDCKPT_ENDPOINT_URL, AWS_ENDPOINT_URL, or AWS)")
     p.add_argument("--node", help="this node's name in its upload markers (default: hostname)")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
-    p.add_argument("--part-size", type=int, default=32 << 20, help="multipart part size in bytes (default 32 MiB)")
-    p.add_argument("--request-timeout", type=float, default=60.0, help="seconds per request (default 60)")
-    p.add_argument("--max-attempts", type=int, default=8, help="attempts per request (default 8)")
-    p.add_argument("--backoff-max", type=float, default=10.0, help="cap of the retry backoff in seconds (default 10)")
-    p.add_argument("--step-deadline", type=float, default=1800.0, help="seconds per step before it is retried later")
+    p.add_argument("--concurrency", type=int, default=_env("transfer_concurrency", 8, int),
+                   help="requests in flight (default 8)")
+    p.add_argument("--part-size", type=int, default=_env("part_size", 32 << 20, int),
+                   help="multipart part size in bytes (default 32 MiB)")
+    p.add_argument("--request-timeout", type=float, default=_env("request_timeout_s", 60.0, float),
+                   help="seconds per request (default 60)")
+    p.add_argument("--max-attempts", type=int, default=_env("remote_max_attempts", 8, int),
+                   help="attempts per request (default 8)")
+    p.add_argument("--backoff-max", type=float, default=_env("backoff_max_s", 10.0, float),
+                   help="cap of the retry backoff in seconds (default 10)")
+    p.add_argument("--step-deadline", type=float, default=_env("step_deadline_s", 1800.0, float),
+                   help="seconds per step before it is retried later (default 1800)")
 
 
 def add_sync_args(p: Any) -> None:
     add_transfer_args(p)
-    p.add_argument("--keep-last", type=int, help="remote retention: keep the newest N committed steps")
-    p.add_argument("--keep-every", type=int, help="remote retention: also keep every multiple of K")
+    p.add_argument("--keep-last", type=int, default=_env("remote_keep_last", None, int),
+                   help="remote retention: keep the newest N live steps (default: SHARDCKPT_REMOTE_KEEP_LAST, else all)")
+    p.add_argument("--keep-every", type=int, default=_env("remote_keep_every", None, int),
+                   help="remote retention: also keep every multiple of K (default: SHARDCKPT_REMOTE_KEEP_EVERY)")
     p.add_argument("--once", action="store_true", help="exit when nothing is pending (status 1 if a step failed)")
     p.add_argument("--exit-when-idle", action="store_true", help="exit when nothing is pending and no trainer of this node is alive")
     p.add_argument("--poll", type=float, default=0.5, help="seconds between scans of the local directory")
