@@ -275,7 +275,7 @@ def test_a_corrupt_local_shard_fails_the_export_naming_it(tmp_path):
     assert not out.exists()
 
 
-def test_errors_name_the_step_the_path_and_the_remedy(tmp_path):
+def test_errors_name_the_step_the_path_and_the_remedy(tmp_path, monkeypatch):
     local_dir = tmp_path / "ckpt"
     a, b = nn.Linear(3, 2), nn.Linear(2, 5, bias=False)
     save_steps(local_dir, {1: {"w": torch.ones(3)},
@@ -296,6 +296,17 @@ def test_errors_name_the_step_the_path_and_the_remedy(tmp_path):
     with pytest.raises(ConfigError, match=r"directory .*nowhere does not exist.*Remedy"):
         export.export_step(src, str(tmp_path / "nowhere" / "m.pt"), step=2, key="a")
     assert all(issubclass(k, ShardckptError) for _, k, _ in cases)
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    full_dir = tmp_path / "full"
+    full_dir.mkdir()
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fsync", disk_full)
+        with pytest.raises(export.ExportIOError, match=r"export of step 2 of .*ckpt to .*full/m.pt failed.*No space.*Remedy"):
+            export.export_step(src, str(full_dir / "m.pt"), step=2, key="a")
+    assert os.listdir(full_dir) == []  # no partial output left behind
 
     result = export.export_step(src, out, key="b")
     assert result.step == 2 and set(load_file(out)) == {"weight"}

@@ -91,6 +91,10 @@ class ExportError(ShardckptError, ValueError):
     """The step cannot be exported as asked: no module key, an ambiguous one, an unsupported dtype."""
 
 
+class ExportIOError(ShardckptError, OSError):
+    """Reading the source or writing the output failed (no space, no permission); ``__cause__`` kept."""
+
+
 @dataclasses.dataclass
 class ExportResult:
     """What :func:`export_step` wrote."""
@@ -192,12 +196,21 @@ def export_step(
         raise ConfigError(f"cannot export to {out}: it is a directory. Remedy: name the file to write, e.g. {out}/model.{_suffix(fmt)}.")
     report = _locked(progress)
     job = _Job(out=out, fmt=fmt, optimizer=optimizer, key=key, trust=trust_pickles, progress=report, batch_bytes=batch_bytes)
-    if "://" not in src:
-        return _export_local(src, step, job)
-    options = transfer or remote.TransferOptions()
-    if endpoint_url is not None:
-        options = dataclasses.replace(options, endpoint_url=endpoint_url)
-    return _export_remote(src, step, job, options)
+    try:
+        if "://" not in src:
+            return _export_local(src, step, job)
+        options = transfer or remote.TransferOptions()
+        if endpoint_url is not None:
+            options = dataclasses.replace(options, endpoint_url=endpoint_url)
+        return _export_remote(src, step, job, options)
+    except ShardckptError:
+        raise
+    except OSError as exc:
+        which = f"step {step}" if step is not None else "the newest step"
+        raise ExportIOError(
+            f"export of {which} of {remote.safe_url(src)} to {out} failed: {remote.redact(str(exc))}. "
+            f"Remedy: check the free space and permissions of {out_dir} (and that {remote.safe_url(src)} is readable)."
+        ) from exc
 
 
 def _suffix(fmt: str) -> str:
