@@ -253,6 +253,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from .export import run_export
 
+    args.fmt = args.format
     return run_export(args)
 
 
