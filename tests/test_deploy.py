@@ -486,3 +486,18 @@ def test_systemd_unit_runs_the_uploader_and_restarts_it():
     assert service["Restart"] in ("on-failure", "always")
     assert service["EnvironmentFile"]
     assert unit["Install"]["WantedBy"]
+
+
+def test_fsdp2_example_resumes_at_half_the_world_size_with_the_accumulation_of_the_plan(tmp_path):
+    """examples/train_fsdp2.py (the README's FSDP2 quick start): 2 ranks to step 20, then 1 rank to 30."""
+    from helpers import run_torchrun
+
+    example = ROOT / "examples" / "train_fsdp2.py"
+    ckpt = tmp_path / "ckpt"
+    first = run_torchrun(2, example, "--ckpt-dir", ckpt, "--steps", "20", "--every", "10", timeout=300)
+    assert "starting fresh at world size 2, 1 micro-batch(es) per step" in first.stdout
+    assert "finished at step 20" in first.stdout
+    second = run_torchrun(1, example, "--ckpt-dir", ckpt, "--steps", "30", "--every", "10", timeout=300)
+    assert "resuming from step 20 at world size 1, 2 micro-batch(es) per step" in second.stdout, second.stdout[-3000:]
+    assert "world 2 -> 1, micro-batch 16 -> 16, accumulation 1 -> 2, global batch 32 -> 32" in second.stdout
+    assert "finished at step 30" in second.stdout

@@ -588,6 +588,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("shardckpt: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `shardckpt ls DIR | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return OK
     except Exception as exc:  # noqa: BLE001 - one readable line, the traceback with --debug
         if args.debug:
             raise
