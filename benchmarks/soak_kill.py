@@ -296,17 +296,14 @@ def _reported_remote(ckpt_dir: Path, url: str) -> set[int]:
 
 
 def _uploader_pid(ckpt_dir: Path) -> int | None:
+    """The uploader serving ``ckpt_dir`` (it holds its lock), else None; 0 when its pid is not known yet."""
     from shardckpt import node_registry
 
-    status = node_registry.read_status(str(ckpt_dir))
-    pid = status.get("pid")
-    if isinstance(pid, int) and status.get("state") == "running" and node_registry.pid_alive(pid, status.get("pid_start")):
-        return pid
-    return None
+    return node_registry.uploader_running(str(ckpt_dir))
 
 
 def _kill_pid(pid: int | None) -> bool:
-    if pid is None:
+    if not pid:
         return False
     try:
         os.kill(pid, signal.SIGKILL)
@@ -315,12 +312,21 @@ def _kill_pid(pid: int | None) -> bool:
     return True
 
 
-def _wait_uploader_gone(ckpt_dir: Path, timeout: float) -> bool:
-    """True when no uploader serves ``ckpt_dir`` within ``timeout`` (it drains, then exits)."""
+def _wait_uploader_gone(ckpt_dir: Path, timeout: float, settle: float = 1.5) -> bool:
+    """True when no uploader serves ``ckpt_dir`` for ``settle`` seconds in a row, within ``timeout``.
+
+    A trainer restarts a dead uploader (``save()`` watches it), so one may be
+    starting right when the trainer is killed: it counts once it holds its lock.
+    """
     end = time.monotonic() + timeout
+    free_since = None
     while time.monotonic() < end:
         if _uploader_pid(ckpt_dir) is None:
-            return True
+            free_since = free_since or time.monotonic()
+            if time.monotonic() - free_since >= settle:
+                return True
+        else:
+            free_since = None
         time.sleep(0.05)
     return False
 
