@@ -26,7 +26,7 @@ from s3server import BUCKET, stop_uploaders  # noqa: E402
 from shardckpt import cli, layout, remote, uploader  # noqa: E402
 
 LS_KEYS = {"step", "bytes", "files", "world_size", "created", "created_utc", "live", "abandoned", "branch",
-           "run_id", "metadata"}
+           "run_id", "metadata", "kind", "metrics", "best", "tiers", "for_upload"}
 
 
 @pytest.fixture(autouse=True)
@@ -66,6 +66,7 @@ def test_ls_inspect_and_verify_on_both_tiers(steps, capsys, where):
     code, out, _ = run(capsys, "ls", src)
     assert code == 0 and "3 committed step(s)" in out, out
     assert [line.split()[0] for line in out.splitlines()[2:]] == ["1", "2", "3"]
+    assert all(line.split()[6] == ("local+remote" if where == "local" else "remote") for line in out.splitlines()[2:])
     code, out, _ = run(capsys, "ls", src, "--json")
     body = json.loads(out)
     assert code == 0 and [r["step"] for r in body["steps"]] == [1, 2, 3]

@@ -19,10 +19,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "programs"))
 
 import shardckpt  # noqa: E402
-from common import TinyNet  # noqa: E402
+from programs.common import TinyNet  # noqa: E402  (benchmarks/ has a module named common too)
 from helpers import PROGRAMS, run_torchrun  # noqa: E402
 import s3server  # noqa: E402
 from s3server import BUCKET  # noqa: E402

@@ -34,7 +34,7 @@ from .errors import (  # noqa: E402
     UntrustedCheckpointError,
 )
 from .options import CheckpointConfig, OnCorrupt, OnDiskFull, OnRemoteUnavailable, SaveMode, UploaderMode  # noqa: E402
-from .retention import AnyOf, KeepAll, KeepEvery, KeepLast  # noqa: E402
+from .retention import AnyOf, KeepAll, KeepBest, KeepEvery, KeepLast  # noqa: E402
 
 _LAZY = {
     "Checkpointer": "checkpointer",
@@ -82,6 +82,7 @@ __all__ = [
     "ForeignCheckpointError",
     "InsufficientSpaceError",
     "KeepAll",
+    "KeepBest",
     "KeepEvery",
     "KeepLast",
     "OnCorrupt",

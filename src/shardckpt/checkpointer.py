@@ -27,6 +27,8 @@ import concurrent.futures
 import logging
 import os
 import shutil
+import json
+import sys
 import time
 import uuid
 from typing import Any
@@ -38,6 +40,7 @@ from . import elastic as elastic_mod
 from . import state as state_mod
 from ._text import fmt_bytes
 from .commit import SaveJob, StepWriter
+from .retention import FULL, LIGHT
 from .errors import ConfigError, RemoteError
 from .node_registry import state_dir
 from .options import CheckpointConfig, OnRemoteUnavailable, SaveMode, UploaderMode
@@ -105,6 +108,9 @@ class Checkpointer:
         self._writer = StepWriter(self.config, self.root, self._groups, self._deletable)
         self._restorer = Restorer(self.config, self.root, self._groups)
         self._topology_known = False
+        self._saves = 0
+        self._frozen: dict[str, Any] | None = None
+        self._run: dict[str, Any] | None = None
         self._remote_checked = self.config.remote is None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardckpt-save")
         self._pending: SaveHandle | None = None
@@ -156,6 +162,8 @@ class Checkpointer:
         *,
         force: bool = False,
         metadata: dict[str, Any] | None = None,
+        metrics: dict[str, float] | None = None,
+        light: bool | None = None,
     ) -> SaveHandle | None:
         """Save ``state`` as ``step`` when the interval policy (or ``force``) says so.
 
@@ -164,6 +172,11 @@ class Checkpointer:
         mode is ``sync`` or a preemption signal arrived: then it returns once
         the step is committed. A failure of the previous save is raised here
         (as :class:`SaveError`) by the next call that saves, on every rank.
+
+        ``metrics`` (numbers, e.g. ``{"val_loss": 1.83}``) are recorded in the
+        manifest for ``keep_best`` and ``load(state, step="best")``. ``light=True``
+        saves the model and the small state without optimizer state (``None``:
+        as ``full_every`` says; a preemption save is always full).
         """
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -183,10 +196,16 @@ class Checkpointer:
             if not decision.due:
                 return None
             self._wait_previous(step)
-            captured, kinds = state_mod.capture(state, _dist.rank(), self.config.capture_rng)
+            kind = self._kind(light, decision.preempt)
+            captured, kinds, frozen = state_mod.capture(
+                state, _dist.rank(), self.config.capture_rng, light=kind == LIGHT,
+                trainable_only=self.config.trainable_only,
+            )
             if not self._writer.space_ok(step, tensor_bytes(captured)):
                 return None
             self._writer.prepare()
+            if frozen and self._frozen is None:
+                self._frozen = self._fingerprint(state, frozen)
             staged = self._stager.stage(captured)
             del captured
             self._policy.started(step, decision.preempt)
@@ -197,8 +216,13 @@ class Checkpointer:
 
         user_md = dict(self.config.metadata)
         user_md.update(metadata or {})
-        job = SaveJob(step, staged, kinds, self._writer.partial_dir(step), user_md, t_start, blocked)
+        job = SaveJob(step, staged, kinds, self._writer.partial_dir(step), user_md, t_start, blocked,
+                      kind=kind, metrics=_metrics(metrics), upload=self._upload_this(decision.preempt),
+                      frozen=self._frozen or {}, run=self._run_record())
+        self._saves += 1
+        self._policy.record_blocked(blocked)
         future = self._executor.submit(self._writer.write_and_commit, job)
+        future.started_at = t_start  # type: ignore[attr-defined]
         future.add_done_callback(self._record_outcome)
         handle = SaveHandle(step, future)
         self._pending = handle
@@ -238,13 +262,14 @@ class Checkpointer:
     def load(
         self,
         state: dict[str, Any],
-        step: int | None = None,
+        step: int | str | None = None,
         *,
         strict: bool | None = None,
         trust_pickles: bool = False,
         elastic: "elastic_mod.ElasticPolicy | None" = None,
     ) -> int | None:
-        """Restore ``state`` in place from ``step`` (default: the newest committed).
+        """Restore ``state`` in place from ``step`` (default: the newest live full step;
+        ``"best"``: the best by ``best_metric``).
 
         Returns the restored step, or ``None`` when there is nothing to resume.
         ``trust_pickles=True`` lifts the restricted unpickling of DCP metadata
@@ -316,6 +341,7 @@ class Checkpointer:
                 if self._uploads is not None:
                     left = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
                     self._uploads.close(left)
+                    self._retention_after_drain()
             finally:
                 self._restorer.close()
 
@@ -379,10 +405,59 @@ class Checkpointer:
             f"checkpoints only."
         )
 
+    def _retention_after_drain(self) -> None:
+        """Local retention waits for uploads; once close() drained them, it catches up."""
+        if not self._writer.topology.committer or self._writer.last_committed is None:
+            return
+        try:
+            self._writer.apply_retention()
+        except Exception as exc:  # noqa: BLE001 - the steps are committed; the next run's saves retry
+            log.warning("shardckpt: retention in %s after the uploads drained failed: %s", self.root, exc)
+
+    def _kind(self, light: bool | None, preempt: bool) -> str:
+        if preempt:
+            return FULL  # the last save before the machine goes: everything
+        if light is not None:
+            return LIGHT if light else FULL
+        every = self.config.full_every
+        return FULL if every is None or self._saves % every == 0 else LIGHT
+
+    def _upload_this(self, preempt: bool) -> bool:
+        """``remote_every=M``: the first save, then every M-th, goes to the remote; a preemption save always."""
+        every = self.config.remote_every
+        return every is None or preempt or self._saves % every == 0
+
+    def _fingerprint(self, state: dict[str, Any], frozen: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """First save with ``trainable_only``: what was left out, with a fingerprint of the frozen values."""
+        out: dict[str, Any] = {}
+        for key, entries in sorted(frozen.items()):
+            prints = state_mod.fingerprints(state[key], sorted(entries), self._groups.ctl)
+            out[key] = {name: dict(entries[name], fingerprint=prints[name]) for name in sorted(entries)}
+        return out
+
+    def _run_record(self) -> dict[str, Any]:
+        """What was this checkpoint: the run's config, command line, world size, device, versions."""
+        if self._run is None:
+            from . import __version__
+
+            self._run = {
+                "config": run_config_of(self.config.run_config),
+                "argv": list(sys.argv),
+                "world_size": _dist.world_size(),
+                "device": "cuda" if torch.cuda.is_available() else "cpu",
+                "torch": torch.__version__,
+                "shardckpt": __version__,
+                "run_id": self.config.run_id,
+            }
+            if self.config.keep_best is not None and self.config.best_metric:
+                self._run["best"] = {"metric": self.config.best_metric, "mode": self.config.best_mode}
+        return self._run
+
     def _record_outcome(self, future: concurrent.futures.Future) -> None:
         """Done-callback of every save: keeps the last failure for ``status()`` and logs it at once."""
         exc = future.exception()
         if exc is None:
+            self._policy.record_committed(time.monotonic() - getattr(future, "started_at", time.monotonic()))
             return
         self._last_error = f"{type(exc).__name__}: {exc}"
         if _dist.rank() == 0:
@@ -415,7 +490,7 @@ class Checkpointer:
         if self.config.remote is None or self.config.uploader == UploaderMode.OFF:
             return True
         step_dir = os.path.join(self.root, layout.step_dirname(step))
-        if remote_commit.is_uploaded(step_dir, self.config.remote):
+        if remote_commit.is_uploaded(step_dir, self.config.remote) or not remote_commit.for_upload(step_dir):
             return True
         steps = layout.committed_steps(self.root)
         newest = remote_commit.local_bytes(self.root, steps[-1]) if steps else 0
@@ -447,3 +522,40 @@ def _check_writable(root: str) -> None:
             f"local_dir at a directory this process can create and write (node-local NVMe or a shared "
             f"filesystem)."
         ) from exc
+
+
+def _metrics(metrics: dict[str, float] | None) -> dict[str, float]:
+    out = {}
+    for name, value in (metrics or {}).items():
+        if isinstance(value, torch.Tensor):
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"metrics must map names to numbers, got {name!r}: {value!r}")
+        out[str(name)] = float(value)
+    return out
+
+
+def run_config_of(value: Any) -> Any:
+    """``run_config`` as recorded: a dict as JSON allows, or a YAML/JSON file's parsed content."""
+    if value is None:
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        path = os.fspath(value)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise ConfigError(f"run_config={path!r} cannot be read ({exc}). Remedy: pass a dict or a readable "
+                              f"YAML/JSON file") from exc
+        if path.endswith((".yaml", ".yml")):
+            try:
+                import yaml
+            except ImportError as exc:
+                raise ConfigError("run_config is a YAML file: pip install pyyaml, or pass a dict") from exc
+            value = yaml.safe_load(text)
+        else:
+            try:
+                value = json.loads(text)
+            except ValueError:
+                return {"file": path, "text": text}
+    return json.loads(json.dumps(value, default=str))

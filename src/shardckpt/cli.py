@@ -111,7 +111,20 @@ def _pick(tier: Any, manifests: dict[int, layout.Manifest], step: int | None) ->
     return step
 
 
-def _step_row(step: int, manifest: layout.Manifest, abandoned: dict[int, str]) -> dict[str, Any]:
+def _best_steps(manifests: dict[int, layout.Manifest], live: list[int], args: argparse.Namespace) -> tuple[str | None, list[int]]:
+    """The metric ranking steps (``--best-metric``, else the one the run configured) and the best live step."""
+    metric, mode = getattr(args, "best_metric", None), getattr(args, "best_mode", None)
+    if metric is None and manifests:
+        best = (manifests[max(manifests, key=lambda s: manifests[s].created)].run or {}).get("best") or {}
+        metric, mode = best.get("metric"), mode or best.get("mode")
+    if not metric:
+        return None, []
+    infos = {s: lineage.info_of(m) for s, m in manifests.items()}
+    return metric, retention.ranked(live, infos, metric, mode or "min")[:1]
+
+
+def _step_row(step: int, manifest: layout.Manifest, abandoned: dict[int, str], tier: Any = None,
+              best: list[int] = ()) -> dict[str, Any]:
     info = lineage.info_of(manifest)
     return {
         "step": step,
@@ -125,6 +138,11 @@ def _step_row(step: int, manifest: layout.Manifest, abandoned: dict[int, str]) -
         "branch": info.lineage.branch,
         "run_id": manifest.run_id,
         "metadata": manifest.metadata,
+        "kind": manifest.kind,
+        "metrics": manifest.metrics,
+        "best": step in best,
+        "tiers": tier.tiers(step, manifest) if tier is not None else [],
+        "for_upload": manifest.upload,
     }
 
 
@@ -135,17 +153,26 @@ def cmd_ls(args: argparse.Namespace) -> int:
     tier = _open(args)
     try:
         manifests = _committed(tier)
-        _live, abandoned = tier.live(manifests)
-        rows = [_step_row(s, m, abandoned) for s, m in manifests.items()]
+        live, abandoned = tier.live(manifests)
+        metric, best = _best_steps(manifests, live, args)
+        rows = [_step_row(s, m, abandoned, tier, best) for s, m in manifests.items()]
         if args.json:
-            _print_json({"source": tier.where, "steps": rows, "unreadable": {str(k): v for k, v in tier.unreadable.items()}})
+            _print_json({"source": tier.where, "steps": rows, "best_metric": metric,
+                         "unreadable": {str(k): v for k, v in tier.unreadable.items()}})
             return OK
         print(f"{tier.where}: {len(rows)} committed step(s)")
-        print(f"{'step':>10}  {'size':>10}  {'files':>5}  {'world':>5}  saved at (UTC)")
+        print(f"{'step':>10}  {'size':>10}  {'files':>5}  {'world':>5}  {'kind':>5}  {'tiers':<12}  saved at (UTC)")
         for row in rows:
-            note = f"  ({row['abandoned']})" if row["abandoned"] else ""
+            notes = [f"{k}={v:g}" for k, v in sorted(row["metrics"].items())]
+            if row["best"]:
+                notes.append(f"best by {metric}")
+            if not row["for_upload"] and "remote" not in row["tiers"]:
+                notes.append("not for upload (remote_every)")
+            if row["abandoned"]:
+                notes.append(row["abandoned"])
             print(f"{row['step']:>10}  {fmt_bytes(row['bytes']):>10}  {row['files']:>5}  {row['world_size']:>5}  "
-                  f"{row['created_utc']}{note}")
+                  f"{row['kind']:>5}  {'+'.join(row['tiers']):<12}  {row['created_utc']}"
+                  + (f"  ({'; '.join(notes)})" if notes else ""))
         for step, why in sorted(tier.unreadable.items()):
             print(f"{step:>10}  unreadable manifest: {why}")
         return OK
@@ -176,8 +203,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print("  state keys: " + ", ".join(f"{k} ({v})" for k, v in sorted(manifest.keys.items())))
         if len(manifest.copies) > 1:
             print("  saved to node-local directories: " + "; ".join(f"ranks {g[0]}-{g[-1]}" for g in manifest.copies))
+        print(f"  kind: {manifest.kind}" + (f"; metrics: {json.dumps(manifest.metrics, sort_keys=True)}" if manifest.metrics else "")
+              + ("" if manifest.upload else "; kept local (remote_every)"))
         if manifest.metadata:
             print("  metadata: " + json.dumps(manifest.metadata, sort_keys=True))
+        run = manifest.run or {}
+        if run:
+            print(f"  run: {' '.join(run.get('argv') or [])!r} on {run.get('world_size')} x {run.get('device')}, "
+                  f"torch {run.get('torch')}, shardckpt {run.get('shardckpt')}" + (f", run id {run['run_id']}" if run.get("run_id") else ""))
+            if run.get("config") is not None:
+                print("  run config: " + json.dumps(run["config"], sort_keys=True))
+        for key, entries in sorted((manifest.frozen or {}).items()):
+            print(f"  {key}: {len(entries)} frozen entries left out (trainable_only), e.g. {', '.join(sorted(entries)[:3])}")
         for item in keys or []:
             print(f"    {item['key']}: {item['shape'] if item['shape'] is not None else 'object'} {item['dtype'] or ''}".rstrip())
         return OK
@@ -262,8 +299,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
     try:
         manifests = _committed(tier)
         live, abandoned = tier.live(manifests)
-        policy = retention.policy_from(args.keep_last, args.keep_every)
-        doomed = retention.plan_deletions(live, policy)
+        policy = retention.policy_from(args.keep_last, args.keep_every, keep_best=args.keep_best,
+                                       best_metric=args.best_metric, best_mode=args.best_mode,
+                                       keep_last_light=args.keep_last_light)
+        infos = {s: lineage.info_of(m) for s, m in manifests.items()}
+        doomed = retention.plan_deletions(live, policy, infos=infos)
         if not args.keep_abandoned:
             doomed = sorted(set(doomed) | set(abandoned))
         for step in doomed:
@@ -433,7 +473,7 @@ def _source_args(p: argparse.ArgumentParser, what: str = "checkpoint location") 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .uploader import add_sync_args, add_transfer_args
+    from .uploader import add_best_args, add_sync_args, add_transfer_args
 
     parser = argparse.ArgumentParser(
         prog="shardckpt",
@@ -457,6 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "committed step is an error (exit 2 / 1).")
     _source_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output (keys: see the README)")
+    p.add_argument("--best-metric", help="mark the best step by this metric (default: the run's best_metric)")
+    p.add_argument("--best-mode", choices=["min", "max"], help="lower (min) or higher is better (default: the run's)")
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("inspect", help="show one step's manifest",
@@ -505,6 +547,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-last", type=int, required=True, help="keep the newest N live steps (N >= 1)")
     p.add_argument("--keep-every", type=int, help="also keep every step that is a multiple of K")
     p.add_argument("--keep-abandoned", action="store_true", help="keep steps that a rollback abandoned")
+    p.add_argument("--keep-best", type=int, help="also keep the K best steps by --best-metric")
+    p.add_argument("--best-metric", help="the metric recorded at save that ranks steps (e.g. val_loss)")
+    p.add_argument("--best-mode", choices=["min", "max"], default="min", help="lower (min, default) or higher is better")
+    p.add_argument("--keep-last-light", type=int, help="keep the newest N light steps (default: --keep-last)")
     p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
     p.set_defaults(func=cmd_gc)
 
@@ -551,6 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="step to push (default: every committed local step)")
     p.add_argument("--keep-last", type=int, help="remote retention after the commit: keep the newest N")
     p.add_argument("--keep-every", type=int, help="remote retention: also keep every multiple of K")
+    add_best_args(p)
     p.add_argument("--no-verify", action="store_true", help="only upload pending steps; do not check (and repair) "
                    "the remote copies of steps already committed there")
     p.set_defaults(func=cmd_push)

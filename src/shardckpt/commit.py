@@ -62,6 +62,11 @@ class SaveJob:
     metadata: dict[str, Any]
     t_start: float
     blocked: float
+    kind: str = "full"
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    upload: bool = True
+    frozen: dict[str, Any] = dataclasses.field(default_factory=dict)
+    run: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class StepWriter:
@@ -74,7 +79,10 @@ class StepWriter:
         self.root = root
         self._groups = groups
         self._deletable = deletable
-        self._policy = retention.policy_from(config.keep_last, config.keep_every)
+        self._policy = retention.policy_from(
+            config.keep_last, config.keep_every, keep_best=config.keep_best, best_metric=config.best_metric,
+            best_mode=config.best_mode, keep_last_light=config.keep_last_light,
+        )
         self._nonce: str | None = None
         self._count = 0
         self.last_total_bytes: int | None = None
@@ -260,13 +268,19 @@ class StepWriter:
             copies=[list(g) for g in self.topology.copies],
             created=created,
             lineage=(self.lineage or lineage_mod.Lineage()).to_json(),
+            kind=job.kind,
+            metrics=dict(job.metrics),
+            upload=job.upload,
+            frozen=job.frozen,
+            run=job.run,
         )
 
     def apply_retention(self) -> None:
         """Retention over the live steps of this copy: steps abandoned by a rollback are neither
         counted nor deleted (``shardckpt gc`` removes them)."""
-        live, _abandoned = lineage_mod.classify(lineage_mod.local_infos(self.root))
-        for old in retention.plan_deletions(live, self._policy, self._deletable):
+        infos = lineage_mod.local_infos(self.root)
+        live, _abandoned = lineage_mod.classify(infos)
+        for old in retention.plan_deletions(live, self._policy, self._deletable, infos=infos):
             step_dirs.delete_step(self.root, old)
             log.debug("shardckpt: retention removed step %d from %s", old, self.root)
 

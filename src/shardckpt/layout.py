@@ -149,6 +149,18 @@ class Manifest:
     lineage: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The branch of the run's history this step belongs to (see ``shardckpt.lineage``);
     empty in manifests from before rollbacks were tracked: the first branch."""
+    kind: str = "full"
+    """``full``, or ``light``: model weights and the small state, without optimizer state."""
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Metrics recorded at save (``save(..., metrics={"val_loss": 1.83})``), for ``keep_best``."""
+    upload: bool = True
+    """Whether the uploader sends this step (``remote_every`` uploads only every M-th)."""
+    frozen: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """With ``trainable_only``: the frozen keys left out by design, per module key:
+    ``{module: {fqn: {"shape": [...], "dtype": str, "fingerprint": [sum, sum of squares]}}}``."""
+    run: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What was this checkpoint: the run's config, command line, world size, device,
+    versions, run id (``Checkpointer(run_config=...)``)."""
     format: str = MANIFEST_FORMAT
 
     def to_json(self) -> str:
@@ -178,6 +190,11 @@ class Manifest:
                 run_id=None if body.get("run_id") is None else str(body["run_id"]),
                 copies=[[int(r) for r in group] for group in body.get("copies", [])],
                 lineage=dict(body.get("lineage") or {}),
+                kind=_kind(body.get("kind", "full")),
+                metrics={str(k): float(v) for k, v in (body.get("metrics") or {}).items()},
+                upload=bool(body.get("upload", True)),
+                frozen=dict(body.get("frozen") or {}),
+                run=dict(body.get("run") or {}),
             )
         except CorruptCheckpointError:
             raise
@@ -186,6 +203,12 @@ class Manifest:
                 f"manifest {where} is unreadable ({exc}); the step cannot be trusted. "
                 f"Remedy: load an earlier step (load(step=...)) or delete this step directory."
             ) from exc
+
+
+def _kind(value: Any) -> str:
+    if value not in ("full", "light"):
+        raise ValueError(f"unknown step kind {value!r}")
+    return str(value)
 
 
 def check_relpath(name: str, where: str) -> None:

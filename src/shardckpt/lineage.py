@@ -65,11 +65,23 @@ class Lineage:
 
 @dataclasses.dataclass(frozen=True)
 class StepInfo:
-    """What lineage needs of one committed step (from its manifest)."""
+    """What history and retention need of one committed step (from its manifest)."""
 
     step: int
     created: float
     lineage: Lineage
+    kind: str = "full"
+    """``full``, or ``light`` (model and small state, no optimizer state)."""
+    metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """The metrics recorded at save (``save(..., metrics={...})``)."""
+
+    def to_json(self) -> list[Any]:
+        return [self.created, self.lineage.to_json(), self.kind, dict(self.metrics)]
+
+    @classmethod
+    def from_json(cls, step: int, body: Any) -> "StepInfo":
+        created, lineage, kind, metrics = (list(body) + [None, None, "full", {}])[:4]
+        return cls(step, float(created or 0.0), Lineage.from_json(lineage), kind or "full", dict(metrics or {}))
 
 
 def excluded_by(head: Lineage, step: int, lineage: Lineage) -> int | None | str:
@@ -131,7 +143,8 @@ def continue_from(infos: Mapping[int, StepInfo], step: int | None) -> Lineage:
 
 def info_of(manifest: Any) -> StepInfo:
     """The :class:`StepInfo` of a :class:`~shardckpt.layout.Manifest`."""
-    return StepInfo(manifest.step, manifest.created, Lineage.from_json(manifest.lineage))
+    return StepInfo(manifest.step, manifest.created, Lineage.from_json(manifest.lineage), manifest.kind,
+                    dict(manifest.metrics))
 
 
 def local_infos(root: str) -> dict[int, StepInfo]:

@@ -73,15 +73,51 @@ class CheckpointConfig:
     """Save when ``step % every_steps == 0``. ``None`` with ``every_seconds`` also
     ``None`` saves at every call."""
 
-    every_seconds: float | None = None
+    every_seconds: float | str | None = None
     """Save when at least this many seconds passed since the last save started
-    (decided on rank 0 and agreed by all ranks)."""
+    (decided on rank 0 and agreed by all ranks). ``"auto"`` (with ``mtbf_s``)
+    picks the interval that minimises checkpoint overhead plus expected lost
+    work from the cost this job measures: ``sqrt(2 * blocked time * mtbf_s)``."""
+
+    mtbf_s: float | None = None
+    """With ``every_seconds="auto"``: the mean time between failures or preemptions
+    you expect (e.g. 3600 for a spot pool), in seconds."""
 
     keep_last: int | None = 3
     """Retention: keep the newest N committed steps (N >= 1). ``None`` keeps all."""
 
     keep_every: int | None = None
     """Retention: additionally keep every step that is a multiple of this."""
+
+    keep_best: int | None = None
+    """Retention: also keep the K best steps by ``best_metric`` (recorded with
+    ``save(..., metrics={...})``), on both tiers; never purged by the other policies."""
+
+    best_metric: str | None = None
+    """The metric that ranks steps for ``keep_best`` and ``load(state, step="best")``."""
+
+    best_mode: str = "min"
+    """``min`` (lower is better, e.g. a loss) or ``max`` (e.g. an accuracy)."""
+
+    full_every: int | None = None
+    """Every N-th save is full, the others light (model weights and the small
+    state: sampler, RNG, plain values, schedulers; no optimizer state). ``None``:
+    every save is full. A preemption save is always full."""
+
+    keep_last_light: int | None = None
+    """Retention of light steps (``keep_last`` counts full steps only); ``None``: as ``keep_last``."""
+
+    trainable_only: bool = False
+    """Save only the parameters that require grad (and their optimizer state, the
+    buffers of modules that have trainable parameters, and the rest of the state):
+    a frozen base with small adapters saves the adapters. The manifest records the
+    frozen keys left out (names, shapes, a fingerprint) and ``load()`` checks the
+    base it loads into against them."""
+
+    run_config: Any = None
+    """What was this run: a dict, or the path of a YAML/JSON file whose content is
+    recorded. Every manifest stores it with the command line, world size, device
+    and versions; ``load()`` warns when the current one differs (keys old -> new)."""
 
     mode: SaveMode = SaveMode.ASYNC
     """``async`` (default): block only while staging into host memory."""
@@ -145,6 +181,11 @@ class CheckpointConfig:
     remote_keep_every: int | None = None
     """Remote retention: additionally keep every step that is a multiple of this."""
 
+    remote_every: int | None = None
+    """Upload only every M-th committed step (the first one, then every M-th; the
+    rest stay local and rotate out), bounding what the remote costs while local
+    steps stay frequent. A save triggered by a preemption signal is always uploaded."""
+
     transfer_concurrency: int = 8
     """Requests in flight per node for uploads and restores (across files and parts)."""
 
@@ -190,8 +231,24 @@ class CheckpointConfig:
                 f"keep_last must be >= 1 (at least one committed step always survives) or None, "
                 f"got {self.keep_last!r}"
             )
-        if self.every_seconds is not None and not self.every_seconds > 0:
-            raise ConfigError(f"every_seconds must be > 0 or None, got {self.every_seconds!r}")
+        if self.every_seconds == "auto":
+            if not isinstance(self.mtbf_s, (int, float)) or not self.mtbf_s > 0:
+                raise ConfigError(
+                    f"every_seconds='auto' needs mtbf_s, the mean time between failures in seconds (e.g. 3600), "
+                    f"got mtbf_s={self.mtbf_s!r}"
+                )
+        elif self.every_seconds is not None and (
+            isinstance(self.every_seconds, (str, bool)) or not self.every_seconds > 0
+        ):
+            raise ConfigError(f"every_seconds must be > 0, 'auto' or None, got {self.every_seconds!r}")
+        for name in ("keep_best", "full_every", "keep_last_light", "remote_every"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.keep_best is not None and not self.best_metric:
+            raise ConfigError("keep_best needs best_metric, the name of a metric passed to save(..., metrics={...})")
+        if self.best_mode not in ("min", "max"):
+            raise ConfigError(f"best_mode must be 'min' or 'max', got {self.best_mode!r}")
         if not 0 <= self.free_space_margin < 10:
             raise ConfigError(f"free_space_margin must be in [0, 10), got {self.free_space_margin!r}")
         if self.io_threads < 1:
@@ -277,11 +334,11 @@ _INT_FIELDS = {
     "remote_keep_last", "remote_keep_every", "transfer_concurrency", "part_size", "remote_max_attempts",
 }
 _FLOAT_FIELDS = {
-    "every_seconds", "free_space_margin", "collective_timeout_s",
+    "every_seconds", "mtbf_s", "free_space_margin", "collective_timeout_s",
     "request_timeout_s", "backoff_max_s", "step_deadline_s", "drain_timeout_s",
 }
-_BOOL_FIELDS = {"capture_rng", "strict", "verify_on_load", "pin_memory"}
-_INT_FIELDS |= {"micro_batch_size", "grad_accum_steps"}
+_BOOL_FIELDS = {"capture_rng", "strict", "verify_on_load", "pin_memory", "trainable_only"}
+_INT_FIELDS |= {"micro_batch_size", "grad_accum_steps", "keep_best", "full_every", "keep_last_light", "remote_every"}
 
 
 def _parse_env(name: str, raw: str) -> Any:
@@ -291,6 +348,8 @@ def _parse_env(name: str, raw: str) -> Any:
         return ()
     if text.lower() in ("", "none") and name not in ("local_dir",):
         return None
+    if name == "every_seconds" and text.lower() == "auto":
+        return "auto"
     try:
         if name in _INT_FIELDS:
             return int(text)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import signal
+import statistics
 import threading
 import time
 from typing import Any, Callable
@@ -27,6 +29,17 @@ from . import _dist
 from .options import CheckpointConfig
 
 log = logging.getLogger("shardckpt")
+
+AUTO_WINDOW = 5
+"""``every_seconds="auto"`` weighs the median blocked time of the last saves."""
+AUTO_MIN_S = 1.0
+"""... and never saves more often than this."""
+
+
+def auto_interval(cost_s: float, mtbf_s: float) -> float:
+    """Young/Daly: the interval minimising checkpoint overhead (``cost/T``) plus expected lost
+    work (``T/2`` per failure, one failure per ``mtbf`` on average) is ``sqrt(2 * cost * mtbf)``."""
+    return max(AUTO_MIN_S, math.sqrt(2.0 * max(cost_s, 0.0) * mtbf_s))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +64,45 @@ class SavePolicy:
         self._preempt_decided = False
         self._signal_reported = False
         self._previous_handlers: dict[int, Any] = {}
+        self._blocked: list[float] = []
+        self._committed: list[float] = []
+        self._auto_logged: float | None = None
+
+    def record_committed(self, seconds: float) -> None:
+        """A save took ``seconds`` from its start to its commit (the latency a failure adds to lost work)."""
+        self._committed = (self._committed + [seconds])[-AUTO_WINDOW:]
+
+    # ---- the interval chosen from measured cost
+
+    def record_blocked(self, seconds: float) -> None:
+        """A save blocked training for ``seconds`` (the cost ``every_seconds="auto"`` weighs)."""
+        self._blocked = (self._blocked + [seconds])[-AUTO_WINDOW:]
+        if self.config.every_seconds == "auto":
+            interval = self.interval_s()
+            if interval is not None and (self._auto_logged is None or abs(interval / self._auto_logged - 1) > 0.2):
+                self._auto_logged = interval
+                if _dist.rank() == 0:
+                    log.info("shardckpt: %s", self.explain_auto())
+
+    def interval_s(self) -> float | None:
+        """Seconds between time-based saves: ``every_seconds``, or the auto interval (``None`` before any save)."""
+        every = self.config.every_seconds
+        if every != "auto":
+            return every
+        if not self._blocked:
+            return None
+        return auto_interval(statistics.median(self._blocked), float(self.config.mtbf_s))
+
+    def explain_auto(self) -> str:
+        cost = statistics.median(self._blocked)
+        interval = auto_interval(cost, float(self.config.mtbf_s))
+        commit = f" plus {statistics.median(self._committed):.1f} s until a save is committed" if self._committed else ""
+        return (
+            f"every_seconds=auto: saving every {interval:.0f} s = sqrt(2 x {cost:.3f} s blocked per save x "
+            f"{self.config.mtbf_s:.0f} s between failures) (Young/Daly); checkpoints then cost "
+            f"{100 * cost / interval:.2f} % of training time and a failure loses {interval / 2:.0f} s of work on "
+            f"average{commit}, the least of the two together"
+        )
 
     # ---- decisions
 
@@ -80,7 +132,9 @@ class SavePolicy:
         cfg = self.config
         by_time = 0
         if cfg.every_seconds is not None and _dist.rank() == 0:
-            by_time = int(self._last_save_time is None or time.monotonic() - self._last_save_time >= cfg.every_seconds)
+            interval = self.interval_s()
+            by_time = int(self._last_save_time is None or interval is None
+                          or time.monotonic() - self._last_save_time >= interval)
         return by_time, int(self.signal is not None and not self._preempt_decided)
 
     def _resolve_vote(self) -> tuple[int, int]:

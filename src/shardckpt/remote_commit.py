@@ -171,8 +171,23 @@ def is_uploaded(step_dir: str, url: str) -> bool:
     return body.get("files_digest") == files_digest(manifest)
 
 
+def for_upload(step_dir: str) -> bool:
+    """False for a step its manifest keeps local (``remote_every`` skipped it)."""
+    try:
+        manifest = layout.read_manifest(step_dir)
+    except CorruptCheckpointError:
+        return True  # let the upload report it
+    return manifest is None or manifest.upload
+
+
 def pending_steps(root: str, url: str) -> list[int]:
-    return [s for s in layout.committed_steps(root) if not is_uploaded(os.path.join(root, layout.step_dirname(s)), url)]
+    """Committed local steps that are to be uploaded and are not committed on ``url`` yet."""
+    out = []
+    for step in layout.committed_steps(root):
+        step_dir = os.path.join(root, layout.step_dirname(step))
+        if not is_uploaded(step_dir, url) and for_upload(step_dir):
+            out.append(step)
+    return out
 
 
 def local_bytes(root: str, step: int) -> int:
@@ -244,9 +259,9 @@ def remote_manifests(store: Store, deadline: Deadline, steps: list[int] | None =
     return {s: m for s, m in found if m is not None}
 
 
-def remote_infos(store: Store, deadline: Deadline) -> dict[int, tuple[float, dict[str, Any]]]:
-    """``{step: (created, lineage)}`` of the steps committed on the remote."""
-    return {s: (m.created, m.lineage) for s, m in remote_manifests(store, deadline).items()}
+def remote_infos(store: Store, deadline: Deadline) -> dict[int, list[Any]]:
+    """``{step: StepInfo.to_json()}`` of the steps committed on the remote."""
+    return {s: lineage_mod.info_of(m).to_json() for s, m in remote_manifests(store, deadline).items()}
 
 
 def remote_manifest(store: Store, step: int, deadline: Deadline) -> layout.Manifest | None:
@@ -521,7 +536,7 @@ def apply_remote_retention(store: Store, policy: RetentionPolicy, deadline: Dead
     """Retention over the live remote steps; steps abandoned by a rollback stay until ``shardckpt gc``."""
     infos = {s: lineage_mod.info_of(m) for s, m in remote_manifests(store, deadline).items()}
     live, _abandoned = lineage_mod.classify(infos)
-    doomed = plan_deletions(live, policy)
+    doomed = plan_deletions(live, policy, infos=infos)
     for old in doomed:
         delete_remote_step(store, old, deadline)
         log.info("shardckpt: remote retention removed step %d from %s", old, safe_url(store.url))

@@ -36,13 +36,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _dist, layout, local, remote, remote_commit
+from . import _dist, layout, local, remote, remote_commit, retention
 from . import elastic as elastic_mod
 from . import lineage as lineage_mod
 from . import state as state_mod
 from ._text import fmt_bytes
 from .errors import (
     CheckpointNotFoundError,
+    ConfigError,
     CorruptCheckpointError,
     ForeignCheckpointError,
     RemoteError,
@@ -102,7 +103,7 @@ class Restorer:
     def load(
         self,
         state: dict[str, Any],
-        step: int | None = None,
+        step: int | str | None = None,
         *,
         strict: bool | None = None,
         trust_pickles: bool = False,
@@ -117,6 +118,8 @@ class Restorer:
         strict = self.config.strict if strict is None else strict
         t_start = time.monotonic()
         survey = self._survey(step)
+        if step == "best" and survey.candidates:
+            step = survey.candidates[0]
         self.newest_created = max((i.created for i in survey.infos.values()), default=0.0)
         if not survey.candidates:
             if step is not None:
@@ -141,7 +144,9 @@ class Restorer:
             self._load_step(state, candidate, step_dir, manifest, strict=strict, trust_pickles=trust_pickles)
             took = time.monotonic() - t_start
             if _dist.rank() == 0:
+                self._warn_config_changes(candidate, manifest)
                 note = f" ({survey.abandoned[candidate]})" if candidate in survey.abandoned else ""
+                note += " (a light step: no optimizer state)" if manifest.kind == "light" else ""
                 log.info(
                     "shardckpt: restored step %d%s from %s: %s, world size %d -> %d, %.2f s",
                     candidate, note, step_dir, fmt_bytes(manifest.total_bytes), manifest.world_size,
@@ -165,7 +170,7 @@ class Restorer:
 
     # ------------------------------------------------------------ 1. survey
 
-    def _survey(self, step: int | None) -> Survey:
+    def _survey(self, step: int | str | None) -> Survey:
         """One exchange: every rank's steps, rank 0's remote listing, early verification."""
         infos, missing, unreadable = _scan(self.root)
         remote_report: tuple[dict[int, tuple[float, Any]], str | None] | None = None
@@ -177,7 +182,7 @@ class Restorer:
                 remote_report = ({}, remote.redact(str(exc)))
         early = self._early_check(step, infos, missing)
         payload = {
-            "infos": {s: (i.created, i.lineage.to_json()) for s, i in infos.items()},
+            "infos": {s: i.to_json() for s, i in infos.items()},
             "missing": missing,
             "unreadable": sorted(unreadable),
             "remote": remote_report,
@@ -187,16 +192,17 @@ class Restorer:
 
         merged: dict[int, lineage_mod.StepInfo] = {}
 
-        def take(s: int, created: float, body: Any) -> None:
-            if s not in merged or created > merged[s].created:
-                merged[s] = lineage_mod.StepInfo(s, created, lineage_mod.Lineage.from_json(body))
+        def take(s: int, body: Any) -> None:
+            info = lineage_mod.StepInfo.from_json(s, body)
+            if s not in merged or info.created > merged[s].created:
+                merged[s] = info
 
         for g in gathered:
-            for s, (created, body) in g["infos"].items():
-                take(s, created, body)
+            for s, body in g["infos"].items():
+                take(s, body)
         listed, error = gathered[0]["remote"] or ({}, None)
-        for s, (created, body) in listed.items():
-            take(s, created, body)
+        for s, body in listed.items():
+            take(s, body)
         remote_steps = set(listed)
         if error is not None:
             self._remote_unlisted(error, gathered)
@@ -210,6 +216,8 @@ class Restorer:
             return s in remote_steps or all(s in m for m in per_rank_missing)
 
         unreadable_everywhere = set.intersection(*(set(g["unreadable"]) for g in gathered)) if gathered else set()
+        if step == "best":
+            step = self._best(live, merged, loadable)
         if step is not None:
             ok = step in unreadable_everywhere or (step in merged and loadable(step))
             candidates = [step] if ok else []
@@ -218,15 +226,30 @@ class Restorer:
             # A step whose manifest no rank can read is listed when it is newer than every
             # live step (most likely the last save): verification then reports it.
             pool = {s for s in live if loadable(s)} | {s for s in unreadable_everywhere if s > newest_live}
-            candidates = sorted(pool, reverse=True)
+            # Full steps first (newest first), light ones only when no full step loads.
+            candidates = sorted(pool, key=lambda s: (merged[s].kind == "full" if s in merged else True, s), reverse=True)
         verified: dict[int, list[str]] = {}
         reports = [g["early"] for g in gathered]
         if candidates and all(r is not None and r[0] == candidates[0] for r in reports):
             verified[candidates[0]] = [r[1] for r in reports if r[1]]
         return Survey(merged, live, abandoned, candidates, remote_steps, per_rank_missing, verified)
 
+    def _best(self, live: list[int], infos: dict[int, lineage_mod.StepInfo], loadable: Any) -> int:
+        metric, mode = self.config.best_metric, self.config.best_mode
+        if not metric:
+            raise ConfigError("load(step='best') needs best_metric (and best_mode) in the configuration")
+        ranked = retention.ranked([s for s in live if loadable(s)], infos, metric, mode)
+        if not ranked:
+            raise CheckpointNotFoundError(
+                f"no live step in {self.root}{' or the remote' if self.config.remote else ''} recorded the metric "
+                f"{metric!r}. Remedy: pass it with save(state, step, metrics={{{metric!r}: value}})."
+            )
+        if _dist.rank() == 0:
+            log.info("shardckpt: the best step by %s (%s) is %d: %s", metric, mode, ranked[0], infos[ranked[0]].metrics[metric])
+        return ranked[0]
+
     def _early_check(
-        self, step: int | None, infos: dict[int, lineage_mod.StepInfo], missing: dict[int, list[str]]
+        self, step: int | str | None, infos: dict[int, lineage_mod.StepInfo], missing: dict[int, list[str]]
     ) -> tuple[int, str | None] | None:
         """Without a remote, check this rank's share of the step it expects before the exchange.
 
@@ -235,8 +258,11 @@ class Restorer:
         """
         if self.config.remote is not None:
             return None
+        if step == "best":
+            return None
         live, _abandoned = lineage_mod.classify(infos)
-        guess = step if step is not None else max((s for s in live if not missing.get(s)), default=None)
+        fulls = [s for s in live if not missing.get(s) and infos[s].kind == "full"]
+        guess = step if step is not None else max(fulls or [s for s in live if not missing.get(s)], default=None)
         if guess is None or missing.get(guess) != []:
             return None
         step_dir = os.path.join(self.root, layout.step_dirname(guess))
@@ -270,6 +296,22 @@ class Restorer:
                 "remotely would be missed): %s",
                 remote.safe_url(self.config.remote), error,
             )
+
+    def _warn_config_changes(self, step: int, manifest: layout.Manifest) -> None:
+        """``run_config`` of this run against the one the step was saved with: a warning listing changed keys."""
+        from .checkpointer import run_config_of
+
+        saved = (manifest.run or {}).get("config")
+        current = run_config_of(self.config.run_config)
+        if saved is None or current is None or saved == current:
+            return
+        old, new = _flatten(saved), _flatten(current)
+        changed = [f"{k}: {old.get(k, '(absent)')!r} -> {new.get(k, '(absent)')!r}"
+                   for k in sorted(set(old) | set(new)) if old.get(k, _ABSENT) != new.get(k, _ABSENT)]
+        log.warning(
+            "shardckpt: run_config differs from the one step %d was saved with (%d key(s)): %s", step, len(changed),
+            "; ".join(changed[:20]) + (f"; ... ({len(changed) - 20} more)" if len(changed) > 20 else ""),
+        )
 
     def _agree_lineage(self, survey: Survey, step: int | None) -> lineage_mod.Lineage:
         """The lineage of the next saves, decided on rank 0 (a new branch gets one id everywhere)."""
@@ -452,6 +494,42 @@ class Restorer:
             )
         return set(received)
 
+    def _check_frozen(
+        self, state: dict[str, Any], step: int, manifest: layout.Manifest, targets: dict[str, Any]
+    ) -> dict[str, dict[str, Any]]:
+        """A ``trainable_only`` step: its frozen keys are absent by design; the live base must match them.
+
+        They are taken out of what DCP loads (and returned, to be put back
+        before the state dicts are applied: the live base stays as it is); the
+        live frozen values are fingerprinted (collective) and compared with the
+        fingerprints taken when the run first saved. A mismatch is a warning
+        naming the keys.
+        """
+        differ: list[str] = []
+        absent: list[str] = []
+        kept: dict[str, dict[str, Any]] = {}
+        for key, entries in sorted(manifest.frozen.items()):
+            live = targets.get(key)
+            if live is None or key not in state:
+                continue
+            present = sorted(n for n in entries if n in live)
+            absent += [f"{key}.{n}" for n in sorted(entries) if n not in live]
+            prints = state_mod.fingerprints(state[key], present, self._groups.ctl)
+            for name in present:
+                shape = list(live[name].shape)
+                if shape != entries[name].get("shape") or state_mod.fingerprints_differ(entries[name].get("fingerprint", [0.0, 0.0]), prints[name]):
+                    differ.append(f"{key}.{name}")
+                kept.setdefault(key, {})[name] = live.pop(name)
+        if (differ or absent) and _dist.rank() == 0:
+            log.warning(
+                "shardckpt: step %d was saved with trainable_only: its frozen base was left out, and the base loaded "
+                "here does not match the one it was saved with%s%s. Remedy: load the same base weights before "
+                "load(), or ignore this if the change is intended.", step,
+                f"; values differ: {', '.join(differ[:10])}" + (f" (+{len(differ) - 10})" if len(differ) > 10 else "") if differ else "",
+                f"; missing here: {', '.join(absent[:10])}" if absent else "",
+            )
+        return kept
+
     def _load_step(
         self,
         state: dict[str, Any],
@@ -475,7 +553,16 @@ class Restorer:
         saved_kinds = {
             k: (kinds_live.get(k, state_mod.VALUE) if v == state_mod.STOCK else v) for k, v in manifest.keys.items()
         }
+        if manifest.kind == "light":
+            lacking = sorted(k for k, kind in kinds_live.items() if kind == state_mod.OPTIMIZER)
+            kinds_live = {k: v for k, v in kinds_live.items() if k not in lacking}
+            if lacking and _dist.rank() == 0:
+                log.warning(
+                    "shardckpt: step %d is a light step (no optimizer state): %s keep(s) the state they have; "
+                    "load a full step for everything", step, ", ".join(lacking),
+                )
         targets = state_mod.live_targets(state, kinds_live)
+        frozen = self._check_frozen(state, step, manifest, targets) if manifest.frozen else {}
         rank = _dist.rank()
         rng_key = state_mod.rng_key(rank)
 
@@ -533,6 +620,8 @@ class Restorer:
 
         planner = local.RestorePlanner(rebuild, allow_partial_load=True, trust_pickles=trust_pickles)
         local.dcp_read(targets, step_dir, metadata, planner, self._groups.ctl)
+        for key, entries in frozen.items():
+            targets[key].update(entries)  # the live base, as it is
         kinds_all = dict(kinds_live)
         for key in rebuild_keys:
             kinds_all.setdefault(key, saved_kinds[key])
@@ -703,3 +792,20 @@ def _receive_file(path: str, entry: layout.FileEntry, src: int, group: Any, step
             f.close()
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+_ABSENT = object()
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
+    if not isinstance(value, dict):
+        return {prefix or "(value)": value}
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(item, dict) and item:
+            out.update(_flatten(item, name))
+        else:
+            out[name] = item
+    return out

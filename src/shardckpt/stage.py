@@ -56,12 +56,10 @@ class HostStager:
     @torch.no_grad()
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         non_blocking = self.pin_memory and torch.cuda.is_available()
-        seen: set[tuple] = set()
         allocated = [False]
 
         def walk(obj: Any, path: tuple) -> Any:
             if isinstance(obj, torch.Tensor):
-                seen.add(path)
                 return self._copy_leaf(obj, path, non_blocking, allocated)
             if isinstance(obj, dict):
                 return {k: walk(v, path + (k,)) for k, v in obj.items()}
@@ -76,8 +74,8 @@ class HostStager:
             return copy.deepcopy(obj)
 
         staged = walk(state_dict, ())
-        for path in set(self._buffers) - seen:  # tensors that left the state: their buffers go
-            del self._buffers[path], self._signatures[path]
+        # Buffers of tensors absent from this save stay: a light save (no optimizer
+        # state) between full ones must not make the next full save allocate again.
         if allocated[0]:
             self.allocations += 1
         if non_blocking:

@@ -85,25 +85,97 @@ def pair_optimizers(state: Mapping[str, Any], kinds: Mapping[str, str]) -> dict[
     return pairs
 
 
-def capture(state: Mapping[str, Any], rank: int, capture_rng: bool) -> tuple[dict[str, Any], dict[str, str]]:
-    """Build the DCP state dict (tensors still live: staging copies them)."""
+def capture(
+    state: Mapping[str, Any],
+    rank: int,
+    capture_rng: bool,
+    *,
+    light: bool = False,
+    trainable_only: bool = False,
+) -> tuple[dict[str, Any], dict[str, str], dict[str, dict[str, Any]]]:
+    """Build the DCP state dict (tensors still live: staging copies them).
+
+    ``light`` leaves the optimizers out (a light step: model and small state).
+    ``trainable_only`` leaves out each module's frozen entries (see
+    :func:`frozen_names`). Returns ``(state dict, kinds, frozen)`` where
+    ``frozen`` maps a module key to ``{fqn: {"shape", "dtype"}}`` of what was left out.
+    """
     kinds = classify(state)
     pairs = pair_optimizers(state, kinds)
     sd: dict[str, Any] = {}
+    frozen: dict[str, dict[str, Any]] = {}
     for key, kind in kinds.items():
         value = state[key]
         if kind == MODULE:
             sd[key] = get_model_state_dict(value)
+            if trainable_only:
+                left_out = frozen_names(value) & set(sd[key])
+                frozen[key] = {n: _describe(sd[key][n]) for n in sorted(left_out)}
+                sd[key] = {n: v for n, v in sd[key].items() if n not in left_out}
         elif kind == OPTIMIZER:
+            if light:
+                continue
             sd[key] = get_optimizer_state_dict(state[pairs[key]], value)
         elif kind == STATEFUL:
             sd[key] = value.state_dict()
         else:
             sd[key] = value
+    if light:
+        kinds = {k: v for k, v in kinds.items() if v != OPTIMIZER}
     if capture_rng:
         sd[RESERVED_KEY] = {RNG: {rng_key(rank): get_rng_state()}}
         kinds[RESERVED_KEY] = RNG
-    return sd, kinds
+    return sd, kinds, frozen
+
+
+def frozen_names(module: nn.Module) -> set[str]:
+    """State-dict names of a module's frozen entries: parameters that do not require
+    grad, and the buffers of submodules without any trainable parameter in or below them."""
+    base = getattr(module, "module", module) if type(module).__name__ == "DistributedDataParallel" else module
+    params = dict(base.named_parameters())
+    owners = set()  # modules with a trainable parameter in them or below them
+    for name, p in params.items():
+        if p.requires_grad:
+            parts = name.split(".")[:-1]
+            owners.update(".".join(parts[:i]) for i in range(len(parts) + 1))
+    out = {name for name, p in params.items() if not p.requires_grad}
+    out |= {name for name, _b in base.named_buffers() if name.rpartition(".")[0] not in owners}
+    return out
+
+
+def _describe(tensor: Any) -> dict[str, Any]:
+    return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", "")}
+
+
+@torch.no_grad()
+def fingerprints(module: nn.Module, names: list[str], group: Any) -> dict[str, list[float]]:
+    """A cheap, world-size independent fingerprint of named entries: ``[sum, sum of squares]``
+    in float64, summed over the shards of sharded tensors (collective over ``group``; every
+    rank calls it with the same names)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    sd = get_model_state_dict(module)
+    rank0 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    values = torch.zeros(len(names), 2, dtype=torch.float64)
+    for i, name in enumerate(names):
+        tensor = sd.get(name)
+        if tensor is None:
+            continue
+        sharded = isinstance(tensor, DTensor) and any(isinstance(p, Shard) for p in tensor.placements)
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if sharded or rank0:
+            local = local.detach().to(torch.float64)
+            values[i, 0] = local.sum()
+            values[i, 1] = (local * local).sum()
+    if dist.is_available() and dist.is_initialized() and names:
+        dist.all_reduce(values, group=group)
+    return {name: [float(values[i, 0]), float(values[i, 1])] for i, name in enumerate(names)}
+
+
+def fingerprints_differ(saved: list[float], live: list[float]) -> bool:
+    """Sums of another partition of the same values differ by rounding only."""
+    return any(abs(a - b) > 1e-6 * max(1.0, abs(a), abs(b)) for a, b in zip(saved, live))
 
 
 def live_targets(state: Mapping[str, Any], kinds: Mapping[str, str]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ manifest, read its DCP metadata, delete a step. Nothing here imports torch.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Callable
 
@@ -51,6 +52,10 @@ class Tier:
 
     def live(self, manifests: dict[int, layout.Manifest]) -> tuple[list[int], dict[int, str]]:
         return lineage.classify({s: lineage.info_of(m) for s, m in manifests.items()})
+
+    def tiers(self, step: int, manifest: layout.Manifest) -> list[str]:
+        """Which tiers hold the step, as far as this tier can tell."""
+        return ["remote"]
 
 
 class CheckReport:
@@ -124,6 +129,16 @@ class LocalTier(Tier):
 
     def delete(self, step: int) -> None:
         step_dirs.delete_step(self.root, step)
+
+    def tiers(self, step: int, manifest: layout.Manifest) -> list[str]:
+        """``local``, plus ``remote`` once the uploader marked it committed there."""
+        try:
+            with open(os.path.join(self.step_where(step), remote_commit.UPLOADED_NAME), encoding="utf-8") as f:
+                mark = json.load(f)
+        except (OSError, ValueError):
+            return ["local"]
+        uploaded = mark.get("files_digest") == remote_commit.files_digest(manifest) and "superseded_by" not in mark
+        return ["local", "remote"] if uploaded else ["local"]
 
 
 class RemoteTier(Tier):

@@ -300,10 +300,21 @@ def add_sync_args(p: Any) -> None:
                    help="remote retention: keep the newest N live steps (default: SHARDCKPT_REMOTE_KEEP_LAST, else all)")
     p.add_argument("--keep-every", type=int, default=_env("remote_keep_every", None, int),
                    help="remote retention: also keep every multiple of K (default: SHARDCKPT_REMOTE_KEEP_EVERY)")
+    add_best_args(p)
     p.add_argument("--once", action="store_true", help="exit when nothing is pending (status 1 if a step failed)")
     p.add_argument("--exit-when-idle", action="store_true", help="exit when nothing is pending and no trainer of this node is alive")
     p.add_argument("--poll", type=float, default=0.5, help="seconds between scans of the local directory")
     p.add_argument("--give-up", type=float, default=600.0, help="with --exit-when-idle/--once: exit after this many seconds without progress")
+
+
+def add_best_args(p: Any) -> None:
+    """Remote retention by metric, as the trainer's ``keep_best`` / ``best_metric`` / ``best_mode``."""
+    p.add_argument("--keep-best", type=int, default=_env("keep_best", None, int),
+                   help="remote retention: also keep the K best steps by --best-metric (default: SHARDCKPT_KEEP_BEST)")
+    p.add_argument("--best-metric", default=_env("best_metric"),
+                   help="the metric recorded at save that ranks steps (default: SHARDCKPT_BEST_METRIC)")
+    p.add_argument("--best-mode", choices=["min", "max"], default=_env("best_mode", "min"),
+                   help="lower (min, default) or higher is better")
 
 
 def store_from_args(args: Any) -> Store:
@@ -330,7 +341,8 @@ def policy_from_args(args: Any) -> RetentionPolicy | None:
 
     if getattr(args, "keep_last", None) is None:
         return None
-    return policy_from(args.keep_last, args.keep_every)
+    return policy_from(args.keep_last, args.keep_every, keep_best=getattr(args, "keep_best", None),
+                       best_metric=getattr(args, "best_metric", None), best_mode=getattr(args, "best_mode", "min"))
 
 
 def sync_from_args(args: Any) -> int:

@@ -188,6 +188,8 @@ class UploaderClient:
             args += ["--keep-last", str(cfg.remote_keep_last)]
         if cfg.remote_keep_every is not None:
             args += ["--keep-every", str(cfg.remote_keep_every)]
+        if cfg.keep_best is not None and cfg.best_metric:
+            args += ["--keep-best", str(cfg.keep_best), "--best-metric", cfg.best_metric, "--best-mode", cfg.best_mode]
         return args
 
     def status(self, known_remote: set[int]) -> dict[str, Any]:

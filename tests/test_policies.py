@@ -1,0 +1,140 @@
+"""Checkpoint policies at 2 ranks (gloo under torchrun), on the local tier and the test S3 server.
+
+Best-by-metric retention and load(step="best"); light and full steps; the
+run config recorded and a changed one warned about; trainable-only saves of
+adapters on a frozen base; remote_every with a preemption save uploaded out
+of turn; the auto interval from measured cost.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from helpers import PROGRAMS, child_env, run_torchrun  # noqa: E402
+from s3server import s3  # noqa: E402,F401  (the module-scoped S3 server fixture)
+from s3server import BUCKET, stop_uploaders  # noqa: E402
+from shardckpt import cli, policy, remote, remote_commit  # noqa: E402
+from shardckpt.options import CheckpointConfig  # noqa: E402
+
+PROG = PROGRAMS / "policies.py"
+
+
+@pytest.fixture
+def bucket(s3, tmp_path):
+    s3.reset()
+    yield s3
+    stop_uploaders(tmp_path, grace_s=30.0)
+
+
+def results(out, world=2):
+    got = [json.loads((out / f"result.{r}.json").read_text()) for r in range(world)]
+    assert got[0] == got[1], got  # every rank saw the same
+    return got[0]
+
+
+def remote_steps(url: str) -> list[int]:
+    store = remote.open_store(url)
+    try:
+        return remote_commit.remote_steps(store, remote.Deadline(60))
+    finally:
+        store.close()
+
+
+def test_best_light_full_and_run_config(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    run_torchrun(2, PROG, "best-light-config", tmp_path / "ckpt", out, timeout=300)
+    got = results(out)
+    # val_loss 5, 3, 4, 1, 6, 7 with keep_last=2, keep_best=1: steps 4, 5, 6 remain; the best is 4
+    assert got["best_steps"] == [4, 5, 6]
+    assert got["best_loaded"] == 4 and got["best_params_equal"] is True
+    # every third save full: kinds 1 F, 2 L, 3 L, 4 F, 5 L, 6 L, 7 F, 8 L; keep_last=2 of each kind
+    assert got["light_steps"] == [4, 6, 7, 8]
+    assert got["default_loaded"] == 7 and got["default_params_equal"] and got["default_has_optimizer_state"]
+    assert got["light_loaded"] == 8 and got["light_params_equal"] and got["light_left_optimizer_empty"]
+    warnings = (out / "warnings.log").read_text()
+    assert "run_config differs from the one step 4 was saved with (2 key(s)): extra: '(absent)' -> 1; lr: 0.1 -> 0.2" in warnings, warnings
+    assert "step 8 is a light step (no optimizer state): optimizer keep(s) the state they have" in warnings
+    # ls marks the best step and the kinds; inspect shows the run
+    assert cli.main(["ls", str(tmp_path / "ckpt" / "best"), "--json"]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)["steps"]}
+    assert [s for s, r in rows.items() if r["best"]] == [4] and rows[4]["metrics"] == {"val_loss": 1.0}
+    assert cli.main(["ls", str(tmp_path / "ckpt" / "light")]) == 0
+    listing = capsys.readouterr().out
+    assert [line.split()[5] for line in listing.splitlines()[2:]] == ["full", "light", "full", "light"]
+    assert cli.main(["inspect", str(tmp_path / "ckpt" / "best"), "--step", "4"]) == 0
+    shown = capsys.readouterr().out
+    assert 'run config: {"lr": 0.1, "model": {"width": 8}}' in shown and "on 2 x cpu" in shown
+    assert "policies.py best-light-config" in shown
+
+
+def test_best_by_metric_on_the_s3_server(bucket, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    url = f"s3://{BUCKET}/best"
+    run_torchrun(2, PROG, "best-remote", tmp_path / "ckpt", url, out, env=child_env(**bucket.env()), timeout=300)
+    got = results(out)
+    assert got["local_steps"] == [4, 5, 6]
+    assert remote_steps(url) == [4, 5, 6]  # remote_keep_last=2 and keep_best=1 there too
+    assert got["best_from_remote"] == 4 and got["params_equal"] is True
+
+
+def test_remote_every_uploads_every_third_step_and_the_preemption_save(bucket, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    url = f"s3://{BUCKET}/every"
+    run_torchrun(2, PROG, "remote-every", tmp_path / "ckpt", url, out, env=child_env(**bucket.env()), timeout=300)
+    got = results(out)
+    # rank 1's signal after save 5 is agreed by the vote started at save 6: save 7 is the preemption save
+    assert got["saved"] == [1, 2, 3, 4, 5, 6, 7] and got["preempted_at"] == 7
+    # the first save, then every third, and the preemption save out of turn
+    assert remote_steps(url) == [1, 4, 7]
+    assert got["local_steps"] == [6, 7]  # keep_last=2: a step kept local only rotates out freely
+    assert cli.main(["ls", str(tmp_path / "ckpt" / "node")]) == 0
+    listing = capsys.readouterr().out
+    assert "not for upload (remote_every)" in next(line for line in listing.splitlines() if line.split()[0] == "6")
+    assert "local+remote" in next(line for line in listing.splitlines() if line.split()[0] == "7")
+
+
+def test_trainable_only_saves_the_adapters_and_checks_the_base(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    run_torchrun(2, PROG, "trainable", tmp_path / "ckpt", out, timeout=300)
+    got = results(out)
+    assert got["sizes"]["adapters"] <= 0.05 * got["sizes"]["full"], got["sizes"]
+    assert got["frozen_keys"] == sorted([f"base.{i}.{w}" for i in range(4) for w in ("weight", "bias")]
+                                        + ["norm.weight", "norm.bias"])
+    assert got["loaded"] == 2 and got["bitwise"] and got["buffers_equal"] and got["optim_restored"]
+    warnings = (out / "warnings.log").read_text()
+    assert warnings.count("frozen base was left out") == 1, warnings  # the other base only
+    assert "values differ: model.base.0.bias, model.base.0.weight" in warnings
+
+
+def test_auto_interval_from_measured_cost(caplog):
+    config = CheckpointConfig(local_dir="unused", every_seconds="auto", mtbf_s=3600, preemption_signals=())
+    chooser = policy.SavePolicy(config, groups=None)
+    assert chooser.interval_s() is None  # nothing measured yet: the first call saves
+    with caplog.at_level("INFO", logger="shardckpt"):
+        for blocked in (0.4, 0.5, 0.6):
+            chooser.record_blocked(blocked)
+        chooser.record_committed(2.0)
+    assert chooser.interval_s() == pytest.approx((2 * 0.5 * 3600) ** 0.5)  # 60 s: sqrt(2 x median x MTBF)
+    # logged when first chosen, and again only when it moves by more than 20 %
+    assert "every_seconds=auto: saving every 54 s = sqrt(2 x 0.400 s blocked per save x 3600 s" in caplog.text
+    assert "saving every 60 s" not in caplog.text
+    chooser.record_blocked(8.0)
+    chooser.record_blocked(8.0)  # the cost grew: the interval follows (median of the last five)
+    assert chooser.interval_s() == pytest.approx((2 * 0.6 * 3600) ** 0.5)
+    chooser.record_blocked(8.0)
+    assert chooser.interval_s() == pytest.approx((2 * 8.0 * 3600) ** 0.5)
+    assert "saving every 66 s" in caplog.text and "saving every 240 s" in caplog.text
+    assert "plus 2.0 s until a save is committed" in caplog.text
+    assert policy.auto_interval(0.0, 3600) == policy.AUTO_MIN_S
+    with pytest.raises(Exception, match="every_seconds='auto' needs mtbf_s"):
+        CheckpointConfig(every_seconds="auto")
