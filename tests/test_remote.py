@@ -1,4 +1,4 @@
-"""Remote tier against a real S3-protocol server (moto over HTTP on 127.0.0.1).
+"""Remote tier against real S3-protocol servers (moto's and rclone's, over HTTP on 127.0.0.1).
 
 Multi-rank tests run real gloo process groups under torchrun; nothing in
 boto3 or torch.distributed is patched.
@@ -21,8 +21,7 @@ import shardckpt  # noqa: E402
 from faultproxy import FaultProxy  # noqa: E402
 from helpers import PROGRAMS, free_port, kill_job, run_torchrun, start_torchrun, wait_for  # noqa: E402
 from helpers import child_env as job_env  # noqa: E402
-from s3server import s3  # noqa: E402,F401  (the module-scoped S3 server fixture)
-from s3server import BUCKET, CREDENTIALS, S3Server, stop_uploaders  # noqa: E402
+from s3server import BUCKET, Server, reset_if_used, stop_uploaders  # noqa: E402
 from shardckpt import cli, layout, node_registry, remote, remote_commit, uploader  # noqa: E402
 from shardckpt.errors import CorruptCheckpointError, RemoteError  # noqa: E402
 
@@ -31,13 +30,13 @@ MiB = 1 << 20
 
 
 @pytest.fixture(autouse=True)
-def fresh_bucket(s3, tmp_path):
-    s3.reset()
+def fresh_bucket(request, tmp_path):
+    reset_if_used(request)
     yield
     stop_uploaders(tmp_path, grace_s=30.0)
 
 
-def remote_manifests(s3: S3Server, prefix: str) -> list[int]:
+def remote_manifests(s3: Server, prefix: str) -> list[int]:
     steps = []
     for key in s3.keys(prefix + "/"):
         parts = key.split("/")
@@ -46,7 +45,7 @@ def remote_manifests(s3: S3Server, prefix: str) -> list[int]:
     return sorted(steps)
 
 
-def check_remote_step(s3: S3Server, prefix: str, step: int) -> layout.Manifest:
+def check_remote_step(s3: Server, prefix: str, step: int) -> layout.Manifest:
     """Every file the remote manifest lists exists with its size and checksum."""
     client = s3.client()
     base = f"{prefix}/{layout.step_dirname(step)}"
@@ -196,7 +195,7 @@ def test_persistent_failure_is_reported_never_half_committed_then_retried(s3, tm
         assert up.run() == 1
         error = up.last_error
         assert "503" in error and "SlowDown" in error and f"s3://{BUCKET}/down/" in error, error
-        assert CREDENTIALS["AWS_SECRET_ACCESS_KEY"] not in error
+        assert s3.credentials["AWS_SECRET_ACCESS_KEY"] not in error
         status = node_registry.read_status(str(local_dir))
         assert status["pending_steps"] == [1] and status["pending_bytes"] > 0
         assert status["last_error"] == error
@@ -300,7 +299,7 @@ def test_errors_never_carry_credentials_and_name_the_object(s3, tmp_path):
         remote_commit.remote_steps(store, remote.Deadline(30))
     text = str(info.value)
     assert "NoSuchBucket" in text and "no-such-bucket-xyz" in text and "Remedy" in text
-    assert CREDENTIALS["AWS_SECRET_ACCESS_KEY"] not in text
+    assert s3.credentials["AWS_SECRET_ACCESS_KEY"] not in text
     assert remote.redact("https://AKIA:s3cr3t@minio:9000/x") == "https://***@minio:9000/x"
 
 
