@@ -12,7 +12,8 @@ The ``s3`` fixture is module-scoped and parametrised over both (ids
 ``moto`` and ``rclone``): every test that takes it runs against each, so
 what passes speaks S3, not one server's dialect. Tests ``reset()`` the
 server between them (every bucket emptied) so they never see each other's
-objects. Clients talk real HTTP to it through boto3.
+objects. Clients talk real HTTP to it through boto3. Where the two servers
+differ, tests/S3-SERVERS.md says how and what the tests do about it.
 """
 
 from __future__ import annotations
