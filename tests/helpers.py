@@ -92,7 +92,12 @@ def descendants(pid: int) -> list[int]:
 
 
 def kill_job(proc: subprocess.Popen) -> None:
-    """SIGKILL a job started by start_torchrun: the launcher and every worker at once."""
+    """SIGKILL a job started by start_torchrun: the launcher and every worker at once.
+
+    Returns once every one of them is gone (a zombie at most): SIGKILL is
+    delivered at once but a big process takes a while to exit, and tests
+    check right after that no trainer is alive.
+    """
     victims = [proc.pid, *descendants(proc.pid)]
     for pid in victims:
         try:
@@ -100,6 +105,18 @@ def kill_job(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
     proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while [pid for pid in victims if _running(pid)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and has not exited (not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, log_path=None) -> None:

@@ -20,14 +20,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import shardckpt  # noqa: E402
 from helpers import PROGRAMS, ROOT, child_env, run_torchrun  # noqa: E402
-from s3server import s3  # noqa: E402,F401  (the module-scoped S3 server fixture)
-from s3server import BUCKET, stop_uploaders  # noqa: E402
+from s3server import BUCKET, reset_if_used, stop_uploaders  # noqa: E402
 from shardckpt import _failpoints, cli, layout, remote, remote_commit  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def fresh_bucket(s3, tmp_path):
-    s3.reset()
+def fresh_bucket(request, tmp_path):
+    reset_if_used(request)
     yield
     stop_uploaders(tmp_path, grace_s=30.0)
 

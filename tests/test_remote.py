@@ -1,4 +1,4 @@
-"""Remote tier against a real S3-protocol server (moto over HTTP on 127.0.0.1).
+"""Remote tier against real S3-protocol servers (moto's and rclone's, over HTTP on 127.0.0.1).
 
 Multi-rank tests run real gloo process groups under torchrun; nothing in
 boto3 or torch.distributed is patched.
@@ -21,8 +21,7 @@ import shardckpt  # noqa: E402
 from faultproxy import FaultProxy  # noqa: E402
 from helpers import PROGRAMS, free_port, kill_job, run_torchrun, start_torchrun, wait_for  # noqa: E402
 from helpers import child_env as job_env  # noqa: E402
-from s3server import s3  # noqa: E402,F401  (the module-scoped S3 server fixture)
-from s3server import BUCKET, CREDENTIALS, S3Server, stop_uploaders  # noqa: E402
+from s3server import BUCKET, Server, reset_if_used, stop_uploaders  # noqa: E402
 from shardckpt import cli, layout, node_registry, remote, remote_commit, uploader  # noqa: E402
 from shardckpt.errors import CorruptCheckpointError, RemoteError  # noqa: E402
 
@@ -31,13 +30,13 @@ MiB = 1 << 20
 
 
 @pytest.fixture(autouse=True)
-def fresh_bucket(s3, tmp_path):
-    s3.reset()
+def fresh_bucket(request, tmp_path):
+    reset_if_used(request)
     yield
     stop_uploaders(tmp_path, grace_s=30.0)
 
 
-def remote_manifests(s3: S3Server, prefix: str) -> list[int]:
+def remote_manifests(s3: Server, prefix: str) -> list[int]:
     steps = []
     for key in s3.keys(prefix + "/"):
         parts = key.split("/")
@@ -46,7 +45,7 @@ def remote_manifests(s3: S3Server, prefix: str) -> list[int]:
     return sorted(steps)
 
 
-def check_remote_step(s3: S3Server, prefix: str, step: int) -> layout.Manifest:
+def check_remote_step(s3: Server, prefix: str, step: int) -> layout.Manifest:
     """Every file the remote manifest lists exists with its size and checksum."""
     client = s3.client()
     base = f"{prefix}/{layout.step_dirname(step)}"
@@ -196,7 +195,7 @@ def test_persistent_failure_is_reported_never_half_committed_then_retried(s3, tm
         assert up.run() == 1
         error = up.last_error
         assert "503" in error and "SlowDown" in error and f"s3://{BUCKET}/down/" in error, error
-        assert CREDENTIALS["AWS_SECRET_ACCESS_KEY"] not in error
+        assert s3.credentials["AWS_SECRET_ACCESS_KEY"] not in error
         status = node_registry.read_status(str(local_dir))
         assert status["pending_steps"] == [1] and status["pending_bytes"] > 0
         assert status["last_error"] == error
@@ -255,6 +254,26 @@ def test_bit_flip_in_remote_object_is_refused_or_falls_back(s3, tmp_path):
     ckpt.close()
 
 
+def test_upload_check_refuses_an_object_recorded_with_another_checksum(s3, request):
+    """The HEAD after an upload compares the checksum recorded with the object to the manifest's.
+
+    (An object replaced between the PUT and the HEAD, by another writer, carries another one.)
+    """
+    if s3.kind == "rclone":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "rclone returns user metadata as x-amz-meta-Checksum and remote.py looks up Metadata['checksum'] "
+            "case-sensitively, so the check is skipped (tests/S3-SERVERS.md)")))
+    data = b"shardckpt" * 1000
+    other = "xxh64:0123456789abcdef"
+    s3.client().put_object(Bucket=BUCKET, Key="recorded/obj", Body=data, Metadata={"checksum": other})
+    store = remote.open_store(f"s3://{BUCKET}/recorded", _opts())
+    try:
+        with pytest.raises(RemoteError, match="its recorded checksum differs"):
+            store._verify_upload("obj", len(data), layout.checksum_bytes(data), "", remote.Deadline(30))
+    finally:
+        store.close()
+
+
 # ---------------------------------------------------------------- file:// and the CLI
 
 
@@ -300,7 +319,7 @@ def test_errors_never_carry_credentials_and_name_the_object(s3, tmp_path):
         remote_commit.remote_steps(store, remote.Deadline(30))
     text = str(info.value)
     assert "NoSuchBucket" in text and "no-such-bucket-xyz" in text and "Remedy" in text
-    assert CREDENTIALS["AWS_SECRET_ACCESS_KEY"] not in text
+    assert s3.credentials["AWS_SECRET_ACCESS_KEY"] not in text
     assert remote.redact("https://AKIA:s3cr3t@minio:9000/x") == "https://***@minio:9000/x"
 
 

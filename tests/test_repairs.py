@@ -1,6 +1,6 @@
 """The remedies our errors name must repair what they name; upload trouble must reach the trainer.
 
-Against moto's S3 server over HTTP on 127.0.0.1.
+Against moto's and rclone's S3 servers over HTTP on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -16,16 +16,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import shardckpt  # noqa: E402
 from helpers import free_port, wait_for  # noqa: E402
-from s3server import s3  # noqa: E402,F401  (the module-scoped S3 server fixture)
-from s3server import BUCKET, stop_uploaders  # noqa: E402
+from s3server import BUCKET, reset_if_used, stop_uploaders  # noqa: E402
 from shardckpt import cli, layout, node_registry, remote, remote_commit, uploader, uploader_client  # noqa: E402
 
 MiB = 1 << 20
 
 
 @pytest.fixture(autouse=True)
-def fresh_bucket(s3, tmp_path):
-    s3.reset()
+def fresh_bucket(request, tmp_path):
+    reset_if_used(request)
     yield
     stop_uploaders(tmp_path, grace_s=2.0)
 
