@@ -21,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import shardckpt  # noqa: E402
 from helpers import ROOT, child_env  # noqa: E402
-from s3server import s3  # noqa: E402,F401  (the module-scoped S3 server fixture)
 from s3server import BUCKET, stop_uploaders  # noqa: E402
 from shardckpt import cli, layout, remote, uploader  # noqa: E402
 

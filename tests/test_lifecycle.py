@@ -166,3 +166,54 @@ def test_read_only_local_dir_with_a_remote_is_a_shardckpt_error(tmp_path):
                                    preemption_signals=())
     finally:
         os.system(f"umount {mount}")
+
+
+def test_copies_are_fenced_before_the_writer_reads_and_the_optimizer_writes(tmp_path, monkeypatch):
+    """The GPU overlap's ordering, checked on a CPU: a fence that is never done records who waits on it.
+
+    save() returns with the copies merely enqueued (on a GPU); the background
+    writer must wait for them before reading the buffers, and the optimizer
+    step (and the forward of a module owning buffers, e.g. BatchNorm) must be
+    ordered after them. The wait itself is a GPU stream wait, a no-op here.
+    """
+    from shardckpt import stage
+
+    events = []
+
+    class PendingFence(stage.CopyFence):
+        def done(self):
+            return False
+
+        def order_after(self):
+            events.append("step or forward waits")
+
+        def synchronize(self):
+            events.append("writer waits")
+
+    real_stage = stage.HostStager.stage
+    monkeypatch.setattr(stage.HostStager, "stage", lambda self, sd: (real_stage(self, sd)[0], PendingFence()))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optimizer": optim}
+    ckpt = ckpt_for(tmp_path)
+    ckpt.save(state, 1).wait()
+    assert events == ["writer waits"]
+    loss = model(torch.randn(5, 6)).pow(2).mean()  # BatchNorm's forward updates its buffers: it waits
+    assert events[-1] == "step or forward waits" and len(events) == 2
+    loss.backward()
+    optim.step()  # writes parameters: waits
+    assert events[-1] == "step or forward waits" and len(events) == 3
+    ckpt.close()
+    optim.step()  # the hooks leave with the Checkpointer
+    assert len(events) == 3
+
+
+def test_pinned_memory_cap_pins_up_to_the_limit():
+    from shardckpt.stage import HostStager
+
+    stager = HostStager(pin_memory=True, max_pinned_bytes=1000)
+    assert stager._pin(torch.zeros(200)) is True  # 800 bytes
+    assert stager._pin(torch.zeros(100)) is False  # 400 more would pass the cap: pageable
+    assert stager._pin(torch.zeros(50)) is True and stager.pinned_bytes == 1000
+    assert HostStager(pin_memory=False)._pin(torch.zeros(1)) is False

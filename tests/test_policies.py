@@ -17,7 +17,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers import PROGRAMS, child_env, run_torchrun  # noqa: E402
-from s3server import s3  # noqa: E402,F401  (the module-scoped S3 server fixture)
 from s3server import BUCKET, stop_uploaders  # noqa: E402
 from shardckpt import cli, policy, remote, remote_commit  # noqa: E402
 from shardckpt.options import CheckpointConfig  # noqa: E402

@@ -46,7 +46,7 @@ from .node_registry import state_dir
 from .options import CheckpointConfig, OnRemoteUnavailable, SaveMode, UploaderMode
 from .policy import SavePolicy
 from .restore import Restorer
-from .stage import HostStager, tensor_bytes
+from .stage import CopyFence, HostStager, tensor_bytes
 from .uploader_client import UploaderClient
 
 log = logging.getLogger("shardckpt")
@@ -103,7 +103,10 @@ class Checkpointer:
         pin = self.config.pin_memory
         if pin is None:
             pin = torch.cuda.is_available()
-        self._stager = HostStager(pin_memory=bool(pin))
+        self._stager = HostStager(pin_memory=bool(pin), max_pinned_bytes=self.config.max_pinned_bytes)
+        self._fence: CopyFence | None = None
+        self._hooked: set[int] = set()
+        self._hooks: list[Any] = []
         self._policy = SavePolicy(self.config, self._groups)
         self._writer = StepWriter(self.config, self.root, self._groups, self._deletable)
         self._restorer = Restorer(self.config, self.root, self._groups)
@@ -206,8 +209,10 @@ class Checkpointer:
             self._writer.prepare()
             if frozen and self._frozen is None:
                 self._frozen = self._fingerprint(state, frozen)
-            staged = self._stager.stage(captured)
+            staged, fence = self._stager.stage(captured)
             del captured
+            self._fence = fence
+            self._hook_writes(state)
             self._policy.started(step, decision.preempt)
             _failpoints.hit("save.staged")
         finally:
@@ -218,7 +223,7 @@ class Checkpointer:
         user_md.update(metadata or {})
         job = SaveJob(step, staged, kinds, self._writer.partial_dir(step), user_md, t_start, blocked,
                       kind=kind, metrics=_metrics(metrics), upload=self._upload_this(decision.preempt),
-                      frozen=self._frozen or {}, run=self._run_record())
+                      frozen=self._frozen or {}, run=self._run_record(), fence=fence)
         self._saves += 1
         self._policy.record_blocked(blocked)
         future = self._executor.submit(self._writer.write_and_commit, job)
@@ -335,6 +340,9 @@ class Checkpointer:
             self._policy.finish_vote()  # every rank started the same vote: finish it
             if not writing:
                 self._stager.release()
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks.clear()
             self._policy.restore_signal_handlers()
             self._groups.destroy(io=not writing)
             try:
@@ -405,6 +413,33 @@ class Checkpointer:
             f"checkpoints only."
         )
 
+    def _hook_writes(self, state: dict[str, Any]) -> None:
+        """Once per object: the steps that would change saved tensors wait for the copies of a save.
+
+        On a GPU ``save()`` returns with the copies only enqueued; the next
+        forward and backward run beside them. An optimizer's step (it writes
+        parameters and optimizer state) and the forward of a submodule that
+        owns buffers (BatchNorm updates its running statistics) first make the
+        compute stream wait for the copies. On a CPU the fence is always done.
+        """
+        for value in state.values():
+            if id(value) in self._hooked:
+                continue
+            if isinstance(value, torch.optim.Optimizer):
+                self._hooks.append(value.register_step_pre_hook(lambda *_: self._order_after_copies()))
+            elif isinstance(value, torch.nn.Module):
+                for module in value.modules():
+                    if any(True for _ in module.buffers(recurse=False)):
+                        self._hooks.append(module.register_forward_pre_hook(lambda *_: self._order_after_copies()))
+            else:
+                continue
+            self._hooked.add(id(value))
+
+    def _order_after_copies(self) -> None:
+        fence = self._fence
+        if fence is not None and not fence.done():
+            fence.order_after()
+
     def _retention_after_drain(self) -> None:
         """Local retention waits for uploads; once close() drained them, it catches up."""
         if not self._writer.topology.committer or self._writer.last_committed is None:
@@ -458,6 +493,8 @@ class Checkpointer:
         exc = future.exception()
         if exc is None:
             self._policy.record_committed(time.monotonic() - getattr(future, "started_at", time.monotonic()))
+            if self._uploads is not None:
+                self._uploads.kick()
             return
         self._last_error = f"{type(exc).__name__}: {exc}"
         if _dist.rank() == 0:

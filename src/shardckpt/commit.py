@@ -67,6 +67,8 @@ class SaveJob:
     upload: bool = True
     frozen: dict[str, Any] = dataclasses.field(default_factory=dict)
     run: dict[str, Any] = dataclasses.field(default_factory=dict)
+    fence: Any = None
+    """When the staging copies are done (``stage.CopyFence``); the writer waits for it first."""
 
 
 class StepWriter:
@@ -166,6 +168,8 @@ class StepWriter:
         table: dict[str, Any] = {}
         metadata_bytes: bytes | None = None
         try:
+            if job.fence is not None:
+                job.fence.synchronize()  # on a GPU the copies into the buffers may still run
             os.makedirs(partial, exist_ok=True)
             local.dcp_write(job.staged, partial, process_group=self._groups.io, io_threads=self.config.io_threads)
             _failpoints.hit("write.done")

@@ -146,6 +146,11 @@ class CheckpointConfig:
     pin_memory: bool | None = None
     """Pin the host staging buffers; ``None`` pins when CUDA is available."""
 
+    max_pinned_bytes: int | None = None
+    """Pin at most this many bytes of staging buffers per rank (``None``: all); the
+    rest is pageable, for hosts that cannot pin the whole state: its copies are
+    synchronous, so a save blocks longer."""
+
     io_threads: int = 2
     """Threads per rank writing shard files (DCP's ``thread_count``)."""
 
@@ -338,7 +343,7 @@ _FLOAT_FIELDS = {
     "request_timeout_s", "backoff_max_s", "step_deadline_s", "drain_timeout_s",
 }
 _BOOL_FIELDS = {"capture_rng", "strict", "verify_on_load", "pin_memory", "trainable_only"}
-_INT_FIELDS |= {"micro_batch_size", "grad_accum_steps", "keep_best", "full_every", "keep_last_light", "remote_every"}
+_INT_FIELDS |= {"max_pinned_bytes", "micro_batch_size", "grad_accum_steps", "keep_best", "full_every", "keep_last_light", "remote_every"}
 
 
 def _parse_env(name: str, raw: str) -> Any:

@@ -69,6 +69,10 @@ _RETRY_CODES = {
     "InternalError",
     "ServiceUnavailable",
     "RequestLimitExceeded",
+    # The store refused a body that arrived damaged (its checksum differs): sending it again helps.
+    "BadDigest",
+    "XAmzContentChecksumMismatch",
+    "InvalidDigest",
 }
 _BAD_CREDENTIAL_CODES = {
     "InvalidAccessKeyId",
@@ -604,7 +608,9 @@ class S3Store(Store):
         problems = []
         if head.get("ContentLength") != size:
             problems.append(f"{head.get('ContentLength')} bytes, expected {size}")
-        if head.get("Metadata", {}).get("checksum") not in (None, checksum):
+        # User metadata names are case-insensitive (rclone answers "Checksum").
+        recorded = {k.lower(): v for k, v in (head.get("Metadata") or {}).items()}.get("checksum")
+        if recorded not in (None, checksum):
             problems.append("its recorded checksum differs")
         if got_crc and got_crc != crc:
             problems.append("the store's CRC32 differs from the bytes sent")

@@ -78,6 +78,7 @@ class Uploader:
         self.last_error_time: float | None = None
         self.uploaded_bytes = 0
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._lock_fd: int | None = None
         self._last_status: dict[str, Any] = {}
         self._last_status_time = 0.0
@@ -103,6 +104,11 @@ class Uploader:
 
     def stop(self, *_: Any) -> None:
         self._stop.set()
+        self._wake.set()
+
+    def wake(self, *_: Any) -> None:
+        """A trainer committed a step (it sends ``KICK_SIGNAL``): look now rather than at the next poll."""
+        self._wake.set()
 
     def run(self) -> int:
         if not self.acquire_lock():
@@ -153,7 +159,8 @@ class Uploader:
                         safe_url(self.store.url),
                     )
                     return 1
-            self._stop.wait(self.poll_s)
+            self._wake.wait(self.poll_s)
+            self._wake.clear()
         return 0
 
     def tick(self) -> list[int]:
@@ -224,6 +231,7 @@ class Uploader:
             "pid": os.getpid(),
             "pid_start": proc_start(os.getpid()),
             "node": self.node,
+            "host": socket.gethostname(),
             "remote": safe_url(self.store.url),
             "latest_local": steps[-1] if steps else None,
             "latest_remote": self.latest_remote,
@@ -250,10 +258,15 @@ class Uploader:
             log.warning("shardckpt: cannot write the uploader status under %s: %s", self.root, exc)
 
 
+KICK_SIGNAL = signal.SIGUSR1
+"""Sent by a trainer of the node after each commit, so that an upload starts at once."""
+
+
 def run_uploader(uploader: Uploader) -> int:
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    handlers = {signal.SIGTERM: uploader.stop, signal.SIGINT: uploader.stop, KICK_SIGNAL: uploader.wake}
+    for signum, handler in handlers.items():
         try:
-            signal.signal(signum, uploader.stop)
+            signal.signal(signum, handler)
         except ValueError:
             pass
     return uploader.run()

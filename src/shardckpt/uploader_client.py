@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
 from typing import Any
 
 from . import _dist, layout, remote_commit
-from .node_registry import read_status, register_trainer, state_dir, unregister_trainer, uploader_running
+from .node_registry import pid_alive, read_status, register_trainer, state_dir, unregister_trainer, uploader_running
 from .options import CheckpointConfig, UploaderMode
 from ._text import fmt_bytes
 from .remote import safe_url
@@ -163,6 +165,21 @@ class UploaderClient:
                 safe_url(self.url), error, pending, fmt_bytes(sum(remote_commit.local_bytes(self.root, s) for s in pending)),
                 os.path.join(state_dir(self.root), "uploader.log"),
             )
+
+    def kick(self) -> None:
+        """A step was committed here: wake the uploader (same host and PID namespace; else it polls)."""
+        if not self.active or not self.committer:
+            return
+        info = read_status(self.root)
+        pid = uploader_running(self.root)
+        # Only a process that is the uploader by pid *and* start time (in another PID
+        # namespace the same number may be another process): else it polls anyway.
+        if not pid or info.get("host") != socket.gethostname() or not pid_alive(pid, info.get("pid_start")):
+            return
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def _warn(self, kind: str, now: float, message: str, *args: Any) -> None:
         if now - self._warned.get(kind, -WARN_EVERY_S) < WARN_EVERY_S:
