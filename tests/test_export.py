@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shardckpt  # noqa: E402
 from programs.common import TinyNet  # noqa: E402  (benchmarks/ has a module named common too)
 from helpers import PROGRAMS, run_torchrun  # noqa: E402
-import s3server  # noqa: E402
 from s3server import BUCKET  # noqa: E402
 from shardckpt import cli, export, layout, local, remote, uploader  # noqa: E402
 from shardckpt.errors import (  # noqa: E402
@@ -32,9 +31,6 @@ from shardckpt.errors import (  # noqa: E402
     CorruptCheckpointError,
     ShardckptError,
 )
-
-s3 = s3server.s3  # the module-scoped S3 server fixture
-
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
@@ -190,15 +186,16 @@ def big_step(local_dir: Path, steps=(1, 2)) -> dict[int, dict]:
     return saved
 
 
-@pytest.fixture(params=["file", "s3"])
-def remote_url(request, tmp_path):
-    if request.param == "file":
-        return f"file://{tmp_path}/remote"
-    request.getfixturevalue("s3").reset()
-    return f"s3://{BUCKET}/export"
+def test_export_from_a_file_remote_fetches_only_the_files_holding_the_module(tmp_path, monkeypatch):
+    check_export_from_remote(f"file://{tmp_path}/remote", tmp_path, monkeypatch)
 
 
-def test_export_from_a_remote_fetches_only_the_files_holding_the_module(remote_url, tmp_path, monkeypatch):
+def test_export_from_s3_fetches_only_the_files_holding_the_module(s3, tmp_path, monkeypatch):
+    s3.reset()
+    check_export_from_remote(f"s3://{BUCKET}/export", tmp_path, monkeypatch)
+
+
+def check_export_from_remote(remote_url, tmp_path, monkeypatch):
     local_dir = tmp_path / "local"
     saved = big_step(local_dir)
     assert uploader.Uploader(str(local_dir), remote.open_store(remote_url, transfer()), node="n0", once=True,

@@ -622,15 +622,19 @@ class S3Store(Store):
 
     # ---- download
 
+    def _get_object(self, key: str) -> Any:
+        """GetObject's answer, or ``None`` when there is no such object (one request, no retry)."""
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self.full_key(key))
+        except self._bexc.ClientError as exc:
+            if self._is_missing(exc):
+                return None
+            raise
+
     def get_bytes(self, key: str, deadline: Deadline) -> bytes | None:
         def call() -> bytes | None:
-            try:
-                resp = self.client.get_object(Bucket=self.bucket, Key=self.full_key(key))
-            except self._bexc.ClientError as exc:
-                if self._is_missing(exc):
-                    return None
-                raise
-            return resp["Body"].read()
+            resp = self._get_object(key)
+            return None if resp is None else resp["Body"].read()
 
         return self.retry(call, "download of", key, deadline)
 
@@ -737,12 +741,9 @@ class S3Store(Store):
 
     def read_checksum(self, key: str, like: str, deadline: Deadline) -> tuple[int, str] | None:
         def call() -> tuple[int, str] | None:
-            try:
-                resp = self.client.get_object(Bucket=self.bucket, Key=self.full_key(key))
-            except self._bexc.ClientError as exc:
-                if self._is_missing(exc):
-                    return None
-                raise
+            resp = self._get_object(key)
+            if resp is None:
+                return None
             digest = layout.Checksum.like(like)
             n = 0
             for chunk in resp["Body"].iter_chunks(chunk_size=1 << 20):
