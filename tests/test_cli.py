@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import shardckpt  # noqa: E402
 from helpers import ROOT, child_env  # noqa: E402
-from s3server import BUCKET, stop_uploaders  # noqa: E402
+from s3server import BUCKET, reset_if_used, stop_uploaders  # noqa: E402
 from shardckpt import cli, layout, remote, uploader  # noqa: E402
 
 LS_KEYS = {"step", "bytes", "files", "world_size", "created", "created_utc", "live", "abandoned", "branch",
@@ -29,16 +29,13 @@ LS_KEYS = {"step", "bytes", "files", "world_size", "created", "created_utc", "li
 
 
 @pytest.fixture(autouse=True)
-def fresh_bucket(s3, tmp_path):
-    s3.reset()
+def fresh_bucket(request, tmp_path):
+    reset_if_used(request)
     yield
     stop_uploaders(tmp_path, grace_s=2.0)
 
 
-@pytest.fixture
-def steps(s3, tmp_path):
-    """Steps 1-3 of a small model, committed locally and on the S3 server."""
-    local_dir, url = tmp_path / "ckpt", f"s3://{BUCKET}/cli"
+def save_three_steps(local_dir: Path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 8)
     optim = torch.optim.AdamW(model.parameters())
@@ -48,6 +45,20 @@ def steps(s3, tmp_path):
             model(torch.randn(4, 16)).sum().backward()
             optim.step()
             ckpt.save({"model": model, "optimizer": optim}, step).wait()
+
+
+@pytest.fixture
+def local_steps(tmp_path):
+    """Steps 1-3 of a small model in a local directory."""
+    save_three_steps(tmp_path / "ckpt")
+    return tmp_path / "ckpt", None
+
+
+@pytest.fixture
+def steps(s3, tmp_path):
+    """Steps 1-3 of a small model, committed locally and on the S3 server."""
+    local_dir, url = tmp_path / "ckpt", f"s3://{BUCKET}/cli"
+    save_three_steps(local_dir)
     assert uploader.Uploader(str(local_dir), remote.open_store(url), node="n0", once=True, poll_s=0.05).run() == 0
     return local_dir, url
 
@@ -116,7 +127,7 @@ def test_verify_names_every_bad_file_and_exits_1(steps, s3, capsys, where):
     assert {p["file"] for p in body["steps"][0]["problems"]} == {name, ".metadata"}
 
 
-def test_missing_directory_and_empty_remote_are_errors(tmp_path, capsys):
+def test_missing_directory_and_empty_remote_are_errors(s3, tmp_path, capsys):
     code, _, err = run(capsys, "ls", str(tmp_path / "nope"))
     assert code == 2 and "no checkpoint directory at" in err and "Remedy" in err
     assert err.count("\n") == 1  # one line
@@ -165,22 +176,23 @@ def test_status_reports_the_uploader(steps, tmp_path, capsys):
     assert code == 1 and "no uploader has run here" in out
 
 
-def test_python_m_shardckpt_starts_without_torch(steps):
-    local_dir, _url = steps
+def test_python_m_shardckpt_starts_without_torch(local_steps):
+    local_dir, _url = local_steps
     probe = ("import sys; from shardckpt import cli; code = cli.main(sys.argv[1:]); "
              "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(code)")
-    for argv in (["ls", str(local_dir)], ["verify", str(local_dir), "--all"], ["inspect", str(local_dir)],
-                 ["status", str(local_dir)], ["gc", str(local_dir), "--keep-last", "3", "--dry-run"]):
+    for argv, code in ((["ls", str(local_dir)], 0), (["verify", str(local_dir), "--all"], 0),
+                       (["inspect", str(local_dir)], 0), (["gc", str(local_dir), "--keep-last", "3", "--dry-run"], 0),
+                       (["status", str(local_dir)], 1)):  # status: no uploader has run here
         proc = subprocess.run([sys.executable, "-c", probe, *argv], env=child_env(), capture_output=True, text=True,
                               cwd=str(ROOT), timeout=120)
-        assert proc.returncode == 0, (argv, proc.stdout, proc.stderr)
+        assert proc.returncode == code, (argv, proc.stdout, proc.stderr)
     proc = subprocess.run([sys.executable, "-m", "shardckpt", "ls", str(local_dir), "--json"], env=child_env(),
                           capture_output=True, text=True, cwd=str(ROOT), timeout=120)
     assert proc.returncode == 0 and [r["step"] for r in json.loads(proc.stdout)["steps"]] == [1, 2, 3]
 
 
-def test_progress_bar_on_a_terminal(steps):
-    local_dir, _url = steps
+def test_progress_bar_on_a_terminal(local_steps):
+    local_dir, _url = local_steps
     main_fd, child_fd = pty.openpty()
     seen = bytearray()
 

@@ -73,6 +73,11 @@ def test_best_light_full_and_run_config(tmp_path, capsys):
     assert "policies.py best-light-config" in shown
 
 
+# Policies, not the S3 protocol, are under test here: one server is enough (the remote-tier tests run on both).
+ONE_SERVER = pytest.mark.parametrize("s3", ["moto"], indirect=True)
+
+
+@ONE_SERVER
 def test_best_by_metric_on_the_s3_server(bucket, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -84,6 +89,7 @@ def test_best_by_metric_on_the_s3_server(bucket, tmp_path):
     assert got["best_from_remote"] == 4 and got["params_equal"] is True
 
 
+@ONE_SERVER
 def test_remote_every_uploads_every_third_step_and_the_preemption_save(bucket, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
