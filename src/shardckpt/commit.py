@@ -6,7 +6,8 @@ exchanges, so one rank's failure is every rank's failure, raised by every
 rank for the same step::
 
     1. DCP writes this rank's shards into <local_dir>/.partial-step_<N>-<nonce>
-    2. every rank hashes the files it wrote (rank 0 also .metadata)
+    2. every rank takes the checksums of the files it wrote (rank 0 also
+       .metadata), computed while writing (no read back)
     3. exchange 1: file tables and errors                   (all_gather, io)
        any error: the partial directory goes, every rank raises SaveError
     4. each copy's committer (see topology.py: rank 0 of a shared directory,
@@ -171,9 +172,11 @@ class StepWriter:
             if job.fence is not None:
                 job.fence.synchronize()  # on a GPU the copies into the buffers may still run
             os.makedirs(partial, exist_ok=True)
-            local.dcp_write(job.staged, partial, process_group=self._groups.io, io_threads=self.config.io_threads)
+            sums = local.dcp_write(
+                job.staged, partial, process_group=self._groups.io, io_threads=self.config.io_threads, rank=rank
+            )
             _failpoints.hit("write.done")
-            table = step_dirs.hash_files(partial, step_dirs.own_files(partial, rank), rank)
+            table = {name: (size, digest, rank) for name, (size, digest) in sums.items()}
             _failpoints.hit("write.hashed")
             if rank == 0 and not topo.shared:
                 with open(os.path.join(partial, layout.METADATA_NAME), "rb") as f:

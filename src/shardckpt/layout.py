@@ -283,32 +283,49 @@ def committed_steps(root: str) -> list[int]:
     return sorted(steps)
 
 
-def verify_files(step_dir: str, manifest: Manifest, names: Iterable[str] | None = None) -> None:
-    """Check size and checksum of ``names`` (all files by default) against the manifest."""
+def verify_remedy(step: int) -> str:
+    return (
+        "Remedy: restore the file from the remote tier (`shardckpt pull --remote URL --local DIR "
+        f"--step {step}` replaces files that fail), load an earlier step with load(step=...), "
+        "or set on_corrupt='fallback'."
+    )
+
+
+def file_problem(step: int, path: str, entry: FileEntry, size: int, digest: str | None) -> str | None:
+    """What is wrong with a file of ``size`` bytes and checksum ``digest`` (None: not hashed), or None."""
+    if size != entry.size:
+        return (
+            f"step {step}: file {path} is {size} bytes, the manifest says {entry.size} "
+            f"(truncated or overwritten). {verify_remedy(step)}"
+        )
+    if digest is not None and digest != entry.checksum:
+        return (
+            f"step {step}: file {path} fails its {entry.checksum.split(':')[0]} checksum "
+            f"(corrupted or tampered). {verify_remedy(step)}"
+        )
+    return None
+
+
+def verify_files(step_dir: str, manifest: Manifest, names: Iterable[str] | None = None, *, hash: bool = True) -> None:
+    """Check size and checksum of ``names`` (all files by default) against the manifest.
+
+    ``hash=False`` checks presence and size only (a ``stat``).
+    """
     for name in manifest.files if names is None else names:
         entry = manifest.files[name]
         path = os.path.join(step_dir, name)
-        remedy = (
-            "Remedy: restore the file from the remote tier (`shardckpt pull --remote URL --local DIR "
-            f"--step {manifest.step}` replaces files that fail), load an earlier step with load(step=...), "
-            "or set on_corrupt='fallback'."
-        )
         try:
-            size, digest = checksum_file(path, like=entry.checksum)
+            if hash:
+                size, digest = checksum_file(path, like=entry.checksum)
+            else:
+                size, digest = os.path.getsize(path), None
         except FileNotFoundError:
             raise CorruptCheckpointError(
-                f"step {manifest.step}: file {path} named in the manifest is missing. {remedy}"
+                f"step {manifest.step}: file {path} named in the manifest is missing. {verify_remedy(manifest.step)}"
             ) from None
-        if size != entry.size:
-            raise CorruptCheckpointError(
-                f"step {manifest.step}: file {path} is {size} bytes, the manifest says {entry.size} "
-                f"(truncated or overwritten). {remedy}"
-            )
-        if digest != entry.checksum:
-            raise CorruptCheckpointError(
-                f"step {manifest.step}: file {path} fails its {entry.checksum.split(':')[0]} checksum "
-                f"(corrupted or tampered). {remedy}"
-            )
+        problem = file_problem(manifest.step, path, entry, size, digest)
+        if problem:
+            raise CorruptCheckpointError(problem)
 
 
 def absent_files(step_dir: str, manifest: Manifest) -> list[str]:

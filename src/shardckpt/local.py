@@ -15,14 +15,17 @@ import os
 import pickle
 import re
 import shutil
+import threading
 import uuid
 import warnings
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -41,6 +44,91 @@ except ImportError:  # pragma: no cover - moved between torch releases
     from torch.distributed.checkpoint._nested_dict import set_element  # type: ignore
 
 
+class _HashingStream(io.RawIOBase):
+    """A file opened for writing that checksums what passes through it.
+
+    DCP writes a step's files front to back (``tell`` only records offsets),
+    so the checksum of the writes is the checksum of the file and the commit
+    need not read the files back. Anything else (a ``seek``) spoils it: the
+    file is then hashed from disk as before.
+    """
+
+    def __init__(self, raw: Any) -> None:
+        super().__init__()
+        self._raw = raw
+        self.checksum: layout.Checksum | None = layout.Checksum()
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        written = self._raw.write(view)
+        if written is None or written != view.nbytes:  # a short write: let the disk tell the truth
+            self.checksum = None
+            written = view.nbytes if written is None else written
+        if self.checksum is not None:
+            self.checksum.update(view[:written])
+        self.size += written
+        return written
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.checksum = None
+        return self._raw.seek(offset, whence)
+
+    def seekable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        self._raw.flush()  # DCP asks for the descriptor to fsync it: nothing may wait in our buffer
+        return self._raw.fileno()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def close(self) -> None:
+        # DCP closes the stream itself after its fsync; the file is closed by create_stream.
+        self._raw.flush()
+        super().close()
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, remembering the checksum of every file it wrote whole.
+
+    One instance per writer, hence per directory: files are known by name.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self.written: dict[str, tuple[int, str]] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, mode) as raw:
+            stream = _HashingStream(raw)
+            yield stream
+            raw.flush()
+            if stream.checksum is not None:
+                with self._lock:
+                    self.written[os.path.basename(path)] = (stream.size, stream.checksum.value())
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            entry = self.written.pop(os.path.basename(path), None)
+            if entry is not None:
+                self.written[os.path.basename(new_path)] = entry
+
+
 class CheckedWriter(FileSystemWriter):
     """DCP's file writer, refusing to report success for items it did not write.
 
@@ -49,7 +137,13 @@ class CheckedWriter(FileSystemWriter):
     error) is printed by the thread and lost, and the save would finish with
     metadata that points at nothing. Here every planned item must come back
     with a result, else the write fails, naming the items.
+
+    Files are checksummed while they are written (:meth:`checksums`).
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fs = _HashingFileSystem()
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)
@@ -62,13 +156,32 @@ class CheckedWriter(FileSystemWriter):
             )
         return future
 
+    def checksums(self, directory: str, names: list[str]) -> dict[str, tuple[int, str]]:
+        """Size and checksum of each of ``names`` in ``directory``: from the write, else read back."""
+        out = {}
+        for name in names:
+            path = os.path.join(directory, name)
+            seen = self.fs.written.get(name)
+            if seen is not None and os.path.getsize(path) == seen[0]:
+                out[name] = seen
+            else:
+                out[name] = layout.checksum_file(path)
+        return out
 
-def dcp_write(state_dict: dict[str, Any], directory: str, *, process_group: Any, io_threads: int) -> None:
+
+def dcp_write(
+    state_dict: dict[str, Any], directory: str, *, process_group: Any, io_threads: int, rank: int
+) -> dict[str, tuple[int, str]]:
+    """Write this rank's shards (and on rank 0 ``.metadata``) into ``directory``.
+
+    Returns size and checksum of each file this rank wrote, taken while writing.
+    """
     writer = CheckedWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=io_threads)
     no_dist = not (dist.is_available() and dist.is_initialized())
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
         dcp.save(state_dict, storage_writer=writer, process_group=process_group, no_dist=no_dist)
+    return writer.checksums(directory, step_dirs.own_files(directory, rank))
 
 
 # ------------------------------------------------------------------ loading
@@ -151,15 +264,34 @@ def assert_metadata(metadata: Metadata | None) -> None:
         raise CorruptCheckpointError("DCP metadata is missing for this step")
 
 
-def dcp_read(target: dict[str, Any], step_dir: str, metadata: Metadata, planner: RestorePlanner, process_group: Any) -> None:
-    # The loader entry point below takes ``target`` as is: dcp.load would
-    # replace the top-level dict, losing entries the planner rebuilds there.
-    reader = TrustingReader(step_dir, metadata)
+def dcp_read(
+    target: dict[str, Any],
+    step_dir: str,
+    metadata: Metadata,
+    planner: RestorePlanner,
+    process_group: Any,
+    *,
+    step: int,
+    entries: dict[str, layout.FileEntry] | None,
+    copies: list[list[int]],
+    checked: set[str] = frozenset(),  # type: ignore[assignment]
+) -> list[tuple[str, str]]:
+    """Read ``step_dir`` into ``target`` in place (:class:`dcp_reader.CheckedReader`).
+
+    With ``entries`` (the manifest's files) every file not in ``checked`` is
+    checksummed by one rank of its copy while it is read; returns this rank's
+    ``(file, problem)`` pairs. ``target`` is taken as is: dcp.load would
+    replace the top-level dict, losing entries the planner rebuilds there.
+    """
+    from .dcp_reader import CheckedReader
+
+    reader = CheckedReader(step_dir, metadata, step=step, entries=entries, copies=copies, skip=checked)
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         _load_state_dict(target, storage_reader=reader, planner=planner, process_group=process_group, no_dist=no_dist)
     except CheckpointException as exc:
         raise unwrap_failure(exc, f"reading {step_dir}") from exc
+    return reader.failures
 
 
 def unwrap_failure(exc: CheckpointException, doing: str) -> BaseException:

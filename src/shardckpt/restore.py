@@ -12,14 +12,18 @@
     2. fetch what a directory copy lacks: from the remote (each file checked
        against the manifest while it downloads), else from the copies of
        other nodes over the process group (also checked); one exchange
-    3. verify checksums, the work split over the ranks of each copy; a file
-       failing it is fetched again from the remote when the step is there;
-       every rank sees every failure (and with ``on_corrupt="fallback"`` every
-       rank moves on to the next step)
+    3. check presence and size of every file (a stat; the work split over the
+       ranks of each copy); one exchange: a missing or truncated file stops
+       the step before anything is read
     4. read DCP's metadata through the restricted unpickler, check run id,
        keys and shapes (strict)
     5. DCP read into the live module / optimizer state dicts and into rebuilt
-       entries (plain values, stateful objects, this rank's RNG)
+       entries (plain values, stateful objects, this rank's RNG), stored
+       tensors straight into the live tensors' memory, each file checksummed
+       by one rank of its copy while it is read (``dcp_reader.py``); one
+       exchange: a file failing it is fetched again from the remote when the
+       step is there and the step read again; every rank sees every failure
+       (and with ``on_corrupt="fallback"`` every rank moves on to the next step)
     6. apply to the live objects, restore RNG; one log line; the elastic plan;
        the lineage the next saves continue (agreed on rank 0)
 """
@@ -133,7 +137,10 @@ class Restorer:
         for candidate in survey.candidates:
             step_dir = os.path.join(self.root, layout.step_dirname(candidate))
             try:
-                manifest = self._prepare(candidate, step_dir, survey)
+                manifest, checked = self._prepare(candidate, step_dir, survey)
+                self._load_checked(
+                    state, candidate, step_dir, manifest, checked, survey, strict=strict, trust_pickles=trust_pickles
+                )
             except CorruptCheckpointError as exc:
                 if self.config.on_corrupt == OnCorrupt.FALLBACK and step is None:
                     if _dist.rank() == 0:
@@ -141,7 +148,6 @@ class Restorer:
                     last_error = exc
                     continue
                 raise
-            self._load_step(state, candidate, step_dir, manifest, strict=strict, trust_pickles=trust_pickles)
             took = time.monotonic() - t_start
             if _dist.rank() == 0:
                 self._warn_config_changes(candidate, manifest)
@@ -349,13 +355,18 @@ class Restorer:
 
     # ------------------------------------------------------------ 2-3. fetch, verify
 
-    def _prepare(self, step: int, step_dir: str, survey: Survey) -> layout.Manifest:
-        """Complete this copy of ``step`` and verify it (collective); returns its manifest."""
+    def _prepare(self, step: int, step_dir: str, survey: Survey) -> tuple[layout.Manifest, set[str]]:
+        """Complete this copy of ``step`` and check its files' presence and sizes (collective).
+
+        Returns its manifest and the files this rank already checked (downloaded
+        and checked on the way); the checksums of the others are checked while
+        they are read (:meth:`_load_checked`).
+        """
+        received: set[str] = set()
         if step in survey.early:
             errors = survey.early[step]
             manifest = layout.read_manifest(step_dir)
         else:
-            received: set[str] = set()
             lacking = any(step in m and m[step] for m in survey.missing) or any(step not in m for m in survey.missing)
             if lacking and step in survey.remote_steps:
                 received = self._fetch_missing(step, step_dir)
@@ -373,10 +384,14 @@ class Restorer:
             raise CorruptCheckpointError(errors[0] + (f" ({len(errors) - 1} more)" if len(errors) > 1 else ""))
         if manifest is None:
             self._raise_not_found(step, survey)
-        return manifest
+        return manifest, received
 
     def _check_share(self, step_dir: str, manifest: layout.Manifest, skip: set[str]) -> tuple[str | None, list[str]]:
-        """This rank's share of the checksum verification of its copy: (first error, failing files)."""
+        """This rank's share of the size check of its copy (a stat each): (first error, failing files).
+
+        A missing or truncated file is found here, before anything is read
+        into the live state; checksums are compared while reading.
+        """
         if not self.config.verify_on_load:
             return None, []
         names = sorted(n for n in manifest.files if n not in skip)
@@ -384,11 +399,48 @@ class Restorer:
         failed: list[str] = []
         for name in self.topology.share_of(names):
             try:
-                layout.verify_files(step_dir, manifest, [name])
+                layout.verify_files(step_dir, manifest, [name], hash=False)
             except CorruptCheckpointError as exc:
                 error = error or str(exc)
                 failed.append(name)
         return error, failed
+
+    def _load_checked(
+        self,
+        state: dict[str, Any],
+        step: int,
+        step_dir: str,
+        manifest: layout.Manifest,
+        checked: set[str],
+        survey: Survey,
+        *,
+        strict: bool,
+        trust_pickles: bool,
+    ) -> None:
+        """Read the step into ``state``, checksums compared on the way; every rank learns every failure.
+
+        A file that fails is fetched again from the remote (when the step is
+        there) and the step read again; else every rank raises
+        :class:`CorruptCheckpointError` (the state may then hold part of the
+        failed step: a fallback reads an older step over it).
+        """
+        for attempt in (1, 2):
+            failures = self._load_step(
+                state, step, step_dir, manifest, strict=strict, trust_pickles=trust_pickles, checked=checked
+            )
+            gathered = self._groups.all_gather_ctl(failures)
+            errors = [message for per_rank in gathered for _name, message in per_rank]
+            if not errors:
+                return
+            if attempt == 1 and step in survey.remote_steps:
+                left = self._refetch(step, step_dir, errors, [[name for name, _m in per_rank] for per_rank in gathered])
+                if not left:
+                    continue
+                errors = left
+            raise CorruptCheckpointError(
+                errors[0] + (f" ({len(errors) - 1} more)" if len(errors) > 1 else "")
+                + " The state passed to load() may hold part of this step: load another step into it."
+            )
 
     def _refetch(self, step: int, step_dir: str, errors: list[str], failed: list[list[str]]) -> list[str]:
         """Replace files that failed verification with the remote's copy (checked while downloading).
@@ -539,7 +591,9 @@ class Restorer:
         *,
         strict: bool,
         trust_pickles: bool,
-    ) -> None:
+        checked: set[str] = frozenset(),  # type: ignore[assignment]
+    ) -> list[tuple[str, str]]:
+        """Read ``step`` into ``state``; returns the files this rank found failing their checksum."""
         run_id = self.config.run_id
         if run_id is not None and manifest.run_id is not None and manifest.run_id != run_id:
             raise ForeignCheckpointError(
@@ -619,7 +673,13 @@ class Restorer:
             return has_rng and self.config.capture_rng and path[:3] == (state_mod.RESERVED_KEY, state_mod.RNG, rng_key)
 
         planner = local.RestorePlanner(rebuild, allow_partial_load=True, trust_pickles=trust_pickles)
-        local.dcp_read(targets, step_dir, metadata, planner, self._groups.ctl)
+        failures = local.dcp_read(
+            targets, step_dir, metadata, planner, self._groups.ctl, step=step,
+            entries=manifest.files if self.config.verify_on_load else None,
+            copies=[list(c) for c in self.topology.copies], checked=checked,
+        )
+        if failures:
+            return failures
         for key, entries in frozen.items():
             targets[key].update(entries)  # the live base, as it is
         kinds_all = dict(kinds_live)
@@ -641,6 +701,7 @@ class Restorer:
                     rank,
                     manifest.world_size,
                 )
+        return []
 
 
 def _shape_mismatches(flat_live: dict[str, Any], metadata: Any) -> list[str]:

@@ -34,14 +34,6 @@ def own_files(directory: str, rank: int) -> list[str]:
     return sorted(names)
 
 
-def hash_files(directory: str, names: list[str], rank: int) -> dict[str, tuple[int, str, int]]:
-    out = {}
-    for name in names:
-        size, digest = layout.checksum_file(os.path.join(directory, name))
-        out[name] = (size, digest, rank)
-    return out
-
-
 @dataclasses.dataclass
 class Commit:
     """A step renamed into place whose outcome the other ranks have not confirmed yet."""

@@ -1,0 +1,461 @@
+"""Read a step's DCP files straight into the live tensors, checking checksums on the way.
+
+Stock DCP reads every stored tensor with ``torch.load`` into freshly
+allocated memory and then copies it into the destination: two passes over
+new memory, plus a separate pass to hash the files when the manifest is
+checked first. :class:`CheckedReader` instead
+
+* finds where the raw bytes of each stored tensor lie inside DCP's record (a
+  ``torch.save`` zip written uncompressed) and reads them with ``readinto``
+  directly into the destination tensor when dtype and layout allow (else into
+  one buffer of the stored shape, then copies the part that is needed);
+* reads each file front to back, feeding every byte to the file's checksum in
+  a helper thread while the next chunk is read (xxhash releases the GIL), so
+  verification costs no second read;
+* splits verification over the ranks of each copy of the step: a file is
+  checked by one rank of the copy that reads it (or, if none does, by the
+  least loaded rank of the copy), decided by DCP's coordinator from every
+  rank's load plan.
+
+Files are left as DCP wrote them: stock ``dcp.load`` reads them, and this
+reader reads stock DCP files. Anything the fast path does not recognise goes
+through ``torch.load`` as in DCP. A checksum failure is recorded (not raised)
+so that every rank can learn every failure in one exchange after the read;
+the destination tensors may then hold bytes of the failed file.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import dataclasses
+import io
+import os
+import pickle
+import queue
+import struct
+import threading
+import zipfile
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.futures import Future
+from torch.storage import _get_dtype_from_pickle_storage_type as _dtype_of_storage
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+from . import layout
+from .errors import CorruptCheckpointError
+
+try:
+    from torch.distributed.checkpoint._traverse import narrow_tensor_by_index  # type: ignore
+except ImportError:  # pragma: no cover - moved between torch releases
+    from torch.distributed._shard._utils import narrow_tensor_by_index  # type: ignore
+
+CHUNK = 8 << 20
+"""Bytes per read: small enough that the hash thread finds them in the CPU cache."""
+
+
+@dataclasses.dataclass
+class StoredTensor:
+    """Where a stored tensor's bytes lie in its file, and how they are laid out."""
+
+    data_offset: int
+    """Absolute offset of the first byte of the tensor's storage in the file."""
+    dtype: torch.dtype
+    size: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.size:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+# ------------------------------------------------------------ the record's layout
+
+
+class _Slice(io.RawIOBase):
+    """A read-only window [start, start + length) of an open file."""
+
+    def __init__(self, f: Any, start: int, length: int) -> None:
+        super().__init__()
+        self._f, self._start, self._len, self._pos = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buf: Any) -> int:
+        want = min(len(buf), self._len - self._pos)
+        if want <= 0:
+            return 0
+        got = os.preadv(self._f.fileno(), [memoryview(buf)[:want]], self._start + self._pos)
+        self._pos += got
+        return got
+
+
+class _Ref:
+    def __init__(self, dtype: torch.dtype, key: str, numel: int) -> None:
+        self.dtype, self.key, self.numel = dtype, key, numel
+
+
+class _Layout:
+    def __init__(self, ref: _Ref, offset: int, size: tuple[int, ...], stride: tuple[int, ...]) -> None:
+        self.ref, self.offset, self.size, self.stride = ref, offset, tuple(size), tuple(stride)
+
+
+def _rebuild(storage: Any, storage_offset: int, size: Any, stride: Any, *_rest: Any) -> _Layout:
+    if not isinstance(storage, _Ref):
+        raise pickle.UnpicklingError("not a plain storage")
+    return _Layout(storage, storage_offset, size, stride)
+
+
+class _LayoutUnpickler(pickle.Unpickler):
+    """Reads a tensor record's ``data.pkl`` only for its layout; refuses everything else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _rebuild
+        if module == "collections" and name == "OrderedDict":
+            return collections.OrderedDict
+        if module == "torch" and name.endswith("Storage"):
+            try:
+                return _dtype_of_storage(name)
+            except (KeyError, AttributeError) as exc:
+                raise pickle.UnpicklingError(f"{module}.{name}") from exc
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], torch.dtype)):
+            raise pickle.UnpicklingError("unexpected persistent id")
+        return _Ref(pid[1], str(pid[2]), int(pid[4]))
+
+
+def stored_tensor(f: Any, offset: int, length: int) -> StoredTensor | None:
+    """The layout of the tensor DCP stored at [offset, offset + length), or None if unusual.
+
+    Usual: one uncompressed storage holding exactly the tensor, contiguous,
+    from its first element. Anything else is left to ``torch.load``.
+    """
+    try:
+        with zipfile.ZipFile(_Slice(f, offset, length)) as zf:
+            infos = {i.filename: i for i in zf.infolist()}
+            pkl = [n for n in infos if n.endswith("/data.pkl")]
+            if len(pkl) != 1:
+                return None
+            prefix = pkl[0][: -len("data.pkl")]
+            stored = [n for n in infos if n.startswith(prefix + "data/")]
+            if len(stored) != 1:
+                return None
+            lay = _LayoutUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
+            info = infos[stored[0]]
+    except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError, AttributeError):
+        return None
+    if not isinstance(lay, _Layout) or info.compress_type != zipfile.ZIP_STORED or stored[0] != prefix + "data/" + lay.ref.key:
+        return None
+    numel = 1
+    for d in lay.size:
+        numel *= d
+    expected_stride, acc = [], 1
+    for d in reversed(lay.size):
+        expected_stride.append(acc)
+        acc *= d
+    contiguous = all(s == e for s, e, d in zip(lay.stride, reversed(expected_stride), lay.size) if d > 1)
+    itemsize = torch.empty((), dtype=lay.ref.dtype).element_size()
+    if lay.offset != 0 or numel != lay.ref.numel or not contiguous or info.file_size != numel * itemsize:
+        return None
+    header = os.pread(f.fileno(), 30, offset + info.header_offset)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        return None
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    start = offset + info.header_offset + 30 + name_len + extra_len
+    if start + info.file_size > offset + length:
+        return None
+    return StoredTensor(start, lay.ref.dtype, lay.size)
+
+
+def _memory_of(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable in place."""
+    nbytes = t.numel() * t.element_size()
+    if not nbytes:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+# ------------------------------------------------------------ hashing beside the reads
+
+
+class _Hasher:
+    """Feeds views to a checksum in a helper thread, in order; ``value()`` waits for the last."""
+
+    def __init__(self, like: str | None) -> None:
+        self.checksum = layout.Checksum.like(like)
+        self.size = 0
+        self._q: queue.Queue = queue.Queue(maxsize=8)
+        self._error: BaseException | None = None
+        self._closed = False
+        self._t = threading.Thread(target=self._run, name="shardckpt-hash", daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while True:
+            got = self._q.get()
+            if got is None:
+                return
+            try:
+                self.checksum.update(got[0])
+            except BaseException as exc:  # noqa: BLE001 - reported by value()
+                self._error = exc
+
+    def feed(self, view: Any, owner: Any = None) -> None:
+        """Queue ``view`` for the checksum; ``owner`` (the tensor whose memory it is) is kept alive until then."""
+        self.size += len(view) if isinstance(view, (bytes, bytearray)) else memoryview(view).nbytes
+        self._q.put((view, owner))
+
+    def value(self) -> str:
+        self.abandon()
+        self._t.join()
+        if self._error is not None:
+            raise self._error
+        return self.checksum.value()
+
+    def abandon(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._q.put(None)
+
+
+# ------------------------------------------------------------ the reader
+
+
+class CheckedReader(FileSystemReader):
+    """DCP's file reader with in-place reads and checksums checked while reading.
+
+    ``entries`` are the manifest's files (None: nothing to verify); ``copies``
+    the ranks sharing each copy of the step; ``skip`` files this rank already
+    verified (downloaded and checked). After the read, :attr:`failures` holds
+    ``(file, message)`` for every file this rank checked and found bad.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        metadata: Metadata,
+        *,
+        step: int,
+        entries: dict[str, layout.FileEntry] | None,
+        copies: list[list[int]],
+        skip: set[str] = frozenset(),  # type: ignore[assignment]
+    ) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+        self._step = step
+        self._entries = entries
+        self._copies = copies
+        self._skip = set(skip)
+        self.failures: list[tuple[str, str]] = []
+        self.checked: list[str] = []
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        self.storage_data = self._metadata.storage_data
+        return self._metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return dataclasses.replace(plan, storage_data=sorted(self._skip))
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """On the coordinator: which rank checks which file (one rank per file and copy)."""
+        if self._entries is None:
+            return [dataclasses.replace(p, storage_data=[]) for p in plans]
+        reads = [{self.storage_data[i.storage_index].relative_path for i in p.items} for p in plans]
+        assigned: list[list[str]] = [[] for _ in plans]
+        load = [0] * len(plans)
+        copies = [list(c) for c in self._copies if c] or [list(range(len(plans)))]
+        for copy in copies:
+            ranks = [r for r in copy if r < len(plans)]
+            if not ranks:
+                continue
+            done = set().union(*(set(plans[r].storage_data or ()) for r in ranks))
+            for name in sorted(self._entries, key=lambda n: -self._entries[n].size):  # type: ignore[index]
+                if name in done:
+                    continue
+                readers = [r for r in ranks if name in reads[r]] or ranks
+                r = min(readers, key=lambda x: load[x])
+                assigned[r].append(name)
+                load[r] += self._entries[name].size  # type: ignore[index]
+        return [dataclasses.replace(p, storage_data=sorted(a)) for p, a in zip(plans, assigned)]
+
+    def read_data(self, plan: LoadPlan, planner: Any) -> Any:
+        check = set(plan.storage_data or ())
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name in sorted(set(per_file) | check):
+            path = os.path.join(str(self.path), name)
+            entry = (self._entries or {}).get(name) if name in check else None
+            if name in check and entry is None:
+                continue  # not in the manifest: nothing to compare with
+            self._read_file(path, name, per_file.get(name, []), planner, entry)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    # ---- one file
+
+    def _read_file(
+        self, path: str, name: str, items: list[ReadItem], planner: Any, entry: layout.FileEntry | None
+    ) -> None:
+        hasher = _Hasher(entry.checksum) if entry is not None else None
+        try:
+            try:
+                f = open(path, "rb", buffering=0)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(
+                    f"step {self._step}: file {path} named in the manifest is missing. "
+                    + layout.verify_remedy(self._step)
+                ) from None
+            with f:
+                try:
+                    hasher = self._read_records(f, path, name, items, planner, entry, hasher)
+                except Exception:
+                    # A record that cannot be parsed: a damaged file tells by its checksum.
+                    if hasher is not None:
+                        hasher.abandon()
+                        hasher = None
+                    known = (self._entries or {}).get(name)
+                    if known is None:
+                        raise
+                    size, digest = layout.checksum_file(path, like=known.checksum)
+                    problem = layout.file_problem(self._step, path, known, size, digest)
+                    if problem is None:
+                        raise
+                    self.failures.append((name, problem))
+        finally:
+            if hasher is not None:
+                hasher.abandon()
+
+    def _read_records(
+        self, f: Any, path: str, name: str, items: list[ReadItem], planner: Any,
+        entry: layout.FileEntry | None, hasher: _Hasher | None,
+    ) -> _Hasher | None:
+        """Every requested record of one file, in file order; returns the hasher still running (None)."""
+        size = os.fstat(f.fileno()).st_size
+        pos = 0
+        records = sorted(items, key=lambda i: self.storage_data[i.storage_index].offset)
+        for item in records:
+            info = self.storage_data[item.storage_index]
+            start, end = info.offset, info.offset + info.length
+            if end > size:
+                raise CorruptCheckpointError(
+                    f"step {self._step}: file {path} is {size} bytes, too short for the item "
+                    f"{item.storage_index.fqn!r} it holds (truncated). " + layout.verify_remedy(self._step)
+                )
+            if hasher is not None and start < pos:
+                hasher.abandon()  # overlapping records: not a file DCP wrote; check it apart
+                hasher = None
+                self._check_whole(path, name, entry)
+            if hasher is not None and start > pos:
+                _feed_range(f, pos, start, hasher)
+            self._read_item(f, item, start, end, planner, hasher)
+            pos = max(pos, end)
+        if hasher is not None:
+            if size > pos:
+                _feed_range(f, pos, size, hasher)
+            digest = hasher.value()
+            hasher = None
+            self.checked.append(name)
+            problem = layout.file_problem(self._step, path, entry, size, digest)  # type: ignore[arg-type]
+            if problem:
+                self.failures.append((name, problem))
+        return hasher
+
+    def _check_whole(self, path: str, name: str, entry: layout.FileEntry | None) -> None:
+        if entry is None:
+            return
+        size, digest = layout.checksum_file(path, like=entry.checksum)
+        self.checked.append(name)
+        problem = layout.file_problem(self._step, path, entry, size, digest)
+        if problem:
+            self.failures.append((name, problem))
+
+    def _read_item(self, f: Any, item: ReadItem, start: int, end: int, planner: Any, hasher: _Hasher | None) -> None:
+        if item.type == LoadItemType.BYTE_IO:
+            data = _read_range(f, start, end, hasher)
+            planner.load_bytes(item, io.BytesIO(data))
+            return
+        target = planner.resolve_tensor(item).detach()
+        stored = stored_tensor(f, start, end - start) if target.device.type == "cpu" else None
+        if stored is None or stored.dtype != target.dtype:
+            tensor = torch.load(io.BytesIO(_read_range(f, start, end, hasher)), map_location="cpu", weights_only=True)
+        else:
+            whole = all(o == 0 for o in item.storage_offsets) and tuple(item.lengths) == stored.size
+            if hasher is not None:
+                _feed_range(f, start, stored.data_offset, hasher)
+            if whole and target.is_contiguous() and tuple(target.size()) == stored.size:
+                _read_into(f, stored.data_offset, _memory_of(target), hasher, target)
+                if hasher is not None:
+                    _feed_range(f, stored.data_offset + stored.nbytes, end, hasher)
+                planner.commit_tensor(item, target)
+                return
+            tensor = torch.empty(stored.size, dtype=stored.dtype)
+            _read_into(f, stored.data_offset, _memory_of(tensor), hasher, tensor)
+            if hasher is not None:
+                _feed_range(f, stored.data_offset + stored.nbytes, end, hasher)
+        tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+        if target.size() != tensor.size():
+            raise CorruptCheckpointError(
+                f"step {self._step}: the stored item {item.storage_index.fqn!r} has shape {tuple(tensor.size())}, "
+                f"the state expects {tuple(target.size())}"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+
+
+def _read_into(f: Any, offset: int, view: memoryview, hasher: _Hasher | None, owner: Any = None) -> None:
+    """Fill ``view`` from the file at ``offset`` (chunks handed to ``hasher`` as they land).
+
+    ``owner`` holds the memory behind ``view`` (a tensor: views of its memory do
+    not keep it alive) until the hash thread is done with it.
+    """
+    view = view.cast("B") if view.format != "B" else view
+    n = view.nbytes
+    done = 0
+    while done < n:
+        want = min(CHUNK, n - done)
+        got = os.preadv(f.fileno(), [view[done : done + want]], offset + done)
+        if got <= 0:
+            raise CorruptCheckpointError(f"{f.name}: ends at {offset + done}, the item needs {n - done} more bytes (truncated)")
+        if hasher is not None:
+            hasher.feed(view[done : done + got], owner if owner is not None else view)
+        done += got
+
+
+def _read_range(f: Any, start: int, end: int, hasher: _Hasher | None) -> bytearray:
+    buf = bytearray(end - start)
+    _read_into(f, start, memoryview(buf), hasher)
+    return buf
+
+
+def _feed_range(f: Any, start: int, end: int, hasher: _Hasher) -> None:
+    """Read [start, end) only to checksum it (bytes no destination needs)."""
+    pos = start
+    while pos < end:
+        data = os.pread(f.fileno(), min(CHUNK, end - pos), pos)
+        if not data:
+            return  # the size comparison reports the short file
+        hasher.feed(data)
+        pos += len(data)
+
