@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="training steps per variant and round")
     parser.add_argument("--every", type=int, default=5, help="checkpoint every N steps (default 5)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds (median reported)")
+    parser.add_argument("--step-sleep", type=float, default=0.0,
+                        help="seconds each step also waits, as if the accelerator computed (the demo's loop: 0.1)")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=64)
@@ -72,6 +74,8 @@ def main() -> None:
         optim.zero_grad(set_to_none=True)
         model(x).pow(2).mean().backward()
         optim.step()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
 
     for _ in range(5):  # warm-up; also creates the optimizer state
         train_step()
@@ -147,7 +151,7 @@ def main() -> None:
     if rank == 0:
         result = common.new_result("training", state_bytes, unit="steps/s", better="higher",
                                    ratio_label="no checkpointing", repeats=args.repeats, world_size=world,
-                                   steps=args.steps, every=args.every)
+                                   steps=args.steps, every=args.every, step_sleep=args.step_sleep)
         for i, (label, _, _) in enumerate(variants):
             common.add_row(result, label, rates[label], floor=i == 0)
         result["notes"].append(
