@@ -425,10 +425,9 @@ class Restorer:
         failed step: a fallback reads an older step over it).
         """
         for attempt in (1, 2):
-            failures = self._load_step(
+            gathered = self._load_step(
                 state, step, step_dir, manifest, strict=strict, trust_pickles=trust_pickles, checked=checked
             )
-            gathered = self._groups.all_gather_ctl(failures)
             errors = [message for per_rank in gathered for _name, message in per_rank]
             if not errors:
                 return
@@ -592,8 +591,12 @@ class Restorer:
         strict: bool,
         trust_pickles: bool,
         checked: set[str] = frozenset(),  # type: ignore[assignment]
-    ) -> list[tuple[str, str]]:
-        """Read ``step`` into ``state``; returns the files this rank found failing their checksum."""
+    ) -> list[list[tuple[str, str]]]:
+        """Read ``step`` into ``state``; returns per rank the ``(file, problem)`` of checksum failures.
+
+        Collective: the failures are exchanged right after the read, and only
+        when there are none is the state applied to the live objects.
+        """
         run_id = self.config.run_id
         if run_id is not None and manifest.run_id is not None and manifest.run_id != run_id:
             raise ForeignCheckpointError(
@@ -678,8 +681,11 @@ class Restorer:
             entries=manifest.files if self.config.verify_on_load else None,
             copies=[list(c) for c in self.topology.copies], checked=checked,
         )
-        if failures:
-            return failures
+        # Every rank learns every checksum failure here, before anything is applied to the
+        # live objects (applying may be collective: all ranks must take the same path).
+        gathered = self._groups.all_gather_ctl(failures)
+        if any(gathered):
+            return gathered
         for key, entries in frozen.items():
             targets[key].update(entries)  # the live base, as it is
         kinds_all = dict(kinds_live)
@@ -701,7 +707,7 @@ class Restorer:
                     rank,
                     manifest.world_size,
                 )
-        return []
+        return gathered
 
 
 def _shape_mismatches(flat_live: dict[str, Any], metadata: Any) -> list[str]:
