@@ -30,6 +30,7 @@ import collections
 import ctypes
 import dataclasses
 import io
+import math
 import os
 import pickle
 import queue
@@ -39,13 +40,13 @@ import zipfile
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.futures import Future
 from torch.storage import _get_dtype_from_pickle_storage_type as _dtype_of_storage
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from . import layout
+from .local import TrustingReader
 from .errors import CorruptCheckpointError
 
 try:
@@ -68,10 +69,7 @@ class StoredTensor:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.size:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.size) * self.dtype.itemsize
 
 
 # ------------------------------------------------------------ the record's layout
@@ -166,16 +164,13 @@ def stored_tensor(f: Any, offset: int, length: int) -> StoredTensor | None:
         return None
     if not isinstance(lay, _Layout) or info.compress_type != zipfile.ZIP_STORED or stored[0] != prefix + "data/" + lay.ref.key:
         return None
-    numel = 1
-    for d in lay.size:
-        numel *= d
+    numel = math.prod(lay.size)
     expected_stride, acc = [], 1
     for d in reversed(lay.size):
         expected_stride.append(acc)
         acc *= d
     contiguous = all(s == e for s, e, d in zip(lay.stride, reversed(expected_stride), lay.size) if d > 1)
-    itemsize = torch.empty((), dtype=lay.ref.dtype).element_size()
-    if lay.offset != 0 or numel != lay.ref.numel or not contiguous or info.file_size != numel * itemsize:
+    if lay.offset != 0 or numel != lay.ref.numel or not contiguous or info.file_size != numel * lay.ref.dtype.itemsize:
         return None
     header = os.pread(f.fileno(), 30, offset + info.header_offset)
     if len(header) != 30 or header[:4] != b"PK\x03\x04":
@@ -203,7 +198,6 @@ class _Hasher:
 
     def __init__(self, like: str | None) -> None:
         self.checksum = layout.Checksum.like(like)
-        self.size = 0
         self._q: queue.Queue = queue.Queue(maxsize=8)
         self._error: BaseException | None = None
         self._closed = False
@@ -222,7 +216,6 @@ class _Hasher:
 
     def feed(self, view: Any, owner: Any = None) -> None:
         """Queue ``view`` for the checksum; ``owner`` (the tensor whose memory it is) is kept alive until then."""
-        self.size += len(view) if isinstance(view, (bytes, bytearray)) else memoryview(view).nbytes
         self._q.put((view, owner))
 
     def value(self) -> str:
@@ -241,7 +234,7 @@ class _Hasher:
 # ------------------------------------------------------------ the reader
 
 
-class CheckedReader(FileSystemReader):
+class CheckedReader(TrustingReader):
     """DCP's file reader with in-place reads and checksums checked while reading.
 
     ``entries`` are the manifest's files (None: nothing to verify); ``copies``
@@ -260,18 +253,12 @@ class CheckedReader(FileSystemReader):
         copies: list[list[int]],
         skip: set[str] = frozenset(),  # type: ignore[assignment]
     ) -> None:
-        super().__init__(path)
-        self._metadata = metadata
+        super().__init__(path, metadata)
         self._step = step
         self._entries = entries
         self._copies = copies
         self._skip = set(skip)
         self.failures: list[tuple[str, str]] = []
-        self.checked: list[str] = []
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        self.storage_data = self._metadata.storage_data
-        return self._metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return dataclasses.replace(plan, storage_data=sorted(self._skip))
@@ -336,10 +323,7 @@ class CheckedReader(FileSystemReader):
                         hasher.abandon()
                         hasher = None
                     known = (self._entries or {}).get(name)
-                    if known is None:
-                        raise
-                    size, digest = layout.checksum_file(path, like=known.checksum)
-                    problem = layout.file_problem(self._step, path, known, size, digest)
+                    problem = self._whole_file_problem(path, known) if known is not None else None
                     if problem is None:
                         raise
                     self.failures.append((name, problem))
@@ -366,7 +350,9 @@ class CheckedReader(FileSystemReader):
             if hasher is not None and start < pos:
                 hasher.abandon()  # overlapping records: not a file DCP wrote; check it apart
                 hasher = None
-                self._check_whole(path, name, entry)
+                problem = self._whole_file_problem(path, entry)  # type: ignore[arg-type]
+                if problem:
+                    self.failures.append((name, problem))
             if hasher is not None and start > pos:
                 _feed_range(f, pos, start, hasher)
             self._read_item(f, item, start, end, planner, hasher)
@@ -376,20 +362,15 @@ class CheckedReader(FileSystemReader):
                 _feed_range(f, pos, size, hasher)
             digest = hasher.value()
             hasher = None
-            self.checked.append(name)
             problem = layout.file_problem(self._step, path, entry, size, digest)  # type: ignore[arg-type]
             if problem:
                 self.failures.append((name, problem))
         return hasher
 
-    def _check_whole(self, path: str, name: str, entry: layout.FileEntry | None) -> None:
-        if entry is None:
-            return
+    def _whole_file_problem(self, path: str, entry: layout.FileEntry) -> str | None:
+        """The file checked on its own, from disk: what is wrong with it, or None."""
         size, digest = layout.checksum_file(path, like=entry.checksum)
-        self.checked.append(name)
-        problem = layout.file_problem(self._step, path, entry, size, digest)
-        if problem:
-            self.failures.append((name, problem))
+        return layout.file_problem(self._step, path, entry, size, digest)
 
     def _read_item(self, f: Any, item: ReadItem, start: int, end: int, planner: Any, hasher: _Hasher | None) -> None:
         if item.type == LoadItemType.BYTE_IO:
