@@ -36,12 +36,13 @@ from typing import Any
 import torch
 
 from . import _dist, _failpoints, layout, remote, remote_commit, topology
+from . import lineage as lineage_mod
 from . import elastic as elastic_mod
 from . import state as state_mod
 from ._text import fmt_bytes
 from .commit import SaveJob, StepWriter
 from .retention import FULL, LIGHT
-from .errors import ConfigError, RemoteError
+from .errors import ConfigError, CorruptCheckpointError, RemoteError
 from .node_registry import state_dir
 from .options import CheckpointConfig, OnRemoteUnavailable, SaveMode, UploaderMode
 from .policy import SavePolicy
@@ -207,6 +208,7 @@ class Checkpointer:
             if not self._writer.space_ok(step, tensor_bytes(captured)):
                 return None
             self._writer.prepare()
+            lineage = self._writer.lineage_for(step)
             if frozen and self._frozen is None:
                 self._frozen = self._fingerprint(state, frozen)
             staged, fence = self._stager.stage(captured)
@@ -223,7 +225,8 @@ class Checkpointer:
         user_md.update(metadata or {})
         job = SaveJob(step, staged, kinds, self._writer.partial_dir(step), user_md, t_start, blocked,
                       kind=kind, metrics=_metrics(metrics), upload=self._upload_this(decision.preempt),
-                      frozen=self._frozen or {}, run=self._run_record(), fence=fence)
+                      frozen=self._frozen or {}, run=self._run_record(), fence=fence, lineage=lineage,
+                      save_id=self._writer.save_id())
         self._saves += 1
         self._policy.record_blocked(blocked)
         future = self._executor.submit(self._writer.write_and_commit, job)
@@ -289,7 +292,7 @@ class Checkpointer:
         self._ensure_ready()
         restored = self._restorer.load(state, step, strict=strict, trust_pickles=trust_pickles, elastic=elastic)
         if self._restorer.next_lineage is not None:
-            self._writer.continue_lineage(self._restorer.next_lineage, self._restorer.newest_created)
+            self._writer.continue_lineage(self._restorer.next_lineage, self._restorer.newest_created, restored)
         if restored is not None:
             self._policy.last_saved_step = restored
         return restored
@@ -386,18 +389,33 @@ class Checkpointer:
         cfg = self.config
         uploads = cfg.uploader != UploaderMode.OFF
         error = None
+        foreign: tuple[str, float] | None = None
         if _dist.rank() == 0:
+            deadline = remote.Deadline(min(60.0, cfg.step_deadline_s))
             try:
-                remote_commit.probe(self._restorer.store(), remote.Deadline(min(60.0, cfg.step_deadline_s)), write=uploads)
-            except (RemoteError, OSError) as exc:
+                remote_commit.probe(self._restorer.store(), deadline, write=uploads)
+                if uploads and self._writer.lineage is None:
+                    foreign = self._foreign_history(deadline)
+            except (RemoteError, OSError, ConfigError, CorruptCheckpointError) as exc:
                 error = remote.redact(str(exc))
+                if isinstance(exc, CorruptCheckpointError):
+                    error = (f"the newest step on {remote.safe_url(cfg.remote)} cannot be read ({error}); this run "
+                             f"loaded nothing and will not save over it. Remedy: load(state) first, a prefix of its own, "
+                             f"or start_fresh=True.")
+                if isinstance(exc, (ConfigError, CorruptCheckpointError)):
+                    foreign = ("refused", 0.0)
             if uploads and cfg.remote_keep_last is None:
                 log.warning(
                     "shardckpt: remote retention keeps every step committed on %s (remote_keep_last=None); set "
                     "remote_keep_last (and remote_keep_every) to bound what the bucket holds, or clean it with "
                     "`shardckpt gc`", remote.safe_url(cfg.remote),
                 )
-        error = self._groups.broadcast_ctl(error)
+        error, foreign = self._groups.broadcast_ctl((error, foreign))
+        if foreign is not None and foreign[0] == "refused":
+            raise ConfigError(error)
+        if foreign is not None:
+            # start_fresh: a new history beside the remote's, forked before all of its steps.
+            self._writer.continue_lineage(lineage_mod.Lineage().fork(lineage_mod.NO_STEP, foreign[0]), foreign[1])
         if error is None:
             return
         if cfg.on_remote_unavailable == OnRemoteUnavailable.WARN:
@@ -412,6 +430,33 @@ class Checkpointer:
             f"would reach it: {error} Nothing was saved. Set on_remote_unavailable='warn' to train on with local "
             f"checkpoints only."
         )
+
+    def _foreign_history(self, deadline: remote.Deadline) -> tuple[str, float] | None:
+        """First save of a run that loaded nothing: does the remote hold another history's steps?
+
+        Saving into it would take that history over (and replace its steps of
+        the same numbers): refused with a :class:`ConfigError`, unless
+        ``start_fresh`` — then the new history is a branch of its own (returns
+        its id and the remote's newest time, which the new saves come after).
+        """
+        dirs, newest = remote_commit.newest_committed(self._restorer.store(), deadline)
+        if newest is None:
+            return None
+        where = remote.safe_url(self.config.remote)
+        if not self.config.start_fresh:
+            raise ConfigError(
+                f"the remote {where} already holds committed steps (the newest is step {newest.step}; step "
+                f"directories {dirs[0]}..{dirs[-1]}), but this run saves without having loaded any: its saves would "
+                f"take that history over and replace its steps of the same numbers. Nothing was saved. Remedy: call "
+                f"load(state) before the first save to continue that run; or point remote= at a prefix of its own; "
+                f"or set start_fresh=True (SHARDCKPT_START_FRESH=1) to start a new history there deliberately."
+            )
+        log.warning(
+            "shardckpt: start_fresh=True: %s holds steps up to %d of another history; this run starts a new one "
+            "beside it (those steps are no longer resumed by default; remote steps of the same numbers as new saves "
+            "are replaced)", where, newest.step,
+        )
+        return uuid.uuid4().hex[:10], newest.created
 
     def _hook_writes(self, state: dict[str, Any]) -> None:
         """Once per object: the steps that would change saved tensors wait for the copies of a save.

@@ -31,6 +31,7 @@ import datetime
 import json
 import logging
 import os
+import shutil
 import socket
 import sys
 from typing import Any, Sequence
@@ -149,6 +150,14 @@ def _step_row(step: int, manifest: layout.Manifest, abandoned: dict[int, str], t
 # ------------------------------------------------------------ looking at checkpoints
 
 
+def _kept(tier: Any) -> list[tuple[int, str]]:
+    """Earlier saves of step numbers set aside by later saves (local tiers only)."""
+    from . import step_dirs
+
+    root = getattr(tier, "root", None)
+    return step_dirs.kept_versions(root) if root else []
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     tier = _open(args)
     try:
@@ -156,9 +165,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
         live, abandoned = tier.live(manifests)
         metric, best = _best_steps(manifests, live, args)
         rows = [_step_row(s, m, abandoned, tier, best) for s, m in manifests.items()]
+        kept = _kept(tier)
         if args.json:
             _print_json({"source": tier.where, "steps": rows, "best_metric": metric,
-                         "unreadable": {str(k): v for k, v in tier.unreadable.items()}})
+                         "unreadable": {str(k): v for k, v in tier.unreadable.items()},
+                         "kept_aside": [{"step": s, "path": p} for s, p in kept]})
             return OK
         print(f"{tier.where}: {len(rows)} committed step(s)")
         print(f"{'step':>10}  {'size':>10}  {'files':>5}  {'world':>5}  {'kind':>5}  {'tiers':<12}  saved at (UTC)")
@@ -175,6 +186,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                   + (f"  ({'; '.join(notes)})" if notes else ""))
         for step, why in sorted(tier.unreadable.items()):
             print(f"{step:>10}  unreadable manifest: {why}")
+        for step, path in kept:
+            print(f"{step:>10}  an earlier save of step {step}, kept aside (abandoned) at {path}")
         return OK
     finally:
         tier.close()
@@ -306,6 +319,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
         doomed = retention.plan_deletions(live, policy, infos=infos)
         if not args.keep_abandoned:
             doomed = sorted(set(doomed) | set(abandoned))
+            for step, path in _kept(tier):
+                print(f"{'would delete' if args.dry_run else 'deleting'} the earlier save of step {step} kept "
+                      f"aside at {path}")
+                if not args.dry_run:
+                    shutil.rmtree(path, ignore_errors=True)
         for step in doomed:
             why = f" ({abandoned[step]})" if step in abandoned else ""
             print(f"{'would delete' if args.dry_run else 'deleting'} step {step}{why}")

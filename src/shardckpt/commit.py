@@ -70,6 +70,10 @@ class SaveJob:
     run: dict[str, Any] = dataclasses.field(default_factory=dict)
     fence: Any = None
     """When the staging copies are done (``stage.CopyFence``); the writer waits for it first."""
+    lineage: lineage_mod.Lineage | None = None
+    """The history this save belongs to (:meth:`StepWriter.lineage_for`); it becomes the writer's once committed."""
+    save_id: str = ""
+    """This save's identity, the same on every rank (:meth:`StepWriter.partial_dir`)."""
 
 
 class StepWriter:
@@ -94,12 +98,48 @@ class StepWriter:
         """Which ranks share this directory; set by the Checkpointer at the first save or load."""
         self.lineage: lineage_mod.Lineage | None = None
         """The branch this instance's saves belong to: set by a load, else at the first save."""
+        self.head_step: int | None = None
+        """The newest step of that branch: the step loaded, then each step committed."""
         self._newest_created = 0.0
 
-    def continue_lineage(self, lineage: lineage_mod.Lineage, newest_created: float) -> None:
+    def continue_lineage(self, lineage: lineage_mod.Lineage, newest_created: float, head_step: int | None = None) -> None:
         """After a load: later saves continue (or fork from) the loaded step's history."""
         self.lineage = lineage
+        self.head_step = head_step
         self._newest_created = max(self._newest_created, newest_created)
+
+    def lineage_for(self, step: int) -> lineage_mod.Lineage:
+        """The history a save of ``step`` belongs to (after :meth:`prepare`; the same on every rank).
+
+        A step number not above the newest step of the branch continued (a loop
+        that did not take its step counter from ``load()``, or saves a lower
+        number after loading) is handled like a rollback: a new branch forked
+        just below it, whose head is this save; the steps it passes over are
+        kept, abandoned, until ``shardckpt gc``. The same number as the head is
+        a save of that step again on the same branch (the earlier save is kept
+        aside, see :func:`step_dirs.finish_commit`).
+        """
+        current = self.lineage or lineage_mod.Lineage()
+        head = self.head_step
+        if head is None or step > head:
+            return current
+        if step == head:
+            if _dist.rank() == 0:
+                log.warning(
+                    "shardckpt: step %d is saved again: the new save replaces the earlier save of step %d in %s, "
+                    "which is kept aside (abandoned; `shardckpt gc` removes it)", step, step, self.root,
+                )
+            return current
+        # The new branch's id is derived from the nonce every rank agreed on and the save count.
+        lineage = current.fork(step - 1, branch=f"{self._nonce}{self._count + 1:x}"[-10:])
+        if _dist.rank() == 0:
+            log.warning(
+                "shardckpt: step %d is not above step %d, the newest step of the history this run continues "
+                "(did the loop restore its step counter from load()?). It starts a new branch whose head is step %d; "
+                "steps after %d of the earlier branch are kept but no longer resumed by default nor counted by "
+                "retention (`shardckpt gc` removes them)", step, head, step, step - 1,
+            )
+        return lineage
 
     # ---- main thread, before the write
 
@@ -130,6 +170,10 @@ class StepWriter:
     def partial_dir(self, step: int) -> str:
         self._count += 1
         return os.path.join(self.root, layout.partial_dirname(step, f"{self._count}-{self._nonce}"))
+
+    def save_id(self) -> str:
+        """The identity of the save :meth:`partial_dir` was last called for: agreed nonce + count."""
+        return f"{self._nonce}-{self._count}"
 
     def space_ok(self, step: int, local_bytes: int) -> bool:
         """Agree across ranks whether every node has room for this step."""
@@ -233,17 +277,22 @@ class StepWriter:
             )
             raise error from failure
         if commit is not None:
-            step_dirs.finish_commit(commit)
+            kept = step_dirs.finish_commit(commit)
+            if kept is not None:
+                log.info("shardckpt: step %d: the earlier save of step %d was kept aside as %s", step, step, kept)
         if manifest is None:  # not reached: a failure to build it is reported by exchange 2
             raise SaveError(f"step {step}: no manifest was built")
         self.last_total_bytes = manifest.total_bytes
         self.last_committed = step
         self._newest_created = manifest.created
+        if job.lineage is not None:
+            self.lineage = job.lineage
+        self.head_step = step
 
         # 6: retention (after the step is committed on every copy)
         if topo.committer:
             try:
-                self.apply_retention()
+                self.apply_retention(protect=step)
             except Exception as exc:  # noqa: BLE001 - the step is committed; old steps wait for the next save
                 log.warning(
                     "shardckpt: step %d is committed, but retention in %s failed (%s: %s); older steps stay "
@@ -274,22 +323,25 @@ class StepWriter:
             run_id=self.config.run_id,
             copies=[list(g) for g in self.topology.copies],
             created=created,
-            lineage=(self.lineage or lineage_mod.Lineage()).to_json(),
+            lineage=(job.lineage or self.lineage or lineage_mod.Lineage()).to_json(),
             kind=job.kind,
             metrics=dict(job.metrics),
             upload=job.upload,
             frozen=job.frozen,
             run=job.run,
+            save_id=job.save_id,
         )
 
-    def apply_retention(self) -> None:
+    def apply_retention(self, protect: int | None = None) -> None:
         """Retention over the live steps of this copy: steps abandoned by a rollback are neither
-        counted nor deleted (``shardckpt gc`` removes them)."""
+        counted nor deleted (``shardckpt gc`` removes them); ``protect`` (the step just
+        saved) is never deleted."""
         infos = lineage_mod.local_infos(self.root)
         live, _abandoned = lineage_mod.classify(infos)
-        for old in retention.plan_deletions(live, self._policy, self._deletable, infos=infos):
+        keep = () if protect is None else (protect,)
+        for old in retention.plan_deletions(live, self._policy, self._deletable, infos=infos, protect=keep):
             step_dirs.delete_step(self.root, old)
-            log.debug("shardckpt: retention removed step %d from %s", old, self.root)
+            log.info("shardckpt: retention removed step %d from %s", old, self.root)
 
 
 def _describe(exc: BaseException | None) -> str | None:

@@ -36,6 +36,9 @@ STEP_PREFIX = "step_"
 PARTIAL_PREFIX = ".partial-"
 TRASH_PREFIX = ".trash-"
 REPLACED_PREFIX = ".replaced-"
+KEPT_PREFIX = ".kept-"
+"""An earlier save of a step number, set aside by a later save of that number: never read as
+the step, kept (abandoned) until ``shardckpt gc`` removes it."""
 _STEP_RE = re.compile(r"^step_(\d{10,})$")
 _CHUNK = 8 << 20
 
@@ -161,6 +164,10 @@ class Manifest:
     run: dict[str, Any] = dataclasses.field(default_factory=dict)
     """What was this checkpoint: the run's config, command line, world size, device,
     versions, run id (``Checkpointer(run_config=...)``)."""
+    save_id: str = ""
+    """The identity of this save, agreed by every rank (every directory copy of one save
+    carries the same id). Two saves of one step number have different ids; see
+    :func:`version_of`. Empty in manifests from before it was recorded."""
     format: str = MANIFEST_FORMAT
 
     def to_json(self) -> str:
@@ -195,6 +202,7 @@ class Manifest:
                 upload=bool(body.get("upload", True)),
                 frozen=dict(body.get("frozen") or {}),
                 run=dict(body.get("run") or {}),
+                save_id=str(body.get("save_id") or ""),
             )
         except CorruptCheckpointError:
             raise
@@ -203,6 +211,21 @@ class Manifest:
                 f"manifest {where} is unreadable ({exc}); the step cannot be trusted. "
                 f"Remedy: load an earlier step (load(step=...)) or delete this step directory."
             ) from exc
+
+
+def files_digest(manifest: Manifest) -> str:
+    """A digest of a step's file table: the names and checksums of its files."""
+    h = hashlib.sha256()
+    for name in sorted(manifest.files):
+        h.update(f"{name}\0{manifest.files[name].checksum}\n".encode())
+    return h.hexdigest()
+
+
+def version_of(manifest: Manifest) -> str:
+    """What identifies one save of a step, whatever its number: the save's id, or for
+    manifests without one the digest of its file table. Choosing, comparing, fetching,
+    committing and deleting a step compare this, never the step number alone."""
+    return f"id:{manifest.save_id}" if manifest.save_id else f"files:{files_digest(manifest)[:32]}"
 
 
 def _kind(value: Any) -> str:

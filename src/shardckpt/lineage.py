@@ -43,9 +43,13 @@ class Lineage:
     forks: tuple[tuple[int, str], ...] = ()
     """``(step rolled back to, branch started there)`` for each rollback leading here, oldest first."""
 
-    def fork(self, step: int) -> "Lineage":
-        """The lineage of a new branch that starts from ``step`` of this one."""
-        branch = uuid.uuid4().hex[:10]
+    def fork(self, step: int, branch: str | None = None) -> "Lineage":
+        """The lineage of a new branch that starts from ``step`` of this one.
+
+        ``branch``: the new branch's id (ranks that fork in the background pass one they
+        agreed on); a fresh random one by default.
+        """
+        branch = branch or uuid.uuid4().hex[:10]
         return Lineage(branch, self.forks + ((int(step), branch),))
 
     def chain(self) -> list[str]:
@@ -74,14 +78,17 @@ class StepInfo:
     """``full``, or ``light`` (model and small state, no optimizer state)."""
     metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
     """The metrics recorded at save (``save(..., metrics={...})``)."""
+    version: str = ""
+    """The save's identity (:func:`shardckpt.layout.version_of`): two saves of one step number differ here."""
 
     def to_json(self) -> list[Any]:
-        return [self.created, self.lineage.to_json(), self.kind, dict(self.metrics)]
+        return [self.created, self.lineage.to_json(), self.kind, dict(self.metrics), self.version]
 
     @classmethod
     def from_json(cls, step: int, body: Any) -> "StepInfo":
-        created, lineage, kind, metrics = (list(body) + [None, None, "full", {}])[:4]
-        return cls(step, float(created or 0.0), Lineage.from_json(lineage), kind or "full", dict(metrics or {}))
+        created, lineage, kind, metrics, version = (list(body) + [None, None, "full", {}, ""])[:5]
+        return cls(step, float(created or 0.0), Lineage.from_json(lineage), kind or "full", dict(metrics or {}),
+                   str(version or ""))
 
 
 def excluded_by(head: Lineage, step: int, lineage: Lineage) -> int | None | str:
@@ -144,7 +151,7 @@ def continue_from(infos: Mapping[int, StepInfo], step: int | None) -> Lineage:
 def info_of(manifest: Any) -> StepInfo:
     """The :class:`StepInfo` of a :class:`~shardckpt.layout.Manifest`."""
     return StepInfo(manifest.step, manifest.created, Lineage.from_json(manifest.lineage), manifest.kind,
-                    dict(manifest.metrics))
+                    dict(manifest.metrics), layout.version_of(manifest))
 
 
 def local_infos(root: str) -> dict[int, StepInfo]:

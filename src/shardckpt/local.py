@@ -16,6 +16,7 @@ import pickle
 import re
 import shutil
 import threading
+import time
 import uuid
 import warnings
 from contextlib import contextmanager
@@ -33,6 +34,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from . import layout, step_dirs
+from . import lineage as lineage_mod
 from .errors import CorruptCheckpointError, ShardckptError, UntrustedCheckpointError
 from .safe_pickle import safe_load_metadata
 
@@ -344,6 +346,10 @@ def adopt(source: str, root: str, step: int, *, trust_pickles: bool = False) -> 
         for fqn in metadata.state_dict_metadata:
             path = (metadata.planner_data or {}).get(fqn, (fqn,))
             keys[str(path[0])] = "stock"
+        # The adopted step joins the live history of ``root`` (the head's lineage, stamped after
+        # every step there): it must never revive a branch that a rollback abandoned.
+        infos = lineage_mod.local_infos(root)
+        head = lineage_mod.head(infos)
         manifest = layout.Manifest(
             step=step,
             world_size=(max(ranks) + 1) if ranks else 1,
@@ -352,6 +358,9 @@ def adopt(source: str, root: str, step: int, *, trust_pickles: bool = False) -> 
             keys=keys,
             metadata={"adopted_from": os.path.abspath(source)},
             total_bytes=sum(e.size for e in files.values()),
+            created=max(time.time(), head.created + 1e-3) if head is not None else time.time(),
+            lineage=head.lineage.to_json() if head is not None else {},
+            save_id="adopt-" + uuid.uuid4().hex[:12],
         )
         commit = step_dirs.commit_step(root, partial, manifest)
         step_dirs.finish_commit(commit)

@@ -135,7 +135,16 @@ class CheckpointConfig:
     """Extra fraction of the expected size that must be free before a save starts."""
 
     on_corrupt: OnCorrupt = OnCorrupt.ERROR
-    """``fallback``: a step failing verification is skipped for the previous one, with a warning."""
+    """``fallback``: a step failing verification (or a newest step that cannot be assembled,
+    e.g. a node's disk is gone) is skipped for the previous one, with a warning."""
+
+    start_fresh: bool = False
+    """Begin a new history deliberately although committed steps exist: ``load()`` returns
+    ``None`` instead of raising when the newest step cannot be assembled (a node's files are
+    gone), and the first save does not refuse a remote that holds another history's steps.
+    Existing steps are never replaced by it: locally an earlier save of a step number is kept
+    aside (``shardckpt gc`` removes it); a remote step of the same number as a new save is
+    replaced by it. Default ``False``: those cases raise, naming what exists."""
 
     verify_on_load: bool = True
     """Check every file of the step against the manifest's checksum before loading."""
@@ -342,7 +351,7 @@ _FLOAT_FIELDS = {
     "every_seconds", "mtbf_s", "free_space_margin", "collective_timeout_s",
     "request_timeout_s", "backoff_max_s", "step_deadline_s", "drain_timeout_s",
 }
-_BOOL_FIELDS = {"capture_rng", "strict", "verify_on_load", "pin_memory", "trainable_only"}
+_BOOL_FIELDS = {"capture_rng", "strict", "verify_on_load", "pin_memory", "trainable_only", "start_fresh"}
 _INT_FIELDS |= {"max_pinned_bytes", "micro_batch_size", "grad_accum_steps", "keep_best", "full_every", "keep_last_light", "remote_every"}
 
 

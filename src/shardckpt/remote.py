@@ -352,6 +352,11 @@ class Store:
         """Size and checksum (the algorithm of ``like``) of the stored object; ``None`` when absent."""
         raise NotImplementedError
 
+    def recorded_checksum(self, key: str, like: str, deadline: Deadline) -> tuple[int, str] | None:
+        """Size and checksum of the stored object as cheaply as the store can tell: the checksum
+        recorded with it at upload (one HEAD), else computed from its bytes; ``None`` when absent."""
+        return self.read_checksum(key, like, deadline)
+
     def put_bytes(self, key: str, data: bytes, deadline: Deadline) -> None:
         raise NotImplementedError
 
@@ -738,6 +743,23 @@ class S3Store(Store):
                     window.release()  # parts never hashed (an earlier one failed)
                 waiting.clear()
         return hashed[0], digest.value()
+
+    def recorded_checksum(self, key: str, like: str, deadline: Deadline) -> tuple[int, str] | None:
+        def call() -> tuple[int, str] | None:
+            try:
+                head = self.client.head_object(Bucket=self.bucket, Key=self.full_key(key))
+            except self._bexc.ClientError as exc:
+                if self._is_missing(exc):
+                    return None
+                raise
+            # User metadata names are case-insensitive (rclone answers "Checksum").
+            recorded = {k.lower(): v for k, v in (head.get("Metadata") or {}).items()}.get("checksum")
+            return int(head.get("ContentLength") or 0), str(recorded or "")
+
+        got = self.retry(call, "lookup of", key, deadline)
+        if got is not None and not got[1]:  # written without our metadata: hash its bytes
+            return self.read_checksum(key, like, deadline)
+        return got
 
     def read_checksum(self, key: str, like: str, deadline: Deadline) -> tuple[int, str] | None:
         def call() -> tuple[int, str] | None:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -45,7 +44,7 @@ import time
 import uuid
 from typing import Any
 
-from . import _failpoints, layout
+from . import _failpoints, layout, step_dirs
 from . import lineage as lineage_mod
 from .errors import CorruptCheckpointError, RemoteError
 from .remote import Deadline, Store, join, safe_url
@@ -125,12 +124,7 @@ class Progress:
             self._bar = None
 
 
-def files_digest(manifest: layout.Manifest) -> str:
-    """Identity of a step's content: the names and checksums of its files."""
-    h = hashlib.sha256()
-    for name in sorted(manifest.files):
-        h.update(f"{name}\0{manifest.files[name].checksum}\n".encode())
-    return h.hexdigest()
+files_digest = layout.files_digest
 
 
 def step_key(step: int, name: str = "") -> str:
@@ -220,6 +214,21 @@ def probe(store: Store, deadline: Deadline, *, write: bool) -> None:
         store.delete(key, deadline)
 
 
+def newest_committed(store: Store, deadline: Deadline) -> tuple[list[int], layout.Manifest | None]:
+    """The step directories on the remote and the manifest of the newest committed one.
+
+    Reads manifests from the highest step number down until one exists (one
+    GET in the usual case); an unreadable one counts as committed (its
+    CorruptCheckpointError propagates).
+    """
+    dirs = _step_dirs(store, deadline)
+    for step in reversed(dirs):
+        manifest = remote_manifest(store, step, deadline)
+        if manifest is not None:
+            return dirs, manifest
+    return dirs, None
+
+
 def remote_steps(store: Store, deadline: Deadline) -> list[int]:
     """Steps committed on the remote (their manifest exists), oldest first."""
     candidates = _step_dirs(store, deadline)
@@ -240,11 +249,14 @@ def _step_dirs(store: Store, deadline: Deadline) -> list[int]:
     return sorted(steps)
 
 
-def remote_manifests(store: Store, deadline: Deadline, steps: list[int] | None = None) -> dict[int, layout.Manifest]:
+def remote_manifests(
+    store: Store, deadline: Deadline, steps: list[int] | None = None, unreadable: dict[int, str] | None = None
+) -> dict[int, layout.Manifest]:
     """The manifests of the steps committed on the remote (of ``steps`` only, when given).
 
-    A remote manifest that cannot be read is left out with a warning: that
-    step cannot be loaded, and it must not decide what else is live.
+    A remote manifest that cannot be read is left out (it must not decide what
+    else is live) and put into ``unreadable`` with the reason when given (a
+    restore reports such a step rather than pass over it), else a warning.
     """
     candidates = _step_dirs(store, deadline) if steps is None else sorted(steps)
 
@@ -252,16 +264,22 @@ def remote_manifests(store: Store, deadline: Deadline, steps: list[int] | None =
         try:
             return step, remote_manifest(store, step, deadline)
         except CorruptCheckpointError as exc:
-            log.warning("shardckpt: skipping remote step %d: %s", step, exc)
+            if unreadable is not None:
+                unreadable[step] = str(exc)
+            else:
+                log.warning("shardckpt: skipping remote step %d: %s", step, exc)
             return step, None
 
     found = store.run_all([lambda s=s: one(s) for s in candidates], files=True) if candidates else []
     return {s: m for s, m in found if m is not None}
 
 
-def remote_infos(store: Store, deadline: Deadline) -> dict[int, list[Any]]:
-    """``{step: StepInfo.to_json()}`` of the steps committed on the remote."""
-    return {s: lineage_mod.info_of(m).to_json() for s, m in remote_manifests(store, deadline).items()}
+def remote_infos(store: Store, deadline: Deadline) -> tuple[dict[int, list[Any]], dict[int, str]]:
+    """``{step: StepInfo.to_json()}`` of the steps committed on the remote, and the committed
+    steps whose manifest cannot be read (with the reason)."""
+    unreadable: dict[int, str] = {}
+    found = remote_manifests(store, deadline, unreadable=unreadable)
+    return {s: lineage_mod.info_of(m).to_json() for s, m in found.items()}, unreadable
 
 
 def remote_manifest(store: Store, step: int, deadline: Deadline) -> layout.Manifest | None:
@@ -384,10 +402,19 @@ def push_step(
                 f"newer content (another run writing to the same prefix?); it is not overwritten. Remedy: point "
                 f"remote= at a prefix of its own, or delete that remote step if it is stale."
             )
-        # This step was saved again locally (e.g. after a rollback): the
-        # committer retires the remote copy of the earlier save first (its
-        # manifest away: the step stops existing remotely), then all nodes
-        # upload the new files as for any step.
+        # This step was saved again (e.g. after a rollback): the committer
+        # retires the remote copy of the earlier save first (its manifest
+        # away: the step stops existing remotely), then all nodes upload the
+        # new files as for any step. Only a save that knows the remote one as
+        # an earlier version of its own history may do that: its lineage left
+        # it (a rollback), or this directory set it aside when saving again.
+        if not _replaces(root, step, manifest, committed):
+            raise RemoteError(
+                f"step {step}: {store.where(layout.step_dirname(step))} is committed by another save (created "
+                f"{_when(committed.created)}) that this run's history does not replace (two instances writing to "
+                f"the same prefix?); it is not overwritten and this step is not uploaded. Remedy: give each run its "
+                f"own remote= prefix; or delete that remote step (`shardckpt gc`) if it is stale."
+            )
         if not committer:
             return PushResult(WAITING, detail="waiting for the committing node to retire an earlier save of this step")
         log.warning(
@@ -441,8 +468,22 @@ def push_step(
     ready, why = _all_markers_present(store, step, manifest, digest, deadline)
     if not ready:
         return _superseded_or(store, step_dir, step, manifest, PushResult(WAITING, sent, why, marked=digest), deadline)
+    _failpoints.hit("upload.markers_checked")
+    # Identity, not sizes: every object must be this save's. Another node's upload of
+    # another save of this step number (saved again meanwhile) would otherwise be
+    # committed under this manifest. Checked before the manifest goes up, and again
+    # after (an upload racing the commit); retention runs only on a verified commit.
+    foreign = _foreign_objects(store, step, manifest, deadline)
+    if foreign:
+        return PushResult(WAITING, sent, f"{SAVED_AGAIN_ELSEWHERE}: {foreign[0]}", marked=digest)
     store.put_bytes(step_key(step, layout.MANIFEST_NAME), manifest_bytes, deadline)
     _failpoints.hit("upload.manifest_written")
+    foreign = _foreign_objects(store, step, manifest, deadline)
+    if foreign:
+        store.delete(step_key(step, layout.MANIFEST_NAME), deadline)
+        log.warning("shardckpt: step %d: withdrew the remote commit at %s: %s", step,
+                    store.where(layout.step_dirname(step)), foreign[0])
+        return PushResult(WAITING, sent, f"{SAVED_AGAIN_ELSEWHERE}: {foreign[0]}", marked=digest)
     mark_uploaded(step_dir, store.url, manifest)
     if policy is not None:
         try:
@@ -453,6 +494,34 @@ def push_step(
 
 
 SAVED_AGAIN = "saved again locally while uploading; starting over with the new content"
+SAVED_AGAIN_ELSEWHERE = "objects of another save of this step number are on the remote; not committed"
+
+
+def _foreign_objects(store: Store, step: int, manifest: layout.Manifest, deadline: Deadline) -> list[str]:
+    """The step's objects that are not this manifest's (size or recorded checksum differ)."""
+    def check(name: str) -> str | None:
+        entry = manifest.files[name]
+        got = store.recorded_checksum(step_key(step, name), entry.checksum, deadline)
+        if got == (entry.size, entry.checksum):
+            return None
+        what = "missing" if got is None else "of another save"
+        return f"object {store.where(step_key(step, name))} is {what}"
+
+    return [p for p in store.run_all([lambda n=n: check(n) for n in sorted(manifest.files)], files=True) if p]
+
+
+def _replaces(root: str, step: int, manifest: layout.Manifest, committed: layout.Manifest) -> bool:
+    """Whether the local save ``manifest`` may retire the remote's ``committed`` save of the step."""
+    theirs = lineage_mod.info_of(committed)
+    if lineage_mod.excluded_by(lineage_mod.Lineage.from_json(manifest.lineage), step, theirs.lineage) is not None:
+        return True  # a rollback (or start_fresh) left that save's history
+    tag = committed.save_id or layout.files_digest(committed)[:16]
+    return any(os.path.basename(path).startswith(f"{layout.KEPT_PREFIX}{layout.step_dirname(step)}-{tag}")
+               for _s, path in step_dirs.kept_versions(root))
+
+
+def _when(created: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(created))
 
 
 def _repair_remote(

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _dist, layout, local, remote, remote_commit, retention
+from . import _dist, layout, local, remote, remote_commit, retention, step_dirs
 from . import elastic as elastic_mod
 from . import lineage as lineage_mod
 from . import state as state_mod
@@ -76,6 +76,10 @@ class Survey:
     """Per rank: for each step it holds, the manifest files absent from its directory."""
     early: dict[int, list[str]]
     """Steps already verified during the survey -> the errors reported."""
+    stale: list[set[int]] = dataclasses.field(default_factory=list)
+    """Per rank: steps whose copy in its directory is another save than the one that counts."""
+    remote_unreadable: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Steps committed on the remote whose manifest cannot be read (held by no rank), with the reason."""
 
 
 class Restorer:
@@ -129,7 +133,8 @@ class Restorer:
             if step is not None:
                 self._raise_not_found(step, survey)
             if _dist.rank() == 0:
-                log.info("shardckpt: nothing to resume in %s; starting fresh", self.root)
+                log.info("shardckpt: nothing to resume in %s%s; starting fresh", self.root,
+                         " or the remote" if self.config.remote else "")
             self.last_plan = None
             self.next_lineage = self._agree_lineage(survey, None)
             return None
@@ -177,15 +182,21 @@ class Restorer:
     # ------------------------------------------------------------ 1. survey
 
     def _survey(self, step: int | str | None) -> Survey:
-        """One exchange: every rank's steps, rank 0's remote listing, early verification."""
+        """One exchange: every rank's steps, rank 0's remote listing, early verification.
+
+        Steps are compared by version (:func:`shardckpt.layout.version_of`): for
+        each step number the newest save anywhere is the one that counts; a
+        rank's copy of another save of that number is stale, and is treated as
+        absent there (kept aside and replaced when the step is fetched).
+        """
         infos, missing, unreadable = _scan(self.root)
-        remote_report: tuple[dict[int, tuple[float, Any]], str | None] | None = None
+        remote_report: tuple[dict[int, Any], dict[int, str], str | None] | None = None
         if self.config.remote is not None and _dist.rank() == 0:
             try:
-                listed = remote_commit.remote_infos(self._remote_store(), remote.Deadline(self.config.step_deadline_s))
-                remote_report = (listed, None)
+                listed, bad = remote_commit.remote_infos(self._remote_store(), remote.Deadline(self.config.step_deadline_s))
+                remote_report = (listed, bad, None)
             except RemoteError as exc:
-                remote_report = ({}, remote.redact(str(exc)))
+                remote_report = ({}, {}, remote.redact(str(exc)))
         early = self._early_check(step, infos, missing)
         payload = {
             "infos": {s: i.to_json() for s, i in infos.items()},
@@ -206,7 +217,7 @@ class Restorer:
         for g in gathered:
             for s, body in g["infos"].items():
                 take(s, body)
-        listed, error = gathered[0]["remote"] or ({}, None)
+        listed, remote_bad, error = gathered[0]["remote"] or ({}, {}, None)
         for s, body in listed.items():
             take(s, body)
         remote_steps = set(listed)
@@ -214,32 +225,84 @@ class Restorer:
             self._remote_unlisted(error, gathered)
         self.remote_committed = remote_steps
         live, abandoned = lineage_mod.classify(merged)
-        per_rank_missing = [g["missing"] for g in gathered]
+        stale = [
+            {s for s, body in g["infos"].items() if lineage_mod.StepInfo.from_json(s, body).version != merged[s].version}
+            for g in gathered
+        ]
+        per_rank_missing = [{s: m for s, m in g["missing"].items() if s not in st} for g, st in zip(gathered, stale)]
 
         def loadable(s: int) -> bool:
-            # Committed remotely, or committed in every rank's directory (files a copy
-            # lacks come from another node's copy; fetching says which are nowhere).
+            # Committed remotely, or this very save committed in every rank's directory (files a
+            # copy lacks come from another node's copy; fetching says which are nowhere).
             return s in remote_steps or all(s in m for m in per_rank_missing)
 
         unreadable_everywhere = set.intersection(*(set(g["unreadable"]) for g in gathered)) if gathered else set()
+        remote_unreadable = {s: why for s, why in remote_bad.items() if s not in merged}
         if step == "best":
             step = self._best(live, merged, loadable)
         if step is not None:
-            ok = step in unreadable_everywhere or (step in merged and loadable(step))
+            ok = step in unreadable_everywhere or step in remote_unreadable or (step in merged and loadable(step))
             candidates = [step] if ok else []
         else:
             newest_live = max((s for s in live if loadable(s)), default=-1)
-            # A step whose manifest no rank can read is listed when it is newer than every
-            # live step (most likely the last save): verification then reports it.
-            pool = {s for s in live if loadable(s)} | {s for s in unreadable_everywhere if s > newest_live}
+            # A step whose manifest no rank (nor the remote) can read is listed when it is newer than
+            # every live step (most likely the last save): verification then reports it.
+            broken = {s for s in unreadable_everywhere | set(remote_unreadable) if s > newest_live}
+            pool = {s for s in live if loadable(s)} | broken
+            unassembled = [s for s in live if s > newest_live and not loadable(s)]
+            if unassembled and not self._unassembled(max(unassembled), gathered, stale, newest_live):
+                pool = set()  # start_fresh: a new history
             # Full steps first (newest first), light ones only when no full step loads.
             candidates = sorted(pool, key=lambda s: (merged[s].kind == "full" if s in merged else True, s), reverse=True)
         verified: dict[int, list[str]] = {}
         reports = [g["early"] for g in gathered]
         if candidates and all(r is not None and r[0] == candidates[0] for r in reports):
             verified[candidates[0]] = [r[1] for r in reports if r[1]]
-        return Survey(merged, live, abandoned, candidates, remote_steps, per_rank_missing, verified)
+        return Survey(merged, live, abandoned, candidates, remote_steps, per_rank_missing, verified, stale,
+                      remote_unreadable)
 
+    def _unassembled(self, step: int, gathered: list[dict[str, Any]], stale: list[set[int]], older: int) -> bool:
+        """The newest live step cannot be assembled from what this job has: raise on every rank.
+
+        (Starting fresh, or from an older step, would silently train over it.)
+        ``start_fresh=True`` starts a new history instead (returns False: nothing
+        is resumed); ``on_corrupt="fallback"`` goes on to the older steps that
+        load (returns True), with a warning. Every rank computes the same from the survey.
+        """
+        holders = [r for r, g in enumerate(gathered) if step in g["infos"] and step not in stale[r]]
+        lacking = [r for r in range(len(gathered)) if r not in holders]
+        absent = sorted(set.intersection(*(set(gathered[r]["missing"].get(step, [])) for r in holders))) if holders else []
+        stale_ranks = [r for r in lacking if step in stale[r]]
+        where = (
+            f"rank(s) {_ranks(lacking)} hold no copy of it in their local_dir"
+            + (f" (rank(s) {_ranks(stale_ranks)} hold another save of that number)" if stale_ranks else "")
+            + f"; it was saved with {self.topology.describe() if self.topology.world_size > 1 else 'this layout'}"
+        )
+        files = (f" Missing files: {', '.join(absent[:8])}" + (f" (+{len(absent) - 8} more)" if len(absent) > 8 else "")
+                 + "." if absent else "")
+        if self.config.start_fresh:
+            if _dist.rank() == 0:
+                log.warning(
+                    "shardckpt: step %d cannot be assembled (%s); start_fresh=True: starting a new history, the "
+                    "existing steps are kept (abandoned; `shardckpt gc` removes them)", step, where,
+                )
+            return False
+        if older >= 0 and self.config.on_corrupt == OnCorrupt.FALLBACK:
+            if _dist.rank() == 0:
+                log.warning(
+                    "shardckpt: step %d cannot be assembled (%s);%s on_corrupt='fallback': loading step %d instead, "
+                    "and the work after it is lost", step, where, files, older,
+                )
+            return True
+        older_note = f" (step {older} can be loaded)" if older >= 0 else ""
+        raise CheckpointNotFoundError(
+            f"step {step}, the newest step of this run in {self.root}"
+            f"{' or the remote' if self.config.remote else ''}, cannot be assembled: {where}.{files} Nothing was "
+            f"loaded (starting fresh would train over it). Remedy: bring back that node's local_dir (its disk), or "
+            f"configure remote= where its files were uploaded; or load an older step explicitly with "
+            f"load(state, step=N){older_note}; or start a new run deliberately with start_fresh=True "
+            f"(SHARDCKPT_START_FRESH=1): the existing steps are kept, not replaced."
+        )
     def _best(self, live: list[int], infos: dict[int, lineage_mod.StepInfo], loadable: Any) -> int:
         metric, mode = self.config.best_metric, self.config.best_mode
         if not metric:
@@ -363,13 +426,18 @@ class Restorer:
         they are read (:meth:`_load_checked`).
         """
         received: set[str] = set()
+        if step in survey.remote_unreadable:
+            raise CorruptCheckpointError(
+                f"step {step} is committed on the remote {remote.safe_url(self.config.remote)}, but it cannot be "
+                f"used: {survey.remote_unreadable[step]}"
+            )
         if step in survey.early:
             errors = survey.early[step]
             manifest = layout.read_manifest(step_dir)
         else:
             lacking = any(step in m and m[step] for m in survey.missing) or any(step not in m for m in survey.missing)
             if lacking and step in survey.remote_steps:
-                received = self._fetch_missing(step, step_dir)
+                received = self._fetch_missing(step, step_dir, stale=step in survey.stale[_dist.rank()])
             elif lacking:
                 received = self._exchange_with_peers(step, step_dir, survey)
             manifest = layout.read_manifest(step_dir)
@@ -470,16 +538,26 @@ class Restorer:
             self._store = remote.open_store(self.config.remote, self.config.transfer_options())
         return self._store
 
-    def _fetch_missing(self, step: int, step_dir: str) -> set[str]:
+    def _fetch_missing(self, step: int, step_dir: str, stale: bool = False) -> set[str]:
         """Each copy's committer brings missing files of ``step`` from the remote; all ranks agree.
 
-        Returns the names this copy fetched (already verified against the
-        manifest while downloading). Collective over the ``ctl`` group.
+        ``stale``: this directory holds another save of the step number than
+        the one that counts; it is kept aside (never read as the step) and
+        the step is fetched whole. Returns the names this copy fetched
+        (already verified against the manifest while downloading). Collective
+        over the ``ctl`` group.
         """
         error: tuple[str, str] | None = None
         fetched: list[str] = []
         if self.topology.committer:
             try:
+                if stale:
+                    kept = step_dirs.keep_aside(self.root, step)
+                    log.warning(
+                        "shardckpt: step %d in %s is another save than the one committed on %s (a stale copy, e.g. "
+                        "from before a rollback elsewhere): kept aside as %s; fetching the live one",
+                        step, step_dir, remote.safe_url(self.config.remote), kept,
+                    )
                 fetched = sorted(remote_commit.fetch_step(self._remote_store(), self.root, step))
             except CorruptCheckpointError as exc:
                 error = ("corrupt", str(exc))
@@ -708,6 +786,11 @@ class Restorer:
                     manifest.world_size,
                 )
         return gathered
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:16]))
+    return shown + (f" (+{len(ranks) - 16} more)" if len(ranks) > 16 else "")
 
 
 def _shape_mismatches(flat_live: dict[str, Any], metadata: Any) -> list[str]:

@@ -132,10 +132,12 @@ def plan_deletions(
     policy: RetentionPolicy,
     deletable: Callable[[int], bool] = lambda step: True,
     infos: Mapping[int, Any] | None = None,
+    protect: Iterable[int] = (),
 ) -> list[int]:
-    """Steps to delete: not kept by ``policy``, never the newest, only if ``deletable``."""
+    """Steps to delete: not kept by ``policy``, never the newest, never one of ``protect``
+    (the step just saved), only if ``deletable``."""
     ordered = sorted(set(steps))
     if not ordered:
         return []
-    kept = policy.keep(ordered, infos or {}) | {ordered[-1]}
+    kept = policy.keep(ordered, infos or {}) | {ordered[-1]} | set(protect)
     return [s for s in ordered if s not in kept and deletable(s)]

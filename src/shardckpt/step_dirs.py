@@ -49,7 +49,7 @@ def commit_step(root: str, partial: str, manifest: layout.Manifest) -> Commit:
 
     An earlier copy of the same step number (the step saved again, e.g. after a
     rollback) is first renamed out of the way, which hides it at once; it is
-    deleted by :func:`finish_commit`, or put back by :func:`undo_commit` when
+    kept aside by :func:`finish_commit`, or put back by :func:`undo_commit` when
     another rank failed to commit its part.
     """
     final = os.path.join(root, layout.step_dirname(manifest.step))
@@ -69,10 +69,52 @@ def commit_step(root: str, partial: str, manifest: layout.Manifest) -> Commit:
     return Commit(root, final, displaced)
 
 
-def finish_commit(commit: Commit) -> None:
-    """Every rank committed: the earlier copy of the step (if any) goes."""
-    if commit.displaced is not None:
-        shutil.rmtree(commit.displaced, ignore_errors=True)
+def finish_commit(commit: Commit) -> str | None:
+    """Every rank committed: the earlier copy of the step (if any) is kept aside, never deleted.
+
+    It is another version of the step number (another save): it moves to
+    ``.kept-step_<N>-<its save id>``, which no listing reads as a step, until
+    ``shardckpt gc`` removes it. Returns where it went.
+    """
+    if commit.displaced is None:
+        return None
+    name = os.path.basename(commit.final)
+    try:
+        manifest = layout.read_manifest(commit.displaced)
+        tag = (manifest.save_id or layout.files_digest(manifest)[:16]) if manifest is not None else ""
+    except Exception:  # noqa: BLE001 - an unreadable earlier copy is still kept
+        tag = ""
+    kept = os.path.join(commit.root, f"{layout.KEPT_PREFIX}{name}-{tag or uuid.uuid4().hex[:8]}")
+    if os.path.exists(kept):
+        kept += "-" + uuid.uuid4().hex[:8]
+    os.replace(commit.displaced, kept)
+    layout.fsync_dir(commit.root)
+    return kept
+
+
+def kept_versions(root: str) -> list[tuple[int, str]]:
+    """Earlier saves set aside by later saves of the same step number: ``(step, path)``, by step."""
+    out = []
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        if name.startswith(layout.KEPT_PREFIX):
+            step = layout.parse_step_dirname(name[len(layout.KEPT_PREFIX):].split("-", 1)[0])
+            if step is not None:
+                out.append((step, os.path.join(root, name)))
+    return sorted(out)
+
+
+def keep_aside(root: str, step: int) -> str | None:
+    """Move the committed copy of ``step`` out of the way (a stale version of it); returns where."""
+    final = os.path.join(root, layout.step_dirname(step))
+    if not os.path.isdir(final):
+        return None
+    displaced = os.path.join(root, f"{layout.REPLACED_PREFIX}{os.path.basename(final)}-{uuid.uuid4().hex[:8]}")
+    os.replace(final, displaced)
+    return finish_commit(Commit(root, final, displaced))
 
 
 def undo_commit(commit: Commit) -> None:

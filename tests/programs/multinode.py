@@ -1,16 +1,23 @@
 """Multi-node save/restore under torchrun (two launchers make two "nodes" on one machine).
 
-usage: multinode.py save    DIR OUT --layout shared|local [--steps N]
-       multinode.py restore DIR OUT --layout shared|local
+usage: multinode.py save    DIR OUT --layout shared|local|rank [--steps N]
+       multinode.py restore DIR OUT --layout shared|local|rank
        multinode.py faults  DIR OUT --layout shared|local
+       multinode.py resume  DIR OUT --layout shared|local|rank
+       multinode.py resave  DIR OUT --layout shared|local|rank
 
 ``--layout shared``: every node uses DIR itself; ``local``: node g uses
-DIR/node<g> (GROUP_RANK), as node-local NVMe would be.
+DIR/node<g> (GROUP_RANK), as node-local NVMe would be; ``rank``: rank r uses
+DIR/rank<r> (one directory copy per rank, from a single launcher).
 
 save:    N async saves of an FSDP2 model (every rank's state changes each
          step); rank 0 writes OUT/saved.pt (full tensors, the step) and every
          rank OUT/outcome.<rank>.json.
 restore: load the newest step, rank 0 writes OUT/restored.pt.
+resume:  load() as a relaunched job does, recording what it raised; then a
+         Checkpointer with start_fresh=True loads and saves steps 1 and 2.
+resave:  load(step=N-1) and save step N again (another save of the number);
+         rank 0 writes OUT/saved.pt.
 faults:  a sequence of saves in which one rank fails at a named point of the
          commit path (write, hash, commit, retention); every rank records the
          outcome of every step in OUT/outcome.<rank>.json.
@@ -56,15 +63,16 @@ def full_state(model, optim):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["save", "restore", "faults"])
+    parser.add_argument("mode", choices=["save", "restore", "faults", "resume", "resave"])
     parser.add_argument("dir")
     parser.add_argument("out")
-    parser.add_argument("--layout", choices=["shared", "local"], required=True)
+    parser.add_argument("--layout", choices=["shared", "local", "rank"], required=True)
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
     rank, world = common.init()
     node = os.environ.get("GROUP_RANK", "0")
-    local_dir = args.dir if args.layout == "shared" else os.path.join(args.dir, f"node{node}")
+    local_dir = {"shared": args.dir, "local": os.path.join(args.dir, f"node{node}"),
+                 "rank": os.path.join(args.dir, f"rank{rank}")}[args.layout]
     model, optim = build()
     state = {"model": model, "optimizer": optim, "extra": {"rank_count": world}}
     gen = torch.Generator().manual_seed(100 + rank)
@@ -88,6 +96,30 @@ def main() -> None:
         tensors = full_state(model, optim)
         if rank == 0:
             torch.save({"step": step, "tensors": tensors}, os.path.join(args.out, "restored.pt"))
+    elif args.mode == "resume":
+        ckpt = shardckpt.Checkpointer(local_dir=local_dir, preemption_signals=())
+        try:
+            outcome["restored"] = ckpt.load(state)
+        except shardckpt.ShardckptError as exc:
+            outcome["error"] = f"{type(exc).__name__}: {exc}"
+        ckpt.close()
+        fresh = shardckpt.Checkpointer(local_dir=local_dir, start_fresh=True, keep_last=None, preemption_signals=())
+        outcome["fresh_restored"] = fresh.load(state)
+        for step in (1, 2):
+            train_step(model, optim, gen)
+            fresh.save(state, step).wait()
+        fresh.close()
+        outcome["fresh_steps"] = fresh.steps()
+    elif args.mode == "resave":
+        ckpt = shardckpt.Checkpointer(local_dir=local_dir, keep_last=None, preemption_signals=())
+        ckpt.load(state, step=args.steps - 1)
+        train_step(model, optim, gen)
+        train_step(model, optim, gen)
+        ckpt.save(state, args.steps).wait()
+        ckpt.close()
+        tensors = full_state(model, optim)
+        if rank == 0:
+            torch.save({"step": args.steps, "tensors": tensors}, os.path.join(args.out, "saved.pt"))
     else:
         run_faults(args, state, model, optim, gen, local_dir, outcome)
     with open(os.path.join(args.out, f"outcome.{rank}.json"), "w") as f:

@@ -1,0 +1,325 @@
+"""A step is a version, not a number: two saves can share a number, and neither may pass for the other.
+
+Each test here is a path on which a decision used to be made by the step
+number alone and lost or mixed committed state without an error: a node's
+disk lost, a stale copy on a machine that comes back, a step saved again while
+two nodes upload it, `adopt` after a rollback, a second run on the same
+remote, a loop that saves lower numbers than it loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import shardckpt
+from helpers import PROGRAMS, ROOT, child_env, run_torchrun, run_two_nodes
+from s3server import BUCKET, reset_if_used, stop_uploaders
+from shardckpt import _failpoints, cli, layout, remote, remote_commit, retention
+
+PROG = PROGRAMS / "multinode.py"
+ONE_SERVER = pytest.mark.parametrize("s3", ["moto"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def fresh_bucket(request, tmp_path):
+    reset_if_used(request)
+    yield
+    stop_uploaders(tmp_path, grace_s=30.0)
+
+
+def tree_digest(root) -> dict[str, str]:
+    out = {}
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def set(self, value: float) -> None:
+        with torch.no_grad():
+            for p in self.parameters():
+                p.fill_(value)
+
+    def value(self) -> float:
+        return float(self.lin.weight.detach()[0, 0])
+
+
+def ckpt(local_dir, **kw) -> shardckpt.Checkpointer:
+    kw.setdefault("preemption_signals", ())
+    return shardckpt.Checkpointer(local_dir=str(local_dir), **kw)
+
+
+def save_values(c: shardckpt.Checkpointer, net: Net, steps_values) -> None:
+    for step, value in steps_values:
+        net.set(value)
+        c.save({"model": net}, step).wait()
+
+
+# ------------------------------------------------------------ 1. a lost node
+
+
+def test_a_lost_nodes_disk_makes_every_rank_raise_and_start_fresh_keeps_the_survivors_steps(tmp_path):
+    """Node-local directories, no remote: node 1's disk is gone and the job is relaunched."""
+    base, out = tmp_path / "nvme", tmp_path / "out"
+    out.mkdir()
+    run_two_nodes(1, PROG, "save", base, out, "--layout", "local", "--steps", "3", log_dir=tmp_path)
+    shutil.rmtree(base / "node1")
+    before = tree_digest(base / "node0")
+
+    out2 = tmp_path / "out2"
+    out2.mkdir()
+    run_two_nodes(1, PROG, "resume", base, out2, "--layout", "local", log_dir=tmp_path)
+    results = [json.loads((out2 / f"outcome.{r}.json").read_text()) for r in range(2)]
+    for r, res in enumerate(results):
+        error = res.get("error", "")
+        assert error.startswith("CheckpointNotFoundError"), (r, res)  # every rank raised, nothing was loaded
+        assert "step 3" in error and "cannot be assembled" in error and "rank(s) 1" in error, error
+        assert "__1_0.distcp" in error, error  # the files that are missing
+        assert "start_fresh=True" in error and "load(state, step=N)" in error, error
+    # start_fresh=True is the deliberate new start: it loads nothing and saves 1 and 2 ...
+    # (node 0 still lists the old step 3: kept, abandoned by the new history)
+    assert [(res["fresh_restored"], res["fresh_steps"]) for res in results] == [(None, [1, 2, 3]), (None, [1, 2])], results
+    # ... and every committed file of the surviving node is still there, byte for byte: the
+    # earlier saves of steps 1 and 2 were set aside, never replaced.
+    after = tree_digest(base / "node0")
+    kept = {}
+    for rel, digest in after.items():
+        top = rel.split(os.sep)[0]
+        if top.startswith(layout.KEPT_PREFIX):
+            kept[os.path.join(top[len(layout.KEPT_PREFIX):].split("-")[0], *rel.split(os.sep)[1:])] = digest
+    for rel, digest in before.items():
+        if rel.startswith(layout.step_dirname(3)):
+            assert after[rel] == digest, rel
+        elif rel.startswith("step_"):
+            assert kept[rel] == digest, rel
+
+
+@ONE_SERVER
+@pytest.mark.parametrize("damage", ["tampered", "unreadable"])
+def test_a_remote_step_that_cannot_be_used_is_an_error_not_a_fresh_start(s3, tmp_path, damage, caplog):
+    url = f"s3://{BUCKET}/damaged"
+    net = Net()
+    with ckpt(tmp_path / "a", remote=url, drain_timeout_s=60) as c:
+        save_values(c, net, [(1, 1.0), (2, 2.0)])
+    key = f"damaged/{layout.step_dirname(2)}/{layout.MANIFEST_NAME}"
+    client = s3.client()
+    body = json.loads(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    if damage == "tampered":
+        body["files"]["../../escape"] = body["files"].pop(".metadata")
+        data = json.dumps(body).encode()
+    else:
+        data = b"\x00not a manifest"
+    client.put_object(Bucket=BUCKET, Key=key, Body=data)
+
+    fresh = Net()
+    fresh.set(0.0)
+    with ckpt(tmp_path / "empty", remote=url, uploader="off") as c:
+        with pytest.raises(shardckpt.CorruptCheckpointError, match="step 2") as err:
+            c.load({"model": fresh})
+    assert "damaged/step_0000000002" in str(err.value) and "Remedy" in str(err.value)
+    assert fresh.value() == 0.0  # nothing of step 2 was applied
+    # With on_corrupt="fallback": the older readable step, said in a warning.
+    with caplog.at_level(logging.WARNING, logger="shardckpt"):
+        with ckpt(tmp_path / "empty2", remote=url, uploader="off", on_corrupt="fallback") as c:
+            assert c.load({"model": fresh}) == 1
+    assert fresh.value() == 1.0
+    assert "step 2 failed verification, falling back" in caplog.text
+
+
+# ------------------------------------------------------------ 2. a stale local copy
+
+
+@ONE_SERVER
+def test_a_stale_local_copy_never_beats_the_live_version(s3, tmp_path, caplog):
+    url = f"s3://{BUCKET}/stale"
+    net = Net()
+    opts = dict(remote=url, drain_timeout_s=60, keep_last=None)
+    with ckpt(tmp_path / "machine-a", **opts) as a:  # machine A: steps 1-3
+        save_values(a, net, [(1, 1.0), (2, 2.0), (3, 3.0)])
+    with ckpt(tmp_path / "machine-b", **opts) as b:  # machine B, empty disk: rolls back to 1, saves 2 again
+        assert b.load({"model": net}, step=1) == 1
+        save_values(b, net, [(2, 20.0)])
+    # A comes back with its old disk: the live version of step 2 is B's.
+    back = Net()
+    with caplog.at_level(logging.WARNING, logger="shardckpt"):
+        with ckpt(tmp_path / "machine-a", **opts) as a:
+            assert a.load({"model": back}) == 2
+            save_values(a, back, [(4, 40.0)])
+    assert back.value() == 40.0 and "kept aside" in caplog.text
+    # What it loaded was B's 20.0, and its stale step 2 is kept aside, not read as the step.
+    local2 = layout.read_manifest(str(tmp_path / "machine-a" / layout.step_dirname(2)))
+    with ckpt(tmp_path / "machine-c", remote=url, uploader="off") as c:
+        check = Net()
+        assert c.load({"model": check}, step=2) == 2 and check.value() == 20.0
+    remote2 = remote_commit.remote_manifest(remote.open_store(url), 2, remote.Deadline(30))
+    assert layout.version_of(local2) == layout.version_of(remote2)
+    kept = [n for n in os.listdir(tmp_path / "machine-a") if n.startswith(layout.KEPT_PREFIX)]
+    assert kept and kept[0].startswith(f"{layout.KEPT_PREFIX}{layout.step_dirname(2)}-"), kept
+    # The history A continued is B's branch: step 3 (before the rollback) is abandoned.
+    with ckpt(tmp_path / "machine-d", remote=url, uploader="off") as d:
+        assert d.load({"model": check}) == 4 and check.value() == 40.0
+
+
+# ------------------------------------------------------------ 3. a step saved again while two nodes upload it
+
+
+@ONE_SERVER
+def test_a_step_saved_again_while_two_nodes_upload_it_is_never_committed_mixed(s3, tmp_path):
+    base, out, out2 = tmp_path / "nvme", tmp_path / "out", tmp_path / "out2"
+    out.mkdir()
+    out2.mkdir()
+    # Two directory copies (one per rank, as two nodes have), steps 4 and 5; uploads by hand below.
+    run_torchrun(2, PROG, "save", base, out, "--layout", "rank", "--steps", "5")
+    url = f"s3://{BUCKET}/mixed"
+    store = remote.open_store(url)
+    one = retention.policy_from(1, None)
+    node_a, node_b = str(base / "rank0"), str(base / "rank1")  # A holds rank 0's file: it commits
+    for step in (1, 2, 3, 4):
+        assert remote_commit.push_step(store, node_b, step, node="b", policy=one).state == remote_commit.WAITING
+        assert remote_commit.push_step(store, node_a, step, node="a", policy=one).state == remote_commit.COMMITTED
+    assert remote_commit.push_step(store, node_b, 5, node="b", policy=one).state == remote_commit.WAITING
+    first = layout.read_manifest(os.path.join(node_a, layout.step_dirname(5)))
+
+    def saved_again_and_uploaded_by_b() -> None:
+        # Between A's check of the node markers and its commit: the job rolls back to 4 and
+        # saves 5 again, and B uploads the new save's objects over the same keys.
+        run_torchrun(2, PROG, "resave", base, out2, "--layout", "rank", "--steps", "5")
+        assert remote_commit.push_step(store, node_b, 5, node="b", policy=one).state == remote_commit.WAITING
+
+    _failpoints.arm("upload.markers_checked", saved_again_and_uploaded_by_b)
+    try:
+        result = remote_commit.push_step(store, node_a, 5, node="a", policy=one)
+    finally:
+        _failpoints._SPEC.pop("upload.markers_checked", None)
+    second = layout.read_manifest(os.path.join(node_a, layout.step_dirname(5)))
+    assert layout.version_of(first) != layout.version_of(second)
+    deadline = remote.Deadline(30)
+    # A's pass did not commit its manifest over B's objects, and retention did not run on it:
+    # the previous step is still there, whole.
+    assert result.state == remote_commit.WAITING and "another save" in result.detail, result
+    assert remote_commit.remote_manifest(store, 5, deadline) is None
+    assert remote_commit.remote_manifest(store, 4, deadline) is not None
+    # The next passes commit the new save, every object its own.
+    remote_commit.push_step(store, node_b, 5, node="b", policy=one)
+    assert remote_commit.push_step(store, node_a, 5, node="a", policy=one).state == remote_commit.COMMITTED
+    committed = remote_commit.remote_manifest(store, 5, deadline)
+    assert layout.version_of(committed) == layout.version_of(second)
+    fetched = tmp_path / "fetched"
+    remote_commit.fetch_step(store, str(fetched), 5)  # every file checked against the manifest
+    subprocess.run([sys.executable, str(PROGRAMS / "single_restore.py"), str(fetched), str(out2 / "restored.pt")],
+                   env=child_env(), check=True, cwd=str(ROOT), timeout=120)
+    saved, restored = torch.load(out2 / "saved.pt"), torch.load(out2 / "restored.pt")
+    assert restored["step"] == 5
+    for key, value in saved["tensors"].items():
+        assert torch.equal(value, restored["tensors"][key]), key
+    store.close()
+
+
+# ------------------------------------------------------------ 4. adopt after a rollback
+
+
+def test_adopt_after_a_rollback_joins_the_live_branch(tmp_path, capsys):
+    root = tmp_path / "ck"
+    net = Net()
+    with ckpt(root, keep_last=None) as c:
+        save_values(c, net, [(100, 1.0), (200, 2.0), (300, 3.0)])
+    with ckpt(root, keep_last=None) as c:
+        assert c.load({"model": net}, step=100) == 100
+        save_values(c, net, [(110, 11.0), (120, 12.0), (130, 13.0)])
+    stock = tmp_path / "stock"
+    net.set(50.0)
+    dcp.save({"model": net.state_dict()}, storage_writer=dcp.FileSystemWriter(str(stock)), no_dist=True)
+    assert cli.main(["adopt", str(stock), "--into", str(root), "--step", "140"]) == 0
+    fresh = Net()
+    with ckpt(root) as c:
+        assert c.load({"model": fresh}) == 140  # not the abandoned 300
+    assert fresh.value() == 50.0
+    capsys.readouterr()
+    assert cli.main(["gc", str(root), "--keep-last", "10", "--dry-run"]) == 0
+    said = capsys.readouterr().out
+    doomed = sorted(int(line.split()[3]) for line in said.splitlines() if line.startswith("would delete step"))
+    assert doomed == [200, 300], said
+
+
+# ------------------------------------------------------------ 5. another run on the same remote
+
+
+@ONE_SERVER
+def test_a_run_that_saves_without_loading_never_takes_over_another_runs_remote_steps(s3, tmp_path, capsys):
+    url = f"s3://{BUCKET}/shared-prefix"
+    net = Net()
+    opts = dict(remote=url, drain_timeout_s=60, keep_last=None)
+    with ckpt(tmp_path / "run-a", **opts) as a:
+        save_values(a, net, [(1, 1.0), (2, 2.0)])
+    # Run B: an empty local_dir, the same remote, saves without loading: refused.
+    b = ckpt(tmp_path / "run-b", **opts)
+    with pytest.raises(shardckpt.ConfigError, match="already holds committed steps") as err:
+        b.save({"model": net}, 1)
+    b.close()
+    assert "shared-prefix" in str(err.value) and "load(state)" in str(err.value) and "start_fresh" in str(err.value)
+    capsys.readouterr()
+    assert cli.main(["ls", url, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [row["step"] for row in listed["steps"]] == [1, 2]
+
+    # Two instances of one job on the same prefix: both resume step 2 and save 3. The first
+    # commits; the second's uploader refuses to replace it and says why.
+    one = ckpt(tmp_path / "instance-1", **opts)
+    two = ckpt(tmp_path / "instance-2", remote=url, drain_timeout_s=8, keep_last=None)
+    net_two = Net()
+    assert one.load({"model": net}) == 2 and two.load({"model": net_two}) == 2
+    save_values(one, net, [(3, 30.0)])
+    one.close()
+    save_values(two, net_two, [(3, 31.0)])
+    try:
+        two.close()
+    except Exception:  # noqa: BLE001 - the drain may report the refused upload
+        pass
+    log = (tmp_path / "instance-2" / ".shardckpt-remote" / "uploader.log").read_text()
+    assert "committed by another save" in log and "two instances" in log, log[-3000:]
+    with ckpt(tmp_path / "check", remote=url, uploader="off") as c:
+        check = Net()
+        assert c.load({"model": check}) == 3 and check.value() == 30.0
+
+
+# ------------------------------------------------------------ issue 17.1: a lower step number than the head
+
+
+def test_saving_lower_step_numbers_than_the_head_starts_a_branch_and_retention_keeps_them(tmp_path, caplog):
+    root = tmp_path / "ck"
+    net = Net()
+    with ckpt(root, keep_last=3) as c:
+        save_values(c, net, [(275, 1.0), (300, 2.0), (301, 3.0)])
+    with caplog.at_level(logging.INFO, logger="shardckpt"):
+        with ckpt(root, keep_last=3) as c:
+            assert c.load({"model": net}) == 301
+            save_values(c, net, [(25, 25.0), (50, 50.0), (75, 75.0), (100, 100.0)])
+    said = caplog.text
+    assert "step 25 is not above step 301" in said and "restore its step counter from load()" in said
+    assert said.count("is not above step") == 1  # one warning, at the fork
+    assert "retention removed step 25" in said  # each deletion is logged
+    steps = layout.committed_steps(str(root))
+    assert steps == [50, 75, 100, 275, 300, 301], steps  # the new branch's newest 3, the old kept
+    fresh = Net()
+    with ckpt(root) as c:
+        assert c.load({"model": fresh}) == 100 and fresh.value() == 100.0
+    _live, abandoned = cli._open(cli.build_parser().parse_args(["ls", str(root)])).live(
+        {s: layout.read_manifest(str(root / layout.step_dirname(s))) for s in steps})
+    assert sorted(abandoned) == [275, 300, 301]
