@@ -2,12 +2,14 @@
 
     python benchmarks/gpu_check.py [--gib 4] [--out results.json]
 
-1. blocked: the time ``save()`` blocks (copies enqueued on a side stream)
-   against the floor, a copy of the same tensors into preallocated pinned
-   buffers with a synchronize; target <= 0.2x;
-2. overlap: a training step that runs while a save's copies are in flight
-   against a normal step and against the copy alone; target <= 1.1x
-   max(normal step, copy);
+1. blocked: the time ``save()`` blocks against the floor, a copy of the
+   same tensors into preallocated pinned buffers with a synchronize: by
+   default (``save()`` returns with the copies done) target <= 1.1x; with
+   ``overlap_copies=True`` (copies only enqueued on a side stream) <= 0.2x;
+2. overlap (``overlap_copies=True``): a training step that runs while a
+   save's copies are in flight against a normal step and against the copy
+   alone; target <= 1.1x max(normal step, copy); the step is fenced, so
+   every save must commit;
 3. resume: bitwise equal parameters after a save/load mid-run with fp16
    autocast, GradScaler, dropout (CUDA RNG) and a LR schedule;
 4. fsdp2: FSDP2 over NCCL at world size 1: round trip bitwise, and the step
@@ -49,7 +51,7 @@ def big_model(gib: float) -> nn.Module:
     return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)]).cuda()
 
 
-def check_blocked_and_overlap(gib: float, root: str) -> dict:
+def check_blocked_and_overlap(gib: float, root: str, overlap: bool) -> dict:
     model = big_model(gib)
     optim = torch.optim.SGD(model.parameters(), lr=1e-4)
     x = torch.randn(4096, 8192, device="cuda")
@@ -67,7 +69,9 @@ def check_blocked_and_overlap(gib: float, root: str) -> dict:
 
     copy_s = statistics.median(sync_time(floor) for _ in range(5))
     step_s = statistics.median(sync_time(step) for _ in range(5))
-    ckpt = shardckpt.Checkpointer(local_dir=os.path.join(root, "blocked"), keep_last=1, preemption_signals=())
+    ckpt = shardckpt.Checkpointer(
+        local_dir=os.path.join(root, f"blocked-{overlap}"), keep_last=1, preemption_signals=(), overlap_copies=overlap
+    )
     ckpt.save(state, 0).wait()  # allocates the pinned buffers
     blocked, overlapped = [], []
     for i in range(1, 6):
@@ -83,7 +87,11 @@ def check_blocked_and_overlap(gib: float, root: str) -> dict:
         "state_gib": sum(p.numel() * 4 for p in model.parameters()) / 2**30,
         "pinned_copy_floor_s": copy_s, "save_blocked_s": b, "blocked_vs_floor": b / copy_s,
         "normal_step_s": step_s, "step_during_save_s": o, "overlap_vs_max": o / max(step_s, copy_s),
-        "targets_met": {"blocked <= 0.2x floor": b <= 0.2 * copy_s, "step <= 1.1x max": o <= 1.1 * max(step_s, copy_s)},
+        "overlap_copies": overlap,
+        "targets_met": (
+            {"blocked <= 0.2x floor": b <= 0.2 * copy_s, "step <= 1.1x max": o <= 1.1 * max(step_s, copy_s)}
+            if overlap else {"blocked <= 1.1x floor": b <= 1.1 * copy_s}
+        ),
     }
 
 
@@ -184,7 +192,8 @@ def main() -> None:
         sys.exit("gpu_check.py needs a CUDA GPU")
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
     with tempfile.TemporaryDirectory(prefix="shardckpt-gpu-") as root:
-        result["blocked_and_overlap"] = check_blocked_and_overlap(args.gib, root)
+        result["blocked_default"] = check_blocked_and_overlap(args.gib, root, overlap=False)
+        result["blocked_and_overlap"] = check_blocked_and_overlap(args.gib, root, overlap=True)
         result["resume"] = check_resume(root)
         result["fsdp2"] = check_fsdp2(root)
     print(json.dumps(result, indent=1))

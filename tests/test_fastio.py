@@ -207,3 +207,49 @@ def test_a_stream_that_seeks_is_hashed_from_disk(tmp_path):
     with fs.create_stream(path, "wb") as stream:
         stream.write(b"plain")
     assert fs.written["f"] == layout.checksum_file(path)
+
+
+def _tamper_records(step_dir: str, step: int, how: str) -> tuple[str, str]:
+    """Rewrite the step's .metadata (a pickle, as DCP writes it) so that one record runs into the next.
+
+    ``overlap``: a tensor record's length covers the next record too; ``bytes``:
+    the same for a record of plain values; ``shifted``: a tensor record grows
+    into the next one and the next one starts that much later (no two records
+    overlap, but neither fills its archive). Returns the data file and the
+    record's item name.
+    """
+    import dataclasses
+    import pickle
+
+    metadata = local.read_metadata(step_dir, step)
+    records = sorted(
+        ((info.relative_path, info.offset, index) for index, info in metadata.storage_data.items()),
+        key=lambda r: (r[0], r[1]),
+    )
+    is_tensor = lambda r: hasattr(metadata.state_dict_metadata[r[2].fqn], "size")  # noqa: E731
+    (name, _, a), (_, _, b) = next(
+        (x, y) for x, y in zip(records, records[1:]) if x[0] == y[0] and is_tensor(x) == (how != "bytes")
+    )
+    rec_a, rec_b = metadata.storage_data[a], metadata.storage_data[b]
+    assert rec_a.offset + rec_a.length == rec_b.offset  # DCP wrote them one after the other
+    if how in ("overlap", "bytes"):
+        metadata.storage_data[a] = dataclasses.replace(rec_a, length=rec_b.offset + rec_b.length - rec_a.offset)
+    else:
+        metadata.storage_data[a] = dataclasses.replace(rec_a, length=rec_a.length + 64)
+        metadata.storage_data[b] = dataclasses.replace(rec_b, offset=rec_b.offset + 64, length=rec_b.length - 64)
+    with open(os.path.join(step_dir, layout.METADATA_NAME), "wb") as f:
+        pickle.dump(metadata, f)
+    return os.path.join(step_dir, name), a.fqn
+
+
+@pytest.mark.parametrize("how", ["overlap", "bytes", "shifted"])
+def test_a_record_that_does_not_fill_its_archive_is_refused(tmp_path, how):
+    # The in-place reader would otherwise find the next record's archive at the
+    # end of the window and load the next tensor's bytes, without a checksum to tell.
+    with _ckpt(tmp_path, mode="sync") as c:
+        step_dir = c.save(_state(0), 1).wait()
+    path, fqn = _tamper_records(step_dir, 1, how)
+    with _ckpt(tmp_path, verify_on_load=False) as c, pytest.raises(shardckpt.CorruptCheckpointError) as err:
+        c.load(_state(1))
+    message = str(err.value)
+    assert "step 1" in message and path in message and repr(fqn) in message and "Remedy" in message

@@ -168,45 +168,121 @@ def test_read_only_local_dir_with_a_remote_is_a_shardckpt_error(tmp_path):
         os.system(f"umount {mount}")
 
 
-def test_copies_are_fenced_before_the_writer_reads_and_the_optimizer_writes(tmp_path, monkeypatch):
-    """The GPU overlap's ordering, checked on a CPU: a fence that is never done records who waits on it.
+@pytest.fixture
+def slow_copies(monkeypatch):
+    """Copies that finish late, as a GPU's do: on this CPU they run when the fence is waited for.
 
-    save() returns with the copies merely enqueued (on a GPU); the background
-    writer must wait for them before reading the buffers, and the optimizer
-    step (and the forward of a module owning buffers, e.g. BatchNorm) must be
-    ordered after them. The wait itself is a GPU stream wait, a no-op here.
+    The writer thread, before it waits for them, stops at the fault point
+    ``stage.copies_pending`` until the test calls ``release()``: whatever the
+    test does in between happens after save() returned and before the copies
+    ended. Yields ``release``.
     """
+    import threading
+
     from shardckpt import stage
 
-    events = []
+    monkeypatch.setattr(stage.HostStager, "defer_cpu_copies", True)
+    monkeypatch.setattr(_failpoints, "_SPEC", {})
+    monkeypatch.setattr(_failpoints, "_COUNTS", {})
+    released = threading.Event()
 
-    class PendingFence(stage.CopyFence):
-        def done(self):
-            return False
+    def arm():
+        released.clear()
+        _failpoints.arm("stage.copies_pending", lambda: released.wait(30))
 
-        def order_after(self):
-            events.append("step or forward waits")
+    arm()
+    yield lambda: (released.set(), arm())
 
-        def synchronize(self):
-            events.append("writer waits")
 
-    real_stage = stage.HostStager.stage
-    monkeypatch.setattr(stage.HostStager, "stage", lambda self, sd: (real_stage(self, sd)[0], PendingFence()))
-    torch.manual_seed(0)
+def _overlap_state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4))
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    state = {"model": model, "optimizer": optim}
-    ckpt = ckpt_for(tmp_path)
-    ckpt.save(state, 1).wait()
-    assert events == ["writer waits"]
-    loss = model(torch.randn(5, 6)).pow(2).mean()  # BatchNorm's forward updates its buffers: it waits
-    assert events[-1] == "step or forward waits" and len(events) == 2
-    loss.backward()
-    optim.step()  # writes parameters: waits
-    assert events[-1] == "step or forward waits" and len(events) == 3
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)}
+
+
+def _model_values(state: dict) -> dict:
+    return {k: v.detach().clone() for k, v in state["model"].state_dict().items()}
+
+
+def _loaded(path, step: int) -> dict:
+    fresh = _overlap_state(seed=1)
+    with ckpt_for(path) as c:
+        assert c.load({"model": fresh["model"]}, step=step, strict=False) == step
+    return _model_values(fresh)
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_overlap_orders_the_optimizer_step_and_buffer_forwards_after_the_copies(tmp_path, slow_copies):
+    # overlap_copies=True: save() returns before the copies end; the two fenced writes
+    # (an optimizer's step, the forward of a module owning buffers) wait for them.
+    release = slow_copies
+    state = _overlap_state()
+    state["model"](torch.randn(5, 6)).pow(2).mean().backward()
+    ckpt = ckpt_for(tmp_path, overlap_copies=True)
+    before = _model_values(state)
+    handle = ckpt.save(state, 1)
+    state["optimizer"].step()  # writes every parameter: fenced by the step pre-hook
+    release()
+    handle.wait()
+    _assert_same(before, _loaded(tmp_path, 1))
+
+    before = _model_values(state)
+    handle = ckpt.save(state, 2)
+    state["model"](torch.randn(5, 6))  # BatchNorm updates its running statistics: fenced by the forward pre-hook
+    release()
+    handle.wait()
+    _assert_same(before, _loaded(tmp_path, 2))
     ckpt.close()
-    optim.step()  # the hooks leave with the Checkpointer
-    assert len(events) == 3
+    assert not state["optimizer"]._optimizer_step_pre_hooks  # the hooks leave with the Checkpointer
+
+
+def test_overlap_fails_a_step_that_an_unfenced_write_reached(tmp_path, slow_copies):
+    # A write the option does not fence (here a copy_ under no_grad before step(), as
+    # load_state_dict does) lands before the copy: the step fails, naming the tensor.
+    release = slow_copies
+    state = _overlap_state()
+    ckpt = ckpt_for(tmp_path, overlap_copies=True)
+    handle = ckpt.save(state, 1)
+    with torch.no_grad():
+        state["model"][0].weight.copy_(torch.zeros(4, 6))
+    release()
+    with pytest.raises(shardckpt.SaveError) as err:
+        handle.wait()
+    message = str(err.value)
+    assert "step 1" in message and "'model.0.weight'" in message and "overlap_copies=False" in message
+    assert "wait_for_copies()" in message and "check the disk" not in message
+    assert ckpt.steps() == [] and not [n for n in os.listdir(tmp_path) if n.startswith(".partial")]
+
+    # Fenced by hand, the same write is safe and the next save commits what it saw.
+    before = _model_values(state)
+    handle = ckpt.save(state, 2)
+    ckpt.wait_for_copies()
+    with torch.no_grad():
+        state["model"][0].weight.copy_(torch.ones(4, 6))
+    release()
+    handle.wait()
+    ckpt.close()
+    _assert_same(before, _loaded(tmp_path, 2))
+
+
+def test_by_default_save_returns_with_the_copies_done(tmp_path, slow_copies):
+    # Without overlap no write after save() can reach the copies, fenced or not.
+    release = slow_copies
+    state = _overlap_state()
+    ckpt = ckpt_for(tmp_path)
+    before = _model_values(state)
+    handle = ckpt.save(state, 1)
+    with torch.no_grad():
+        state["model"][0].weight.copy_(torch.zeros(4, 6))  # load_state_dict-like
+        state["model"][1].running_mean.add_(5.0)  # an unhooked buffer write
+    release()
+    handle.wait()
+    ckpt.close()
+    _assert_same(before, _loaded(tmp_path, 1))
+    assert not state["optimizer"]._optimizer_step_pre_hooks  # nothing to fence: no hooks
 
 
 def test_pinned_memory_cap_pins_up_to_the_limit():

@@ -56,8 +56,10 @@ POINTS = (
 """The trainer's kill points, in the order a save reaches them (the kill soak walks them)."""
 
 # Also reached, not walked by the soak: "write.hashed" (this rank hashed its
-# files, before the exchange of file tables) and "remote.file_written" (a
-# file:// remote object written under its temporary name, not yet renamed).
+# files, before the exchange of file tables), "remote.file_written" (a
+# file:// remote object written under its temporary name, not yet renamed) and
+# "stage.copies_pending" (the writer thread is about to wait for copies still
+# running after save() returned, with overlap_copies).
 
 # Inside the uploader process (``shardckpt.uploader``): the remote commit protocol.
 UPLOADER_POINTS = (

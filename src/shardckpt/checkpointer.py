@@ -172,9 +172,10 @@ class Checkpointer:
         """Save ``state`` as ``step`` when the interval policy (or ``force``) says so.
 
         Returns a :class:`SaveHandle` when a save started, ``None`` when skipped.
-        Blocks only while the state is copied into host memory, unless the
-        mode is ``sync`` or a preemption signal arrived: then it returns once
-        the step is committed. A failure of the previous save is raised here
+        Blocks only while the state is copied into host memory (on a GPU
+        until the copies are complete; with ``overlap_copies`` until they are
+        enqueued), unless the mode is ``sync`` or a preemption signal arrived:
+        then it returns once the step is committed. A failure of the previous save is raised here
         (as :class:`SaveError`) by the next call that saves, on every rank.
 
         ``metrics`` (numbers, e.g. ``{"val_loss": 1.83}``) are recorded in the
@@ -211,10 +212,13 @@ class Checkpointer:
             lineage = self._writer.lineage_for(step)
             if frozen and self._frozen is None:
                 self._frozen = self._fingerprint(state, frozen)
-            staged, fence = self._stager.stage(captured)
+            staged, fence = self._stager.stage(captured, what=f"step {step}")
             del captured
+            if not self.config.overlap_copies:
+                fence.complete()  # returns with the copies done: no later write can reach them
             self._fence = fence
-            self._hook_writes(state)
+            if self.config.overlap_copies:
+                self._hook_writes(state)
             self._policy.started(step, decision.preempt)
             _failpoints.hit("save.staged")
         finally:
@@ -247,6 +251,19 @@ class Checkpointer:
                     step,
                 )
         return handle
+
+    def wait_for_copies(self) -> None:
+        """Block until the device-to-host copies of the last save are done.
+
+        Only useful with ``overlap_copies=True``: call it before a write to the
+        saved tensors that the option does not fence (an EMA swap, a
+        ``load_state_dict``, a second optimizer; see
+        :attr:`CheckpointConfig.overlap_copies`). Without overlap ``save()``
+        already returned with them done.
+        """
+        fence = self._fence
+        if fence is not None:
+            fence.complete()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save in flight (if any) is committed; re-raise its failure.
@@ -461,11 +478,13 @@ class Checkpointer:
     def _hook_writes(self, state: dict[str, Any]) -> None:
         """Once per object: the steps that would change saved tensors wait for the copies of a save.
 
-        On a GPU ``save()`` returns with the copies only enqueued; the next
-        forward and backward run beside them. An optimizer's step (it writes
-        parameters and optimizer state) and the forward of a submodule that
-        owns buffers (BatchNorm updates its running statistics) first make the
-        compute stream wait for the copies. On a CPU the fence is always done.
+        Only with ``overlap_copies``: on a GPU ``save()`` then returns with the
+        copies only enqueued; the next forward and backward run beside them. An
+        optimizer's step (it writes parameters and optimizer state) and the
+        forward of a submodule that owns buffers (BatchNorm updates its running
+        statistics) first make the compute stream wait for the copies. Every
+        other write is unfenced (``CheckpointConfig.overlap_copies`` lists them);
+        the fence's version check fails a step such a write reached.
         """
         for value in state.values():
             if id(value) in self._hooked:
@@ -482,8 +501,8 @@ class Checkpointer:
 
     def _order_after_copies(self) -> None:
         fence = self._fence
-        if fence is not None and not fence.done():
-            fence.order_after()
+        if fence is not None:
+            fence.order_after()  # settles the version check even when the copies are done
 
     def _retention_after_drain(self) -> None:
         """Local retention waits for uploads; once close() drained them, it catches up."""

@@ -41,6 +41,7 @@ from . import lineage as lineage_mod
 from ._text import fmt_bytes
 from .errors import InsufficientSpaceError, SaveError
 from .options import CheckpointConfig, OnDiskFull
+from .stage import CopiesRacedError
 from .topology import Topology
 
 log = logging.getLogger("shardckpt")
@@ -235,10 +236,11 @@ class StepWriter:
             if topo.committer:
                 shutil.rmtree(partial, ignore_errors=True)
             where, what = problems[0]
+            raced = what.startswith(CopiesRacedError.__name__ + ":")  # it names its own remedy
             error = SaveError(
                 f"step {step}: writing {partial} failed on rank {where} ({what}); the partial step was "
-                f"removed on every node and earlier steps are intact. Remedy: check the disk under "
-                f"{self.root}, then save again."
+                f"removed on every node and earlier steps are intact."
+                + ("" if raced else f" Remedy: check the disk under {self.root}, then save again.")
             )
             raise error from failure
 

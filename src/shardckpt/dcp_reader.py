@@ -142,12 +142,57 @@ class _LayoutUnpickler(pickle.Unpickler):
         return _Ref(pid[1], str(pid[2]), int(pid[4]))
 
 
+_LOCAL_SIG, _EOCD_SIG = b"PK\x03\x04", b"PK\x05\x06"
+_ZIP64_EOCD_SIG, _ZIP64_LOCATOR_SIG = b"PK\x06\x06", b"PK\x06\x07"
+_EOCD_LEN, _ZIP64_LOCATOR_LEN = 22, 20
+
+
+def central_directory(f: Any, offset: int, length: int) -> tuple[int, str | None]:
+    """Where the central directory of the zip archive filling exactly [offset, offset + length) starts.
+
+    Returns ``(cd_offset, None)`` (relative to ``offset``) when the record is
+    one archive that begins at ``offset`` and whose end-of-central-directory
+    record (zip64 or not, no comment) lies at its very end, with the central
+    directory just before it; else ``(-1, what is wrong)``. A record whose
+    length in ``.metadata`` runs into the next record fails here: its end is
+    the other record's end.
+    """
+    if length < 30 + _EOCD_LEN:
+        return -1, f"is {length} bytes, too short for a zip archive"
+    if os.pread(f.fileno(), 4, offset) != _LOCAL_SIG:
+        return -1, "does not start with a zip entry"
+    eocd = os.pread(f.fileno(), _EOCD_LEN, offset + length - _EOCD_LEN)
+    if len(eocd) != _EOCD_LEN or eocd[:4] != _EOCD_SIG or struct.unpack("<H", eocd[20:22])[0] != 0:
+        return -1, "does not end with a zip archive's end record"
+    cd_size, cd_offset = struct.unpack("<II", eocd[12:20])
+    cd_end = length - _EOCD_LEN
+    locator_at = cd_end - _ZIP64_LOCATOR_LEN
+    locator = os.pread(f.fileno(), _ZIP64_LOCATOR_LEN, offset + locator_at) if locator_at >= 0 else b""
+    if locator[:4] == _ZIP64_LOCATOR_SIG:
+        (zip64_at,) = struct.unpack("<Q", locator[8:16])
+        zip64 = os.pread(f.fileno(), 56, offset + zip64_at) if 0 <= zip64_at <= locator_at - 56 else b""
+        if len(zip64) != 56 or zip64[:4] != _ZIP64_EOCD_SIG:
+            return -1, "has a zip64 end record that is not inside it"
+        (record_size,) = struct.unpack("<Q", zip64[4:12])
+        if zip64_at + 12 + record_size != locator_at:
+            return -1, "has a zip64 end record that does not reach its end"
+        cd_size, cd_offset = struct.unpack("<QQ", zip64[40:56])
+        cd_end = zip64_at
+    if cd_offset + cd_size != cd_end:
+        return -1, f"has a central directory at [{cd_offset}, {cd_offset + cd_size}) that does not end where its end record starts ({cd_end})"
+    return cd_offset, None
+
+
 def stored_tensor(f: Any, offset: int, length: int) -> StoredTensor | None:
     """The layout of the tensor DCP stored at [offset, offset + length), or None if unusual.
 
     Usual: one uncompressed storage holding exactly the tensor, contiguous,
-    from its first element. Anything else is left to ``torch.load``.
+    from its first element, in an archive that fills the record exactly
+    (:func:`central_directory`). Anything else is left to ``torch.load``.
     """
+    cd_offset, problem = central_directory(f, offset, length)
+    if problem is not None:
+        return None
     try:
         with zipfile.ZipFile(_Slice(f, offset, length)) as zf:
             infos = {i.filename: i for i in zf.infolist()}
@@ -158,6 +203,8 @@ def stored_tensor(f: Any, offset: int, length: int) -> StoredTensor | None:
             stored = [n for n in infos if n.startswith(prefix + "data/")]
             if len(stored) != 1:
                 return None
+            if zf.start_dir != cd_offset or any(i.header_offset >= cd_offset for i in infos.values()):
+                return None  # zipfile found another archive than the one that fills the record
             lay = _LayoutUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
             info = infos[stored[0]]
     except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError, AttributeError):
@@ -177,7 +224,7 @@ def stored_tensor(f: Any, offset: int, length: int) -> StoredTensor | None:
         return None
     name_len, extra_len = struct.unpack("<HH", header[26:30])
     start = offset + info.header_offset + 30 + name_len + extra_len
-    if start + info.file_size > offset + length:
+    if start + info.file_size > offset + cd_offset:
         return None
     return StoredTensor(start, lay.ref.dtype, lay.size)
 
@@ -337,6 +384,7 @@ class CheckedReader(TrustingReader):
     ) -> _Hasher | None:
         """Every requested record of one file, in file order; returns the hasher still running (None)."""
         size = os.fstat(f.fileno()).st_size
+        self._check_extents(path, name)
         pos = 0
         records = sorted(items, key=lambda i: self.storage_data[i.storage_index].offset)
         for item in records:
@@ -347,12 +395,6 @@ class CheckedReader(TrustingReader):
                     f"step {self._step}: file {path} is {size} bytes, too short for the item "
                     f"{item.storage_index.fqn!r} it holds (truncated). " + layout.verify_remedy(self._step)
                 )
-            if hasher is not None and start < pos:
-                hasher.abandon()  # overlapping records: not a file DCP wrote; check it apart
-                hasher = None
-                problem = self._whole_file_problem(path, entry)  # type: ignore[arg-type]
-                if problem:
-                    self.failures.append((name, problem))
             if hasher is not None and start > pos:
                 _feed_range(f, pos, start, hasher)
             self._read_item(f, item, start, end, planner, hasher)
@@ -367,6 +409,25 @@ class CheckedReader(TrustingReader):
                 self.failures.append((name, problem))
         return hasher
 
+    def _check_extents(self, path: str, name: str) -> None:
+        """DCP writes a file's records one after the other: records of ``.metadata`` that overlap are refused."""
+        extents = sorted(
+            {(i.offset, i.offset + i.length, index.fqn) for index, i in self.storage_data.items() if i.relative_path == name}
+        )
+        for (a_start, a_end, a_fqn), (b_start, b_end, b_fqn) in zip(extents, extents[1:]):
+            if b_start < a_end and (a_start, a_end) != (b_start, b_end):
+                raise self._misplaced(
+                    path, f"the record of {a_fqn!r} at [{a_start}, {a_end}) overlaps the record of {b_fqn!r} at "
+                    f"[{b_start}, {b_end})"
+                )
+
+    def _misplaced(self, path: str, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"step {self._step}: file {path}: {what}, so its bytes cannot be told apart; the step's .metadata "
+            f"does not describe the file DCP wrote (edited, or the file of another save). "
+            + layout.verify_remedy(self._step)
+        )
+
     def _whole_file_problem(self, path: str, entry: layout.FileEntry) -> str | None:
         """The file checked on its own, from disk: what is wrong with it, or None."""
         size, digest = layout.checksum_file(path, like=entry.checksum)
@@ -378,6 +439,9 @@ class CheckedReader(TrustingReader):
             planner.load_bytes(item, io.BytesIO(data))
             return
         target = planner.resolve_tensor(item).detach()
+        _, problem = central_directory(f, start, end - start)
+        if problem is not None:
+            raise self._misplaced(f.name, f"the record of {item.storage_index.fqn!r} at [{start}, {end}) {problem}")
         stored = stored_tensor(f, start, end - start) if target.device.type == "cpu" else None
         if stored is None or stored.dtype != target.dtype:
             tensor = torch.load(io.BytesIO(_read_range(f, start, end, hasher)), map_location="cpu", weights_only=True)

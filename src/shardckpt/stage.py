@@ -1,7 +1,9 @@
 """Host staging buffers, allocated once and reused between saves.
 
-``save()`` blocks only while the state is copied into these buffers; the
-background writer then reads them while training mutates the live tensors.
+``save()`` blocks only while the state is copied into these buffers (by
+default until the copies are complete, also on a GPU; with
+``overlap_copies`` only until they are enqueued); the background writer
+then reads them while training mutates the live tensors.
 Each tensor has its own buffer, keyed by its path in the state dict and
 re-allocated only when that tensor's shape, dtype or sharding changes (the
 optimizer's first step creating its state, a new parameter). Everything that
@@ -13,11 +15,15 @@ from __future__ import annotations
 
 import copy
 import io
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import torch
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.tensor import DTensor
+
+from . import _failpoints
+from .errors import SaveError
 
 _PLAIN = (int, float, bool, str, bytes, type(None))
 
@@ -43,30 +49,118 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
-class CopyFence:
-    """When the device-to-host copies of one save are done.
+class CopiesRacedError(SaveError):
+    """A saved tensor was written while its device-to-host copy could still read it."""
 
-    On a GPU the copies run on a side stream and ``save()`` returns once they
-    are *enqueued*: :meth:`order_after` makes later work on the current
-    stream wait for them on the GPU (the optimizer step that would change the
-    saved tensors; the CPU does not wait), :meth:`synchronize` blocks the
-    writer thread until they are done before it reads the buffers. On a CPU
-    the copies are done when ``stage()`` returns: both are no-ops.
+
+class CopyFence:
+    """When the device-to-host copies of one save are done, and whether a source changed before.
+
+    On a GPU the copies run on a side stream. By default ``save()`` calls
+    :meth:`complete` and returns with them done. With ``overlap_copies`` it
+    returns once they are *enqueued*: :meth:`order_after` (from the hooks on
+    the fenced writes) makes later work on the current stream wait for them
+    on the GPU, and :meth:`synchronize` blocks the writer thread until they
+    are done before it reads the buffers. On a CPU the copies are done when
+    ``stage()`` returns (unless deferred, below) and all three only check.
+
+    ``sources`` are ``(key, tensor, version)``: each source tensor with its
+    version counter at staging. The first of :meth:`order_after` (later
+    writes on that stream wait for the copies) and the end of the copies
+    settles the fence: a source whose counter moved by then may have been
+    copied half-written, and :meth:`synchronize` raises
+    :class:`CopiesRacedError` naming it instead of letting the step be written.
+    ``deferred`` are copies not run yet (:attr:`HostStager.defer_cpu_copies`):
+    they run where a GPU's would be waited for.
     """
 
-    def __init__(self, event: Any = None) -> None:
+    def __init__(
+        self, event: Any = None, sources: list[tuple[str, torch.Tensor, int]] | None = None,
+        deferred: list[Callable[[], Any]] | None = None, what: str = "this save",
+    ) -> None:
         self.event = event
+        self.what = what
+        self.changed: list[str] = []
+        """Keys of the sources written before the fence settled (empty: none)."""
+        self._sources = sources or []
+        self._deferred = deferred
+        self._lock = threading.Lock()
+        self._settled = not self._sources
 
     def done(self) -> bool:
-        return self.event is None or bool(self.event.query())
+        if self._deferred:
+            return False
+        event = self.event  # order_after() may drop it meanwhile
+        return event is None or bool(event.query())
 
     def order_after(self) -> None:
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+        """Later work on the current stream runs after the copies (called before a fenced write)."""
+        with self._lock:
+            self._settle()
+            self._run_deferred()
+        event = self.event
+        if event is not None:
+            if event.query():
+                self.event = None  # done: the next fenced write need not ask again
+            else:
+                torch.cuda.current_stream().wait_event(event)
+
+    def complete(self) -> None:
+        """Block until the copies are done; the fence is then settled."""
+        with self._lock:
+            self._run_deferred()
+        event = self.event
+        if event is not None:
+            event.synchronize()
+        with self._lock:
+            self._settle()
 
     def synchronize(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
+        """The writer thread, before it reads the buffers: wait for the copies, refuse torn ones."""
+        if not self.done():
+            _failpoints.hit("stage.copies_pending")
+        self.complete()
+        if self.changed:
+            shown = ", ".join(repr(k) for k in self.changed[:5]) + (" ..." if len(self.changed) > 5 else "")
+            raise CopiesRacedError(
+                f"{self.what}: {len(self.changed)} saved tensor(s) were written between save() and the end of their "
+                f"device-to-host copy ({shown}), so the copy may hold them half-written; the step is not "
+                f"written. Remedy: set overlap_copies=False (save() then returns with the copies done), or "
+                f"make that write wait for the copies (call Checkpointer.wait_for_copies() before it)."
+            )
+
+    def _settle(self) -> None:
+        if self._settled:
+            return
+        for key, tensor, version in self._sources:
+            if _version(tensor) != version and key not in self.changed:
+                self.changed.append(key)
+        self._sources = []
+        self._settled = True
+
+    def _run_deferred(self) -> None:
+        if self._deferred:
+            with torch.no_grad():
+                for copy_now in self._deferred:
+                    copy_now()
+            self._deferred = None
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return int(t._version)
+    except RuntimeError:  # inference tensors have no version counter
+        return -1
+
+
+def _tracked(obj: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors whose version counters tell a write to ``obj`` (the local shards of a sharded one)."""
+    if isinstance(obj, DTensor):
+        return [obj._local_tensor]
+    shards = getattr(obj, "local_shards", None)
+    if callable(shards) and type(obj) is not torch.Tensor:
+        return [s.tensor for s in shards()]
+    return [obj]
 
 
 class HostStager:
@@ -77,6 +171,11 @@ class HostStager:
     hosts that cannot pin the whole state: tensors past the cap get pageable
     buffers, whose copies are synchronous and slower (the save blocks longer).
     """
+
+    defer_cpu_copies = False
+    """On a CPU, leave the copies to the fence (run at ``order_after`` or
+    ``synchronize``), the way a GPU runs them after ``save()`` returns with
+    ``overlap_copies``: the fence's checks can then be exercised without a GPU."""
 
     def __init__(self, pin_memory: bool = False, max_pinned_bytes: int | None = None) -> None:
         self.pin_memory = pin_memory
@@ -89,17 +188,23 @@ class HostStager:
         """How many ``stage()`` calls had to allocate a buffer; 1 in steady state."""
 
     @torch.no_grad()
-    def stage(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], CopyFence]:
-        """Copy ``state_dict`` into the buffers; returns the staged dict and the fence of its copies."""
+    def stage(self, state_dict: dict[str, Any], what: str = "this save") -> tuple[dict[str, Any], CopyFence]:
+        """Copy ``state_dict`` into the buffers; returns the staged dict and the fence of its copies.
+
+        ``what`` names the save in the fence's errors (``"step 12"``).
+        """
         on_gpu = torch.cuda.is_available() and _has_cuda_tensor(state_dict)
+        deferred: list[Callable[[], Any]] | None = [] if not on_gpu and self.defer_cpu_copies else None
+        track = on_gpu or deferred is not None
         allocated = [False]
-        sources: list[torch.Tensor] = []
+        sources: list[tuple[str, torch.Tensor, int]] = []
 
         def walk(obj: Any, path: tuple) -> Any:
             if isinstance(obj, torch.Tensor):
-                if on_gpu:
-                    sources.append(obj._local_tensor if isinstance(obj, DTensor) else obj)
-                return self._copy_leaf(obj, path, on_gpu, allocated)
+                if track:
+                    key = ".".join(str(p) for p in path)
+                    sources.extend((key, t, _version(t)) for t in _tracked(obj))
+                return self._copy_leaf(obj, path, on_gpu, allocated, deferred)
             if isinstance(obj, dict):
                 return {k: walk(v, path + (k,)) for k, v in obj.items()}
             if isinstance(obj, list):
@@ -114,7 +219,7 @@ class HostStager:
 
         if not on_gpu:
             staged = walk(state_dict, ())
-            fence = CopyFence()
+            fence = CopyFence(sources=sources, deferred=deferred, what=what)
         else:
             # The copies go on a side stream, after what the compute stream queued so far.
             if self._stream is None:
@@ -122,19 +227,22 @@ class HostStager:
             self._stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._stream):
                 staged = walk(state_dict, ())
-                for source in sources:
+                for _key, source, _v in sources:
                     if source.is_cuda:
                         source.record_stream(self._stream)  # not reused while the copy reads it
             event = torch.cuda.Event()
             event.record(self._stream)
-            fence = CopyFence(event)
+            fence = CopyFence(event, sources=sources, what=what)
         # Buffers of tensors absent from this save stay: a light save (no optimizer
         # state) between full ones must not make the next full save allocate again.
         if allocated[0]:
             self.allocations += 1
         return staged, fence
 
-    def _copy_leaf(self, obj: torch.Tensor, path: tuple, non_blocking: bool, allocated: list[bool]) -> Any:
+    def _copy_leaf(
+        self, obj: torch.Tensor, path: tuple, non_blocking: bool, allocated: list[bool],
+        deferred: list[Callable[[], Any]] | None = None,
+    ) -> Any:
         signature = _leaf_signature(obj)
         buf = self._buffers.get(path)
         if buf is None or self._signatures[path] != signature:
@@ -145,13 +253,10 @@ class HostStager:
             self._buffers[path] = buf
             self._signatures[path] = signature
             allocated[0] = True
-        if isinstance(obj, DTensor) and isinstance(buf, DTensor) and buf is not obj:
-            buf._local_tensor.copy_(obj._local_tensor, non_blocking=non_blocking)
-        elif type(obj) is torch.Tensor or (isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor)):
-            buf.copy_(obj, non_blocking=non_blocking)
-        else:  # ShardedTensor and other tensor subclasses: torch's own per-shard copy
-            buf = _copy_state_dict({"t": obj}, {"t": buf}, non_blocking=non_blocking, type_check=False)["t"]
-        return buf
+        if deferred is not None:
+            deferred.append(lambda: _copy_into(buf, obj, non_blocking))
+            return buf
+        return _copy_into(buf, obj, non_blocking)
 
     def _pin(self, obj: torch.Tensor) -> bool:
         """Pin this buffer: pinning is on, and it fits under ``max_pinned_bytes``."""
@@ -167,6 +272,16 @@ class HostStager:
         self._buffers.clear()
         self._signatures.clear()
         self.pinned_bytes = 0
+
+
+def _copy_into(buf: Any, obj: torch.Tensor, non_blocking: bool) -> Any:
+    if isinstance(obj, DTensor) and isinstance(buf, DTensor) and buf is not obj:
+        buf._local_tensor.copy_(obj._local_tensor, non_blocking=non_blocking)
+    elif type(obj) is torch.Tensor or (isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor)):
+        buf.copy_(obj, non_blocking=non_blocking)
+    else:  # ShardedTensor and other tensor subclasses: torch's own per-shard copy
+        buf = _copy_state_dict({"t": obj}, {"t": buf}, non_blocking=non_blocking, type_check=False)["t"]
+    return buf
 
 
 def _local(t: Any) -> torch.Tensor:
