@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import _dist, _failpoints, layout, remote, remote_commit, topology
+from . import _dist, _failpoints, layout, remote, remote_commit, topology, values
 from . import elastic as elastic_mod
 from . import state as state_mod
 from ._text import fmt_bytes
@@ -46,7 +46,7 @@ from .node_registry import state_dir
 from .options import CheckpointConfig, OnRemoteUnavailable, SaveMode, UploaderMode
 from .policy import SavePolicy
 from .restore import Restorer
-from .stage import CopyFence, HostStager, tensor_bytes
+from .stage import CopyFence, HostStager, split_bytes
 from .uploader_client import UploaderClient
 
 log = logging.getLogger("shardckpt")
@@ -112,6 +112,7 @@ class Checkpointer:
         self._restorer = Restorer(self.config, self.root, self._groups)
         self._topology_known = False
         self._saves = 0
+        self._warned_values: set[str] = set()
         self._frozen: dict[str, Any] | None = None
         self._run: dict[str, Any] | None = None
         self._remote_checked = self.config.remote is None
@@ -198,13 +199,23 @@ class Checkpointer:
             decision = self._policy.decide(step, force)
             if not decision.due:
                 return None
+            if step == self._policy.last_saved_step and _dist.rank() == 0:  # force=True: saved anyway
+                log.warning(
+                    "shardckpt: step %d is saved a second time by this run: this save replaces the earlier save "
+                    "of step %d. Remedy: give each save its own step number (a loop that saves after its last "
+                    "iteration and again at exit saves the same step twice)", step, step,
+                )
             self._wait_previous(step)
             kind = self._kind(light, decision.preempt)
             captured, kinds, frozen = state_mod.capture(
                 state, _dist.rank(), self.config.capture_rng, light=kind == LIGHT,
                 trainable_only=self.config.trainable_only,
             )
-            if not self._writer.space_ok(step, tensor_bytes(captured)):
+            captured = values.agree(captured, kinds, self._groups, step, self._warned_values)
+            if self._saves == 0:
+                _note_missing_optimizer(state)
+            own_keys = {k for k, v in state.items() if isinstance(v, elastic_mod.PerRank)} | {state_mod.RESERVED_KEY}
+            if not self._writer.space_ok(step, *split_bytes(captured, own_keys)):
                 return None
             self._writer.prepare()
             if frozen and self._frozen is None:
@@ -511,10 +522,12 @@ class Checkpointer:
                 pending.wait()  # returns, or raises its failure
             return
         t0 = time.monotonic()
+        started = getattr(pending._future, "started_at", t0)
         (log.info if _dist.rank() == 0 else log.debug)(
-            "shardckpt: step %d waits for step %d to finish writing (save interval shorter than write time)",
+            "shardckpt: step %d waits for step %d: its save is still writing, %.2f s after it started",
             step,
             pending.step,
+            t0 - started,
         )
         pending.wait()
         (log.info if _dist.rank() == 0 else log.debug)(
@@ -543,6 +556,21 @@ class Checkpointer:
             os.path.join(state_dir(self.root), "uploader.log"),
         )
         return True
+
+
+def _note_missing_optimizer(state: dict[str, Any]) -> None:
+    """First save: a module with trainable parameters and no optimizer in the state is worth one line."""
+    if _dist.rank() != 0 or any(isinstance(v, torch.optim.Optimizer) for v in state.values()):
+        return
+    trainable = sorted(
+        k for k, v in state.items() if isinstance(v, torch.nn.Module) and any(p.requires_grad for p in v.parameters())
+    )
+    if trainable:
+        log.info(
+            "shardckpt: the state holds module(s) %s with trainable parameters but no optimizer: a resume restores "
+            "the weights only, the optimizer starts fresh. Add the optimizer to the state to resume training exactly",
+            ", ".join(repr(k) for k in trainable),
+        )
 
 
 def _check_writable(root: str) -> None:
