@@ -8,12 +8,14 @@ environment variables.
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
-from typing import TYPE_CHECKING, Any
+import logging as _logging
+import os as _os
+import threading as _threading
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
-if TYPE_CHECKING:  # pragma: no cover
+if _TYPE_CHECKING:  # pragma: no cover
+    from typing import Any
+
     from .checkpointer import Checkpointer, SaveHandle
     from .elastic import ElasticPlan
 
@@ -104,17 +106,22 @@ __all__ = [
 ]
 
 
+def __dir__() -> list[str]:
+    """The public names (the lazy ones included, without importing them)."""
+    return sorted({*__all__, "__version__"})
+
+
 def _configure_logging() -> None:
     """One INFO line per save/restore unless the application configured logging."""
-    logger = logging.getLogger("shardckpt")
-    level = os.environ.get("SHARDCKPT_LOG_LEVEL")
+    logger = _logging.getLogger("shardckpt")
+    level = _os.environ.get("SHARDCKPT_LOG_LEVEL")
     if level:
         logger.setLevel(level.upper())
-    elif logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO)
-    if not logger.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    elif logger.level == _logging.NOTSET:
+        logger.setLevel(_logging.INFO)
+    if not logger.handlers and not _logging.getLogger().handlers:
+        handler = _logging.StreamHandler()
+        handler.setFormatter(_logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
 
@@ -122,7 +129,7 @@ def _configure_logging() -> None:
 _configure_logging()
 
 _default: Any = None
-_default_lock = threading.Lock()
+_default_lock = _threading.Lock()
 
 
 def init(config: CheckpointConfig | None = None, **kwargs: Any) -> "Checkpointer":

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import _dist, _failpoints, layout, remote, remote_commit, topology
+from . import _dist, _failpoints, layout, remote, remote_commit, topology, values
 from . import lineage as lineage_mod
 from . import elastic as elastic_mod
 from . import state as state_mod
@@ -47,7 +47,7 @@ from .node_registry import state_dir
 from .options import CheckpointConfig, OnRemoteUnavailable, SaveMode, UploaderMode
 from .policy import SavePolicy
 from .restore import Restorer
-from .stage import CopyFence, HostStager, tensor_bytes
+from .stage import CopyFence, HostStager, split_bytes
 from .uploader_client import UploaderClient
 
 log = logging.getLogger("shardckpt")
@@ -113,6 +113,7 @@ class Checkpointer:
         self._restorer = Restorer(self.config, self.root, self._groups)
         self._topology_known = False
         self._saves = 0
+        self._warned_values: set[str] = set()
         self._frozen: dict[str, Any] | None = None
         self._run: dict[str, Any] | None = None
         self._remote_checked = self.config.remote is None
@@ -206,7 +207,11 @@ class Checkpointer:
                 state, _dist.rank(), self.config.capture_rng, light=kind == LIGHT,
                 trainable_only=self.config.trainable_only,
             )
-            if not self._writer.space_ok(step, tensor_bytes(captured)):
+            captured = values.agree(captured, kinds, self._groups, step, self._warned_values)
+            if self._saves == 0:
+                _note_missing_optimizer(state)
+            own_keys = {k for k, v in state.items() if isinstance(v, elastic_mod.PerRank)} | {state_mod.RESERVED_KEY}
+            if not self._writer.space_ok(step, *split_bytes(captured, own_keys)):
                 return None
             self._writer.prepare()
             lineage = self._writer.lineage_for(step)
@@ -575,10 +580,12 @@ class Checkpointer:
                 pending.wait()  # returns, or raises its failure
             return
         t0 = time.monotonic()
+        started = getattr(pending._future, "started_at", t0)
         (log.info if _dist.rank() == 0 else log.debug)(
-            "shardckpt: step %d waits for step %d to finish writing (save interval shorter than write time)",
+            "shardckpt: step %d waits for step %d: its save is still writing, %.2f s after it started",
             step,
             pending.step,
+            t0 - started,
         )
         pending.wait()
         (log.info if _dist.rank() == 0 else log.debug)(
@@ -607,6 +614,21 @@ class Checkpointer:
             os.path.join(state_dir(self.root), "uploader.log"),
         )
         return True
+
+
+def _note_missing_optimizer(state: dict[str, Any]) -> None:
+    """First save: a module with trainable parameters and no optimizer in the state is worth one line."""
+    if _dist.rank() != 0 or any(isinstance(v, torch.optim.Optimizer) for v in state.values()):
+        return
+    trainable = sorted(
+        k for k, v in state.items() if isinstance(v, torch.nn.Module) and any(p.requires_grad for p in v.parameters())
+    )
+    if trainable:
+        log.info(
+            "shardckpt: the state holds module(s) %s with trainable parameters but no optimizer: a resume restores "
+            "the weights only, the optimizer starts fresh. Add the optimizer to the state to resume training exactly",
+            ", ".join(repr(k) for k in trainable),
+        )
 
 
 def _check_writable(root: str) -> None:

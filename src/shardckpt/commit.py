@@ -127,8 +127,10 @@ class StepWriter:
         if step == head:
             if _dist.rank() == 0:
                 log.warning(
-                    "shardckpt: step %d is saved again: the new save replaces the earlier save of step %d in %s, "
-                    "which is kept aside (abandoned; `shardckpt gc` removes it)", step, step, self.root,
+                    "shardckpt: step %d is saved a second time: this save replaces the earlier save of step %d in "
+                    "%s, which is kept aside (abandoned; `shardckpt gc` removes it). Remedy: give each save its own "
+                    "step number (a loop that saves after its last iteration and again at exit, or right after "
+                    "load() at the step it loaded, saves the same step twice)", step, step, self.root,
                 )
             return current
         # The new branch's id is derived from the nonce every rank agreed on and the save count.
@@ -176,14 +178,19 @@ class StepWriter:
         """The identity of the save :meth:`partial_dir` was last called for: agreed nonce + count."""
         return f"{self._nonce}-{self._count}"
 
-    def space_ok(self, step: int, local_bytes: int) -> bool:
-        """Agree across ranks whether every node has room for this step."""
+    def space_ok(self, step: int, local_bytes: int, shared_bytes: int = 0) -> bool:
+        """Agree across ranks whether every node has room for this step.
+
+        ``local_bytes``: what only this rank writes (shards, per-rank entries);
+        ``shared_bytes``: what every rank holds alike (a DDP replica), written once.
+        """
         os.makedirs(self.root, exist_ok=True)
-        # Upper bound of what this directory receives: the ranks sharing it hold
-        # about as much as this one; never more than the whole previous checkpoint.
-        node_bytes = local_bytes * len(self.topology.copy)
+        # Upper bound of what this directory receives: the ranks sharing it write about as
+        # much of their own as this one, a replicated tensor once (DCP picks one writer,
+        # possibly on this node); never more than the whole previous checkpoint.
+        node_bytes = local_bytes * len(self.topology.copy) + shared_bytes
         if self.last_total_bytes is not None:
-            node_bytes = min(node_bytes, max(self.last_total_bytes, local_bytes))
+            node_bytes = min(node_bytes, max(self.last_total_bytes, local_bytes + shared_bytes))
         needed = int(node_bytes * (1 + self.config.free_space_margin)) + (1 << 20)
         free = shutil.disk_usage(self.root).free
         short = 0 if free >= needed else 1
@@ -230,17 +237,16 @@ class StepWriter:
             failure = exc
 
         # 3: exchange 1
-        reports = self._groups.all_gather_io((table, _describe(failure), metadata_bytes, time.time()))
-        problems = [(r, report[1]) for r, report in enumerate(reports) if report[1] is not None]
+        reports = self._groups.all_gather_io((table, _describe(failure), metadata_bytes, time.time(), _disk(failure)))
+        problems = [(r, report[1], report[4]) for r, report in enumerate(reports) if report[1] is not None]
         if problems:
             if topo.committer:
                 shutil.rmtree(partial, ignore_errors=True)
-            where, what = problems[0]
+            where, what, disk = next((p for p in problems if p[2]), problems[0])
             raced = what.startswith(CopiesRacedError.__name__ + ":")  # it names its own remedy
             error = SaveError(
                 f"step {step}: writing {partial} failed on rank {where} ({what}); the partial step was "
-                f"removed on every node and earlier steps are intact."
-                + ("" if raced else f" Remedy: check the disk under {self.root}, then save again.")
+                f"removed on every node and earlier steps are intact." + ("" if raced else f" {self._remedy(disk)}")
             )
             raise error from failure
 
@@ -264,18 +270,18 @@ class StepWriter:
                 shutil.rmtree(partial, ignore_errors=True)
 
         # 5: exchange 2
-        outcomes = self._groups.all_gather_io(_describe(failure))
-        problems = [(r, err) for r, err in enumerate(outcomes) if err is not None]
+        outcomes = self._groups.all_gather_io((_describe(failure), _disk(failure)))
+        problems = [(r, err, disk) for r, (err, disk) in enumerate(outcomes) if err is not None]
         if problems:
             if commit is not None:
                 try:
                     step_dirs.undo_commit(commit)
                 except OSError as exc:
                     log.error("shardckpt: step %d: could not withdraw %s after a failed commit: %s", step, commit.final, exc)
-            where, what = problems[0]
+            where, what, disk = next((p for p in problems if p[2]), problems[0])
             error = SaveError(
                 f"step {step}: the commit failed on rank {where} ({what}); the step was withdrawn on every "
-                f"node and earlier steps are intact. Remedy: check the disk under {self.root}, then save again."
+                f"node and earlier steps are intact. {self._remedy(disk)}"
             )
             raise error from failure
         if commit is not None:
@@ -307,6 +313,15 @@ class StepWriter:
                 step, final, fmt_bytes(manifest.total_bytes), job.blocked, time.monotonic() - job.t_start,
             )
         return final
+
+    def _remedy(self, disk: bool) -> str:
+        if disk:
+            return f"Remedy: check the disk under {self.root} (free space, permissions, errors), then save again."
+        return (
+            "The disk is not the cause: the state could not be planned or serialised. Remedy: make every "
+            "non-tensor value picklable and the same on every rank (wrap per-rank values in shardckpt.PerRank), "
+            "then save again."
+        )
 
     def _manifest(self, job: SaveJob, tables: list[dict[str, Any]], created: float) -> layout.Manifest:
         files: dict[str, layout.FileEntry] = {}
@@ -347,7 +362,33 @@ class StepWriter:
 
 
 def _describe(exc: BaseException | None) -> str | None:
-    return None if exc is None else f"{type(exc).__name__}: {exc}"
+    """One line for a failure; for DCP's per-rank report, its first inner failure."""
+    if exc is None:
+        return None
+    inner = _inner(exc)
+    return f"{type(inner).__name__}: {inner}"
+
+
+def _inner(exc: BaseException) -> BaseException:
+    failures = getattr(exc, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        inner = first[0] if isinstance(first, tuple) else first
+        if isinstance(inner, BaseException):
+            return inner
+    return exc
+
+
+def _disk(exc: BaseException | None) -> bool:
+    """Whether a failure came from the filesystem (an OSError, e.g. ENOSPC), not from the state's values."""
+    seen = 0
+    while exc is not None and seen < 8:
+        inner = _inner(exc)
+        if isinstance(inner, OSError) or isinstance(exc, OSError):
+            return True
+        exc = inner.__cause__
+        seen += 1
+    return False
 
 
 def _write_file(path: str, data: bytes) -> None:

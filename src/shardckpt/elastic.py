@@ -148,6 +148,8 @@ class ElasticPlan:
     exact: bool = True
     epoch: int | None = None
     samples_consumed: int | None = None
+    rng: bool = True
+    """Whether RNG state is restored per rank (``capture_rng``)."""
 
     @property
     def resharded(self) -> bool:
@@ -157,6 +159,8 @@ class ElasticPlan:
         return dataclasses.asdict(self)
 
     def rng_note(self) -> str:
+        if not self.rng:
+            return "RNG not captured (capture_rng=False)"
         w, w2 = self.saved_world_size, self.world_size
         if w2 < w:
             return f"RNG of saved ranks {_span(w2, w)} dropped"
@@ -453,6 +457,7 @@ def after_restore(
             f"{exc}. (The tensors of step {step} are already restored; no learning rate or "
             f"accumulation was changed.)"
         ) from None
+    plan = dataclasses.replace(plan, rng=bool(getattr(config, "capture_rng", True)))
     if plan.lr_factor != 1.0:
         optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
         schedulers = [v for v in state.values() if _is_scheduler(v)]

@@ -108,6 +108,8 @@ class _HashingFileSystem(FileSystem):
         super().__init__()
         self._lock = threading.Lock()
         self.written: dict[str, tuple[int, str]] = {}
+        self.errors: list[BaseException] = []
+        """What failed while writing a file (DCP's writer threads only print their tracebacks)."""
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
@@ -115,13 +117,18 @@ class _HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with open(path, mode) as raw:
-            stream = _HashingStream(raw)
-            yield stream
-            raw.flush()
-            if stream.checksum is not None:
-                with self._lock:
-                    self.written[os.path.basename(path)] = (stream.size, stream.checksum.value())
+        try:
+            with open(path, mode) as raw:
+                stream = _HashingStream(raw)
+                yield stream
+                raw.flush()
+        except BaseException as exc:
+            with self._lock:
+                self.errors.append(exc)
+            raise
+        if stream.checksum is not None:
+            with self._lock:
+                self.written[os.path.basename(path)] = (stream.size, stream.checksum.value())
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)
@@ -152,10 +159,13 @@ class CheckedWriter(FileSystemWriter):
         written = {result.index for result in future.wait()}
         lost = [item.index.fqn for item in plan.items if item.index not in written]
         if lost:
-            raise OSError(
-                f"{len(lost)} item(s) were not written ({', '.join(sorted(lost)[:5])}): a writer thread failed "
-                f"(its traceback is on this process's stderr)"
-            )
+            what = f"{len(lost)} item(s) were not written ({', '.join(sorted(lost)[:5])})"
+            cause = self.fs.errors[0] if self.fs.errors else None
+            if cause is None:
+                raise OSError(f"{what}: a writer thread failed (its traceback is on this process's stderr)")
+            if isinstance(cause, OSError):
+                raise OSError(cause.errno, f"{what}: {cause.strerror or cause}") from cause
+            raise ValueError(f"{what}: {type(cause).__name__}: {cause}") from cause
         return future
 
     def checksums(self, directory: str, names: list[str]) -> dict[str, tuple[int, str]]:

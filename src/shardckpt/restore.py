@@ -368,19 +368,25 @@ class Restorer:
 
     def _warn_config_changes(self, step: int, manifest: layout.Manifest) -> None:
         """``run_config`` of this run against the one the step was saved with: a warning listing changed keys."""
+        changed = self._config_changes(manifest)
+        if not changed:
+            return
+        log.warning(
+            "shardckpt: run_config differs from the one step %d was saved with (%d key(s)): %s", step, len(changed),
+            "; ".join(changed[:20]) + (f"; ... ({len(changed) - 20} more)" if len(changed) > 20 else ""),
+        )
+
+    def _config_changes(self, manifest: layout.Manifest) -> list[str]:
+        """``key: saved -> current`` for each ``run_config`` entry that differs (empty when either is unknown)."""
         from .checkpointer import run_config_of
 
         saved = (manifest.run or {}).get("config")
         current = run_config_of(self.config.run_config)
         if saved is None or current is None or saved == current:
-            return
+            return []
         old, new = _flatten(saved), _flatten(current)
-        changed = [f"{k}: {old.get(k, '(absent)')!r} -> {new.get(k, '(absent)')!r}"
-                   for k in sorted(set(old) | set(new)) if old.get(k, _ABSENT) != new.get(k, _ABSENT)]
-        log.warning(
-            "shardckpt: run_config differs from the one step %d was saved with (%d key(s)): %s", step, len(changed),
-            "; ".join(changed[:20]) + (f"; ... ({len(changed) - 20} more)" if len(changed) > 20 else ""),
-        )
+        return [f"{k}: {old.get(k, '(absent)')!r} -> {new.get(k, '(absent)')!r}"
+                for k in sorted(set(old) | set(new)) if old.get(k, _ABSENT) != new.get(k, _ABSENT)]
 
     def _agree_lineage(self, survey: Survey, step: int | None) -> lineage_mod.Lineage:
         """The lineage of the next saves, decided on rank 0 (a new branch gets one id everywhere)."""
@@ -710,10 +716,13 @@ class Restorer:
         live_fqns = set(flat_live.keys())
         reshaped = _shape_mismatches(flat_live, metadata)
         if reshaped:
+            changed = self._config_changes(manifest)
             raise StateMismatchError(
                 f"step {step} in {step_dir} holds tensors of other shapes than the state being loaded "
                 f"(a checkpoint of another model?): {'; '.join(reshaped[:10])}"
                 + (f"; ... ({len(reshaped) - 10} more)" if len(reshaped) > 10 else "")
+                + (f". run_config differs from the one it was saved with: {'; '.join(changed[:10])}"
+                   if changed else "")
                 + ". Remedy: build the model with the configuration it was saved with, or load another "
                 "checkpoint directory.",
                 unexpected=[r.split(" ", 1)[0] for r in reshaped],

@@ -49,6 +49,29 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
+def split_bytes(state_dict: dict[str, Any], own_keys: set[str]) -> tuple[int, int]:
+    """``(own, shared)``: tensor bytes only this rank writes (DTensor shards, the entries under
+    ``own_keys``: per-rank keys) and bytes of plain tensors every rank holds alike (a DDP replica:
+    DCP writes one copy of those, from one rank)."""
+    own = shared = 0
+    for key, value in state_dict.items():
+        if key in own_keys:
+            own += tensor_bytes(value)
+            continue
+        stack = [value]
+        while stack:
+            obj = stack.pop()
+            if isinstance(obj, DTensor):
+                own += tensor_bytes(obj)
+            elif isinstance(obj, torch.Tensor):
+                shared += tensor_bytes(obj)
+            elif isinstance(obj, dict):
+                stack.extend(obj.values())
+            elif isinstance(obj, (list, tuple)):
+                stack.extend(obj)
+    return own, shared
+
+
 class CopiesRacedError(SaveError):
     """A saved tensor was written while its device-to-host copy could still read it."""
 

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .errors import ConfigError
+from .values import decode_keys
 
 try:  # numpy is optional
     import numpy as np
@@ -211,8 +212,9 @@ def restore(
         elif kind == OPTIMIZER:
             set_optimizer_state_dict(state[pairs[key]], state[key], value, options=options)
         elif kind == STATEFUL:
-            state[key].load_state_dict(value)
+            state[key].load_state_dict(decode_keys(value))
         else:
+            value = decode_keys(value)
             state[key] = fill_in_place(state[key], value) if key in state else value
         restored.append(key)
     return restored

@@ -31,6 +31,8 @@ HEALTH_EVERY_S = 10.0
 """How often ``save()`` looks at the uploader's status file."""
 WARN_EVERY_S = 60.0
 """Upload trouble is repeated in the trainer's log at most this often."""
+ANNOUNCE_AFTER_S = 1.0
+"""``close()`` logs its wait for uploads at INFO once it has waited this long (before: DEBUG)."""
 
 
 # The uploader forks once more and the intermediate exits: the uploader is
@@ -252,15 +254,24 @@ class UploaderClient:
         last_log = t0
         ended = "uploaded"
         first = remote_commit.pending_steps(self.root, url)
-        if first:
-            log.info(
+        announced = not first
+
+        def announce(level: int, steps: list[int]) -> None:
+            log.log(
+                level,
                 "shardckpt: close() waits up to %.0f s for steps %s (%s) to be committed on %s; set "
                 "drain_timeout_s or pass close(timeout=...) to wait less (the uploader goes on after this "
                 "process exits, unless the machine goes away)",
-                limit, first, fmt_bytes(sum(remote_commit.local_bytes(self.root, s) for s in first)), safe_url(url),
+                limit, steps, fmt_bytes(sum(remote_commit.local_bytes(self.root, s) for s in steps)), safe_url(url),
             )
+
+        if first:
+            announce(logging.DEBUG, first)  # a wait of a moment is normal: INFO only once it lasts
         while True:
             pending = remote_commit.pending_steps(self.root, url)
+            if not announced and pending and time.monotonic() - t0 > ANNOUNCE_AFTER_S:
+                announced = True
+                announce(logging.INFO, pending)
             running = uploader_running(self.root)
             starting = (
                 running is None

@@ -1,0 +1,71 @@
+"""Plain values under DDP at 2 ranks: values that differ by rank, dicts with int keys, the free-space estimate.
+
+usage: plain_values.py OUT_DIR SMALL_DIR      (SMALL_DIR: a 3 MiB filesystem, or - when there is none)
+
+Writes OUT_DIR/rank<r>.json with what each rank saw.
+"""
+
+import os
+import sys
+
+import common
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+import shardckpt
+
+
+def main() -> None:
+    out_dir, small_dir = sys.argv[1:3]
+    rank, _world = common.init()
+    result = {}
+
+    # 1. A metric computed on rank 0 only (a 0-d tensor there, a float elsewhere), a value that
+    #    differs by rank, and a vocabulary with int keys.
+    torch.manual_seed(0)
+    model = DistributedDataParallel(common.TinyNet(width=4))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    meta = {"best_val_loss": torch.tensor(3.65) if rank == 0 else 1e9, "lr": 0.5 * (rank + 1), "iter_num": 7}
+    vocab = {"itos": {0: "a", 1: "b", 10: "z"}, "stoi": {"a": 0, "#": 3}}
+    state = {"model": model, "optimizer": optim, "meta": meta, "vocab": vocab}
+    ckpt_dir = os.path.join(out_dir, "ckpt")
+    ckpt = shardckpt.Checkpointer(local_dir=ckpt_dir, keep_last=None, preemption_signals=())
+    for step in (1, 2):
+        ckpt.save(state, step).wait()
+    ckpt.close()
+
+    live = {"itos": {0: "old", 1: "old"}}
+    state2 = {"model": model, "optimizer": optim, "meta": {}, "vocab": live}
+    ckpt2 = shardckpt.Checkpointer(local_dir=ckpt_dir, keep_last=None, preemption_signals=())
+    result["restored"] = ckpt2.load(state2)
+    got = state2["meta"]
+    result["best_val_loss"] = [type(got["best_val_loss"]).__name__, float(got["best_val_loss"])]
+    result["lr"] = got["lr"]
+    result["iter_num"] = got["iter_num"]
+    result["itos_keys"] = [repr(k) for k in live["itos"]]
+    result["itos_same_object"] = state2["vocab"] is live
+    result["itos"] = {repr(k): v for k, v in live["itos"].items()}
+    result["stoi"] = live["stoi"]
+    ckpt2.save(state2, 3).wait()  # the loaded dict saves again (no "duplicated flatten key")
+    result["steps"] = ckpt2.steps()
+    ckpt2.close()
+
+    # 2. DDP replicas on a small disk: the step fits once, not once per rank.
+    if small_dir != "-":
+        torch.manual_seed(1)
+        big = DistributedDataParallel(nn.Linear(1000, 400))  # 1.6 MB of parameters, no optimizer
+        small = shardckpt.Checkpointer(local_dir=small_dir, preemption_signals=())
+        try:
+            small.save({"model": big}, 1).wait()
+            result["small_steps"] = small.steps()
+        except shardckpt.InsufficientSpaceError as exc:
+            result["small_error"] = str(exc)
+        small.close()
+
+    common.write_json(os.path.join(out_dir, f"rank{rank}.json"), result)
+    common.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Plain values as training scripts hold them, and the small traps of a first conversion.
+
+The multi-rank checks share one 2-rank launch (tests/programs/plain_values.py):
+values that differ by rank, dicts with int keys, the DDP free-space estimate.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shardckpt
+from shardckpt import _failpoints
+from helpers import PROGRAMS, ROOT, child_env, run_torchrun
+
+
+def ckpt_for(path, **kw):
+    kw.setdefault("preemption_signals", ())
+    return shardckpt.Checkpointer(local_dir=str(path), **kw)
+
+
+def messages(caplog, text):
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+# ------------------------------------------------------------- 2 ranks, one launch
+
+
+@pytest.fixture(scope="module")
+def ddp_values(tmp_path_factory):
+    """Run the program once; a 3 MiB tmpfs for the free-space check when this process may mount one."""
+    base = tmp_path_factory.mktemp("values")
+    small = base / "small"
+    small.mkdir()
+    mounted = os.geteuid() == 0 and os.system(f"mount -t tmpfs -o size=3m tmpfs {small} 2>/dev/null") == 0
+    try:
+        proc = run_torchrun(2, PROGRAMS / "plain_values.py", base, small if mounted else "-", timeout=240)
+        ranks = [json.loads((base / f"rank{r}.json").read_text()) for r in range(2)]
+    finally:
+        if mounted:
+            os.system(f"umount {small}")
+    return proc.stdout, ranks, mounted
+
+
+def test_values_that_differ_by_rank_save_rank_0s_with_one_warning(ddp_values):
+    log, ranks, _mounted = ddp_values
+    assert "not in md" not in log and "SaveError" not in log, log[-3000:]
+    warned = [line for line in log.splitlines() if "differs across ranks" in line]
+    assert len(warned) == 1, log[-3000:]  # two saves, one warning
+    assert "'meta'" in warned[0] and "rank(s) 1" in warned[0] and "rank 0" in warned[0]
+    assert "PerRank" in warned[0] and "broadcast" in warned[0] and "saving rank 0's value" in warned[0]
+    for got in ranks:
+        assert got["restored"] == 2
+        assert got["best_val_loss"][0] == "Tensor" and abs(got["best_val_loss"][1] - 3.65) < 1e-6  # rank 0's
+        assert got["lr"] == 0.5 and got["iter_num"] == 7
+
+
+def test_int_keys_round_trip_under_ddp_and_save_again(ddp_values):
+    _log, ranks, _mounted = ddp_values
+    for got in ranks:
+        assert got["itos_keys"] == ["0", "1", "10"]  # reprs: ints, not '0'
+        assert got["itos"] == {"0": "a", "1": "b", "10": "z"} and got["itos_same_object"]
+        assert got["stoi"] == {"a": 0, "#": 3}
+        assert got["steps"] == [1, 2, 3]  # the loaded dict saved again
+
+
+def test_ddp_replicas_count_once_in_the_free_space_estimate(ddp_values):
+    log, ranks, mounted = ddp_values
+    if not mounted:
+        pytest.skip("needs root to mount a small tmpfs")
+    # 1.6 MB of parameters on a 3 MiB disk at 2 ranks: fits once, not once per rank.
+    assert ranks[0].get("small_steps") == [1], ranks[0].get("small_error")
+    assert "trainable parameters but no optimizer" in log
+
+
+# ------------------------------------------------------------------ one process
+
+
+def test_dict_keys_round_trip_with_their_types(tmp_path):
+    keys = {0: "int", "0x": "str", 2.5: "float", True: "bool", None: "none", "#tag": "hash", -3: "neg"}
+    state = {"vocab": {"itos": dict(keys), "nested": [{7: torch.ones(2)}, {8: "x"}]}}
+    with ckpt_for(tmp_path) as ckpt:
+        ckpt.save(state, 1).wait()
+    live_itos = {0: "old", 99: "kept"}
+    live = {"vocab": {"itos": live_itos}}
+    with ckpt_for(tmp_path) as ckpt:
+        assert ckpt.load(live) == 1
+        assert live["vocab"]["itos"] is live_itos
+        assert live_itos == {**keys, 99: "kept"}
+        assert [type(k) for k in live_itos] == [int, int, str, float, bool, type(None), str, int]
+        assert list(live["vocab"]["nested"][0]) == [7] and live["vocab"]["nested"][1] == {8: "x"}
+        ckpt.save(live, 2).wait()  # no "duplicated flatten key"
+        assert ckpt.steps() == [1, 2]
+
+
+def test_unsupported_dict_keys_are_refused_naming_the_key(tmp_path):
+    with ckpt_for(tmp_path) as ckpt:
+        with pytest.raises(shardckpt.ConfigError, match=r"step 1.*\('a', 1\).*tuple"):
+            ckpt.save({"meta": {"pairs": {("a", 1): 2}}}, 1)
+        assert ckpt.steps() == []
+        ckpt.save({"meta": {"pairs": {"a": 2}}}, 2).wait()  # the instance goes on
+        assert ckpt.steps() == [2]
+
+
+def test_save_error_says_check_the_disk_only_when_the_disk_failed(tmp_path):
+    with ckpt_for(tmp_path) as ckpt:
+        ckpt.save({"bad": {"fn": lambda: 0}}, 1)  # cannot be pickled: not a disk problem
+        with pytest.raises(shardckpt.SaveError) as err:
+            ckpt.wait()
+        text = str(err.value)
+        assert "step 1" in text and "bad.fn" in text and "pickle" in text
+        assert "check the disk" not in text and "not the cause" in text and "picklable" in text
+        assert "Traceback" not in text  # DCP's per-rank report, reduced to its failure
+        _failpoints.arm("write.done")  # an OSError while writing, as a failing disk gives
+        ckpt.save({"w": torch.zeros(2)}, 2)
+        with pytest.raises(shardckpt.SaveError, match="check the disk") as err:
+            ckpt.wait()
+        assert "InjectedFault" in str(err.value)
+
+
+def test_same_step_saved_twice_warns_and_the_wait_says_why(tmp_path, caplog):
+    release = threading.Event()
+    state = {"w": torch.zeros(4)}
+    with ckpt_for(tmp_path) as ckpt, caplog.at_level(logging.INFO, logger="shardckpt"):
+        _failpoints.arm("write.done", lambda: release.wait(10))  # the first save is still writing
+        ckpt.save(state, 5)
+        timer = threading.Timer(0.5, release.set)
+        timer.start()
+        assert ckpt.save(state, 5) is None  # the same number again is skipped, unless forced
+        ckpt.save(state, 5, force=True).wait()
+        timer.join()
+    twice = messages(caplog, "saved a second time")
+    assert len(twice) == 1 and "step 5" in twice[0] and "replaces the earlier save" in twice[0]
+    waits = messages(caplog, "waits for step 5")
+    assert waits and "still writing" in waits[0]
+    assert not messages(caplog, "interval shorter")
+
+
+def test_shape_mismatch_names_the_run_config_change(tmp_path):
+    def make(n_embd):
+        torch.manual_seed(0)
+        return {"model": nn.Linear(4, n_embd)}
+
+    with ckpt_for(tmp_path, run_config={"n_embd": 64, "n_layer": 2}) as ckpt:
+        ckpt.save(make(64), 1).wait()
+    with ckpt_for(tmp_path, run_config={"n_embd": 96, "n_layer": 2}) as ckpt:
+        with pytest.raises(shardckpt.StateMismatchError) as err:
+            ckpt.load(make(96))
+    text = str(err.value)
+    assert "weight saved (64, 4), live (96, 4)" in text and "n_embd: 64 -> 96" in text and "n_layer" not in text
+
+
+def test_module_without_optimizer_gets_one_info_line(tmp_path, caplog):
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with caplog.at_level(logging.INFO, logger="shardckpt"):
+        with ckpt_for(tmp_path / "a") as ckpt:
+            for step in (1, 2):
+                ckpt.save({"model": nn.Linear(2, 2), "frozen": frozen}, step).wait()
+        lines = messages(caplog, "no optimizer")
+        assert len(lines) == 1 and "'model'" in lines[0] and "'frozen'" not in lines[0]
+        model = nn.Linear(2, 2)
+        with ckpt_for(tmp_path / "b") as ckpt:
+            ckpt.save({"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}, 1).wait()
+            ckpt.save({"frozen": frozen}, 2).wait()
+        assert len(messages(caplog, "no optimizer")) == 1
+
+
+def test_plan_line_without_rng_capture(tmp_path, caplog):
+    with ckpt_for(tmp_path, capture_rng=False) as ckpt:
+        ckpt.save({"w": torch.zeros(2)}, 1).wait()
+    with ckpt_for(tmp_path, capture_rng=False) as ckpt, caplog.at_level(logging.INFO, logger="shardckpt"):
+        ckpt.load({"w": torch.zeros(2)})
+        summary = ckpt.last_plan.summary()
+    assert "RNG restored" not in summary and "capture_rng=False" in summary
+    assert messages(caplog, "elastic plan") and not messages(caplog, "RNG restored")
+    with ckpt_for(tmp_path) as ckpt:
+        ckpt.load({"w": torch.zeros(2)})
+        assert "RNG" in ckpt.last_plan.summary() and "capture_rng" not in ckpt.last_plan.summary()
+
+
+def test_close_logs_a_short_wait_for_uploads_at_debug_only(tmp_path, caplog, monkeypatch):
+    from shardckpt import uploader_client
+
+    monkeypatch.setattr(uploader_client, "ANNOUNCE_AFTER_S", 600.0)  # this wait never counts as long
+    ckpt = ckpt_for(tmp_path / "local", remote=f"file://{tmp_path}/remote", drain_timeout_s=120.0)
+    with caplog.at_level(logging.DEBUG, logger="shardckpt"):
+        ckpt.save({"w": torch.zeros(2)}, 1).wait()
+        ckpt.close()
+    assert ckpt.status()["drain"]["pending_steps"] == []
+    waits = [r for r in caplog.records if "close() waits up to" in r.getMessage()]
+    assert waits and all(r.levelno == logging.DEBUG for r in waits), caplog.text
+
+
+def test_dir_lists_the_public_names_without_importing_torch():
+    probe = (
+        "import sys, shardckpt; names = dir(shardckpt); "
+        "assert 'torch' not in sys.modules, 'torch was imported'; "
+        "assert {'Checkpointer', 'PerRank', 'ResumableSampler', 'save', 'load'} <= set(names), names; "
+        "assert not {'os', 'threading', 'Any', 'logging'} & set(names), names; "
+        "assert set(shardckpt.__all__) <= set(names); "
+        "[getattr(shardckpt, n) for n in shardckpt.__all__]"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], env=child_env(), capture_output=True, text=True,
+                          cwd=str(ROOT), timeout=120)
+    assert proc.returncode == 0, proc.stderr
