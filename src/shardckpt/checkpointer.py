@@ -31,7 +31,7 @@ import json
 import sys
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +48,9 @@ from .policy import SavePolicy
 from .restore import Restorer
 from .stage import CopyFence, HostStager, tensor_bytes
 from .uploader_client import UploaderClient
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .step_peek import StepPeek
 
 log = logging.getLogger("shardckpt")
 
@@ -293,6 +296,32 @@ class Checkpointer:
         if restored is not None:
             self._policy.last_saved_step = restored
         return restored
+
+    def peek(self, step: int | None = None, *, trust_pickles: bool = False) -> "StepPeek | None":
+        """A read-only look at ``step`` (default: the one ``load()`` would resume) without loading tensors.
+
+        Returns a :class:`~shardckpt.StepPeek`: the manifest's metadata,
+        ``run_config`` (as recorded at save) and the plain values of the state
+        (``values``), or ``None`` when there is nothing to resume. Reads the
+        local directory, else the remote: only the manifest, DCP's metadata and
+        the files holding the values (checked against the manifest). Nothing
+        is loaded into live objects, no collective is issued (every rank may
+        call it alone, before the process group exists), and later saves and
+        loads are unaffected. Use it to build the model from its saved
+        configuration, then ``load()`` into it.
+        """
+        from . import step_peek as peek_mod
+        from .tiers import LocalTier, RemoteTier
+
+        self._check_open()
+        tiers: list[Any] = [LocalTier(self.root)]
+        if self.config.remote is not None:
+            tiers.append(RemoteTier(self.config.remote, self.config.transfer_options()))
+        try:
+            return peek_mod.peek_tiers(tiers, step, trust_pickles=trust_pickles)
+        finally:
+            for tier in tiers:
+                tier.close()
 
     def status(self) -> dict[str, Any]:
         """Newest committed step (locally and remotely), the save in flight, uploads and errors.
