@@ -86,7 +86,8 @@ def test_sigkill_resumes_bitwise_and_a_fresh_machine_resumes_2_to_1_from_the_buc
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     proc1 = run_torchrun(1, EXAMPLE, "--out-dir", fresh, "--max-iters", ITERS + 2, "--remote", url,
-                         "--n-embd", "12", "--losses", fresh / "losses.jsonl", env=env, timeout=120)
+                         "--n-embd", "12", "--losses", fresh / "losses.jsonl", timeout=120,
+                         env=dict(env, SHARDCKPT_UPLOADER="off"))
     line = next(x for x in proc1.stdout.splitlines() if "resumed iter" in x)
     assert f"resumed iter {ITERS} (step {ITERS}) from s3://{BUCKET}/gpt/" in line, line
     assert '"n_embd": 8' in line and "world 1, 2 micro-batch(es) per step" in line, line
