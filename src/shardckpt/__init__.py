@@ -18,6 +18,7 @@ if _TYPE_CHECKING:  # pragma: no cover
 
     from .checkpointer import Checkpointer, SaveHandle
     from .elastic import ElasticPlan
+    from .step_peek import StepPeek
 
 __version__ = "0.1.0"
 
@@ -50,6 +51,7 @@ _LAZY = {
     "LRRule": "elastic",
     "OnInexact": "elastic",
     "PerRank": "elastic",
+    "StepPeek": "step_peek",
 }
 
 
@@ -96,11 +98,13 @@ __all__ = [
     "SaveHandle",
     "SaveMode",
     "ShardckptError",
+    "StepPeek",
     "StateMismatchError",
     "UntrustedCheckpointError",
     "close",
     "init",
     "load",
+    "peek",
     "save",
     "status",
 ]
@@ -166,6 +170,11 @@ def save(state: dict[str, Any], step: int, **kwargs: Any) -> "SaveHandle | None"
 def load(state: dict[str, Any], step: int | None = None, **kwargs: Any) -> int | None:
     """``Checkpointer.load`` on the default instance."""
     return _instance().load(state, step, **kwargs)
+
+
+def peek(step: int | None = None, **kwargs: Any) -> "StepPeek | None":
+    """``Checkpointer.peek`` on the default instance: a read-only look, no process group needed."""
+    return _instance().peek(step, **kwargs)
 
 
 def status() -> dict[str, Any]:

@@ -16,9 +16,11 @@ single-process answer.
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import socket
-from typing import Any
+import time
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -121,3 +123,82 @@ def _all_gather(obj: Any, group: Any) -> list[Any]:
     out: list[Any] = [None] * world_size()
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+# ---- check-in before the first collective of a call
+
+_checkin_instances = itertools.count()
+_GAVE_UP = 1 << 30
+"""Added to a call's arrival count by a rank that stopped waiting: later arrivals see it."""
+
+
+class CheckIn:
+    """Every rank announces a call in the default group's store before the call issues a collective.
+
+    A collective that one rank never joins blocks the others until the
+    group's timeout (30 minutes by default), then fails without saying who
+    was missing. A check-in waits at most ``timeout_s``: each rank records
+    the number of the call it reached (``at/r<rank>``, overwritten, so the
+    store does not grow) and counts itself in (``<n>/count``); the last rank
+    to arrive releases the others (``<n>/go``). A rank that waits in vain
+    returns the ranks that never reached the call, and marks the call given
+    up so that a rank arriving later learns it too instead of entering a
+    collective alone. The ranks must check in at the same calls in the same
+    order (the call numbers are counted per instance, in the order instances
+    first check in).
+    """
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.timeout_s = timeout_s
+        self._prefix: str | None = None
+        self._calls = 0
+
+    def enter(self, on_wait: Callable[[int, float], None]) -> list[int] | None:
+        """Check in this call: ``None`` when every rank did; else the ranks that did not reach it within
+        the timeout (an empty list: they all did, but one gave up waiting before this rank arrived).
+
+        ``on_wait(arrived, seconds_left)`` is called once when the wait grows long.
+        """
+        if self.timeout_s is None or not is_dist() or world_size() == 1:
+            return None
+        store = dist.distributed_c10d._get_default_store()
+        if self._prefix is None:
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            self._prefix = f"shardckpt/checkin/{restart}/{next(_checkin_instances)}"
+        n = self._calls = self._calls + 1
+        me, size = rank(), world_size()
+        base = f"{self._prefix}/{n}"
+        store.set(f"{self._prefix}/at/r{me}", str(n))
+        arrived = store.add(f"{base}/count", 1)
+        if arrived == size:
+            store.set(f"{base}/go", "1")
+            if n > 1:  # every rank is past the previous call: its keys are no longer read
+                for key in (f"{self._prefix}/{n - 1}/count", f"{self._prefix}/{n - 1}/go"):
+                    store.delete_key(key)
+            return None
+        if arrived < _GAVE_UP:
+            deadline = time.monotonic() + self.timeout_s
+            # Two blocking waits (a timed-out store wait logs in torch itself: no polling loop): a
+            # short one, then, once on_wait has said so, the rest.
+            first = max(1.0, min(10.0, self.timeout_s / 3))
+            for i in range(2):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    store.wait([f"{base}/go"], datetime.timedelta(seconds=min(first, left) if i == 0 else left))
+                    return None
+                except dist.DistStoreError:
+                    if i == 0 and deadline - time.monotonic() > 0:
+                        on_wait(store.add(f"{base}/count", 0) % _GAVE_UP, deadline - time.monotonic())
+            if store.add(f"{base}/count", _GAVE_UP) % _GAVE_UP == size:
+                # The last rank arrived just now: it sets go at once.
+                store.wait([f"{base}/go"], datetime.timedelta(seconds=max(10.0, self.timeout_s)))
+                return None
+        return [q for q in range(size) if not _reached(store, f"{self._prefix}/at/r{q}", n)]
+
+
+def _reached(store: Any, key: str, n: int) -> bool:
+    if not store.check([key]):
+        return False
+    return int(store.get(key)) >= n

@@ -31,7 +31,7 @@ import json
 import sys
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,13 +42,16 @@ from . import state as state_mod
 from ._text import fmt_bytes
 from .commit import SaveJob, StepWriter
 from .retention import FULL, LIGHT
-from .errors import ConfigError, CorruptCheckpointError, RemoteError
+from .errors import ConfigError, CorruptCheckpointError, RemoteError, SaveError
 from .node_registry import state_dir
 from .options import CheckpointConfig, OnRemoteUnavailable, SaveMode, UploaderMode
 from .policy import SavePolicy
 from .restore import Restorer
 from .stage import CopyFence, HostStager, split_bytes
 from .uploader_client import UploaderClient
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .step_peek import StepPeek
 
 log = logging.getLogger("shardckpt")
 
@@ -101,6 +104,7 @@ class Checkpointer:
         self.root = os.path.abspath(self.config.local_dir)
         _check_writable(self.root)
         self._groups = _dist.SideGroups(self.config.collective_timeout_s)
+        self._checkin = _dist.CheckIn(self.config.save_agree_timeout_s)
         pin = self.config.pin_memory
         if pin is None:
             pin = torch.cuda.is_available()
@@ -178,6 +182,10 @@ class Checkpointer:
         enqueued), unless the mode is ``sync`` or a preemption signal arrived:
         then it returns once the step is committed. A failure of the previous save is raised here
         (as :class:`SaveError`) by the next call that saves, on every rank.
+        Every rank calls ``save()`` at the same points: a call that some ranks
+        do not make within ``save_agree_timeout_s`` raises :class:`SaveError`
+        on the ranks that made it, naming the others (this instance cannot
+        save again in this job).
 
         ``metrics`` (numbers, e.g. ``{"val_loss": 1.83}``) are recorded in the
         manifest for ``keep_best`` and ``load(state, step="best")``. ``light=True``
@@ -188,6 +196,8 @@ class Checkpointer:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
         t_start = time.monotonic()
+        if not self._topology_known or not self._remote_checked or self._policy.may_collect(step, force):
+            self._check_in(step)
         self._ensure_ready()
         if not self._remote_checked:
             self._check_remote()
@@ -319,6 +329,32 @@ class Checkpointer:
             self._policy.last_saved_step = restored
         return restored
 
+    def peek(self, step: int | None = None, *, trust_pickles: bool = False) -> "StepPeek | None":
+        """A read-only look at ``step`` (default: the one ``load()`` would resume) without loading tensors.
+
+        Returns a :class:`~shardckpt.StepPeek`: the manifest's metadata,
+        ``run_config`` (as recorded at save) and the plain values of the state
+        (``values``), or ``None`` when there is nothing to resume. Reads the
+        local directory, else the remote: only the manifest, DCP's metadata and
+        the files holding the values (checked against the manifest). Nothing
+        is loaded into live objects, no collective is issued (every rank may
+        call it alone, before the process group exists), and later saves and
+        loads are unaffected. Use it to build the model from its saved
+        configuration, then ``load()`` into it.
+        """
+        from . import step_peek as peek_mod
+        from .tiers import LocalTier, RemoteTier
+
+        self._check_open()
+        tiers: list[Any] = [LocalTier(self.root)]
+        if self.config.remote is not None:
+            tiers.append(RemoteTier(self.config.remote, self.config.transfer_options()))
+        try:
+            return peek_mod.peek_tiers(tiers, step, trust_pickles=trust_pickles)
+        finally:
+            for tier in tiers:
+                tier.close()
+
     def status(self) -> dict[str, Any]:
         """Newest committed step (locally and remotely), the save in flight, uploads and errors.
 
@@ -400,6 +436,31 @@ class Checkpointer:
             self._topology_known = True
             if self._uploads is not None:
                 self._uploads.launch(found.committer)
+
+    def _check_in(self, step: int) -> None:
+        """Before this call's first collective: every rank called ``save()`` (bounded by ``save_agree_timeout_s``)."""
+        timeout = self.config.save_agree_timeout_s
+
+        def waiting(arrived: int, left: float) -> None:
+            log.warning(
+                "shardckpt: save() of step %d on rank %d waits for %d of %d ranks to call save() too (every rank "
+                "calls save() at the same points); SaveError in %.0f s (save_agree_timeout_s=%g)",
+                step, _dist.rank(), _dist.world_size() - arrived, _dist.world_size(), left, timeout,
+            )
+
+        missing = self._checkin.enter(waiting)
+        if missing is None:
+            return
+        if missing:
+            who = f"rank(s) {', '.join(map(str, missing))} did not call save() within save_agree_timeout_s={timeout:g} s"
+        else:
+            who = f"another rank stopped waiting for rank {_dist.rank()} (save_agree_timeout_s={timeout:g} s)"
+        raise SaveError(
+            f"step {step} was not saved: save() was called on rank {_dist.rank()} but {who}. Every rank calls "
+            f"save() at the same points of the training loop, also in scripts that evaluate or log on rank 0 only "
+            f"(call it outside `if rank == 0:`). Nothing of step {step} was written to {self.root}. If a rank only "
+            f"reaches save() later (e.g. after evaluating alone), raise save_agree_timeout_s."
+        )
 
     def _check_remote(self) -> None:
         """First save: rank 0 lists the remote (and probes a write when this job uploads); all ranks agree.

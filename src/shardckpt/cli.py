@@ -3,7 +3,7 @@
 Looking at checkpoints, on either tier (a local directory or a remote URL)::
 
     shardckpt ls SRC [--json]                       committed steps: size, world size, live or abandoned
-    shardckpt inspect SRC [--step N] [--keys] [--json]   one step's manifest (and saved keys)
+    shardckpt inspect SRC [--step N] [--keys] [--values] [--json]   one step's manifest (saved keys, plain values)
     shardckpt verify SRC [--step N | --all] [--json]     check every file against its manifest
     shardckpt export SRC OUT [--step N] [--format torch|safetensors] [--optimizer]
     shardckpt gc SRC --keep-last N [--keep-every K] [--keep-abandoned] [--dry-run]
@@ -20,7 +20,7 @@ Exit status: 0 all good; 1 what was asked about is bad or absent (a file
 fails verification, nothing is committed, a step is not committed remotely
 yet); 2 the command could not run (bad arguments, no such directory, the
 remote unreachable). Errors are one line with the remedy; ``--debug`` adds
-the traceback. ``ls``, ``inspect`` (without ``--keys``), ``verify``, ``gc``,
+the traceback. ``ls``, ``inspect`` (without ``--keys`` / ``--values``), ``verify``, ``gc``,
 ``status``, ``sync``, ``push`` and ``pull`` do not import torch.
 """
 
@@ -201,11 +201,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         manifest = manifests[step]
         _live, abandoned = tier.live(manifests)
         keys = _saved_keys(tier, step, args.trust_pickles) if args.keys else None
+        looked = None
+        if args.values:
+            from .step_peek import read_step
+
+            looked = read_step(tier, manifest, trust_pickles=args.trust_pickles).to_json()
         if args.json:
             body = json.loads(manifest.to_json())
             body.update(source=tier.where, where=tier.step_where(step), abandoned=abandoned.get(step))
             if keys is not None:
                 body["saved_keys"] = keys
+            if looked is not None:
+                body.update(values=looked["values"], value_tensors=looked["tensors"], run_config=looked["run_config"])
             _print_json(body)
             return OK
         print(f"step {step} in {tier.step_where(step)}" + (f" ({abandoned[step]})" if step in abandoned else ""))
@@ -228,6 +235,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 print("  run config: " + json.dumps(run["config"], sort_keys=True))
         for key, entries in sorted((manifest.frozen or {}).items()):
             print(f"  {key}: {len(entries)} frozen entries left out (trainable_only), e.g. {', '.join(sorted(entries)[:3])}")
+        if looked is not None:
+            print("  values: " + json.dumps(looked["values"], sort_keys=True, default=str))
+            for key, described in sorted(looked["tensors"].items()):
+                print(f"    {key}: tensor {described['shape']} {described['dtype']} (not read)")
         for item in keys or []:
             print(f"    {item['key']}: {item['shape'] if item['shape'] is not None else 'object'} {item['dtype'] or ''}".rstrip())
         return OK
@@ -526,8 +537,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="step to show (default: the newest live step)")
     p.add_argument("--keys", action="store_true", help="also list every saved tensor / object with shape and dtype "
                    "(reads DCP's metadata through the restricted unpickler; imports torch)")
-    p.add_argument("--trust-pickles", action="store_true", help="with --keys: read the metadata without the allow-list")
-    p.add_argument("--json", action="store_true", help="the manifest (and with --keys the saved keys) as JSON")
+    p.add_argument("--values", action="store_true", help="also show the plain values of the state (numbers, "
+                   "strings, dicts, small tensors; read through the restricted unpickler, no model tensors; "
+                   "imports torch) and the run config")
+    p.add_argument("--trust-pickles", action="store_true",
+                   help="with --keys / --values: read without the allow-list")
+    p.add_argument("--json", action="store_true", help="the manifest (with --keys the saved keys, with --values "
+                   "values, value_tensors and run_config) as JSON")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("verify", help="check files against the manifest",

@@ -202,6 +202,15 @@ class CheckpointConfig:
     collective_timeout_s: float = 1800.0
     """Timeout of the side process groups that background work uses."""
 
+    save_agree_timeout_s: float | None = 60.0
+    """How long a ``save()`` call waits for every rank to call ``save()`` too before
+    it issues any collective (a check-in through the default group's store). A
+    rank that does not arrive in time (``save()`` called under ``if rank == 0:``)
+    makes the call raise :class:`SaveError` on the ranks that called, naming the
+    ranks that did not, instead of a collective hanging for ``collective_timeout_s``.
+    Raise it when one rank legitimately reaches ``save()`` much later than the
+    others (e.g. evaluating alone first); ``None`` skips the check-in."""
+
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     """User metadata recorded in every manifest (JSON-serialisable)."""
 
@@ -319,6 +328,11 @@ class CheckpointConfig:
                 raise ConfigError(f"{name} must be > 0, got {value!r}")
         if self.collective_timeout_s <= 0:
             raise ConfigError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s!r}")
+        if self.save_agree_timeout_s is not None and (
+            isinstance(self.save_agree_timeout_s, bool) or not isinstance(self.save_agree_timeout_s, (int, float))
+            or not self.save_agree_timeout_s > 0
+        ):
+            raise ConfigError(f"save_agree_timeout_s must be > 0 or None, got {self.save_agree_timeout_s!r}")
         for name, enum_type in (
             ("mode", SaveMode),
             ("on_disk_full", OnDiskFull),
@@ -384,7 +398,7 @@ _INT_FIELDS = {
     "remote_keep_last", "remote_keep_every", "transfer_concurrency", "part_size", "remote_max_attempts",
 }
 _FLOAT_FIELDS = {
-    "every_seconds", "mtbf_s", "free_space_margin", "collective_timeout_s",
+    "every_seconds", "mtbf_s", "free_space_margin", "collective_timeout_s", "save_agree_timeout_s",
     "request_timeout_s", "backoff_max_s", "step_deadline_s", "drain_timeout_s",
 }
 _BOOL_FIELDS = {"capture_rng", "strict", "verify_on_load", "pin_memory", "trainable_only", "start_fresh",

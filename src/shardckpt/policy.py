@@ -118,6 +118,13 @@ class SavePolicy:
             by_time, preempt = self._local_flags()
         return Decision(bool(force or every_call or by_step or by_time or preempt), bool(preempt))
 
+    def may_collect(self, step: int, force: bool) -> bool:
+        """Whether this call may issue a collective (a vote, or a save due by step), alike on every rank."""
+        cfg = self.config
+        every_call = cfg.every_steps is None and cfg.every_seconds is None
+        by_step = cfg.every_steps is not None and step % cfg.every_steps == 0
+        return self._voting() or force or every_call or by_step
+
     def started(self, step: int, preempt: bool) -> None:
         """A save of ``step`` started (after the checks that can still skip it)."""
         self._last_save_time = time.monotonic()

@@ -741,7 +741,7 @@ class Restorer:
             if kind in (state_mod.MODULE, state_mod.OPTIMIZER, state_mod.STATEFUL) and key not in kinds_live:
                 unexpected.append(key)
         if missing or unexpected:
-            message = _mismatch_message(step, step_dir, missing, unexpected)
+            message = _mismatch_message(step, step_dir, missing, unexpected, strict=strict)
             if strict:
                 raise StateMismatchError(message, missing, unexpected)
             log.warning("shardckpt: loading with strict=False, skipping: %s", message)
@@ -814,7 +814,7 @@ def _shape_mismatches(flat_live: dict[str, Any], metadata: Any) -> list[str]:
     return sorted(out)
 
 
-def _mismatch_message(step: int, step_dir: str, missing: list[str], unexpected: list[str]) -> str:
+def _mismatch_message(step: int, step_dir: str, missing: list[str], unexpected: list[str], *, strict: bool = True) -> str:
     def show(items: list[str]) -> str:
         head = ", ".join(items[:20])
         return head + (f", ... ({len(items) - 20} more)" if len(items) > 20 else "")
@@ -824,10 +824,14 @@ def _mismatch_message(step: int, step_dir: str, missing: list[str], unexpected: 
         parts.append(f"Missing from the checkpoint ({len(missing)}): {show(missing)}.")
     if unexpected:
         parts.append(f"In the checkpoint but not in the state ({len(unexpected)}): {show(unexpected)}.")
-    parts.append(
-        "Remedy: load into the same model/optimizer structure that was saved, or pass strict=False "
-        "to load the keys that match and keep the rest as initialised."
-    )
+    if strict:
+        parts.append(
+            "Remedy: load into the same model/optimizer structure that was saved, or pass strict=False "
+            "to load the keys that match and keep the rest as initialised."
+        )
+    else:
+        parts.append("The keys that match are loaded, the rest keep their live values; to read a step's plain "
+                     "values before building the model, use peek().")
     return " ".join(parts)
 
 

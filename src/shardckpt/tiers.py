@@ -44,6 +44,25 @@ class Tier:
     def metadata_bytes(self, step: int) -> bytes:
         raise NotImplementedError
 
+    def file_bytes(self, manifest: layout.Manifest, name: str) -> bytes:
+        """One file of the step, checked against its manifest entry (size and checksum)."""
+        entry = manifest.files.get(name)
+        where = f"{self.step_where(manifest.step)}/{name}"
+        if entry is None:
+            raise CorruptCheckpointError(f"step {manifest.step}: {where} is not in the manifest; the step cannot be trusted")
+        data = self._raw_file(manifest.step, name)
+        if data is None:
+            raise CorruptCheckpointError(f"step {manifest.step}: file {where} named in the manifest is missing. "
+                                         + layout.verify_remedy(manifest.step))
+        problem = layout.file_problem(manifest.step, where, entry, len(data),
+                                      layout.checksum_bytes(data, like=entry.checksum))
+        if problem:
+            raise CorruptCheckpointError(problem)
+        return data
+
+    def _raw_file(self, step: int, name: str) -> bytes | None:
+        raise NotImplementedError
+
     def delete(self, step: int) -> None:
         raise NotImplementedError
 
@@ -127,6 +146,13 @@ class LocalTier(Tier):
         except FileNotFoundError:
             raise CorruptCheckpointError(f"step {step}: {path} is missing") from None
 
+    def _raw_file(self, step: int, name: str) -> bytes | None:
+        try:
+            with open(os.path.join(self.step_where(step), name), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
     def delete(self, step: int) -> None:
         step_dirs.delete_step(self.root, step)
 
@@ -199,6 +225,9 @@ class RemoteTier(Tier):
         if data is None:
             raise CorruptCheckpointError(f"step {step}: {self.step_where(step)}/.metadata is missing")
         return data
+
+    def _raw_file(self, step: int, name: str) -> bytes | None:
+        return self.store.get_bytes(remote_commit.step_key(step, name), Deadline(self.deadline_s))
 
     def delete(self, step: int) -> None:
         remote_commit.delete_remote_step(self.store, step, Deadline(self.deadline_s))
