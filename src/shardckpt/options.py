@@ -202,14 +202,15 @@ class CheckpointConfig:
     collective_timeout_s: float = 1800.0
     """Timeout of the side process groups that background work uses."""
 
-    save_agree_timeout_s: float | None = 60.0
+    save_agree_timeout_s: float | None = 300.0
     """How long a ``save()`` call waits for every rank to call ``save()`` too before
     it issues any collective (a check-in through the default group's store). A
     rank that does not arrive in time (``save()`` called under ``if rank == 0:``)
     makes the call raise :class:`SaveError` on the ranks that called, naming the
     ranks that did not, instead of a collective hanging for ``collective_timeout_s``.
     Raise it when one rank legitimately reaches ``save()`` much later than the
-    others (e.g. evaluating alone first); ``None`` skips the check-in."""
+    others (e.g. evaluating alone first: the default of 5 minutes leaves room for
+    that, and the waiting ranks log a line after 10 s); ``None`` skips the check-in."""
 
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     """User metadata recorded in every manifest (JSON-serialisable)."""
