@@ -136,7 +136,7 @@ def test_keep_global_batch_plan_and_log(runs):
         "step": 10, "policy": "keep_global_batch", "saved_world_size": 8, "world_size": 4,
         "saved_micro_batch": 2, "micro_batch": 2, "saved_accum_steps": 1, "accum_steps": 2,
         "saved_global_batch": 16, "global_batch": 16, "lr_factor": 1.0, "exact": True,
-        "epoch": 0, "samples_consumed": 160,
+        "epoch": 0, "samples_consumed": 160, "rng": True,
     }
     lines = [line for line in logs["f4"].splitlines() if "elastic plan for step 10" in line]
     assert len(lines) == 1, logs["f4"][-3000:]  # one line, from rank 0 only
