@@ -140,9 +140,10 @@ def test_killed_worker_restarts_the_group_and_ends_bitwise_equal(tmp_path):
     resumed = int(re.search(r"resuming from step (\d+)", text).group(1))
     assert 10 <= resumed < 40, f"resumed from step {resumed}: the kill did not land mid-run"
     assert text.count("[train_ddp] starting fresh") == 1 and "finished 40 steps" in text
-    # torchrun SIGTERMs the surviving worker and SIGKILLs it only 30 s later: it must not hang that long
-    # (it leaves at once: its collective fails when the peer is gone).
-    assert survivor_s < 20, f"the surviving worker took {survivor_s:.1f} s to exit"
+    # torchrun SIGTERMs the surviving worker and SIGKILLs it only 30 s later, saying so: the survivor
+    # must leave by itself before that (its collective fails when the peer is gone).
+    assert "failed (exitcode: -9)" in text  # torchrun's own log is in this one (the killed worker)
+    assert "Unable to shutdown process" not in text, text[-4000:]
     print(f"after the kill: survivor gone in {survivor_s:.1f} s, group resumed in {restart_s:.1f} s")
     expected = torch.load(tmp_path / "ref" / "final.pt")
     actual = torch.load(tmp_path / "job" / "final.pt")
