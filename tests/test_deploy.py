@@ -490,15 +490,29 @@ def test_systemd_unit_runs_the_uploader_and_restarts_it():
 
 
 def test_fsdp2_example_resumes_at_half_the_world_size_with_the_accumulation_of_the_plan(tmp_path):
-    """examples/train_fsdp2.py (the README's FSDP2 quick start): 2 ranks to step 20, then 1 rank to 30."""
+    """examples/train_fsdp2.py (the README's FSDP2 quick start): 2 ranks to step 20, then 1 rank to 30,
+    ending bitwise where 2 ranks straight to 30 end (the plan keeps the global batch)."""
+    import shutil
+
     from helpers import run_torchrun
+    from shardckpt import cli, layout
 
     example = ROOT / "examples" / "train_fsdp2.py"
-    ckpt = tmp_path / "ckpt"
-    first = run_torchrun(2, example, "--ckpt-dir", ckpt, "--steps", "20", "--every", "10", timeout=300)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    first = run_torchrun(2, example, "--ckpt-dir", straight, "--steps", "30", "--every", "10", timeout=300)
     assert "starting fresh at world size 2, 1 micro-batch(es) per step" in first.stdout
-    assert "finished at step 20" in first.stdout
-    second = run_torchrun(1, example, "--ckpt-dir", ckpt, "--steps", "30", "--every", "10", timeout=300)
+    assert "finished at step 30" in first.stdout
+    # The job stopped at step 20 on 2 ranks: its directory holds step 20 (a copy of that run's own).
+    resumed.mkdir()
+    shutil.copytree(straight / layout.step_dirname(20), resumed / layout.step_dirname(20))
+    second = run_torchrun(1, example, "--ckpt-dir", resumed, "--steps", "30", "--every", "10", timeout=300)
     assert "resuming from step 20 at world size 1, 2 micro-batch(es) per step" in second.stdout, second.stdout[-3000:]
     assert "world 2 -> 1, micro-batch 16 -> 16, accumulation 1 -> 2, global batch 32 -> 32" in second.stdout
-    assert "finished at step 30" in second.stdout
+    # Model and optimizer state at step 30, compared by value.
+    for run in (straight, resumed):
+        assert cli.main(["export", str(run), str(tmp_path / f"{run.name}.pt"), "--step", "30", "--format", "torch",
+                         "--optimizer"]) == 0
+    expected, actual = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "resumed.pt")
+    assert expected.keys() == actual.keys() and any(k.startswith("optimizer.") for k in expected)
+    for key, value in expected.items():
+        assert torch.equal(value, actual[key]) if torch.is_tensor(value) else value == actual[key], key

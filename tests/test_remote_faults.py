@@ -408,16 +408,29 @@ def test_slow_upload_logs_progress_and_commits(s3, tmp_path, caplog):
     options = remote.TransferOptions(endpoint_url=proxy.endpoint, request_timeout_s=0.5, backoff_max_s=0.1,
                                      max_attempts=10, step_deadline_s=60)
     store = remote.open_store(f"s3://{BUCKET}/progress", options)
+    from shardckpt import _failpoints
+
+    def progress_lines():
+        return [r.getMessage() for r in caplog.records if "uploading step 3 to s3://" in r.getMessage()]
+
+    # A progress interval far below the stall (each stalled request takes its 0.5 s timeout): what
+    # is checked is that lines come while the files go up, before the step's marker and manifest.
+    seen_when_files_sent = []
+    _failpoints.arm("upload.files_sent", lambda: seen_when_files_sent.append(len(progress_lines())))
     try:
         with caplog.at_level(logging.INFO, logger="shardckpt"):
-            result = bounded(lambda: remote_commit.push_step(store, str(src), 3, node="n0", policy=None, progress_s=0.2))
+            result = bounded(lambda: remote_commit.push_step(store, str(src), 3, node="n0", policy=None, progress_s=0.05))
     finally:
+        _failpoints.arm("upload.files_sent", lambda: None, nth=0)  # disarmed
         store.close()
         proxy.stop()
     assert result.state == remote_commit.COMMITTED, result
     assert proxy.counts.get("stall", 0) >= 1, proxy.counts
-    lines = [r.getMessage() for r in caplog.records if "uploading step 3 to s3://" in r.getMessage()]
+    lines = progress_lines()
     assert lines and all(" of " in line and "MiB" in line for line in lines), caplog.text
+    assert seen_when_files_sent == [len(lines)]  # every line came during the upload of the files
+    done = [float(line.split(": ")[-1].split(" of ")[0]) for line in lines]
+    assert done == sorted(done), lines  # progress only grows
     client = s3.client()
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix="progress/").get("Contents", [])]
     assert f"progress/{layout.step_dirname(3)}/{layout.MANIFEST_NAME}" in keys
