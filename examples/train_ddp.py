@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import math
 import os
 import time
@@ -53,7 +54,41 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--keep-last", type=int, default=3, help="committed steps kept locally")
     p.add_argument("--out", default=None, help="final weights (rank 0 writes them; default: CKPT_DIR/../final.pt)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (makes demos interruptible)")
+    p.add_argument("--digests", default=env("TRAIN_DIGESTS") or None,
+                   help="rank 0 appends '<event> <step> model=<sha256> optimizer=... scheduler=... data=...' at resume, preemption "
+                   "and finish (to compare runs; default: $TRAIN_DIGESTS, else none)")
     return p.parse_args()
+
+
+def record_digest(path: str | None, event: str, step: int, model, optimizer, scheduler, sampler) -> None:
+    """One line: digests of model, optimizer, scheduler state and data position (what a resume must bring back)."""
+    if not path:
+        return
+
+    def feed(h, value) -> None:
+        if isinstance(value, torch.Tensor):
+            h.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, dict):
+            for k in sorted(value, key=str):
+                h.update(str(k).encode())
+                feed(h, value[k])
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                feed(h, v)
+        elif not callable(value):
+            h.update(repr(value).encode())
+
+    parts = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+             "scheduler": scheduler.state_dict(),
+             # the data position (world size and batch layout change with resharding; the position does not)
+             "data": {k: sampler.state_dict()[k] for k in ("epoch", "consumed", "seed", "shuffle", "dataset_len")}}
+    digests = []
+    for name, value in parts.items():
+        h = hashlib.sha256()
+        feed(h, value)
+        digests.append(f"{name}={h.hexdigest()[:16]}")
+    with open(path, "a") as f:
+        f.write(f"{event} {step} {' '.join(digests)}\n")
 
 
 def main() -> None:
@@ -84,6 +119,8 @@ def main() -> None:
     # At another world size the plan keeps the global batch: e.g. 2 ranks -> 1 accumulates 2 micro-batches.
     accum = ckpt.last_plan.accum_steps if start and ckpt.last_plan and ckpt.last_plan.accum_steps else 1
     if rank == 0:
+        if start:
+            record_digest(args.digests, "resumed", start, model, optimizer, scheduler, sampler)
         print(f"[train_ddp] {f'resuming from step {start}' if start else 'starting fresh'}"
               f" with {dist.get_world_size()} rank(s), {accum} micro-batch(es) per step", flush=True)
 
@@ -111,6 +148,7 @@ def main() -> None:
             ckpt.save(state, step)
             if ckpt.preempted:
                 if rank == 0:
+                    record_digest(args.digests, "preempted", step, model, optimizer, scheduler, sampler)
                     print(f"[train_ddp] preempted: step {step} is committed, exiting", flush=True)
                 finish(ckpt)
                 return
@@ -120,6 +158,7 @@ def main() -> None:
     if step > start and step % args.every:
         ckpt.save(state, step, force=True)  # the last step, when the interval skipped it
     if rank == 0:
+        record_digest(args.digests, "finished", step, model, optimizer, scheduler, sampler)
         out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.ckpt_dir)), "final.pt")
         torch.save(model.module.state_dict(), out + ".tmp")
         os.replace(out + ".tmp", out)

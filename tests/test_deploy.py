@@ -140,9 +140,10 @@ def test_killed_worker_restarts_the_group_and_ends_bitwise_equal(tmp_path):
     resumed = int(re.search(r"resuming from step (\d+)", text).group(1))
     assert 10 <= resumed < 40, f"resumed from step {resumed}: the kill did not land mid-run"
     assert text.count("[train_ddp] starting fresh") == 1 and "finished 40 steps" in text
-    # torchrun SIGTERMs the surviving worker and SIGKILLs it only 30 s later: it must not hang that long
-    # (it leaves at once: its collective fails when the peer is gone).
-    assert survivor_s < 20, f"the surviving worker took {survivor_s:.1f} s to exit"
+    # torchrun SIGTERMs the surviving worker and SIGKILLs it only 30 s later, saying so: the survivor
+    # must leave by itself before that (its collective fails when the peer is gone).
+    assert "failed (exitcode: -9)" in text  # torchrun's own log is in this one (the killed worker)
+    assert "Unable to shutdown process" not in text, text[-4000:]
     print(f"after the kill: survivor gone in {survivor_s:.1f} s, group resumed in {restart_s:.1f} s")
     expected = torch.load(tmp_path / "ref" / "final.pt")
     actual = torch.load(tmp_path / "job" / "final.pt")
@@ -489,15 +490,29 @@ def test_systemd_unit_runs_the_uploader_and_restarts_it():
 
 
 def test_fsdp2_example_resumes_at_half_the_world_size_with_the_accumulation_of_the_plan(tmp_path):
-    """examples/train_fsdp2.py (the README's FSDP2 quick start): 2 ranks to step 20, then 1 rank to 30."""
+    """examples/train_fsdp2.py (the README's FSDP2 quick start): 2 ranks to step 20, then 1 rank to 30,
+    ending bitwise where 2 ranks straight to 30 end (the plan keeps the global batch)."""
+    import shutil
+
     from helpers import run_torchrun
+    from shardckpt import cli, layout
 
     example = ROOT / "examples" / "train_fsdp2.py"
-    ckpt = tmp_path / "ckpt"
-    first = run_torchrun(2, example, "--ckpt-dir", ckpt, "--steps", "20", "--every", "10", timeout=300)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    first = run_torchrun(2, example, "--ckpt-dir", straight, "--steps", "30", "--every", "10", timeout=300)
     assert "starting fresh at world size 2, 1 micro-batch(es) per step" in first.stdout
-    assert "finished at step 20" in first.stdout
-    second = run_torchrun(1, example, "--ckpt-dir", ckpt, "--steps", "30", "--every", "10", timeout=300)
+    assert "finished at step 30" in first.stdout
+    # The job stopped at step 20 on 2 ranks: its directory holds step 20 (a copy of that run's own).
+    resumed.mkdir()
+    shutil.copytree(straight / layout.step_dirname(20), resumed / layout.step_dirname(20))
+    second = run_torchrun(1, example, "--ckpt-dir", resumed, "--steps", "30", "--every", "10", timeout=300)
     assert "resuming from step 20 at world size 1, 2 micro-batch(es) per step" in second.stdout, second.stdout[-3000:]
     assert "world 2 -> 1, micro-batch 16 -> 16, accumulation 1 -> 2, global batch 32 -> 32" in second.stdout
-    assert "finished at step 30" in second.stdout
+    # Model and optimizer state at step 30, compared by value.
+    for run in (straight, resumed):
+        assert cli.main(["export", str(run), str(tmp_path / f"{run.name}.pt"), "--step", "30", "--format", "torch",
+                         "--optimizer"]) == 0
+    expected, actual = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "resumed.pt")
+    assert expected.keys() == actual.keys() and any(k.startswith("optimizer.") for k in expected)
+    for key, value in expected.items():
+        assert torch.equal(value, actual[key]) if torch.is_tensor(value) else value == actual[key], key

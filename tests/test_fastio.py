@@ -64,19 +64,50 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() and t.dtype != torch.bool else t
 
 
+def _counting_torch_load(monkeypatch) -> list:
+    """The tensors torch.load returns: the reader's fallback path (the in-place path never calls it;
+    plain values, pickled, always go through it)."""
+    tensors = []
+    real = torch.load
+
+    def counting(*args, **kwargs):
+        value = real(*args, **kwargs)
+        if isinstance(value, torch.Tensor):
+            tensors.append(tuple(value.shape))
+        return value
+
+    monkeypatch.setattr(torch, "load", counting)
+    return tensors
+
+
 @pytest.mark.parametrize("verify", [True, False])
-def test_restore_is_bitwise_through_both_read_paths(tmp_path, verify):
+def test_restore_is_bitwise_through_both_read_paths(tmp_path, verify, monkeypatch):
     saved = _state(0)
     with _ckpt(tmp_path, mode="sync") as c:
         c.save(saved, 5)
     live = _state(1)
     before = {k: v.data_ptr() for k, v in live["model"].state_dict().items() if v.numel()}
+    loads = _counting_torch_load(monkeypatch)
     with _ckpt(tmp_path, verify_on_load=verify) as c:
         assert c.load(live) == 5
     _assert_bitwise(_tensors(saved), _tensors(live))
     assert live["meta"] == {"epoch": 7, "name": "run"}
+    # Read straight into the live tensors: no tensor went through torch.load (a copy_ from a
+    # loaded tensor would also keep data_ptr, so the count is what tells).
+    assert loads == [], f"tensors of shapes {loads} read through torch.load"
     # Loaded in place: the live tensors keep their memory.
     assert {k: v.data_ptr() for k, v in live["model"].state_dict().items() if v.numel()} == before
+
+    # A live tensor of another dtype than the stored one takes the other path: torch.load, then
+    # copy_ (which converts); everything else is still read in place.
+    live = _state(1)
+    live["model"].scalar = torch.tensor(0.0, dtype=torch.float64)
+    with _ckpt(tmp_path, verify_on_load=verify) as c:
+        assert c.load(live) == 5
+    assert loads == [()]
+    assert live["model"].scalar.dtype == torch.float64 and live["model"].scalar.item() == 3.5
+    _assert_bitwise({k: v for k, v in _tensors(saved).items() if k != "m.scalar"},
+                    {k: v for k, v in _tensors(live).items() if k != "m.scalar"})
 
 
 def test_stored_records_are_found_in_place(tmp_path):
@@ -105,7 +136,9 @@ def test_stored_records_are_found_in_place(tmp_path):
             assert where.dtype == expected.dtype and where.size == tuple(expected.shape)
             assert raw == expected.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
     assert found >= 8
-    assert unusual <= 1  # the transposed buffer, at most
+    # DCP writes every tensor as one contiguous storage of its own (the transposed buffer too: it
+    # is copied before it is written), so every record is found in place.
+    assert unusual == 0
 
 
 def _slice(path: str, offset: int, length: int):

@@ -48,18 +48,24 @@ def test_rollback_resumes_the_new_branch_and_keeps_the_old_until_gc(s3, tmp_path
         got = json.loads((out / f"result.{rank}.json").read_text())
         assert got["rolled"] == 100 and got["at_rollback"] == 100, got
         assert got["resumed"] == 130, got  # not 300: that branch was abandoned
-        assert got["from_remote"] == 130 and got["extra"] == {"at": 130}, got
-    # keep_last=3 kept the new branch whole; the abandoned steps stay until gc
+        assert got["from_remote"] == 130, got
+        # each load replaced a scrambled state with step 130's, locally and from the bucket alone
+        for where in ("resumed_state", "remote_state"):
+            assert got[where] == {"extra": {"at": 130}, "model_equal": True}, (where, got)
+    # keep_last=3 kept the new branch whole; the abandoned steps stay until gc, on both tiers
     assert layout.committed_steps(str(ckpt)) == [110, 120, 130, 200, 300]
     assert remote_steps(url) == [110, 120, 130, 200, 300]
-    assert cli.main(["ls", str(ckpt)]) == 0
-    listing = capsys.readouterr().out
-    for step in (200, 300):
-        assert any(line.split()[0] == str(step) and "abandoned: rolled back to step 100" in line
-                   for line in listing.splitlines()), listing
-    assert "abandoned" not in next(line for line in listing.splitlines() if line.split()[0] == "130")
-    assert cli.main(["gc", str(ckpt), "--keep-last", "3"]) == 0
+    for tier in (str(ckpt), url):
+        assert cli.main(["ls", tier]) == 0
+        listing = capsys.readouterr().out
+        for step in (200, 300):
+            assert any(line.split()[0] == str(step) and "abandoned: rolled back to step 100" in line
+                       for line in listing.splitlines()), (tier, listing)
+        assert "abandoned" not in next(line for line in listing.splitlines() if line.split()[0] == "130")
+        assert cli.main(["gc", tier, "--keep-last", "3"]) == 0
+        assert "deleting step 300 (abandoned" in capsys.readouterr().out
     assert layout.committed_steps(str(ckpt)) == [110, 120, 130]
+    assert remote_steps(url) == [110, 120, 130]
 
 
 def save_step(local_dir: Path, step: int, seed: int) -> None:

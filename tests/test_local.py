@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 import shardckpt
+from helpers import mount_tmpfs
 from shardckpt import layout
 
 
@@ -247,8 +248,7 @@ def test_background_error_reraises_on_next_call_and_keeps_previous(tmp_path):
 def test_disk_full_on_small_filesystem(tmp_path):
     mount = tmp_path / "small"
     mount.mkdir()
-    if os.geteuid() != 0 or os.system(f"mount -t tmpfs -o size=2m tmpfs {mount} 2>/dev/null") != 0:
-        pytest.skip("needs root to mount a small tmpfs")
+    mount_tmpfs(mount, "size=2m", "disk full on a small filesystem")
     try:
         state = make_state()
         with ckpt_for(mount) as ckpt:

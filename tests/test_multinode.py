@@ -65,11 +65,16 @@ def test_node_local_directories_each_hold_their_ranks_and_restore_from_each_othe
         # verify checks what this copy holds and says where the rest lives
         assert cli.main(["verify", str(base / node), "--all"]) == 0
     # Restart on the same two nodes: each node receives the other's files, checks them, loads.
+    # The first load has one bit flipped in transit: the receiving node must refuse that file
+    # (every rank raises), keep nothing of it, and the next load receive it again whole.
     out2 = tmp_path / "out2"
     out2.mkdir()
-    logs = run_two_nodes(2, PROG, "restore", base, out2, "--layout", "local", log_dir=tmp_path)
+    logs = run_two_nodes(2, PROG, "restore", base, out2, "--layout", "local", "--corrupt-transfer",
+                         log_dir=tmp_path)
     assert "from other nodes' copies" in "".join(logs)
-    assert all(o["restored"] == 6 for o in outcomes(out2))
+    for o in outcomes(out2):
+        assert o["restored"] == 6, o
+        assert "step 6: " in o["damaged_transfer"] and "fails its checksum; it was not used" in o["damaged_transfer"], o
     assert_bitwise(out / "saved.pt", out2 / "restored.pt")
 
 

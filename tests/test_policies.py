@@ -1,9 +1,11 @@
 """Checkpoint policies at 2 ranks (gloo under torchrun), on the local tier and the test S3 server.
 
-Best-by-metric retention and load(step="best"); light and full steps; the
-run config recorded and a changed one warned about; trainable-only saves of
-adapters on a frozen base; remote_every with a preemption save uploaded out
-of turn; the auto interval from measured cost.
+Best-by-metric retention and load(step="best"); light and full steps, and a
+preemption save full where the schedule says light; the run config recorded
+and a changed one warned about; every_seconds, fixed and "auto", agreed
+across the ranks; trainable-only saves of adapters on a frozen base (loaded
+at 2 ranks and at 1); remote_every with a preemption save uploaded out of
+turn; the auto interval from measured cost.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers import PROGRAMS, child_env, run_torchrun  # noqa: E402
 from s3server import BUCKET, stop_uploaders  # noqa: E402
-from shardckpt import cli, policy, remote, remote_commit  # noqa: E402
+from shardckpt import Checkpointer, cli, policy, remote, remote_commit  # noqa: E402
 from shardckpt.options import CheckpointConfig  # noqa: E402
 
 PROG = PROGRAMS / "policies.py"
@@ -72,6 +75,22 @@ def test_best_light_full_and_run_config(tmp_path, capsys):
     assert 'run config: {"lr": 0.1, "model": {"width": 8}}' in shown and "on 2 x cpu" in shown
     assert "policies.py best-light-config" in shown
 
+    # A preemption save is full: save 3 is light by full_every=3, but the signal made it the last one.
+    assert got["preempt_light"] == {"saved": [1, 2, 3], "preempted": True,
+                                    "kinds": {"1": "full", "2": "light", "3": "full"}}
+
+    # every_seconds: every rank saved at the same calls (the vote), never sooner than the interval
+    # after the previous save on rank 0's clock, and the first save came at the second call (the
+    # first call's vote is acted on by the next).
+    for key, interval in (("every_fixed", 0.6), ("every_auto", None)):
+        every = got[key]
+        interval = interval or every["rank0_interval"]
+        assert every["saved"][0] == 2 and len(every["saved"]) >= 2, every
+        assert all(gap >= interval for gap in every["rank0_gaps"]), (key, every)
+    assert got["every_auto"]["rank0_interval"] >= policy.AUTO_MIN_S
+    info = (out / "info.log").read_text()
+    assert "every_seconds=auto: saving every " in info and "1 s between failures" in info, info
+
 
 # Policies, not the S3 protocol, are under test here: one server is enough (the remote-tier tests run on both).
 ONE_SERVER = pytest.mark.parametrize("s3", ["moto"], indirect=True)
@@ -96,18 +115,18 @@ def test_remote_every_uploads_every_third_step_and_the_preemption_save(bucket, t
     url = f"s3://{BUCKET}/every"
     run_torchrun(2, PROG, "remote-every", tmp_path / "ckpt", url, out, env=child_env(**bucket.env()), timeout=300)
     got = results(out)
-    # rank 1's signal after save 5 is agreed by the vote started at save 6: save 7 is the preemption save
-    assert got["saved"] == [1, 2, 3, 4, 5, 6, 7] and got["preempted_at"] == 7
-    # the first save, then every third, and the preemption save out of turn
-    assert remote_steps(url) == [1, 4, 7]
-    assert got["local_steps"] == [6, 7]  # keep_last=2: a step kept local only rotates out freely
+    # rank 1's signal after save 4 is agreed by the vote started at save 5: save 6 is the preemption save
+    assert got["saved"] == [1, 2, 3, 4, 5, 6] and got["preempted_at"] == 6
+    # the first save, then every third (1, 4, 7, ...), and the preemption save 6 out of turn
+    assert remote_steps(url) == [1, 4, 6]
+    assert got["local_steps"] == [5, 6]  # keep_last=2: a step kept local only rotates out freely
     assert cli.main(["ls", str(tmp_path / "ckpt" / "node")]) == 0
     listing = capsys.readouterr().out
-    assert "not for upload (remote_every)" in next(line for line in listing.splitlines() if line.split()[0] == "6")
-    assert "local+remote" in next(line for line in listing.splitlines() if line.split()[0] == "7")
+    assert "not for upload (remote_every)" in next(line for line in listing.splitlines() if line.split()[0] == "5")
+    assert "local+remote" in next(line for line in listing.splitlines() if line.split()[0] == "6")
 
 
-def test_trainable_only_saves_the_adapters_and_checks_the_base(tmp_path):
+def test_trainable_only_saves_the_adapters_and_checks_the_base(tmp_path, caplog):
     out = tmp_path / "out"
     out.mkdir()
     run_torchrun(2, PROG, "trainable", tmp_path / "ckpt", out, timeout=300)
@@ -115,10 +134,29 @@ def test_trainable_only_saves_the_adapters_and_checks_the_base(tmp_path):
     assert got["sizes"]["adapters"] <= 0.05 * got["sizes"]["full"], got["sizes"]
     assert got["frozen_keys"] == sorted([f"base.{i}.{w}" for i in range(4) for w in ("weight", "bias")]
                                         + ["norm.weight", "norm.bias"])
+    # optim_restored: every optimizer state tensor equal to the one saved, value by value
     assert got["loaded"] == 2 and got["bitwise"] and got["buffers_equal"] and got["optim_restored"]
     warnings = (out / "warnings.log").read_text()
     assert warnings.count("frozen base was left out") == 1, warnings  # the other base only
     assert "values differ: model.base.0.bias, model.base.0.weight" in warnings
+
+    # Saved at 2 ranks, loaded at 1 (this process, no process group): the base fingerprint does not
+    # depend on the world size, so the same base loads without a warning, another one with.
+    sys.path.insert(0, str(PROGRAMS))
+    import policies as prog
+
+    saved = torch.load(out / "trainable.pt")
+    for base_seed, warned in ((0, False), (1, True)):
+        model = prog.Adapted(base_seed)
+        optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="shardckpt"):
+            with Checkpointer(local_dir=str(tmp_path / "ckpt" / "adapters"), preemption_signals=()) as ckpt:
+                assert ckpt.load({"model": model, "optimizer": optim}) == 2
+        assert ("frozen base was left out" in caplog.text) == warned, caplog.text
+        params = dict(model.named_parameters())
+        assert all(torch.equal(params[n], v) for n, v in saved["params"].items())
+        assert prog.optimizer_states_equal(optim.state_dict(), saved["optimizer"])
 
 
 def test_auto_interval_from_measured_cost(caplog):

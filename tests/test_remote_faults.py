@@ -5,9 +5,11 @@ authentication mode, its own process; rclone's server reached with a wrong
 secret key) and an endpoint nobody listens on:
 each must end in a clear error within a bounded time, never a hang and never
 a half-committed remote step, with the local steps intact. Throttling, 5xx,
-resets and stalls on the restore path must be retried to success. The last
-test is the CI-sized crash-consistency soak of the remote tier (trainer and
-uploader SIGKILLed at random moments and at named kill points).
+resets and stalls on the restore path must be retried to success. The
+crash-consistency soak of the remote tier (trainer and uploader SIGKILLed at
+random moments and at named kill points) runs CI-sized on a ``file://``
+remote, every uploader kill point, and for a few trials against the S3
+server over HTTP (the 50-trial S3 soak is a benchmark: see the README).
 
 Bounded time is asserted by running each call in a thread that must finish
 within a generous limit; nothing here measures speed.
@@ -383,14 +385,32 @@ def test_sigkill_of_trainer_and_uploader_loses_no_remote_step(tmp_path):
     from shardckpt import _failpoints
 
     trials = 3 * len(_failpoints.UPLOADER_POINTS) - 2  # every uploader point once, in 10 trials
-    # A file:// remote here (the 50-trial soak against moto is `soak_kill.py --remote --store s3`, see README).
+    # A file:// remote here: the S3 protocol under the same kills is the next test (a few trials).
     stats = soak_kill.run_trials(trials, seed=3, work=tmp_path, remote=True)
-    assert stats["failures"] == [], stats["failures"]
-    assert stats["lost_committed"] == 0
+    _check_soak(stats)
     reached = {k for k in stats["points"] if not k.endswith("(not reached)")}
     assert set(_failpoints.UPLOADER_POINTS) <= reached, stats["points"]
     assert stats["uploader_kills"] >= len(_failpoints.UPLOADER_POINTS)
+
+
+def _check_soak(stats: dict) -> None:
+    assert stats["failures"] == [], stats["failures"]
+    assert stats["lost_committed"] == 0
     assert stats["max_remote_step"] > 0
+
+
+@pytest.mark.parametrize("s3", ["moto"], indirect=True)
+def test_sigkill_during_s3_uploads_loses_no_remote_step(s3, tmp_path):
+    """Two trials of the soak against the S3 server over HTTP: the uploader SIGKILLed at its
+    first kill point (files sent, no marker), then trainer and uploader at random moments."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import soak_kill
+    from shardckpt import _failpoints
+
+    s3.reset()
+    stats = soak_kill._remote_trials(2, 5, tmp_path, False, f"s3://{BUCKET}/soak", s3.reset)
+    _check_soak(stats)
+    assert stats["remote"] == "s3" and stats["points"].get(_failpoints.UPLOADER_POINTS[0]) == 1, stats["points"]
 
 
 # moto only: what it checks is our progress log; the server sees the same stalled, retried uploads
@@ -408,16 +428,29 @@ def test_slow_upload_logs_progress_and_commits(s3, tmp_path, caplog):
     options = remote.TransferOptions(endpoint_url=proxy.endpoint, request_timeout_s=0.5, backoff_max_s=0.1,
                                      max_attempts=10, step_deadline_s=60)
     store = remote.open_store(f"s3://{BUCKET}/progress", options)
+    from shardckpt import _failpoints
+
+    def progress_lines():
+        return [r.getMessage() for r in caplog.records if "uploading step 3 to s3://" in r.getMessage()]
+
+    # A progress interval far below the stall (each stalled request takes its 0.5 s timeout): what
+    # is checked is that lines come while the files go up, before the step's marker and manifest.
+    seen_when_files_sent = []
+    _failpoints.arm("upload.files_sent", lambda: seen_when_files_sent.append(len(progress_lines())))
     try:
         with caplog.at_level(logging.INFO, logger="shardckpt"):
-            result = bounded(lambda: remote_commit.push_step(store, str(src), 3, node="n0", policy=None, progress_s=0.2))
+            result = bounded(lambda: remote_commit.push_step(store, str(src), 3, node="n0", policy=None, progress_s=0.05))
     finally:
+        _failpoints.arm("upload.files_sent", lambda: None, nth=0)  # disarmed
         store.close()
         proxy.stop()
     assert result.state == remote_commit.COMMITTED, result
     assert proxy.counts.get("stall", 0) >= 1, proxy.counts
-    lines = [r.getMessage() for r in caplog.records if "uploading step 3 to s3://" in r.getMessage()]
+    lines = progress_lines()
     assert lines and all(" of " in line and "MiB" in line for line in lines), caplog.text
+    assert seen_when_files_sent == [len(lines)]  # every line came during the upload of the files
+    done = [float(line.split(": ")[-1].split(" of ")[0]) for line in lines]
+    assert done == sorted(done), lines  # progress only grows
     client = s3.client()
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix="progress/").get("Contents", [])]
     assert f"progress/{layout.step_dirname(3)}/{layout.MANIFEST_NAME}" in keys

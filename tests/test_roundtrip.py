@@ -5,6 +5,8 @@ import json
 import pytest
 
 from helpers import PROGRAMS, run_torchrun
+from shardckpt import local
+from shardckpt.dcp_reader import stored_tensor
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
@@ -25,22 +27,32 @@ def test_roundtrip_bitwise(tmp_path, mode):
 
 
 def test_corruption_seen_by_one_rank_stops_or_falls_back_on_all(tmp_path):
-    # Ranks split the checksum work: with two files of DCP shards, rank 0
-    # checks __1_0.distcp and rank 1 __0_0.distcp. A flipped byte that only
-    # rank 0 sees must make both ranks raise (or both fall back), never load
-    # apart or wait on each other.
+    # Ranks split the checksum work: each file is checked by one rank of the
+    # copy (DDP: both ranks read every file; the coordinator gives each file
+    # to one of them). A flipped bit inside a tensor's raw bytes in
+    # __1_0.distcp is therefore seen by one rank only (the other reads the
+    # bytes into its tensor unchecked), and its failure must reach the other
+    # rank in the exchange after the read: both raise the same error, naming
+    # the file once (two ranks checking it would report it twice: "(1
+    # more)"), or both fall back; never load apart or wait on each other.
     ckpt_dir = tmp_path / "ckpt"
     run_torchrun(2, PROGRAMS / "roundtrip.py", "ddp", ckpt_dir, tmp_path / "saved.json")
-    shard = ckpt_dir / "step_0000000003" / "__1_0.distcp"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    shard.write_bytes(bytes(data))
+    step_dir = ckpt_dir / "step_0000000003"
+    shard = step_dir / "__1_0.distcp"
+    records = [i for i in local.read_metadata(str(step_dir), 3).storage_data.values() if i.relative_path == shard.name]
+    with open(shard, "r+b") as f:
+        where = stored_tensor(f, *max((i.offset, i.length) for i in records if stored_tensor(f, i.offset, i.length)))
+        f.seek(where.data_offset + where.nbytes // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, 1)
+        f.write(bytes([byte ^ 0x10]))
 
     run_torchrun(2, PROGRAMS / "corrupt_load.py", "ddp", ckpt_dir, tmp_path / "raise", "error")
-    for rank in (0, 1):
-        got = json.loads((tmp_path / f"raise.{rank}.json").read_text())
-        assert got.get("error") == "CorruptCheckpointError", got
-        assert str(shard) in got["message"] and "step 3" in got["message"], got
+    got = [json.loads((tmp_path / f"raise.{rank}.json").read_text()) for rank in (0, 1)]
+    assert got[0] == got[1], got  # the same error on both ranks
+    assert got[0].get("error") == "CorruptCheckpointError", got
+    assert str(shard) in got[0]["message"] and "step 3" in got[0]["message"], got
+    assert "more)" not in got[0]["message"], got  # one failure: one rank checked the file
 
     run_torchrun(2, PROGRAMS / "corrupt_load.py", "ddp", ckpt_dir, tmp_path / "fallback", "fallback")
     for rank in (0, 1):

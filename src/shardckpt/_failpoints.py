@@ -4,7 +4,9 @@
 ``name`` or ``name@N`` for the N-th time it is reached) makes the process
 SIGKILL itself at that point, the way a preempted machine dies; an item
 ``raise:name[@N]`` raises :class:`InjectedFault` there instead, the way a
-failing disk or a full filesystem does. The variable is read once at
+failing disk or a full filesystem does; ``flip:name[@N]`` flips one bit of
+the data a point hands over (bytes in transit damaged, as a bad link or NIC
+would). The variable is read once at
 import; unset (the default) every ``hit`` is a dict lookup.
 With ``SHARDCKPT_FAILPOINTS_LOG=FILE`` a killed process first appends
 ``<name> <pid>`` to FILE, so a test harness knows which point killed whom.
@@ -19,7 +21,7 @@ import os
 import signal
 from typing import Any
 
-KILL, RAISE = "kill", "raise"
+KILL, RAISE, FLIP = "kill", "raise", "flip"
 
 _SPEC: dict[str, tuple[int, str]] = {}
 _COUNTS: dict[str, int] = {}
@@ -30,12 +32,12 @@ class InjectedFault(OSError):
 
 
 def arm(name: str, action: Any = RAISE, nth: int = 1) -> None:
-    """Make the ``nth`` next hit of ``name`` in this process ``raise``, ``kill``, or call ``action()``.
+    """Make the ``nth`` next hit of ``name`` in this process ``raise``, ``kill``, ``flip``, or call ``action()``.
 
     A callable lets a test act at that exact point (save the step again while
     it uploads, stall a write); it runs once, in the thread that hits the point.
     """
-    if action not in (KILL, RAISE) and not callable(action):
+    if action not in (KILL, RAISE, FLIP) and not callable(action):
         raise ValueError(f"unknown fault action {action!r}")
     _COUNTS[name] = 0
     _SPEC[name] = (nth, action)
@@ -60,6 +62,10 @@ POINTS = (
 # file:// remote object written under its temporary name, not yet renamed) and
 # "stage.copies_pending" (the writer thread is about to wait for copies still
 # running after save() returned, with overlap_copies).
+# Also in the uploader: "upload.markers_checked" (the committer saw every node's
+# marker; it checks the objects' identities next, then writes the manifest).
+# Handing data over: "peer.chunk_read" (a chunk of a file about to be sent to
+# another node's rank during a restore).
 
 # Inside the uploader process (``shardckpt.uploader``): the remote commit protocol.
 UPLOADER_POINTS = (
@@ -70,7 +76,8 @@ UPLOADER_POINTS = (
 )
 
 
-def hit(name: str) -> None:
+def hit(name: str, data: Any = None) -> None:
+    """Reach fault point ``name``; ``data`` (a writable buffer) is what a ``flip`` damages."""
     if not _SPEC or name not in _SPEC:
         return
     _COUNTS[name] = _COUNTS.get(name, 0) + 1
@@ -82,6 +89,10 @@ def hit(name: str) -> None:
         return
     if action == RAISE:
         raise InjectedFault(f"fault injected at {name}")
+    if action == FLIP:
+        if data is not None and len(data):
+            data[len(data) // 2] ^= 0x01
+        return
     log = os.environ.get("SHARDCKPT_FAILPOINTS_LOG")
     if log:
         try:

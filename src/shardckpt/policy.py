@@ -140,8 +140,10 @@ class SavePolicy:
         by_time = 0
         if cfg.every_seconds is not None and _dist.rank() == 0:
             interval = self.interval_s()
-            by_time = int(self._last_save_time is None or interval is None
-                          or time.monotonic() - self._last_save_time >= interval)
+            # "auto" before its first measurement: only the first save is due (this call's own
+            # save is measured after its vote starts).
+            by_time = int(self._last_save_time is None
+                          or (interval is not None and time.monotonic() - self._last_save_time >= interval))
         return by_time, int(self.signal is not None and not self._preempt_decided)
 
     def _resolve_vote(self) -> tuple[int, int]:

@@ -44,6 +44,7 @@ from . import _dist, layout, local, remote, remote_commit, retention, step_dirs
 from . import elastic as elastic_mod
 from . import lineage as lineage_mod
 from . import state as state_mod
+from . import _failpoints
 from ._text import fmt_bytes
 from .errors import (
     CheckpointNotFoundError,
@@ -896,6 +897,7 @@ def _send_file(path: str, size: int, dst: int, group: Any) -> None:
                 except OSError:
                     f.close()
                     f = None
+            _failpoints.hit("peer.chunk_read", memoryview(buf.numpy()))
             dist.send(buf, dst=dst, group=group)
             sent += n
     finally:

@@ -13,7 +13,10 @@ DIR/rank<r> (one directory copy per rank, from a single launcher).
 save:    N async saves of an FSDP2 model (every rank's state changes each
          step); rank 0 writes OUT/saved.pt (full tensors, the step) and every
          rank OUT/outcome.<rank>.json.
-restore: load the newest step, rank 0 writes OUT/restored.pt.
+restore: load the newest step, rank 0 writes OUT/restored.pt. With
+         --corrupt-transfer a first load has one bit of the first chunk
+         sent between nodes flipped on the way (must be refused), the
+         second load none.
 resume:  load() as a relaunched job does, recording what it raised; then a
          Checkpointer with start_fresh=True loads and saves steps 1 and 2.
 resave:  load(step=N-1) and save step N again (another save of the number);
@@ -68,6 +71,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--layout", choices=["shared", "local", "rank"], required=True)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--corrupt-transfer", action="store_true")
     args = parser.parse_args()
     rank, world = common.init()
     node = os.environ.get("GROUP_RANK", "0")
@@ -90,9 +94,15 @@ def main() -> None:
             torch.save({"step": args.steps, "tensors": tensors}, os.path.join(args.out, "saved.pt"))
     elif args.mode == "restore":
         ckpt = shardckpt.Checkpointer(local_dir=local_dir, preemption_signals=())
+        if args.corrupt_transfer:
+            _failpoints.arm("peer.chunk_read", _failpoints.FLIP)  # reached by the sending ranks only
+            try:
+                outcome["damaged_transfer"] = f"loaded step {ckpt.load(state)}"
+            except shardckpt.CorruptCheckpointError as exc:
+                outcome["damaged_transfer"] = str(exc)
         step = ckpt.load(state)
         ckpt.close()
-        outcome = {"restored": step, "extra": state["extra"]}
+        outcome.update(restored=step, extra=state["extra"])
         tensors = full_state(model, optim)
         if rank == 0:
             torch.save({"step": step, "tensors": tensors}, os.path.join(args.out, "restored.pt"))

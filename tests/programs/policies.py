@@ -1,4 +1,5 @@
-"""Checkpoint policies at 2 ranks (DDP, gloo): best-by-metric, light/full, run config, trainable-only, remote_every.
+"""Checkpoint policies at 2 ranks (DDP, gloo): best-by-metric, light/full, run config, trainable-only, remote_every,
+every_seconds (fixed and "auto").
 
 usage: policies.py best-light-config DIR OUT
        policies.py best-remote DIR REMOTE OUT
@@ -6,14 +7,17 @@ usage: policies.py best-light-config DIR OUT
        policies.py trainable DIR OUT
 
 Every rank writes OUT/result.<rank>.json; rank 0's shardckpt warnings also go
-to OUT/warnings.log.
+to OUT/warnings.log, its info lines to OUT/info.log. ``trainable`` also has
+rank 0 write OUT/trainable.pt: the adapter weights and optimizer state saved.
 """
 
+import copy
 import json
 import logging
 import os
 import signal
 import sys
+import time
 
 import common
 import torch
@@ -46,6 +50,60 @@ def params(model):
 
 def same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def from_rank0(value):
+    """Rank 0's value on every rank (what only rank 0's clock can tell)."""
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def kinds(directory):
+    from shardckpt import layout
+
+    return {s: layout.read_manifest(os.path.join(directory, layout.step_dirname(s))).kind
+            for s in layout.committed_steps(directory)}
+
+
+def preempted_light_step(root, rank):
+    """full_every=3 with a preemption signal: the save it triggers is full, where the schedule says light."""
+    model, optim, state = model_state()
+    directory = os.path.join(root, "preempt-light")
+    ckpt = shardckpt.Checkpointer(local_dir=directory, full_every=3, keep_last=None,
+                                  preemption_signals=(signal.SIGUSR1,))
+    saved = []
+    for step in range(1, 10):
+        train(model, optim, state, step)
+        if ckpt.save(state, step) is not None:
+            saved.append(step)
+        if step == 1 and rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)  # voted at save 2, acted on at save 3 (light by schedule)
+        if ckpt.preempted:
+            break
+    ckpt.close()
+    return {"saved": saved, "preempted": ckpt.preempted, "kinds": kinds(directory)}
+
+
+def every_seconds(root, rank, every, steps, pause, **options):
+    """Saves by time at 2 ranks: rank 0's clock decides, the vote makes every rank save at the same call."""
+    model, optim, state = model_state()
+    ckpt = shardckpt.Checkpointer(local_dir=os.path.join(root, f"every-{every}"), every_seconds=every, keep_last=1,
+                                  preemption_signals=(), **options)
+    saved, starts = [], []
+    for step in range(1, steps + 1):
+        train(model, optim, state, step)
+        t = time.monotonic()
+        handle = ckpt.save(state, step)
+        if handle is not None:
+            handle.wait()
+            saved.append(step)
+            starts.append(t)
+        time.sleep(pause)
+    interval = ckpt._policy.interval_s()
+    ckpt.close()
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    return {"saved": saved, "rank0_gaps": from_rank0(gaps), "rank0_interval": from_rank0(interval)}
 
 
 def best_light_config(root, out, rank):
@@ -91,6 +149,10 @@ def best_light_config(root, out, rank):
     result["light_params_equal"] = same(params(model), saved[8])
     result["light_left_optimizer_empty"] = not any(optim.state.values())
     fresh.close()
+
+    result["preempt_light"] = preempted_light_step(root, rank)
+    result["every_fixed"] = every_seconds(root, rank, 0.6, 12, 0.15)
+    result["every_auto"] = every_seconds(root, rank, "auto", 14, 0.2, mtbf_s=1)
     return result
 
 
@@ -125,7 +187,7 @@ def remote_every(root, url, out, rank):
         if handle is not None:
             handle.wait()
             saved.append(step)
-        if step == 5 and rank == 1:
+        if step == 4 and rank == 1:
             os.kill(os.getpid(), signal.SIGUSR1)  # one rank's preemption notice: the vote spreads it
         if ckpt.preempted:
             break
@@ -165,6 +227,22 @@ class Adapted(nn.Module):
         return self.norm(self.base(x)) + self.adapter(x)
 
 
+def optimizer_states_equal(a, b) -> bool:
+    """The same per-parameter state, value by value, and the same hyperparameters."""
+    if a["param_groups"] != b["param_groups"] or a["state"].keys() != b["state"].keys():
+        return False
+    for key, entries in b["state"].items():
+        if entries.keys() != a["state"][key].keys():
+            return False
+        for name, value in entries.items():
+            other = a["state"][key][name]
+            if torch.is_tensor(value) != torch.is_tensor(other):
+                return False
+            if not (torch.equal(value, other) if torch.is_tensor(value) else value == other):
+                return False
+    return bool(b["state"])
+
+
 def trainable(root, out, rank):
     def build(base_seed):
         model = DistributedDataParallel(Adapted(base_seed))
@@ -188,6 +266,10 @@ def trainable(root, out, rank):
         frozen = manifest.get("frozen", {})
     saved = {n: p.detach().clone() for n, p in model.module.named_parameters()}
     buffers = {n: b.clone() for n, b in model.module.named_buffers()}
+    saved_optim = copy.deepcopy(optim.state_dict())
+    if rank == 0:
+        torch.save({"params": {n: v for n, v in saved.items() if n.startswith("adapter.")}, "buffers": buffers,
+                    "optimizer": saved_optim}, os.path.join(out, "trainable.pt"))
     # The base comes from elsewhere (the same seed: the same weights), the adapters from the checkpoint.
     fresh, fresh_optim = build(0)
     ckpt = shardckpt.Checkpointer(local_dir=os.path.join(root, "adapters"), preemption_signals=())
@@ -196,7 +278,7 @@ def trainable(root, out, rank):
     equal = all(torch.equal(got[n], v) for n, v in saved.items())
     got_buffers = dict(fresh.module.named_buffers())
     buffers_equal = all(torch.equal(got_buffers[n], v) for n, v in buffers.items())
-    optim_restored = len(fresh_optim.state) == 2
+    optim_restored = optimizer_states_equal(fresh_optim.state_dict(), saved_optim)
     # Another base: loads, with a warning naming the keys that differ.
     other, other_optim = build(1)
     ckpt.load({"model": other, "optimizer": other_optim})
@@ -213,6 +295,10 @@ def main() -> None:
         handler = logging.FileHandler(os.path.join(out, "warnings.log"))
         handler.setLevel(logging.WARNING)
         logging.getLogger("shardckpt").addHandler(handler)
+        info = logging.FileHandler(os.path.join(out, "info.log"))
+        info.setLevel(logging.INFO)
+        logging.getLogger("shardckpt").addHandler(info)
+        logging.getLogger("shardckpt").setLevel(logging.INFO)
     if mode == "best-light-config":
         result = best_light_config(sys.argv[2], out, rank)
     elif mode == "best-remote":
