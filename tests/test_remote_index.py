@@ -34,15 +34,19 @@ def index_steps(s3, prefix: str) -> list[int]:
     return sorted(int(s) for s in json.loads(body)["steps"])
 
 
-@pytest.mark.parametrize("s3", ["moto"], indirect=True)
-def test_newest_step_and_retention_read_o1_manifests_with_50_steps_held(s3, tmp_path):
-    url = f"s3://{BUCKET}/held"
+def one_real_step(tmp_path: Path, prefix: str) -> tuple[Path, remote.Store]:
+    """Step 1 saved and committed by the uploader on ``prefix``; the local directory and a store."""
+    url = f"s3://{BUCKET}/{prefix}"
     local_dir = tmp_path / "local"
     save_local_steps(local_dir, [1])
     assert uploader.Uploader(str(local_dir), remote.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
-    assert index_steps(s3, "held") == [1]  # the commit wrote its entry
+    return local_dir, remote.open_store(url, _opts())
 
-    store = remote.open_store(url, _opts())
+
+@pytest.mark.parametrize("s3", ["moto"], indirect=True)
+def test_newest_step_and_retention_read_o1_manifests_with_50_steps_held(s3, tmp_path):
+    local_dir, store = one_real_step(tmp_path, "held")
+    assert index_steps(s3, "held") == [1]  # the commit wrote its entry
     clone_steps(store, 1, list(range(2, HELD + 1)))  # committed, but not in the index
     log = RequestLog(store)
     deadline = remote.Deadline(60)
@@ -84,11 +88,7 @@ def test_newest_step_and_retention_read_o1_manifests_with_50_steps_held(s3, tmp_
 
 @pytest.mark.parametrize("s3", ["moto"], indirect=True)
 def test_a_missing_stale_or_corrupt_index_is_repaired(s3, tmp_path):
-    url = f"s3://{BUCKET}/stale"
-    local_dir = tmp_path / "local"
-    save_local_steps(local_dir, [1])
-    assert uploader.Uploader(str(local_dir), remote.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
-    store = remote.open_store(url, _opts())
+    _local_dir, store = one_real_step(tmp_path, "stale")
     clone_steps(store, 1, [2, 3, 4, 5])
     deadline = remote.Deadline(60)
     client = s3.client()
