@@ -21,7 +21,7 @@ and ``<!-- perf:end -->`` in FILE with a summary (``benchmarks/report.py``
 does the same from existing results without running anything).
 
 Cases (``--only``): blocked, durable, restore, remote_restore, remote_durable,
-training, elastic. ``--sizes`` (GiB) sizes the local-disk cases (default 1,4,8;
+training, elastic, history. ``--sizes`` (GiB) sizes the local-disk cases (default 1,4,8;
 an 8 GiB state and its staging copy need about 17 GiB of RAM); the S3 cases
 use ``--remote-sizes`` (moto holds objects in RAM: 0.5 GiB at most).
 ``--quick`` runs small sizes and few repeats (minutes on 2 cores): a check
@@ -116,6 +116,11 @@ CASES = [
          "and without verification against stock `dcp.load` + `set_state_dict` (floor); the paths back to back "
          "in every round.",
          lambda a: ["--params-m", "8", "--repeats", repeats(a, 3, 11)], sizes=None),
+    Case("history", "Finding the newest remote step and retention against the steps held", "bench_history.py",
+         "moto's S3 server; 1, 50 and 500 committed steps (one real step copied under other numbers). HTTP "
+         "requests and bytes received to find the newest step (a restore's rank 0), at an uploader's start and for "
+         "a retention pass, with this tree's code and with the code before the step index (cb4d758).",
+         lambda a: ["--held", "1,50" if a.quick else "1,50,500"], sizes=None),
 ]
 BY_NAME = {c.name: c for c in CASES}
 QUICK_SIZES, FULL_SIZES = [0.0625, 0.25], [1.0, 4.0, 8.0]

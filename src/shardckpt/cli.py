@@ -464,7 +464,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from . import remote_commit
+    from . import remote_commit, remote_index
     from .remote import Deadline
     from .uploader import store_from_args
 
@@ -473,8 +473,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
     try:
         step = args.step
         if step is None:
-            manifests = remote_commit.remote_manifests(store, Deadline(args.step_deadline))
-            live, _abandoned = lineage.classify({s: lineage.info_of(m) for s, m in manifests.items()})
+            infos, _unreadable = remote_index.survey(store, Deadline(args.step_deadline))
+            live, _abandoned = lineage.classify(infos)
             if not live:
                 raise Problem(f"no committed step on {store.where('')}. Remedy: check the URL and the endpoint.")
             step = live[-1]

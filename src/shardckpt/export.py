@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from . import layout, lineage, local, remote, remote_commit
+from . import layout, lineage, local, remote, remote_commit, remote_index
 from . import state as state_mod
 from ._text import fmt_bytes
 from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, ShardckptError
@@ -298,13 +298,11 @@ def _export_remote(src: str, step: int | None, job: _Job, options: remote.Transf
     try:
         deadline = remote.Deadline(options.step_deadline_s)
         if step is None:
-            manifests = remote_commit.remote_manifests(store, deadline)
-            step = _choose_step({s: lineage.info_of(m) for s, m in manifests.items()}, None, where)
-            manifest = manifests[step]
-        else:
-            manifest = remote_commit.remote_manifest(store, step, deadline)
-            if manifest is None:
-                raise _not_committed(step, where, remote_commit.remote_steps(store, deadline))
+            infos, _unreadable = remote_index.survey(store, deadline)
+            step = _choose_step(infos, None, where)
+        manifest = remote_commit.remote_manifest(store, step, deadline)
+        if manifest is None:
+            raise _not_committed(step, where, remote_commit.remote_steps(store, deadline))
         tmp = tempfile.mkdtemp(prefix=f".shardckpt-export-{step}-", dir=os.path.dirname(job.out))
         fetched: list[str] = []
         try:

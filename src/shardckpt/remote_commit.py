@@ -5,6 +5,7 @@ Remote layout (``<remote>`` is the URL given as ``remote=``)::
     <remote>/step_<N>/.metadata, __<rank>_<i>.distcp ...   the step's files
     <remote>/step_<N>/_nodes/ranks-<a>-<b>-<n>.json          one marker per node
     <remote>/step_<N>/shardckpt.json                         the manifest, LAST
+    <remote>/_index.json                                     the committed steps' infos (a cache)
 
 Protocol for one step, run by every node's uploader on its own (uploaders
 coordinate through the remote store and local files only, never through the
@@ -20,7 +21,9 @@ trainer's process group):
    0's file), waits until the markers' files cover every file of the
    manifest with matching checksums and the listing shows every object
    with its size; then it uploads the manifest. From that moment the step
-   exists remotely; before, it does not exist for anyone.
+   exists remotely; before, it does not exist for anyone. Then it adds the
+   step to the index (:mod:`shardckpt.remote_index`), which lets finding
+   the newest step and retention work without reading every manifest.
 4. The committer applies the remote retention policy (never the newest
    step, only after a newer step is committed). Every node marks its local
    copy as committed remotely (``step_<N>/.shardckpt-uploaded.json``); only
@@ -44,7 +47,7 @@ import time
 import uuid
 from typing import Any
 
-from . import _failpoints, layout, step_dirs
+from . import _failpoints, layout, remote_index, step_dirs
 from . import lineage as lineage_mod
 from .errors import CorruptCheckpointError, RemoteError
 from .remote import Deadline, Store, join, safe_url
@@ -230,29 +233,25 @@ def newest_committed(store: Store, deadline: Deadline) -> tuple[list[int], layou
 
 
 def remote_steps(store: Store, deadline: Deadline) -> list[int]:
-    """Steps committed on the remote (their manifest exists), oldest first."""
-    candidates = _step_dirs(store, deadline)
-    if not candidates:
-        return []
-    found = store.run_all(
-        [lambda s=s: (s, store.exists(step_key(s, layout.MANIFEST_NAME), deadline)) for s in candidates], files=True
-    )
-    return sorted(s for s, ok in found if ok)
+    """Steps committed on the remote (their manifest exists, readable or not), oldest first.
+
+    From the index (:func:`shardckpt.remote_index.survey`): one listing and
+    one GET, not a request per step.
+    """
+    infos, unreadable = remote_index.survey(store, deadline)
+    return sorted(set(infos) | set(unreadable))
 
 
-def _step_dirs(store: Store, deadline: Deadline) -> list[int]:
-    steps = []
-    for name in store.list_dirs("", deadline):
-        step = layout.parse_step_dirname(name)
-        if step is not None:
-            steps.append(step)
-    return sorted(steps)
+_step_dirs = remote_index.step_dirs
 
 
 def remote_manifests(
     store: Store, deadline: Deadline, steps: list[int] | None = None, unreadable: dict[int, str] | None = None
 ) -> dict[int, layout.Manifest]:
     """The manifests of the steps committed on the remote (of ``steps`` only, when given).
+
+    Reads every manifest: for inspection of the whole remote; finding steps
+    and retention use :func:`remote_infos` (the index).
 
     A remote manifest that cannot be read is left out (it must not decide what
     else is live) and put into ``unreadable`` with the reason when given (a
@@ -276,10 +275,9 @@ def remote_manifests(
 
 def remote_infos(store: Store, deadline: Deadline) -> tuple[dict[int, list[Any]], dict[int, str]]:
     """``{step: StepInfo.to_json()}`` of the steps committed on the remote, and the committed
-    steps whose manifest cannot be read (with the reason)."""
-    unreadable: dict[int, str] = {}
-    found = remote_manifests(store, deadline, unreadable=unreadable)
-    return {s: lineage_mod.info_of(m).to_json() for s, m in found.items()}, unreadable
+    steps whose manifest cannot be read (with the reason). From the index: O(1) manifests read."""
+    infos, unreadable = remote_index.survey(store, deadline)
+    return {s: i.to_json() for s, i in infos.items()}, unreadable
 
 
 def remote_manifest(store: Store, step: int, deadline: Deadline) -> layout.Manifest | None:
@@ -299,8 +297,13 @@ def remote_manifest(store: Store, step: int, deadline: Deadline) -> layout.Manif
     return manifest
 
 
-def delete_remote_step(store: Store, step: int, deadline: Deadline) -> None:
-    """Un-commit first (manifest away), then delete the rest."""
+def delete_remote_step(store: Store, step: int, deadline: Deadline, *, indexed: bool = True) -> None:
+    """Out of the index, un-commit (manifest away), then delete the rest.
+
+    ``indexed=False``: the caller has already removed the step from the index.
+    """
+    if indexed:
+        remote_index.forget(store, [step], deadline)
     store.delete(step_key(step, layout.MANIFEST_NAME), deadline)
     _failpoints.hit("upload.retention_hidden")
     store.delete_prefix(layout.step_dirname(step), deadline)
@@ -421,6 +424,7 @@ def push_step(
             "shardckpt: step %d was saved again locally; retiring its earlier remote copy at %s",
             step, store.where(layout.step_dirname(step)),
         )
+        remote_index.forget(store, [step], deadline)
         store.delete(step_key(step, layout.MANIFEST_NAME), deadline)
     if not mine:
         return _superseded_or(
@@ -484,10 +488,11 @@ def push_step(
         log.warning("shardckpt: step %d: withdrew the remote commit at %s: %s", step,
                     store.where(layout.step_dirname(step)), foreign[0])
         return PushResult(WAITING, sent, f"{SAVED_AGAIN_ELSEWHERE}: {foreign[0]}", marked=digest)
+    remote_index.record(store, manifest, deadline)
     mark_uploaded(step_dir, store.url, manifest)
     if policy is not None:
         try:
-            apply_remote_retention(store, policy, deadline)
+            apply_remote_retention(store, policy, deadline, known={step: manifest})
         except (RemoteError, CorruptCheckpointError) as exc:
             log.warning("shardckpt: step %d is committed on %s, but remote retention failed: %s", step, safe_url(store.url), exc)
     return PushResult(COMMITTED, sent)
@@ -601,13 +606,22 @@ def _all_markers_present(
     return True, ""
 
 
-def apply_remote_retention(store: Store, policy: RetentionPolicy, deadline: Deadline) -> list[int]:
-    """Retention over the live remote steps; steps abandoned by a rollback stay until ``shardckpt gc``."""
-    infos = {s: lineage_mod.info_of(m) for s, m in remote_manifests(store, deadline).items()}
+def apply_remote_retention(
+    store: Store, policy: RetentionPolicy, deadline: Deadline, known: dict[int, layout.Manifest] | None = None
+) -> list[int]:
+    """Retention over the live remote steps; steps abandoned by a rollback stay until ``shardckpt gc``.
+
+    Decides from the index (:func:`shardckpt.remote_index.survey`; ``known``:
+    manifests just committed), not by reading every manifest. The doomed
+    steps leave the index (one write) before they are deleted.
+    """
+    infos, _unreadable = remote_index.survey(store, deadline, known)
     live, _abandoned = lineage_mod.classify(infos)
     doomed = plan_deletions(live, policy, infos=infos)
+    if doomed:
+        remote_index.forget(store, list(doomed), deadline)
     for old in doomed:
-        delete_remote_step(store, old, deadline)
+        delete_remote_step(store, old, deadline, indexed=False)
         log.info("shardckpt: remote retention removed step %d from %s", old, safe_url(store.url))
     return doomed
 

@@ -1,0 +1,151 @@
+"""The remote step index: what the committed steps are, without reading their manifests.
+
+``<remote>/_index.json`` maps each committed step to its
+:class:`~shardckpt.lineage.StepInfo` (created, lineage, kind, metrics,
+version): all that finding the newest live step, its lineage and retention
+need. It is a cache; the manifest stays the commit record:
+
+* it is written after the manifest (by the committing node) and an entry is
+  removed before its step is deleted;
+* a survey takes one listing of the step directories and one GET of the
+  index. An entry whose step directory is gone is dropped; a step directory
+  without an entry (a crash between manifest and index, a bucket written
+  before the index existed, an entry lost to a concurrent writer) has its
+  manifest read, once: a committed one is added. The head (the most
+  recently created step, whose lineage decides what is live) and the newest
+  live step have their manifests read, so an entry whose manifest was
+  removed or replaced is caught where it matters. Repairs are written back.
+
+One aggregated object rather than one object per step: a per-step entry
+would need one GET per step to learn its contents, which is the cost being
+removed. A read-modify-write can lose a concurrent writer's change (two jobs
+on one prefix, ``shardckpt gc`` beside an uploader); both kinds of loss
+heal: a lost addition is a directory without an entry, a lost removal an
+entry without a directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Mapping
+
+from . import layout
+from . import lineage as lineage_mod
+from .errors import CorruptCheckpointError, RemoteError
+from .remote import Deadline, Store
+
+log = logging.getLogger("shardckpt")
+
+INDEX_NAME = "_index.json"
+INDEX_FORMAT = "shardckpt-index/1"
+
+
+def read(store: Store, deadline: Deadline) -> dict[int, lineage_mod.StepInfo] | None:
+    """The index's entries; ``None`` when it is missing or unreadable (a survey rebuilds it)."""
+    data = store.get_bytes(INDEX_NAME, deadline)
+    if data is None:
+        return None
+    try:
+        body = json.loads(data.decode("utf-8"))
+        if not isinstance(body, dict) or body.get("format") != INDEX_FORMAT:
+            raise ValueError(f"not a {INDEX_FORMAT} object")
+        return {int(s): lineage_mod.StepInfo.from_json(int(s), e) for s, e in body["steps"].items()}
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("shardckpt: the step index %s is unreadable (%s); rebuilding it from the manifests",
+                    store.where(INDEX_NAME), exc)
+        return None
+
+
+def _entries(infos: Mapping[int, lineage_mod.StepInfo]) -> dict[str, Any]:
+    return {str(s): infos[s].to_json() for s in sorted(infos)}
+
+
+def write(store: Store, infos: Mapping[int, lineage_mod.StepInfo], deadline: Deadline) -> None:
+    body = {"format": INDEX_FORMAT, "updated": time.time(), "steps": _entries(infos)}
+    store.put_bytes(INDEX_NAME, json.dumps(body, sort_keys=True).encode(), deadline)
+
+
+def record(store: Store, manifest: layout.Manifest, deadline: Deadline) -> None:
+    """Add (or replace) the entry of a step just committed. Never raises: the index is repairable."""
+    try:
+        infos = read(store, deadline) or {}
+        infos[manifest.step] = lineage_mod.info_of(manifest)
+        write(store, infos, deadline)
+    except RemoteError as exc:
+        log.warning("shardckpt: step %d is committed, but the step index %s was not updated (%s); "
+                    "the next survey of the remote repairs it", manifest.step, store.where(INDEX_NAME), exc)
+
+
+def forget(store: Store, steps: list[int], deadline: Deadline) -> None:
+    """Remove the entries of steps about to be deleted (before they are: a stale entry must not outlive them)."""
+    infos = read(store, deadline)
+    if infos is None or not any(s in infos for s in steps):
+        return
+    write(store, {s: i for s, i in infos.items() if s not in steps}, deadline)
+
+
+def step_dirs(store: Store, deadline: Deadline) -> list[int]:
+    """The step directories on the remote (one listing), oldest first; committed or not."""
+    steps = []
+    for name in store.list_dirs("", deadline):
+        step = layout.parse_step_dirname(name)
+        if step is not None:
+            steps.append(step)
+    return sorted(steps)
+
+
+def survey(
+    store: Store, deadline: Deadline, known: Mapping[int, layout.Manifest] | None = None
+) -> tuple[dict[int, lineage_mod.StepInfo], dict[int, str]]:
+    """The committed steps' infos and the committed steps whose manifest cannot be read (with the reason).
+
+    ``known``: manifests the caller has just read or written (not read again).
+    See the module's docstring for what is read; the index is written back
+    when it was missing or anything was repaired.
+    """
+    from .remote_commit import remote_manifest
+
+    dirs = set(step_dirs(store, deadline))
+    cached = read(store, deadline)
+    stored = dict(cached or {})
+    infos = {s: i for s, i in stored.items() if s in dirs}
+    verified: set[int] = set()
+    for step, manifest in (known or {}).items():
+        if step in dirs:
+            infos[step] = lineage_mod.info_of(manifest)
+            verified.add(step)
+    unreadable: dict[int, str] = {}
+
+    def look(step: int) -> tuple[int, Any]:
+        try:
+            return step, remote_manifest(store, step, deadline)
+        except CorruptCheckpointError as exc:
+            return step, exc
+
+    def settle(steps: list[int]) -> None:
+        for step, got in store.run_all([lambda s=s: look(s) for s in steps], files=True) if steps else []:
+            verified.add(step)
+            if isinstance(got, CorruptCheckpointError):
+                unreadable[step] = str(got)
+                infos.pop(step, None)
+            elif got is None:
+                infos.pop(step, None)  # no manifest: not committed (in progress, withdrawn or deleted)
+            else:
+                infos[step] = lineage_mod.info_of(got)
+
+    settle(sorted(s for s in dirs if s not in infos and s not in verified))
+    while True:
+        top = lineage_mod.head(infos)
+        live, _abandoned = lineage_mod.classify(infos)
+        check = sorted({s for s in ([top.step] if top else []) + live[-1:] if s not in verified})
+        if not check:
+            break
+        settle(check)
+    if cached is None or json.dumps(_entries(infos)) != json.dumps(_entries(stored)):
+        try:
+            write(store, infos, deadline)
+        except RemoteError as exc:
+            log.warning("shardckpt: could not write the repaired step index %s: %s", store.where(INDEX_NAME), exc)
+    return dict(sorted(infos.items())), unreadable

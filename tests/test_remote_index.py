@@ -1,0 +1,131 @@
+"""Finding the newest remote step and retention cost O(1) manifest reads, whatever the steps held.
+
+Against the real moto S3 server; the requests are counted with botocore's
+event hooks on the store's own client (tests/remote_history.py).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from remote_history import RequestLog, clone_steps  # noqa: E402
+from s3server import BUCKET, reset_if_used  # noqa: E402
+from shardckpt import layout, remote, remote_commit, remote_index, uploader  # noqa: E402
+from shardckpt.retention import KeepLast  # noqa: E402
+from test_remote import _opts, save_local_steps  # noqa: E402
+
+HELD = 50
+
+
+@pytest.fixture(autouse=True)
+def fresh_bucket(request):
+    reset_if_used(request)
+
+
+def index_steps(s3, prefix: str) -> list[int]:
+    body = s3.client().get_object(Bucket=BUCKET, Key=f"{prefix}/{remote_index.INDEX_NAME}")["Body"].read()
+    return sorted(int(s) for s in json.loads(body)["steps"])
+
+
+def one_real_step(tmp_path: Path, prefix: str) -> tuple[Path, remote.Store]:
+    """Step 1 saved and committed by the uploader on ``prefix``; the local directory and a store."""
+    url = f"s3://{BUCKET}/{prefix}"
+    local_dir = tmp_path / "local"
+    save_local_steps(local_dir, [1])
+    assert uploader.Uploader(str(local_dir), remote.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
+    return local_dir, remote.open_store(url, _opts())
+
+
+@pytest.mark.parametrize("s3", ["moto"], indirect=True)
+def test_newest_step_and_retention_read_o1_manifests_with_50_steps_held(s3, tmp_path):
+    local_dir, store = one_real_step(tmp_path, "held")
+    assert index_steps(s3, "held") == [1]  # the commit wrote its entry
+    clone_steps(store, 1, list(range(2, HELD + 1)))  # committed, but not in the index
+    log = RequestLog(store)
+    deadline = remote.Deadline(60)
+
+    # Committed steps missing from the index are found (their manifests read once) and the index repaired.
+    infos, bad = remote_commit.remote_infos(store, deadline)
+    assert sorted(infos) == list(range(1, HELD + 1)) and bad == {}
+    assert log.manifest_gets == HELD - 1
+    assert index_steps(s3, "held") == list(range(1, HELD + 1))
+
+    # From then on: one listing, the index, and the head's manifest.
+    log.clear()
+    infos, _bad = remote_commit.remote_infos(store, deadline)
+    assert max(infos) == HELD and infos[HELD][4] != infos[HELD - 1][4]  # versions kept apart
+    assert log.manifest_gets <= 1, log.gets
+    assert log.kinds["LIST"] == 1 and log.requests() <= 4, log.kinds
+
+    log.clear()
+    assert remote_commit.remote_steps(store, deadline) == list(range(1, HELD + 1))  # an uploader's start
+    assert log.kinds["HEAD"] == 0 and log.manifest_gets <= 1, (log.kinds, log.gets)
+
+    log.clear()
+    doomed = remote_commit.apply_remote_retention(store, KeepLast(HELD - 10), deadline)
+    assert doomed == list(range(1, 11))
+    assert log.manifest_gets <= 1, log.gets
+    assert index_steps(s3, "held") == list(range(11, HELD + 1))
+    assert remote_commit.remote_steps(store, deadline) == list(range(11, HELD + 1))
+
+    # A commit through the uploader (of a new branch: nothing was loaded, so retention counts it alone):
+    # it adds its entry, and its retention pass reads no manifest of the steps held.
+    time.sleep(0.01)
+    save_local_steps(local_dir, [HELD + 1])
+    up = uploader.Uploader(str(local_dir), store, node="n0", once=True, poll_s=0.05, policy=KeepLast(1))
+    log.clear()
+    assert up.run() == 0
+    assert index_steps(s3, "held") == list(range(11, HELD + 2))
+    assert log.manifest_gets <= 2, log.gets  # the committed step's own manifest (read before it is replaced)
+
+
+@pytest.mark.parametrize("s3", ["moto"], indirect=True)
+def test_a_missing_stale_or_corrupt_index_is_repaired(s3, tmp_path):
+    _local_dir, store = one_real_step(tmp_path, "stale")
+    clone_steps(store, 1, [2, 3, 4, 5])
+    deadline = remote.Deadline(60)
+    client = s3.client()
+    index_key = f"stale/{remote_index.INDEX_NAME}"
+
+    # Missing: rebuilt from the manifests.
+    assert sorted(remote_commit.remote_infos(store, deadline)[0]) == [1, 2, 3, 4, 5]
+    client.delete_object(Bucket=BUCKET, Key=index_key)
+    assert sorted(remote_commit.remote_infos(store, deadline)[0]) == [1, 2, 3, 4, 5]
+    assert index_steps(s3, "stale") == [1, 2, 3, 4, 5]
+
+    # Corrupt: rebuilt.
+    client.put_object(Bucket=BUCKET, Key=index_key, Body=b"{not json")
+    assert sorted(remote_commit.remote_infos(store, deadline)[0]) == [1, 2, 3, 4, 5]
+    assert index_steps(s3, "stale") == [1, 2, 3, 4, 5]
+
+    # Stale: the newest step's manifest is gone (un-committed behind the index's back): not a step.
+    client.delete_object(Bucket=BUCKET, Key=f"stale/{layout.step_dirname(5)}/{layout.MANIFEST_NAME}")
+    infos, _bad = remote_commit.remote_infos(store, deadline)
+    assert sorted(infos) == [1, 2, 3, 4]
+    assert index_steps(s3, "stale") == [1, 2, 3, 4]
+
+    # Stale: the newest step was replaced by another save: the index takes the manifest's version.
+    before = remote_commit.remote_infos(store, deadline)[0][4][4]
+    clone_steps(store, 1, [4])
+    log = RequestLog(store)
+    after = remote_commit.remote_infos(store, deadline)[0]
+    assert after[4][4] != before
+    assert log.manifest_gets == 2  # step 4's, and step 5's (a directory without a manifest is looked at)
+    assert json.loads(client.get_object(Bucket=BUCKET, Key=index_key)["Body"].read())["steps"]["4"][4] == after[4][4]
+
+    # Stale: a deleted step directory drops its entry without reading anything of it.
+    client.delete_objects(Bucket=BUCKET, Delete={"Objects": [{"Key": k} for k in s3.keys(f"stale/{layout.step_dirname(2)}/")]})
+    assert sorted(remote_commit.remote_infos(store, deadline)[0]) == [1, 3, 4]
+    assert index_steps(s3, "stale") == [1, 3, 4]
+
+    # An unreadable manifest of a step outside the index is reported, never listed as a step.
+    client.put_object(Bucket=BUCKET, Key=f"stale/{layout.step_dirname(9)}/{layout.MANIFEST_NAME}", Body=b"\xff")
+    infos, bad = remote_commit.remote_infos(store, deadline)
+    assert sorted(infos) == [1, 3, 4] and list(bad) == [9] and "step" in bad[9]
