@@ -32,6 +32,8 @@ and restored, warm cache, checksums verified, against reading that step's files:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -85,29 +87,34 @@ def kind_states(gib: float):
     yield "optimizer", {"model": small, "optimizer": opt}, opt_tensors
 
 
+def save_step(state: dict, root) -> tuple[Any, list[str], int]:
+    """Save ``state`` as step 1 under ``root``: ``(step dir, its files, bytes on disk)``."""
+    ckpt = shardckpt.Checkpointer(local_dir=str(root), mode="sync", keep_last=None, preemption_signals=())
+    ckpt.save(state, 1)
+    ckpt.close()
+    (step_dir,) = root.glob("step_*")
+    return step_dir, common.files_under(step_dir), sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())
+
+
+def load_step(state: dict, root, verify: bool = True) -> None:
+    """``Checkpointer(...).load(state)`` of step 1 under ``root`` in a fresh checkpointer."""
+    c = shardckpt.Checkpointer(local_dir=str(root), verify_on_load=verify, preemption_signals=())
+    try:
+        if c.load(state) != 1:
+            raise RuntimeError("load() did not restore step 1")
+    finally:
+        c.close()
+
+
 def kinds_main(args) -> None:
     result = common.new_result("restore_kinds", int(args.gib * common.GIB), repeats=args.repeats)
     for kind, state, tensors in kind_states(args.gib):
         with common.scratch("restore-kinds", args.dir) as root:
-            ckpt = shardckpt.Checkpointer(local_dir=str(root), mode="sync", keep_last=None, preemption_signals=())
-            ckpt.save(state, 1)
-            ckpt.close()
-            (step_dir,) = root.glob("step_*")
-            files = common.files_under(step_dir)
-            on_disk = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())
+            _step_dir, files, on_disk = save_step(state, root)
             check = common.RestoreCheck(None, tensors)
-
-            def load(state=state, root=root) -> None:
-                c = shardckpt.Checkpointer(local_dir=str(root), preemption_signals=())
-                try:
-                    if c.load(state) != 1:
-                        raise RuntimeError("load() did not restore step 1")
-                finally:
-                    c.close()
-
             tools = [
                 common.Tool("read the step's files (floor)", lambda files=files: common.read_files(files), floor=True),
-                check.wrap(common.Tool("shardckpt load", load)),
+                check.wrap(common.Tool("shardckpt load", lambda state=state, root=root: load_step(state, root))),
             ]
             common.add_rate(common.compare(result, tools, args.repeats, group=kind), on_disk)
             result["notes"].append(f"{kind}: {len(files)} files, {common.fmt_bytes(on_disk)} on disk")
@@ -124,21 +131,8 @@ def main() -> None:
     model, state, nbytes = common.sized_state(args.gib)
     result = common.new_result("restore", nbytes, repeats=args.repeats)
     with common.scratch("restore", args.dir) as root:
-        ckpt = shardckpt.Checkpointer(local_dir=str(root), mode="sync", keep_last=None, preemption_signals=())
-        ckpt.save(state, 1)
-        ckpt.close()
-        (step_dir,) = root.glob("step_*")
-        files = common.files_under(step_dir)
-        on_disk = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())
+        step_dir, files, on_disk = save_step(state, root)
         check = common.RestoreCheck(model)
-
-        def load(verify: bool) -> None:
-            c = shardckpt.Checkpointer(local_dir=str(root), verify_on_load=verify, preemption_signals=())
-            try:
-                if c.load(state) != 1:
-                    raise RuntimeError("load() did not restore step 1")
-            finally:
-                c.close()
 
         def stock() -> None:
             sd = {"model": get_model_state_dict(model)}
@@ -153,8 +147,8 @@ def main() -> None:
         for group, prepare in (("warm", None), ("cold", cold)):
             tools = [
                 common.Tool("read the step's files (floor)", lambda: common.read_files(files), floor=True),
-                check.wrap(common.Tool("shardckpt load", lambda: load(True))),
-                check.wrap(common.Tool("shardckpt load, no verify", lambda: load(False))),
+                check.wrap(common.Tool("shardckpt load", lambda: load_step(state, root, True))),
+                check.wrap(common.Tool("shardckpt load, no verify", lambda: load_step(state, root, False))),
                 check.wrap(common.Tool("dcp.load", stock)),
             ]
             if prepare is not None:
