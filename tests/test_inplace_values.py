@@ -141,3 +141,16 @@ def test_a_live_tensor_of_another_shape_is_replaced_not_read_into(tmp_path):
     with _ckpt(tmp_path) as c:
         assert c.load(live) == 1
     assert torch.equal(live["meta"]["ema"], torch.arange(12.0)) and torch.equal(other, torch.zeros(5))
+
+
+def test_an_error_in_a_stateful_state_dict_at_load_is_the_callers_not_a_read_failure(tmp_path):
+    counter = Counter(1)
+    with _ckpt(tmp_path, mode="sync") as c:
+        c.save({"counter": counter}, 1)
+
+    class Broken(Counter):
+        def state_dict(self) -> dict:
+            raise LookupError("not ready")
+
+    with _ckpt(tmp_path) as c, pytest.raises(LookupError, match="not ready"):
+        c.load({"counter": Broken(2)})

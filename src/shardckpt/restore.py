@@ -764,11 +764,8 @@ class Restorer:
 
         # Plain values and stateful objects are read into the caller's own tensors where
         # they match (as modules are): no second allocation, no copy afterwards.
-        live = state_mod.LiveTensors(state, kinds_live)
-        planner = local.RestorePlanner(
-            rebuild, allow_partial_load=True, trust_pickles=trust_pickles,
-            into=lambda path, md: live.find(path, md) if path[0] in rebuild_keys else None,
-        )
+        live = state_mod.LiveTensors(state, kinds_live, rebuild_keys)
+        planner = local.RestorePlanner(rebuild, allow_partial_load=True, trust_pickles=trust_pickles, into=live.find)
         failures = local.dcp_read(
             targets, step_dir, metadata, planner, self._groups.ctl, step=step,
             entries=manifest.files if self.config.verify_on_load else None,

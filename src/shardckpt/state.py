@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.nn as nn
@@ -198,30 +198,25 @@ class LiveTensors:
     ``find(path, md)`` walks the saved path (dict keys as DCP stores them:
     tagged by :func:`values.encode_keys`; list positions) through the live
     ``state[key]`` of a plain value, or through ``state_dict()`` of a stateful
-    object (called once per object: its tensors are usually the object's own),
-    and returns the tensor there when it is a plain tensor of the saved shape
-    and dtype: exactly the tensors :func:`fill_in_place` would copy into. The
-    reader then fills it from the file directly; the copy afterwards is a no-op.
+    object (called once per key in ``keys``: its tensors are usually the
+    object's own), and returns the tensor there when it is a plain tensor of
+    the saved shape and dtype: exactly the tensors :func:`fill_in_place` would
+    copy into. The reader then fills it from the file directly; the copy
+    afterwards is a no-op.
     """
 
-    def __init__(self, state: Mapping[str, Any], kinds: Mapping[str, str]) -> None:
-        self._state = state
-        self._kinds = kinds
+    def __init__(self, state: Mapping[str, Any], kinds: Mapping[str, str], keys: Iterable[str]) -> None:
+        # Taken before the read, outside DCP: an error in a state_dict() is the caller's own, not a read failure.
         self._roots: dict[str, Any] = {}
-
-    def _root(self, key: str) -> Any:
-        if key not in self._roots:
-            kind = self._kinds.get(key)
-            value = self._state.get(key, _NOTHING)
+        for key in keys:
+            kind, value = kinds.get(key), state.get(key, _NOTHING)
             if kind == STATEFUL and value is not _NOTHING:
-                value = value.state_dict()
-            elif kind != VALUE:
-                value = _NOTHING
-            self._roots[key] = value
-        return self._roots[key]
+                self._roots[key] = value.state_dict()
+            elif kind == VALUE:
+                self._roots[key] = value
 
     def find(self, path: tuple, md: Any) -> torch.Tensor | None:
-        node = self._root(str(path[0]))
+        node = self._roots.get(str(path[0]), _NOTHING)
         for part in path[1:]:
             if isinstance(node, dict):
                 name = decode_key(part)
