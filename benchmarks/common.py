@@ -453,9 +453,11 @@ def fresh_dir(path: str | os.PathLike) -> Path:
 
 # ------------------------------------------------------------------ states
 
-def sized_args(doc: str | None, repeats_help: str) -> argparse.Namespace:
-    """The options of a single-process case measuring one state size."""
+def sized_args(doc: str | None, repeats_help: str, switches: dict[str, str] | None = None) -> argparse.Namespace:
+    """The options of a single-process case measuring one state size (``switches``: flag -> help, on/off)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for flag, text in (switches or {}).items():
+        parser.add_argument(flag, action="store_true", help=text)
     parser.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1.0)")
     parser.add_argument("--repeats", type=int, default=3, help=repeats_help)
     parser.add_argument("--dir", default=None, help="where the scratch directory goes (default: the system's temp)")
@@ -492,21 +494,27 @@ def sized_state(gib: float) -> tuple[Any, dict[str, Any], int]:
     return model, {"model": model}, nbytes_of(model)
 
 
-def fingerprint(module) -> list[float]:
-    """Cheap content check of a module's parameters (one float64 sum each)."""
+def fingerprint(module_or_tensors) -> list[float]:
+    """Cheap content check of a module's parameters, or of tensors (one float64 sum each)."""
     import torch
 
+    tensors = module_or_tensors.parameters() if hasattr(module_or_tensors, "parameters") else module_or_tensors
     with torch.no_grad():
-        return [float(p.sum(dtype=torch.float64)) for p in module.parameters()]
+        return [float(p.sum(dtype=torch.float64)) for p in tensors]
 
 
 class RestoreCheck:
     """Proves each loader restores the saved values: before its first call the
-    parameters are zeroed, after it they must match the fingerprint taken at save time."""
+    parameters are zeroed, after it they must match the fingerprint taken at save time.
 
-    def __init__(self, module) -> None:
-        self.module = module
-        self.expected = fingerprint(module)
+    ``tensors`` (a callable returning the live tensors) checks other state than
+    a module's parameters: it is called afresh each time, so a loader that
+    replaces a tensor instead of filling it is checked on what it put there.
+    """
+
+    def __init__(self, module, tensors: Callable[[], Iterable[Any]] | None = None) -> None:
+        self.tensors = tensors if tensors is not None else module.parameters
+        self.expected = fingerprint(list(self.tensors()))
         self.checked: set[str] = set()
 
     def wrap(self, tool: Tool) -> Tool:
@@ -515,7 +523,7 @@ class RestoreCheck:
         def before() -> None:
             if tool.label not in self.checked:
                 with torch.no_grad():
-                    for p in self.module.parameters():
+                    for p in self.tensors():
                         p.zero_()
             if tool.before is not None:
                 tool.before()
@@ -524,7 +532,7 @@ class RestoreCheck:
             if tool.after is not None:
                 tool.after()
             if tool.label not in self.checked:
-                if fingerprint(self.module) != self.expected:
+                if fingerprint(list(self.tensors())) != self.expected:
                     raise RuntimeError(f"{tool.label} restored different values")
                 self.checked.add(tool.label)
 

@@ -202,7 +202,7 @@ def summary(docs: list[dict], out: Path, readme: Path) -> str:
 
             ours = [show(r) for r in rows if r["tool"].startswith("shardckpt")]
             others = [show(r) for r in rows if r is not floor and not r["tool"].startswith("shardckpt")]
-            title = doc["title"] + (f", {group} cache" if group else "")
+            title = doc["title"] + (f", {group} cache" if group in ("warm", "cold") else f", {group}" if group else "")
             floor_text = f"{floor['tool']} {common.fmt_number(floor['median'])} {unit}" if floor else "–"
             lines.append(f"| {title} | {common.fmt_size(last['size_bytes'])} | {floor_text} | "
                          f"{'<br>'.join(ours) or '–'} | {'<br>'.join(others) or '–'} |")

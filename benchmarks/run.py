@@ -21,7 +21,7 @@ and ``<!-- perf:end -->`` in FILE with a summary (``benchmarks/report.py``
 does the same from existing results without running anything).
 
 Cases (``--only``): blocked, durable, restore, remote_restore, remote_durable,
-training, elastic, history. ``--sizes`` (GiB) sizes the local-disk cases (default 1,4,8;
+training, elastic, history, restore_kinds (a fixed size: 1 GiB, ``--quick`` 128 MiB). ``--sizes`` (GiB) sizes the local-disk cases (default 1,4,8;
 an 8 GiB state and its staging copy need about 17 GiB of RAM); the S3 cases
 use ``--remote-sizes`` (moto holds objects in RAM: 0.5 GiB at most).
 ``--quick`` runs small sizes and few repeats (minutes on 2 cores): a check
@@ -121,6 +121,14 @@ CASES = [
          "requests and bytes received to find the newest step (a restore's rank 0), at an uploader's start and for "
          "a retention pass, with this tree's code and with the code before the step index (cb4d758).",
          lambda a: ["--held", "1,50" if a.quick else "1,50,500"], sizes=None),
+    Case("restore_kinds", "Restore per state kind", "bench_restore.py",
+         "One process, warm page cache, checksums verified: `Checkpointer.load` of the same bytes held as a "
+         "module, an optimizer (Adam; the module a third of the bytes), a plain dict of tensors "
+         "(`{\"model\": model.state_dict()}`), nested plain values (tensors in dicts with int keys and in "
+         "lists, beside numbers and strings) and a stateful object, each against reading that step's files "
+         "(floor).",
+         lambda a: ["--kinds", "--gib", "0.125" if a.quick else "1", "--repeats", repeats(a, 2, 5)],
+         sizes=None, memory=2.2, disk=1.3),
 ]
 BY_NAME = {c.name: c for c in CASES}
 QUICK_SIZES, FULL_SIZES = [0.0625, 0.25], [1.0, 4.0, 8.0]

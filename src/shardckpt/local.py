@@ -234,13 +234,23 @@ class RestorePlanner(DefaultLoadPlanner):
     ``rebuild(path)`` says whether a saved entry (its unflattened path) should
     be materialised from the checkpoint even though the live state dict does
     not hold it (plain values, stateful objects, this rank's RNG entry).
-    Non-tensor items load with ``torch.load(weights_only=True)``: no code from
-    the checkpoint runs.
+    A rebuilt tensor is read straight into ``into(path, metadata)`` when that
+    returns one (the caller's own tensor of the saved shape and dtype), else
+    into a new one. Non-tensor items load with ``torch.load(weights_only=True)``:
+    no code from the checkpoint runs.
     """
 
-    def __init__(self, rebuild: Callable[[tuple], bool], *, allow_partial_load: bool, trust_pickles: bool) -> None:
+    def __init__(
+        self,
+        rebuild: Callable[[tuple], bool],
+        *,
+        allow_partial_load: bool,
+        trust_pickles: bool,
+        into: Callable[[tuple, TensorStorageMetadata], torch.Tensor | None] | None = None,
+    ) -> None:
         super().__init__(allow_partial_load=allow_partial_load)
         self._rebuild = rebuild
+        self._into = into
         self._trust = trust_pickles
 
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
@@ -251,7 +261,9 @@ class RestorePlanner(DefaultLoadPlanner):
                 continue
             value: Any = md
             if isinstance(md, TensorStorageMetadata):
-                value = torch.empty(md.size, dtype=md.properties.dtype)
+                value = self._into(tuple(path), md) if self._into is not None else None
+                if value is None:
+                    value = torch.empty(md.size, dtype=md.properties.dtype)
             set_element(state_dict, path, value)
         super().set_up_planner(state_dict, metadata, is_coordinator)
 

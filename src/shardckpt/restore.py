@@ -763,7 +763,10 @@ class Restorer:
                 return True
             return has_rng and self.config.capture_rng and path[:3] == (state_mod.RESERVED_KEY, state_mod.RNG, rng_key)
 
-        planner = local.RestorePlanner(rebuild, allow_partial_load=True, trust_pickles=trust_pickles)
+        # Plain values and stateful objects are read into the caller's own tensors where
+        # they match (as modules are): no second allocation, no copy afterwards.
+        live = state_mod.LiveTensors(state, kinds_live, rebuild_keys)
+        planner = local.RestorePlanner(rebuild, allow_partial_load=True, trust_pickles=trust_pickles, into=live.find)
         failures = local.dcp_read(
             targets, step_dir, metadata, planner, self._groups.ctl, step=step,
             entries=manifest.files if self.config.verify_on_load else None,

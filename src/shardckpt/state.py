@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.nn as nn
@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .errors import ConfigError
-from .values import decode_keys
+from .values import decode_key, decode_keys
 
 try:  # numpy is optional
     import numpy as np
@@ -192,6 +192,51 @@ def live_targets(state: Mapping[str, Any], kinds: Mapping[str, str]) -> dict[str
     return out
 
 
+class LiveTensors:
+    """The caller's own tensors that saved plain values and stateful objects can be read into.
+
+    ``find(path, md)`` walks the saved path (dict keys as DCP stores them:
+    tagged by :func:`values.encode_keys`; list positions) through the live
+    ``state[key]`` of a plain value, or through ``state_dict()`` of a stateful
+    object (called once per key in ``keys``: its tensors are usually the
+    object's own), and returns the tensor there when it is a plain tensor of
+    the saved shape and dtype: exactly the tensors :func:`fill_in_place` would
+    copy into. The reader then fills it from the file directly; the copy
+    afterwards is a no-op.
+    """
+
+    def __init__(self, state: Mapping[str, Any], kinds: Mapping[str, str], keys: Iterable[str]) -> None:
+        # Taken before the read, outside DCP: an error in a state_dict() is the caller's own, not a read failure.
+        self._roots: dict[str, Any] = {}
+        for key in keys:
+            kind, value = kinds.get(key), state.get(key, _NOTHING)
+            if kind == STATEFUL and value is not _NOTHING:
+                self._roots[key] = value.state_dict()
+            elif kind == VALUE:
+                self._roots[key] = value
+
+    def find(self, path: tuple, md: Any) -> torch.Tensor | None:
+        node = self._roots.get(str(path[0]), _NOTHING)
+        for part in path[1:]:
+            if isinstance(node, dict):
+                name = decode_key(part)
+                node = node[name] if name in node else node.get(part, _NOTHING)
+            elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+                node = node[part]
+            else:
+                return None
+        if (
+            type(node) is torch.Tensor
+            and tuple(node.shape) == tuple(md.size)
+            and node.dtype == md.properties.dtype
+        ):
+            return node
+        return None
+
+
+_NOTHING = object()
+
+
 def restore(
     state: dict[str, Any],
     kinds: Mapping[str, str],
@@ -249,7 +294,8 @@ def fill_in_place(live: Any, loaded: Any) -> Any:
         and live.shape == loaded.shape
         and live.dtype == loaded.dtype
     ):
-        live.copy_(loaded)
+        if live is not loaded:  # read straight into it (LiveTensors): nothing to copy
+            live.copy_(loaded)
         return live
     return loaded
 

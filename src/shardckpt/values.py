@@ -58,7 +58,8 @@ def _encode_key(key: Any, where: str) -> str:
     )
 
 
-def _decode_key(key: Any) -> Any:
+def decode_key(key: Any) -> Any:
+    """One dict key as it was before :func:`encode_keys` tagged it."""
     if not isinstance(key, str) or not key.startswith(_TAG):
         return key
     tag, _, text = key[1:].partition(":")
@@ -100,7 +101,7 @@ def encode_keys(value: Any, where: str) -> Any:
 def decode_keys(value: Any) -> Any:
     """The inverse of :func:`encode_keys` (in place for dicts and lists, which are freshly loaded)."""
     if isinstance(value, dict):
-        items = [(_decode_key(k), decode_keys(v)) for k, v in value.items()]
+        items = [(decode_key(k), decode_keys(v)) for k, v in value.items()]
         value.clear()
         value.update(items)
         return value
