@@ -294,6 +294,7 @@ def test_a_run_that_saves_without_loading_never_takes_over_another_runs_remote_s
         pass
     log = (tmp_path / "instance-2" / ".shardckpt-remote" / "uploader.log").read_text()
     assert "committed by another save" in log and "two instances" in log, log[-3000:]
+    stop_uploaders(tmp_path / "instance-2")  # it would retry that step for as long as it runs
     with ckpt(tmp_path / "check", remote=url, uploader="off") as c:
         check = Net()
         assert c.load({"model": check}) == 3 and check.value() == 30.0
