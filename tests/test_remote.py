@@ -132,7 +132,7 @@ def test_two_nodes_upload_then_restore_on_a_new_instance(s3, tmp_path):
 
 
 @pytest.mark.parametrize("s3", ["moto"], indirect=True)
-def test_dead_uploader_fails_its_steps_in_time_naming_the_node_and_later_steps_commit(s3, tmp_path, capfd):
+def test_dead_uploader_fails_its_steps_in_time_naming_the_node_and_later_steps_commit(s3, tmp_path, capsys):
     """2 nodes; node 1's uploader is SIGKILLed after step 1 and steps 2-4 are saved.
 
     Within remote_commit_timeout_s (5 s) of their save node 0 reports each failed, naming
@@ -157,8 +157,10 @@ def test_dead_uploader_fails_its_steps_in_time_naming_the_node_and_later_steps_c
         failed_file = Path(str(out) + ".failed")
         wait_for(failed_file.exists, 120, "steps 2-4 reported failed", procs[0], logs[0])
         window_s = 6.0
-        before = proxy.index
-        time.sleep(window_s)
+        before, t0 = proxy.index, time.monotonic()
+        assert cli.main(["status", str(base / "node0")]) == 0
+        shown = capsys.readouterr().out
+        time.sleep(max(0.0, window_s - (time.monotonic() - t0)))
         rate = (proxy.index - before) / window_s
         assert remote_manifests(s3, prefix) == [1]  # the failed steps are not committed, step 1 stays
         Path(str(out) + ".go").write_text("go")
@@ -185,6 +187,9 @@ def test_dead_uploader_fails_its_steps_in_time_naming_the_node_and_later_steps_c
     for step in (2, 3, 4):
         assert f"step {step} is not committed on {url} 5 s after its save" in text, text[-4000:]
     assert f"no upload of ranks 2-3 (node {node1})" in text
+    for step in (2, 3, 4):  # and `shardckpt status` on node 0
+        assert f"FAILED: step {step} is not committed on {url}" in shown, shown
+    assert f"no upload of ranks 2-3 (node {node1})" in shown, shown
     # One poll per 0.5 s per node at most, whatever the number of steps waiting; a poll of
     # the committer costs at most 6 requests here. (Polling each step every 0.5 s: ~30/s.)
     print(f"node 0: {rate:.1f} requests/s while steps 2-4 wait")
