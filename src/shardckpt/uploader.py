@@ -267,9 +267,12 @@ class Uploader:
 
     def _check_deadline(self, step: int, st: _StepState) -> None:
         """Report ``step`` failed once it is not committed ``commit_timeout_s`` after its save."""
+        created = self._created(step)
+        if st.failed is not None and st.failed.get("saved") != created:
+            st.failed = None  # saved again under this number: a new deadline
         if st.failed is not None or self._until_deadline(step) > 0:
             return
-        created = self._created(step) or time.time()
+        created = created or time.time()
         failed: dict[str, Any] = {"saved": created, "timeout_s": self.commit_timeout_s,
                                   "ranks": [], "nodes": [], "detail": st.waiting or st.error or ""}
         if st.waits:
