@@ -156,7 +156,7 @@ def test_dead_uploader_fails_its_steps_in_time_naming_the_node_and_later_steps_c
     try:
         failed_file = Path(str(out) + ".failed")
         wait_for(failed_file.exists, 120, "steps 2-4 reported failed", procs[0], logs[0])
-        window_s = 6.0
+        window_s = 4.0
         before, t0 = proxy.index, time.monotonic()
         assert cli.main(["status", str(base / "node0")]) == 0
         shown = capsys.readouterr().out
