@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -130,6 +131,76 @@ def test_two_nodes_upload_then_restore_on_a_new_instance(s3, tmp_path):
     layout.verify_files(str(new_step), layout.read_manifest(str(new_step)))
 
 
+@pytest.mark.parametrize("s3", ["moto"], indirect=True)
+def test_dead_uploader_fails_its_steps_in_time_naming_the_node_and_later_steps_commit(s3, tmp_path, capsys):
+    """2 nodes; node 1's uploader is SIGKILLed after step 1 and steps 2-4 are saved.
+
+    Within remote_commit_timeout_s (5 s) of their save node 0 reports each failed, naming
+    node 1 and its ranks, in its trainer's log and in status(); step 1 stays the newest
+    remote step; node 0's requests stay bounded while the three steps wait (through a
+    counting proxy). Node 1's uploader back, step 5 commits.
+    """
+    import json
+    import socket
+
+    base, out = tmp_path / "job", tmp_path / "out"
+    prefix = "deadnode"
+    url = f"s3://{BUCKET}/{prefix}"
+    proxy = FaultProxy(s3.endpoint)  # node 0's trainer and uploader only: its requests are counted
+    port = free_port()
+    envs = [job_env(**s3.env(), SHARDCKPT_REMOTE_COMMIT_TIMEOUT_S="5", SHARDCKPT_ENDPOINT_URL=proxy.endpoint),
+            job_env(**s3.env(), SHARDCKPT_REMOTE_COMMIT_TIMEOUT_S="5")]
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]
+    procs = [start_torchrun(2, PROG, "deadnode", base, url, out, nnodes=2, node_rank=i, port=port,
+                            env=envs[i], log_path=logs[i]) for i in range(2)]
+    try:
+        failed_file = Path(str(out) + ".failed")
+        wait_for(failed_file.exists, 120, "steps 2-4 reported failed", procs[0], logs[0])
+        window_s = 4.0
+        before, t0 = proxy.index, time.monotonic()
+        assert cli.main(["status", str(base / "node0")]) == 0
+        shown = capsys.readouterr().out
+        time.sleep(max(0.0, window_s - (time.monotonic() - t0)))
+        rate = (proxy.index - before) / window_s
+        assert remote_manifests(s3, prefix) == [1]  # the failed steps are not committed, step 1 stays
+        Path(str(out) + ".go").write_text("go")
+        for proc, log_path in zip(procs, logs):
+            rc = proc.wait(timeout=180)
+            assert rc == 0, Path(log_path).read_text()[-5000:]
+    finally:
+        proxy.stop()
+        for proc in procs:
+            if proc.poll() is None:
+                kill_job(proc)
+    report = json.loads(failed_file.read_text())
+    node1 = f"{socket.gethostname()}:1"
+    status = report["status"]
+    assert status["latest_remote"] == 1, status
+    assert sorted(status["failed_commits"]) == ["2", "3", "4"], status
+    for step, saved in report["saved"].items():
+        failed = status["failed_commits"][step]
+        assert failed["ranks"] == [2, 3] and failed["nodes"] == [node1], failed
+        # Reported once the deadline passed: 5 s, plus the polls' own spacing and the
+        # status file's round trip to the trainer (generous on a loaded machine).
+        assert report["reported"] - saved < 5 + 15, (step, report)
+    text = logs[0].read_text()
+    for step in (2, 3, 4):
+        assert f"step {step} is not committed on {url} 5 s after its save" in text, text[-4000:]
+    assert f"no upload of ranks 2-3 (node {node1})" in text
+    for step in (2, 3, 4):  # and `shardckpt status` on node 0
+        assert f"FAILED: step {step} is not committed on {url}" in shown, shown
+    assert f"no upload of ranks 2-3 (node {node1})" in shown, shown
+    # One poll per 0.5 s per node at most, whatever the number of steps waiting; a poll of
+    # the committer costs at most 6 requests here. (Polling each step every 0.5 s: ~30/s.)
+    print(f"node 0: {rate:.1f} requests/s while steps 2-4 wait")
+    assert rate <= 2 * 6, rate
+    # Node 1 back: step 5 commits (and 2-4 commit late or are superseded); nothing committed is lost.
+    assert remote_manifests(s3, prefix)[-1] == 5
+    check_remote_step(s3, prefix, 5)
+    for node in ("node0", "node1"):
+        assert remote_commit.is_uploaded(str(base / node / layout.step_dirname(5)), url)
+
+
 def test_uploader_commits_after_trainer_is_sigkilled(s3, tmp_path):
     base = tmp_path / "job"
     url = f"s3://{BUCKET}/killed"
@@ -220,6 +291,48 @@ def test_persistent_failure_is_reported_never_half_committed_then_retried(s3, tm
     assert remote_manifests(s3, "down") == [1]
     check_remote_step(s3, "down", 1)
     assert remote_commit.is_uploaded(str(local_dir / layout.step_dirname(1)), url)
+
+
+def test_steps_waiting_for_a_missing_node_are_polled_with_backoff_and_reported_failed(tmp_path, monkeypatch):
+    """Three steps wait for a file another node would hold (here: deleted from the only copy).
+
+    Their polls share one per poll_s and each backs off (in the time of 60 polls of one
+    step, about 30 for all three); each is reported failed once, past the deadline, with
+    no rank of its own missing but the file named; none is marked uploaded.
+    """
+    local_dir = tmp_path / "local"
+    save_local_steps(local_dir, [1, 2, 3])
+    for step in (1, 2, 3):
+        os.unlink(local_dir / layout.step_dirname(step) / layout.METADATA_NAME)
+    url = (tmp_path / "remote").as_uri()
+    polls: list[tuple[float, int]] = []
+    real = uploader.push_step
+
+    def counted(*args, **kw):
+        polls.append((time.monotonic(), args[2]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(uploader, "push_step", counted)
+    up = uploader.Uploader(str(local_dir), remote.open_store(url, _opts()), node="n0", poll_s=0.05,
+                           commit_timeout_s=0.5)
+    thread = threading.Thread(target=up.run)
+    thread.start()
+    time.sleep(3.0)
+    up.stop()
+    thread.join(timeout=30)
+    # Without backoff: 3 x 60 polls; one poll per poll_s for all of them: 60; backing off: ~30.
+    print(f"{len(polls)} polls in 3 s of 3 waiting steps")
+    assert 9 <= len(polls) <= 45, polls
+    # After each step's first pass, one poll per poll_s for all of them (not one per step).
+    again = [t for i, (t, step) in enumerate(polls) if step in {s for _, s in polls[:i]}]
+    assert min(b - a for a, b in zip(again, again[1:])) >= 0.5 * 0.05, polls
+    status = node_registry.read_status(str(local_dir))
+    assert sorted(status["failed_steps"]) == ["1", "2", "3"], status
+    for failed in status["failed_steps"].values():
+        assert failed["timeout_s"] == 0.5 and "markers covering 1 file(s), e.g. .metadata" in failed["detail"], failed
+    assert status["pending_steps"] == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert not remote_commit.is_uploaded(str(local_dir / layout.step_dirname(step)), url)
 
 
 # ---------------------------------------------------------------- corruption

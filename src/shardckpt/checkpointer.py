@@ -362,8 +362,11 @@ class Checkpointer:
         none failed). With a remote: ``latest_remote`` (newest step known
         committed there), ``pending_upload_steps`` / ``pending_upload_bytes``
         (this node's local steps not yet committed remotely),
-        ``last_upload_error`` and ``uploader`` (pid and state of this node's
-        uploader, from its status file). No remote request is made.
+        ``last_upload_error``, ``failed_commits`` (``{step: {"ranks", "nodes",
+        ...}}``: pending steps not committed within ``remote_commit_timeout_s``,
+        with the ranks and nodes whose files are missing) and ``uploader`` (pid
+        and state of this node's uploader, from its status file). No remote
+        request is made.
         """
         steps = self.steps()
         pending = self._pending

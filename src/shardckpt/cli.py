@@ -377,6 +377,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "uploaded_bytes": info.get("uploaded_bytes"),
         "waiting": info.get("waiting") or {},
         "failed": info.get("failed") or {},
+        "failed_commits": {k: v for k, v in (info.get("failed_steps") or {}).items() if k.isdigit() and int(k) in pending},
         "last_error": info.get("last_error"),
         "last_error_time": info.get("last_error_time"),
     }
@@ -396,6 +397,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"  pending: {pending or 'nothing'}" + (f" ({fmt_bytes(body['pending_bytes'])})" if pending else ""))
     for step, why in sorted(body["waiting"].items()):
         print(f"  step {step} waits: {why}")
+    if body["failed_commits"]:
+        from .uploader import failure_text
+
+        for step, failed in sorted(body["failed_commits"].items(), key=lambda kv: int(kv[0])):
+            print(f"  FAILED: {failure_text(int(step), failed, url)}")
     if body["last_error"]:
         print(f"  last error ({_when(body['last_error_time']) + ' UTC' if body['last_error_time'] else '?'}): "
               f"{body['last_error']}")

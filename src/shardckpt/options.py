@@ -264,6 +264,12 @@ class CheckpointConfig:
     step_deadline_s: float = 1800.0
     """Upload or download of one step gives up after this long (an upload is retried later)."""
 
+    remote_commit_timeout_s: float = 1800.0
+    """A step not committed remotely this long after its save is reported failed: a warning in
+    the trainer's log and ``status()["failed_commits"]``, naming the ranks (and nodes) whose files
+    are missing. The step stays pending (it can still commit late, or a newer committed step
+    supersedes it); later steps commit as usual, and the newest committed step stays the newest."""
+
     drain_timeout_s: float = 120.0
     """``close()`` waits at most this long for this node's uploads to be committed remotely.
     The default fits AWS's 2-minute spot notice; the uploader goes on after the process exits
@@ -323,7 +329,8 @@ class CheckpointConfig:
             raise ConfigError(f"part_size must be at least 5 MiB (S3's minimum part), got {self.part_size!r}")
         if not isinstance(self.remote_max_attempts, int) or self.remote_max_attempts < 1:
             raise ConfigError(f"remote_max_attempts must be >= 1, got {self.remote_max_attempts!r}")
-        for name in ("request_timeout_s", "backoff_max_s", "step_deadline_s", "drain_timeout_s"):
+        for name in ("request_timeout_s", "backoff_max_s", "step_deadline_s", "drain_timeout_s",
+                     "remote_commit_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"{name} must be > 0, got {value!r}")
@@ -400,7 +407,7 @@ _INT_FIELDS = {
 }
 _FLOAT_FIELDS = {
     "every_seconds", "mtbf_s", "free_space_margin", "collective_timeout_s", "save_agree_timeout_s",
-    "request_timeout_s", "backoff_max_s", "step_deadline_s", "drain_timeout_s",
+    "request_timeout_s", "backoff_max_s", "step_deadline_s", "drain_timeout_s", "remote_commit_timeout_s",
 }
 _BOOL_FIELDS = {"capture_rng", "strict", "verify_on_load", "pin_memory", "trainable_only", "start_fresh",
                 "overlap_copies"}

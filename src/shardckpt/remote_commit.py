@@ -583,13 +583,8 @@ def _parse_marker(data: bytes) -> dict[str, Any]:
 def _all_markers_present(
     store: Store, step: int, manifest: layout.Manifest, digest: str, deadline: Deadline
 ) -> tuple[bool, str]:
-    names = [n for n in store.list_sizes(step_key(step, NODES_DIR), deadline) if n.endswith(".json")]
-    bodies = store.run_all(
-        [lambda n=n: store.get_bytes(step_key(step, f"{NODES_DIR}/{n}"), deadline) for n in names], files=True
-    )
     covered: set[str] = set()
-    for body in bodies:
-        marker = _parse_marker(body or b"")
+    for marker in _markers(store, step, deadline):
         if marker.get("files_digest") != digest:
             continue  # a stale marker of another save of this step number
         for name, sha in marker.get("files", {}).items():
@@ -604,6 +599,41 @@ def _all_markers_present(
     if wrong:
         return False, f"object {store.where(step_key(step, wrong[0]))} is missing or has the wrong size"
     return True, ""
+
+
+def _markers(store: Store, step: int, deadline: Deadline) -> list[dict[str, Any]]:
+    names = [n for n in store.list_sizes(step_key(step, NODES_DIR), deadline) if n.endswith(".json")]
+    bodies = store.run_all(
+        [lambda n=n: store.get_bytes(step_key(step, f"{NODES_DIR}/{n}"), deadline) for n in names], files=True
+    ) if names else []
+    return [m for m in (_parse_marker(b or b"") for b in bodies) if m]
+
+
+def missing_ranks(
+    store: Store, step: int, manifest: layout.Manifest, deadline: Deadline, *, earlier: int | None = None
+) -> dict[str, Any]:
+    """Why ``step`` is not committed: the ranks whose files no node marker of this save covers.
+
+    ``nodes`` names the nodes that held those ranks in ``earlier`` (a committed
+    step, e.g. the newest one) where their markers say so; ``present`` names
+    the nodes whose markers of this save are there.
+    """
+    digest = files_digest(manifest)
+    covered: set[str] = set()
+    present: list[str] = []
+    for marker in _markers(store, step, deadline):
+        if marker.get("files_digest") != digest:
+            continue
+        present.append(str(marker.get("node")))
+        covered |= {n for n, sha in marker.get("files", {}).items()
+                    if n in manifest.files and manifest.files[n].checksum == sha}
+    ranks = sorted({manifest.files[n].rank for n in set(manifest.files) - covered if n != layout.METADATA_NAME})
+    nodes: set[str] = set()
+    if ranks and earlier is not None and earlier != step:
+        for marker in _markers(store, earlier, deadline):
+            if set(marker.get("ranks") or []) & set(ranks):
+                nodes.add(str(marker.get("node")))
+    return {"ranks": ranks, "nodes": sorted(nodes), "present": sorted(present)}
 
 
 def apply_remote_retention(

@@ -25,7 +25,7 @@ from . import layout
 from .node_registry import lock_path, proc_start, state_dir, trainers_alive
 from .errors import RemoteError
 from .remote import Deadline, Store, redact, safe_url
-from .remote_commit import COMMITTED, SUPERSEDED, WAITING, local_bytes, pending_steps, push_step, remote_steps
+from .remote_commit import COMMITTED, SUPERSEDED, WAITING, local_bytes, missing_ranks, pending_steps, push_step, remote_steps
 from .retention import RetentionPolicy
 
 log = logging.getLogger("shardckpt")
@@ -39,7 +39,18 @@ class _StepState:
     permanent: bool = False
     marker_digest: str | None = None
     waiting: str = ""
-    first_seen: float = dataclasses.field(default_factory=time.monotonic)
+    waits: int = 0
+    """Passes in a row that found the step waiting for other nodes (its poll backs off)."""
+    waiting_since: float = 0.0
+    failed: dict[str, Any] | None = None
+    """Set once the step is past ``remote_commit_timeout_s`` uncommitted: what is missing."""
+
+
+WAIT_MAX_S = 30.0
+"""Cap of the backoff between two polls of one step that waits for other nodes. Below it a
+step is polled again after half the time it has waited so far (at least ``poll_s``): a commit
+is seen at most 50% later than it happened, and a step blocked for long costs one poll per
+30 s."""
 
 
 class Uploader:
@@ -62,6 +73,7 @@ class Uploader:
         exit_when_idle: bool = False,
         once: bool = False,
         give_up_s: float = 600.0,
+        commit_timeout_s: float = 1800.0,
     ) -> None:
         self.root = os.path.abspath(root)
         self.store = store
@@ -71,6 +83,8 @@ class Uploader:
         self.exit_when_idle = exit_when_idle
         self.once = once
         self.give_up_s = give_up_s
+        self.commit_timeout_s = commit_timeout_s
+        self._next_wait_poll = 0.0
         self.steps: dict[int, _StepState] = {}
         self.latest_remote: int | None = None
         self.last_error: str | None = None
@@ -170,12 +184,19 @@ class Uploader:
             if step not in pending:
                 del self.steps[step]
         now = time.monotonic()
+        # Steps waiting for other nodes share one poll per poll_s (the most due one first):
+        # the requests a node sends while others lag do not grow with the steps blocked.
+        due = sorted((self.steps[s].next_try, s) for s in pending
+                     if s in self.steps and self.steps[s].waits and now >= self.steps[s].next_try)
+        polled = due[0][1] if due and now >= self._next_wait_poll else None
         for step in pending:
             if self._stop.is_set():
                 break
             st = self.steps.setdefault(step, _StepState())
-            if now < st.next_try:
+            if now < st.next_try or (st.waits and step != polled):
                 continue
+            if st.waits:
+                self._next_wait_poll = now + self.poll_s
             t0 = time.monotonic()
             try:
                 result = push_step(
@@ -189,6 +210,7 @@ class Uploader:
                 st.next_try = time.monotonic() + delay
                 self._record_error(step, exc)
                 log.error("shardckpt: upload of step %d failed (attempt %d; retry in %.0f s): %s", step, st.attempts, delay, st.error)
+                self._check_deadline(step, st)
                 continue
             st.permanent = False
             if result.uploaded_bytes:
@@ -200,6 +222,13 @@ class Uploader:
                 if self.last_error_step == step:
                     self.last_error = None
                     self.last_error_step = None
+                if st.failed is not None:
+                    log.warning("shardckpt: step %d, reported failed, is now committed on %s after all",
+                                step, safe_url(self.store.url))
+                # Older steps still waiting may be superseded by this one now: look at them soon.
+                for older, other in self.steps.items():
+                    if older < step and other.waits:
+                        other.next_try = min(other.next_try, time.monotonic())
                 log.info(
                     "shardckpt: step %d committed on %s (%s, %.2f s)", step, safe_url(self.store.url),
                     f"{result.uploaded_bytes / 2**20:.1f} MiB uploaded by this node" if result.uploaded_bytes else result.detail or "no bytes",
@@ -209,7 +238,13 @@ class Uploader:
             elif result.state == WAITING:
                 st.marker_digest = result.marked
                 st.waiting = result.detail
-                st.next_try = time.monotonic() + min(5.0, max(self.poll_s, 0.25 * (1 + st.attempts)))
+                st.waits += 1
+                st.waiting_since = st.waiting_since or time.monotonic()
+                delay = min(WAIT_MAX_S, max(self.poll_s, (time.monotonic() - st.waiting_since) / 2))
+                if st.failed is None:  # poll again by the deadline, to report it in time
+                    delay = min(delay, max(self.poll_s, self._until_deadline(step)))
+                st.next_try = time.monotonic() + delay
+                self._check_deadline(step, st)
             elif result.state == SUPERSEDED:
                 self._last_progress = time.monotonic()
                 log.info("shardckpt: step %d is not committed remotely but %s; not uploaded further", step, result.detail)
@@ -217,6 +252,40 @@ class Uploader:
             else:
                 self.steps.pop(step, None)
         return pending_steps(self.root, self.store.url)
+
+    def _created(self, step: int) -> float | None:
+        try:
+            manifest = layout.read_manifest(os.path.join(self.root, layout.step_dirname(step)))
+        except Exception:  # noqa: BLE001 - the upload reports an unreadable manifest
+            return None
+        return manifest.created if manifest is not None else None
+
+    def _until_deadline(self, step: int) -> float:
+        """Seconds until ``step`` is past ``commit_timeout_s`` since its save (0 when past)."""
+        created = self._created(step)
+        return 0.0 if created is None else max(0.0, created + self.commit_timeout_s - time.time())
+
+    def _check_deadline(self, step: int, st: _StepState) -> None:
+        """Report ``step`` failed once it is not committed ``commit_timeout_s`` after its save."""
+        created = self._created(step)
+        if st.failed is not None and st.failed.get("saved") != created:
+            st.failed = None  # saved again under this number: a new deadline
+        if st.failed is not None or self._until_deadline(step) > 0:
+            return
+        created = created or time.time()
+        failed: dict[str, Any] = {"saved": created, "timeout_s": self.commit_timeout_s,
+                                  "ranks": [], "nodes": [], "detail": st.waiting or st.error or ""}
+        if st.waits:
+            try:
+                manifest = layout.read_manifest(os.path.join(self.root, layout.step_dirname(step)))
+                if manifest is not None:
+                    failed.update(missing_ranks(self.store, step, manifest, Deadline(60.0), earlier=self.latest_remote))
+            except Exception as exc:  # noqa: BLE001 - the failure is reported without the details
+                failed["detail"] += f" (the missing ranks could not be listed: {redact(str(exc))})"
+        else:
+            failed["nodes"] = [self.node]
+        st.failed = failed
+        log.warning("shardckpt: %s", failure_text(step, failed, safe_url(self.store.url)))
 
     def _record_error(self, step: int | None, exc: BaseException) -> None:
         self.last_error = redact(f"{type(exc).__name__}: {exc}")
@@ -241,6 +310,8 @@ class Uploader:
             "failed": {str(s): st.error for s, st in self.steps.items() if st.error and s in pending},
             # Pending steps whose last attempt failed for a reason retries do not fix.
             "failed_permanently": sorted(s for s, st in self.steps.items() if st.permanent and s in pending),
+            # Pending steps past remote_commit_timeout_s: what is missing (see failure_text).
+            "failed_steps": {str(s): st.failed for s, st in self.steps.items() if st.failed and s in pending},
             "last_error": self.last_error,
             "last_error_step": self.last_error_step,
             "last_error_time": self.last_error_time,
@@ -256,6 +327,38 @@ class Uploader:
             layout.atomic_write_text(os.path.join(state_dir(self.root), "status.json"), json.dumps(body, indent=1))
         except OSError as exc:
             log.warning("shardckpt: cannot write the uploader status under %s: %s", self.root, exc)
+
+
+def failure_text(step: int, failed: dict[str, Any], url: str) -> str:
+    """The one-line report of a step not committed within ``remote_commit_timeout_s``."""
+    ranks = failed.get("ranks") or []
+    nodes = failed.get("nodes") or []
+    if ranks:
+        who = f"no upload of ranks {_ranges(ranks)}" + (f" (node {', '.join(nodes)})" if nodes else "")
+    elif nodes:
+        who = f"the upload of node {', '.join(nodes)} fails"
+    else:
+        who = failed.get("detail") or "not committed"
+    return (
+        f"step {step} is not committed on {url} {failed.get('timeout_s', 0):.0f} s after its save "
+        f"(remote_commit_timeout_s): {who}. It stays pending and may commit late; later steps commit as "
+        f"usual and the newest committed step stays the newest. Remedy: check the uploader of that node "
+        f"(`shardckpt status <local_dir>` there) and start it again (`shardckpt sync --local <local_dir> "
+        f"--remote {url}`)."
+    )
+
+
+def _ranges(ranks: list[int]) -> str:
+    out: list[str] = []
+    start = prev = ranks[0]
+    for r in ranks[1:] + [None]:  # type: ignore[list-item]
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ", ".join(out)
 
 
 KICK_SIGNAL = signal.SIGUSR1
@@ -318,6 +421,9 @@ def add_sync_args(p: Any) -> None:
     p.add_argument("--exit-when-idle", action="store_true", help="exit when nothing is pending and no trainer of this node is alive")
     p.add_argument("--poll", type=float, default=0.5, help="seconds between scans of the local directory")
     p.add_argument("--give-up", type=float, default=600.0, help="with --exit-when-idle/--once: exit after this many seconds without progress")
+    p.add_argument("--commit-timeout", type=float, default=_env("remote_commit_timeout_s", 1800.0, float),
+                   help="report a step failed when it is not committed this many seconds after its save "
+                        "(default: SHARDCKPT_REMOTE_COMMIT_TIMEOUT_S, else 1800)")
 
 
 def add_best_args(p: Any) -> None:
@@ -368,6 +474,7 @@ def sync_from_args(args: Any) -> int:
         exit_when_idle=args.exit_when_idle,
         once=args.once,
         give_up_s=args.give_up,
+        commit_timeout_s=args.commit_timeout,
     )
     return run_uploader(uploader)
 

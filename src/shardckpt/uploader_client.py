@@ -87,6 +87,7 @@ class UploaderClient:
         self.drain_report: dict[str, Any] | None = None
         self._next_check = 0.0
         self._warned: dict[str, float] = {}
+        self._failed_warned: set[tuple[int, float]] = set()
         self.committer = _dist.local_rank() == 0
         """This rank looks after the uploader of its directory copy (set by :meth:`launch`)."""
 
@@ -158,6 +159,7 @@ class UploaderClient:
                 pending, self.root, safe_url(self.url), self.root, safe_url(self.url),
             )
             return
+        self._warn_failed(info, pending)
         error = info.get("last_error")
         if error:
             self._warn(
@@ -167,6 +169,19 @@ class UploaderClient:
                 safe_url(self.url), error, pending, fmt_bytes(sum(remote_commit.local_bytes(self.root, s) for s in pending)),
                 os.path.join(state_dir(self.root), "uploader.log"),
             )
+
+    def _warn_failed(self, info: dict[str, Any], pending: list[int]) -> None:
+        """Once per step the uploader reports not committed within ``remote_commit_timeout_s``."""
+        from .uploader import failure_text
+
+        for key, failed in sorted((info.get("failed_steps") or {}).items()):
+            if not key.isdigit() or int(key) not in pending or not isinstance(failed, dict):
+                continue
+            tag = (int(key), failed.get("saved"))
+            if tag in self._failed_warned:
+                continue
+            self._failed_warned.add(tag)
+            log.warning("shardckpt: %s", failure_text(int(key), failed, safe_url(self.url)))
 
     def kick(self) -> None:
         """A step was committed here: wake the uploader (same host and PID namespace; else it polls)."""
@@ -200,6 +215,7 @@ class UploaderClient:
             "--max-attempts", str(cfg.remote_max_attempts),
             "--backoff-max", str(cfg.backoff_max_s),
             "--step-deadline", str(cfg.step_deadline_s),
+            "--commit-timeout", str(cfg.remote_commit_timeout_s),
         ]
         if cfg.endpoint_url:
             args += ["--endpoint-url", cfg.endpoint_url]
@@ -229,6 +245,8 @@ class UploaderClient:
             "pending_upload_steps": pending,
             "pending_upload_bytes": sum(remote_commit.local_bytes(self.root, s) for s in pending),
             "last_upload_error": info.get("last_error"),
+            "failed_commits": {int(k): v for k, v in (info.get("failed_steps") or {}).items()
+                               if k.isdigit() and int(k) in pending},
             "uploader": {"pid": pid, "running": pid is not None, "state": info.get("state"), "mode": self.config.uploader.value},
             "drain": self.drain_report,
         }
@@ -292,6 +310,10 @@ class UploaderClient:
             # credentials): waiting out drain_timeout_s would only delay the report.
             if running is not None and set(pending) <= set(read_status(self.root).get("failed_permanently") or []):
                 ended = "permanent upload error"
+                break
+            # Every pending step is past remote_commit_timeout_s: another node's part is missing.
+            if running is not None and {str(s) for s in pending} <= set(read_status(self.root).get("failed_steps") or {}):
+                ended = "remote_commit_timeout_s"
                 break
             if time.monotonic() - last_log >= 10.0:
                 last_log = time.monotonic()

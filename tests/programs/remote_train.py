@@ -3,12 +3,18 @@
 usage: remote_train.py save    BASE REMOTE OUT STEPS     local_dir = BASE/node<GROUP_RANK>
        remote_train.py restore BASE REMOTE OUT           restore the newest step, dump the state
        remote_train.py hang    BASE REMOTE OUT STEPS     save STEPS steps, then wait to be killed
+       remote_train.py deadnode BASE REMOTE OUT          node 1's uploader dies after step 1: steps 2-4
+                                                         cannot commit; OUT.failed gets node 0's status once
+                                                         they are reported failed; on OUT.go node 1's
+                                                         uploader starts again and step 5 is saved
 
 OUT receives (rank 0) torch.save of the full model and optimizer tensors and
 the step, for bitwise comparison by the test.
 """
 
+import json
 import os
+import signal
 import sys
 import time
 
@@ -45,6 +51,10 @@ def main() -> None:
     rank, world = common.init()
     node = os.environ.get("GROUP_RANK", "0")
     local_dir = os.path.join(base, f"node{node}")
+    if mode == "deadnode":
+        deadnode(build, local_dir, remote, out, rank, node)
+        common.finish()
+        return
     model, optim = build()
     ckpt = shardckpt.Checkpointer(
         local_dir=local_dir, remote=remote, keep_last=2, remote_keep_last=2, drain_timeout_s=120,
@@ -73,6 +83,78 @@ def main() -> None:
             time.sleep(1)
     ckpt.close()
     common.finish()
+
+
+def deadnode(build, local_dir, remote, out, rank, node):
+    """Node 1's uploader is a sidecar of its own (started here, SIGKILLed after step 1)."""
+    from shardckpt import layout, node_registry, remote_commit, uploader_client
+
+    uploader_client.HEALTH_EVERY_S = 0.2  # save() looks at the uploader's status often (default 10 s)
+    lead = os.environ["LOCAL_RANK"] == "0"
+    model, optim = build()
+    state = {"model": model, "optimizer": optim}
+    ckpt = shardckpt.Checkpointer(
+        local_dir=local_dir, remote=remote, keep_last=None, remote_keep_last=2, drain_timeout_s=60,
+        uploader="auto" if node == "0" else "external", preemption_signals=(),
+    )
+    gen = torch.Generator().manual_seed(100 + rank)
+
+    def wait(pred, timeout, what):
+        end = time.monotonic() + timeout
+        while not pred():
+            if time.monotonic() > end:
+                raise SystemExit(f"timed out after {timeout} s waiting for {what}")
+            time.sleep(0.1)
+
+    def uploaded(step):
+        return remote_commit.is_uploaded(os.path.join(local_dir, layout.step_dirname(step)), remote)
+
+    def save(step):
+        model(torch.randn(4, 8, generator=gen)).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+        ckpt.save(state, step).wait()
+
+    def sidecar():
+        uploader_client.spawn_uploader(local_dir, remote, ckpt._uploads.uploader_args())
+        wait(lambda: node_registry.uploader_running(local_dir) is not None, 30, "node 1's uploader to start")
+
+    if lead and node == "1":
+        sidecar()
+    torch.distributed.barrier()
+    save(1)
+    if lead:
+        wait(lambda: uploaded(1), 60, "step 1 committed remotely")
+    torch.distributed.barrier()
+    if lead and node == "1":
+        os.kill(node_registry.uploader_running(local_dir), signal.SIGKILL)
+        wait(lambda: node_registry.uploader_running(local_dir) is None, 30, "node 1's uploader to die")
+    torch.distributed.barrier()
+    saved = {}
+    for step in (2, 3, 4):
+        save(step)
+        saved[step] = time.time()
+    if lead and node == "0":
+        def reported():
+            ckpt._uploads.check_health()  # what save() does, here without saving more
+            return set(ckpt.status()["failed_commits"]) >= {2, 3, 4}
+
+        wait(reported, 60, "steps 2-4 reported failed")
+        st = ckpt.status()
+        body = {"saved": saved, "reported": time.time(),
+                "status": {k: st[k] for k in ("latest_remote", "failed_commits", "pending_upload_steps")}}
+        with open(out + ".tmp", "w") as f:
+            json.dump(body, f)
+        os.replace(out + ".tmp", out + ".failed")
+        wait(lambda: os.path.exists(out + ".go"), 120, "the test to measure")
+    torch.distributed.barrier()
+    if lead and node == "1":
+        sidecar()
+    save(5)
+    if lead:
+        wait(lambda: uploaded(5), 60, "step 5 committed remotely")
+    torch.distributed.barrier()
+    ckpt.close()
 
 
 if __name__ == "__main__":
