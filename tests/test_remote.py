@@ -6,6 +6,7 @@ boto3 or torch.distributed is patched.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -447,6 +448,49 @@ def test_step_saved_again_replaces_its_remote_copy(s3, tmp_path):
     assert uploader.Uploader(str(local_dir), remote.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
     second = check_remote_step(s3, "again", 1)
     assert remote_commit.files_digest(second) == remote_commit.files_digest(local)
+
+
+@pytest.mark.parametrize("s3", ["moto"], indirect=True)
+def test_one_node_uploads_metadata_per_step_and_the_step_restores(s3, tmp_path):
+    """Two node-local copies (one rank each, as two nodes hold): `.metadata` is PUT once per step,
+    by the committer, whichever node uploads first; the other node's marker leaves it out; each
+    step commits and is fetched whole; `shardckpt push` from that other node still repairs it."""
+    base, out = tmp_path / "nvme", tmp_path / "out"
+    out.mkdir()
+    run_torchrun(2, PROGRAMS / "multinode.py", "save", base, out, "--layout", "rank", "--steps", "2")
+    store = remote.open_store(f"s3://{BUCKET}/onemeta", _opts())
+    put_keys: list[str] = []
+    real_put = store.put_file
+
+    def counted(path, key, *args, **kwargs):
+        put_keys.append(key)
+        return real_put(path, key, *args, **kwargs)
+
+    store.put_file = counted
+    a, b = str(base / "rank0"), str(base / "rank1")  # A holds rank 0's shard: it commits
+    push = remote_commit.push_step
+    assert push(store, b, 1, node="b", policy=None).state == remote_commit.WAITING
+    assert push(store, a, 1, node="a", policy=None).state == remote_commit.COMMITTED
+    assert push(store, a, 2, node="a", policy=None).state == remote_commit.WAITING
+    assert push(store, b, 2, node="b", policy=None).state == remote_commit.WAITING
+    assert push(store, a, 2, node="a", policy=None).state == remote_commit.COMMITTED
+    client = s3.client()
+    for step in (1, 2):
+        meta = remote_commit.step_key(step, layout.METADATA_NAME)
+        assert put_keys.count(meta) == 1, (step, put_keys)
+        markers = {k.rsplit("/", 1)[1]: json.loads(client.get_object(Bucket=BUCKET, Key=k)["Body"].read())
+                   for k in s3.keys(f"onemeta/{layout.step_dirname(step)}/{remote_commit.NODES_DIR}/")}
+        assert sorted(markers) == ["ranks-0-0-1.json", "ranks-1-1-1.json"], markers
+        assert layout.METADATA_NAME in markers["ranks-0-0-1.json"]["files"]
+        assert layout.METADATA_NAME not in markers["ranks-1-1-1.json"]["files"]
+        fetched = remote_commit.fetch_step(store, str(tmp_path / f"fetched{step}"), step)  # each file verified
+        assert fetched == set(layout.read_manifest(os.path.join(a, layout.step_dirname(step))).files), fetched
+    # A damaged remote .metadata is put back from the node that does not upload it.
+    client.put_object(Bucket=BUCKET, Key=f"onemeta/{remote_commit.step_key(2, layout.METADATA_NAME)}", Body=b"x")
+    result = push(store, b, 2, node="b", policy=None, verify_remote=True)
+    assert result.state == remote_commit.COMMITTED and layout.METADATA_NAME in result.detail, result
+    remote_commit.fetch_step(store, str(tmp_path / "fetched2-again"), 2)
+    store.close()
 
 
 def test_local_retention_keeps_unuploaded_steps_unless_disk_nearly_full(tmp_path, monkeypatch, caplog):

@@ -12,18 +12,20 @@ coordinate through the remote store and local files only, never through the
 trainer's process group):
 
 1. The node's files of the locally committed step (the manifest's files
-   present in its local step directory) are uploaded concurrently, each
-   verified after upload (size, the manifest's checksum, and the
+   present in its local step directory; ``.metadata``, which every
+   node-local copy holds, by the committer alone) are uploaded concurrently,
+   each verified after upload (size, the manifest's checksum, and the
    store's own CRC32 checksum headers where it returns them).
 2. The node writes its marker: the ranks it holds files for and the checksum
    of each file it uploaded.
-3. Exactly one node, the *committer* (the one holding ``.metadata``, rank
-   0's file), waits until the markers' files cover every file of the
-   manifest with matching checksums and the listing shows every object
-   with its size; then it uploads the manifest. From that moment the step
-   exists remotely; before, it does not exist for anyone. Then it adds the
-   step to the index (:mod:`shardckpt.remote_index`), which lets finding
-   the newest step and retention work without reading every manifest.
+3. Exactly one node, the *committer* (the one holding rank 0's first
+   shard file), waits until the markers' files cover every file of the
+   manifest (``.metadata`` by its own marker) with matching checksums and
+   the listing shows every object with its size; then it uploads the
+   manifest. From that moment the step exists remotely; before, it does not
+   exist for anyone. Then it adds the step to the index
+   (:mod:`shardckpt.remote_index`), which lets finding the newest step and
+   retention work without reading every manifest.
 4. The committer applies the remote retention policy (never the newest
    step, only after a newer step is committed). Every node marks its local
    copy as committed remotely (``step_<N>/.shardckpt-uploaded.json``); only
@@ -336,6 +338,13 @@ def _committer_file(manifest: layout.Manifest) -> str:
     return min(shards, key=lambda n: (manifest.files[n].rank, n))
 
 
+def _upload_set(held: list[str], committer: bool) -> list[str]:
+    """The files this node uploads and names in its marker: all it holds, but ``.metadata``
+    only on the committer. Every node-local copy holds the same ``.metadata``; one PUT of
+    it per step, not one per node."""
+    return held if committer else [n for n in held if n != layout.METADATA_NAME]
+
+
 def _read_local_manifest(step_dir: str) -> tuple[bytes, layout.Manifest] | None:
     """The manifest's bytes and their parse: the one version this pass works with."""
     path = os.path.join(step_dir, layout.MANIFEST_NAME)
@@ -390,12 +399,14 @@ def push_step(
     manifest_bytes, manifest = local
     digest = files_digest(manifest)
     deadline = Deadline(store.options.step_deadline_s)
-    mine = present_files(step_dir, manifest)
-    committer = bool(mine) and _committer_file(manifest) in mine
+    held = present_files(step_dir, manifest)
+    committer = bool(held) and _committer_file(manifest) in held
+    mine = _upload_set(held, committer)
     committed = remote_manifest(store, step, deadline)
     if committed is not None:
         if files_digest(committed) == digest:
-            repaired = _repair_remote(store, step_dir, step, manifest, mine, deadline) if verify_remote else []
+            # Any node's copy of .metadata may repair the remote one (it is the same file).
+            repaired = _repair_remote(store, step_dir, step, manifest, held, deadline) if verify_remote else []
             mark_uploaded(step_dir, store.url, manifest)
             detail = f"already committed; replaced {len(repaired)} corrupt object(s): {', '.join(repaired)}" if repaired else "already committed"
             return PushResult(COMMITTED, sum(manifest.files[n].size for n in repaired), detail)
@@ -627,7 +638,7 @@ def missing_ranks(
         present.append(str(marker.get("node")))
         covered |= {n for n, sha in marker.get("files", {}).items()
                     if n in manifest.files and manifest.files[n].checksum == sha}
-    ranks = sorted({manifest.files[n].rank for n in set(manifest.files) - covered if n != layout.METADATA_NAME})
+    ranks = sorted({manifest.files[n].rank for n in set(manifest.files) - covered})  # .metadata: the committer's
     nodes: set[str] = set()
     if ranks and earlier is not None and earlier != step:
         for marker in _markers(store, earlier, deadline):
