@@ -80,8 +80,23 @@ def test_a_lost_nodes_disk_makes_every_rank_raise_and_start_fresh_keeps_the_surv
     base, out = tmp_path / "nvme", tmp_path / "out"
     out.mkdir()
     run_two_nodes(1, PROG, "save", base, out, "--layout", "local", "--steps", "3", log_dir=tmp_path)
-    shutil.rmtree(base / "node1")
     before = tree_digest(base / "node0")
+
+    # First, the job stopped between the two copies' commits of step 3: node 1 holds only that
+    # save's partial directory (as the commit path leaves it, manifest written, not renamed).
+    # That step never committed everywhere: the relaunch resumes step 2, not an error.
+    step3 = base / "node1" / layout.step_dirname(3)
+    nonce, count = layout.read_manifest(str(step3)).save_id.rsplit("-", 1)
+    partial = base / "node1" / layout.partial_dirname(3, f"{count}-{nonce}")
+    step3.rename(partial)
+    out1 = tmp_path / "out1"
+    out1.mkdir()
+    logs = run_two_nodes(1, PROG, "resume", base, out1, "--layout", "local", "--no-fresh", log_dir=tmp_path)
+    assert [json.loads((out1 / f"outcome.{r}.json").read_text()) for r in range(2)] == [{"restored": 2}] * 2
+    assert "committed on some nodes only" in logs[0]
+
+    # Then node 1's disk is gone.
+    shutil.rmtree(base / "node1")
 
     out2 = tmp_path / "out2"
     out2.mkdir()

@@ -191,10 +191,15 @@ class CheckIn:
                 except dist.DistStoreError:
                     if i == 0 and deadline - time.monotonic() > 0:
                         on_wait(store.add(f"{base}/count", 0) % _GAVE_UP, deadline - time.monotonic())
-            if store.add(f"{base}/count", _GAVE_UP) % _GAVE_UP == size:
-                # The last rank arrived just now: it sets go at once.
-                store.wait([f"{base}/go"], datetime.timedelta(seconds=max(10.0, self.timeout_s)))
-                return None
+            seen = store.add(f"{base}/count", _GAVE_UP)
+            if seen % _GAVE_UP == size and seen // _GAVE_UP == 1:
+                # The last rank arrived just now, before anyone gave up: it sets go at once.
+                try:
+                    store.wait([f"{base}/go"], datetime.timedelta(seconds=10.0))
+                    return None
+                except dist.DistStoreError:
+                    pass
+            # Else another rank gave up first: every rank reports the call as failed alike.
         return [q for q in range(size) if not _reached(store, f"{self._prefix}/at/r{q}", n)]
 
 

@@ -498,6 +498,7 @@ class Checkpointer:
                 )
         error, foreign = self._groups.broadcast_ctl((error, foreign))
         if foreign is not None and foreign[0] == "refused":
+            self._remote_checked = False  # every later save() is refused alike until it loads or starts fresh
             raise ConfigError(error)
         if foreign is not None:
             # start_fresh: a new history beside the remote's, forked before all of its steps.
@@ -525,11 +526,20 @@ class Checkpointer:
         ``start_fresh`` — then the new history is a branch of its own (returns
         its id and the remote's newest time, which the new saves come after).
         """
-        dirs, newest = remote_commit.newest_committed(self._restorer.store(), deadline)
-        if newest is None:
-            return None
         where = remote.safe_url(self.config.remote)
-        if not self.config.start_fresh:
+        if self.config.start_fresh:
+            try:
+                dirs, newest = remote_commit.newest_committed(self._restorer.store(), deadline)
+            except CorruptCheckpointError:  # an unreadable newest step: the new saves come after now
+                log.warning("shardckpt: start_fresh=True: the newest step on %s cannot be read; a new history starts "
+                            "beside it", where)
+                return uuid.uuid4().hex[:10], time.time()
+            if newest is None:
+                return None
+        else:
+            dirs, newest = remote_commit.newest_committed(self._restorer.store(), deadline)
+            if newest is None:
+                return None
             raise ConfigError(
                 f"the remote {where} already holds committed steps (the newest is step {newest.step}; step "
                 f"directories {dirs[0]}..{dirs[-1]}), but this run saves without having loaded any: its saves would "

@@ -285,7 +285,12 @@ class StepWriter:
             )
             raise error from failure
         if commit is not None:
-            kept = step_dirs.finish_commit(commit)
+            try:
+                kept = step_dirs.finish_commit(commit)
+            except OSError as exc:  # the step is committed on every copy; the earlier save stays where it is
+                kept = None
+                log.warning("shardckpt: step %d is committed, but the earlier save of it (%s) could not be moved "
+                            "aside: %s", step, commit.displaced, exc)
             if kept is not None:
                 log.info("shardckpt: step %d: the earlier save of step %d was kept aside as %s", step, step, kept)
         if manifest is None:  # not reached: a failure to build it is reported by exchange 2

@@ -142,9 +142,10 @@ class CheckpointConfig:
     """Begin a new history deliberately although committed steps exist: ``load()`` returns
     ``None`` instead of raising when the newest step cannot be assembled (a node's files are
     gone), and the first save does not refuse a remote that holds another history's steps.
-    Existing steps are never replaced by it: locally an earlier save of a step number is kept
-    aside (``shardckpt gc`` removes it); a remote step of the same number as a new save is
-    replaced by it. Default ``False``: those cases raise, naming what exists."""
+    Locally no existing step is deleted by it: an earlier save of a step number is kept aside
+    (``shardckpt gc`` removes it). On the remote, which holds one save per number, a step of
+    the same number as a new save is replaced by it. Default ``False``: those cases raise,
+    naming what exists."""
 
     verify_on_load: bool = True
     """Check every file of the step against the manifest's checksum before loading."""

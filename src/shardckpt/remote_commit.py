@@ -491,6 +491,8 @@ def push_step(
     foreign = _foreign_objects(store, step, manifest, deadline)
     if foreign:
         return PushResult(WAITING, sent, f"{SAVED_AGAIN_ELSEWHERE}: {foreign[0]}", marked=digest)
+    if _saved_again(step_dir, digest):  # another save of the number may be uploading from other nodes
+        return PushResult(WAITING, sent, SAVED_AGAIN, marked=digest)
     store.put_bytes(step_key(step, layout.MANIFEST_NAME), manifest_bytes, deadline)
     _failpoints.hit("upload.manifest_written")
     foreign = _foreign_objects(store, step, manifest, deadline)
@@ -658,7 +660,7 @@ def apply_remote_retention(
     """
     infos, _unreadable = remote_index.survey(store, deadline, known)
     live, _abandoned = lineage_mod.classify(infos)
-    doomed = plan_deletions(live, policy, infos=infos)
+    doomed = plan_deletions(live, policy, infos=infos, protect=known or ())  # never the step just committed
     if doomed:
         remote_index.forget(store, list(doomed), deadline)
     for old in doomed:

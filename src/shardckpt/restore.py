@@ -205,6 +205,7 @@ class Restorer:
             "unreadable": sorted(unreadable),
             "remote": remote_report,
             "early": early,
+            "partials": _partial_saves(self.root),
         }
         gathered = self._groups.all_gather_ctl(payload)
 
@@ -221,7 +222,9 @@ class Restorer:
         listed, remote_bad, error = gathered[0]["remote"] or ({}, {}, None)
         for s, body in listed.items():
             take(s, body)
-        remote_steps = set(listed)
+        # The remote can complete a step only when it holds the very save that counts.
+        remote_steps = {s for s, body in listed.items()
+                        if lineage_mod.StepInfo.from_json(s, body).version == merged[s].version}
         if error is not None:
             self._remote_unlisted(error, gathered)
         self.remote_committed = remote_steps
@@ -272,6 +275,18 @@ class Restorer:
         """
         holders = [r for r, g in enumerate(gathered) if step in g["infos"] and step not in stale[r]]
         lacking = [r for r in range(len(gathered)) if r not in holders]
+        version = lineage_mod.StepInfo.from_json(step, gathered[holders[0]]["infos"][step]).version if holders else ""
+        if holders and all(version in gathered[r]["partials"].get(step, []) for r in lacking):
+            # The job died between the copies' commits: every lacking copy holds that save's
+            # partial directory. The step never committed everywhere: the older step it replaced
+            # is the one to resume.
+            if _dist.rank() == 0:
+                log.warning(
+                    "shardckpt: step %d was committed on some nodes only (the job stopped between the copies' "
+                    "commits: rank(s) %s hold only its partial directory); resuming the step before it",
+                    step, _ranks(lacking),
+                )
+            return True
         absent = sorted(set.intersection(*(set(gathered[r]["missing"].get(step, [])) for r in holders))) if holders else []
         stale_ranks = [r for r in lacking if step in stale[r]]
         where = (
@@ -302,7 +317,8 @@ class Restorer:
             f"loaded (starting fresh would train over it). Remedy: bring back that node's local_dir (its disk), or "
             f"configure remote= where its files were uploaded; or load an older step explicitly with "
             f"load(state, step=N){older_note}; or start a new run deliberately with start_fresh=True "
-            f"(SHARDCKPT_START_FRESH=1): the existing steps are kept, not replaced."
+            f"(SHARDCKPT_START_FRESH=1): local steps are then kept aside, never deleted (a remote step of the "
+            f"same number as a new save is replaced by it)."
         )
     def _best(self, live: list[int], infos: dict[int, lineage_mod.StepInfo], loadable: Any) -> int:
         metric, mode = self.config.best_metric, self.config.best_mode
@@ -878,6 +894,24 @@ def _scan(root: str) -> tuple[dict[int, lineage_mod.StepInfo], dict[int, list[st
         # Absent, not merely damaged: a file of the wrong size is verification's to report.
         missing[step] = layout.absent_files(step_dir, manifest)
     return infos, missing, unreadable
+
+
+def _partial_saves(root: str) -> dict[int, list[str]]:
+    """The saves whose commit never finished here: ``{step: [version, ...]}`` of this directory's
+    partial step directories (``.partial-step_<N>-<count>-<nonce>`` holds save ``<nonce>-<count>``)."""
+    out: dict[int, list[str]] = {}
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        if not name.startswith(layout.PARTIAL_PREFIX):
+            continue
+        parts = name[len(layout.PARTIAL_PREFIX):].split("-")
+        step = layout.parse_step_dirname(parts[0])
+        if step is not None and len(parts) == 3:
+            out.setdefault(step, []).append(f"id:{parts[2]}-{parts[1]}")
+    return out
 
 
 def _send_file(path: str, size: int, dst: int, group: Any) -> None:

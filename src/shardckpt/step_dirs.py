@@ -181,6 +181,11 @@ def clean_leftovers(root: str, keep_nonce: str | None) -> list[str]:
                 layout.fsync_dir(root)
                 log.warning("shardckpt: put back %s: the save that replaced it never committed", final)
                 continue
+            if os.path.exists(os.path.join(path, layout.MANIFEST_NAME)):
+                # A committed earlier save whose replacement committed too: kept aside, as always.
+                kept = finish_commit(Commit(root, final, path))
+                log.info("shardckpt: kept aside %s (an earlier save of %s) as %s", name, step_name, kept)
+                continue
             shutil.rmtree(path, ignore_errors=True)
             removed.append(name)
         elif name.startswith(layout.TRASH_PREFIX) or name.startswith(PROBE_PREFIX) or (

@@ -195,6 +195,8 @@ def agree(
                 mine[key] = _summaries(key, out[key])
     except ConfigError as exc:
         error = str(exc)
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange below, then all raise
+        error = f"the plain values could not be compared ({type(exc).__name__}: {exc})"
     if _dist.world_size() == 1:
         if error is not None:
             raise ConfigError(f"step {step}: {error}")

@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--layout", choices=["shared", "local", "rank"], required=True)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--corrupt-transfer", action="store_true")
+    parser.add_argument("--no-fresh", action="store_true", help="resume: only the load")
     args = parser.parse_args()
     rank, world = common.init()
     node = os.environ.get("GROUP_RANK", "0")
@@ -113,6 +114,11 @@ def main() -> None:
         except shardckpt.ShardckptError as exc:
             outcome["error"] = f"{type(exc).__name__}: {exc}"
         ckpt.close()
+        if args.no_fresh:
+            with open(os.path.join(args.out, f"outcome.{rank}.json"), "w") as f:
+                json.dump(outcome, f)
+            common.finish()
+            return
         fresh = shardckpt.Checkpointer(local_dir=local_dir, start_fresh=True, keep_last=None, preemption_signals=())
         outcome["fresh_restored"] = fresh.load(state)
         for step in (1, 2):
