@@ -187,3 +187,17 @@ def mount_tmpfs(mount: Path, options: str, why: str) -> None:
     UNCHECKED.append(reason)
     warnings.warn(UncheckedGuarantee(reason), stacklevel=2)
     pytest.skip(reason)
+
+
+def flip_byte_in_tensor(path: str, info, mask: int = 0x01) -> None:
+    """Flip one byte in the middle of the raw data of the stored tensor that ``info`` (a DCP
+    storage record of ``path``) holds: a bit rot that leaves the record's structure intact."""
+    from shardckpt.dcp_reader import stored_tensor
+
+    with open(path, "r+b") as f:
+        where = stored_tensor(f, info.offset, info.length)
+        assert where is not None, f"no stored tensor at {path}:{info.offset}"
+        f.seek(where.data_offset + where.nbytes // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ mask]))

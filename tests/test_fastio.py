@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import shardckpt
 from shardckpt import layout, local
+from helpers import flip_byte_in_tensor
 from shardckpt.dcp_reader import stored_tensor
 
 
@@ -180,16 +181,10 @@ def test_flipped_byte_inside_tensor_data_is_caught(tmp_path):
         c.save(saved, 1)
         step_dir = c.save(_state(3), 2).wait()
     path = _data_file(step_dir)
-    with open(path, "r+b") as f:
-        metadata = local.read_metadata(step_dir, 2)
-        info = max((i for i in metadata.storage_data.values() if i.relative_path == os.path.basename(path)),
-                   key=lambda i: i.length)
-        where = stored_tensor(f, info.offset, info.length)
-        assert where is not None
-        f.seek(where.data_offset + where.nbytes // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x01]))
+    metadata = local.read_metadata(step_dir, 2)
+    info = max((i for i in metadata.storage_data.values() if i.relative_path == os.path.basename(path)),
+               key=lambda i: i.length)
+    flip_byte_in_tensor(path, info)
 
     with _ckpt(tmp_path) as c, pytest.raises(shardckpt.CorruptCheckpointError) as err:
         c.load(_state(1), step=2)

@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 
 import shardckpt
+from helpers import flip_byte_in_tensor
 from shardckpt import local
-from shardckpt.dcp_reader import stored_tensor
 
 
 class Counter:
@@ -115,13 +115,7 @@ def test_plain_values_and_stateful_objects_are_read_into_the_callers_tensors(tmp
     # A flipped byte inside a dict entry's data is still caught while reading in place.
     metadata = local.read_metadata(step_dir, 2)
     info = next(i for idx, i in metadata.storage_data.items() if idx.fqn == "weights.0.weight")
-    with open(os.path.join(step_dir, info.relative_path), "r+b") as f:
-        where = stored_tensor(f, info.offset, info.length)
-        assert where is not None
-        f.seek(where.data_offset + where.nbytes // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x10]))
+    flip_byte_in_tensor(os.path.join(step_dir, info.relative_path), info, 0x10)
     with _ckpt(tmp_path) as c, pytest.raises(shardckpt.CorruptCheckpointError) as err:
         c.load(live, step=2)
     assert info.relative_path in str(err.value) and "step 2" in str(err.value) and "checksum" in str(err.value)
