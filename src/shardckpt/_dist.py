@@ -77,6 +77,13 @@ class SideGroups:
         """
         if not self._ready or not is_dist():
             return
+        if self.ctl is not None:
+            # Every rank is done with the groups before any tears them down (a rank whose peer
+            # is still sending can abort at exit); bounded: a rank that never closes costs 10 s.
+            try:
+                dist.monitored_barrier(group=self.ctl, timeout=datetime.timedelta(seconds=10))
+            except Exception:  # noqa: BLE001 - closing goes on; the barrier is a courtesy
+                pass
         for name in ("io", "ctl") if io else ("ctl",):
             group = getattr(self, name)
             setattr(self, name, None)
