@@ -320,6 +320,7 @@ class Restorer:
             f"(SHARDCKPT_START_FRESH=1): local steps are then kept aside, never deleted (a remote step of the "
             f"same number as a new save is replaced by it)."
         )
+
     def _best(self, live: list[int], infos: dict[int, lineage_mod.StepInfo], loadable: Any) -> int:
         metric, mode = self.config.best_metric, self.config.best_mode
         if not metric:
