@@ -95,13 +95,14 @@ def test_step_saved_again_while_it_uploads_is_never_mixed(s3, tmp_path):
     _failpoints.arm("upload.files_sent", lambda: save_step(local_dir, 1, seed=2))
     store = remote.open_store(url)
     try:
-        remote_commit.push_step(store, str(local_dir), 1, node="n0", policy=None)
+        result = remote_commit.push_step(store, str(local_dir), 1, node="n0", policy=None)
         second = layout.read_manifest(str(local_dir / layout.step_dirname(1)))
         assert remote_commit.files_digest(second) != remote_commit.files_digest(first)
-        # What is committed remotely is one save, whole: the first one.
-        committed = check_remote_step_consistent(s3, "resave", 1)
-        assert remote_commit.files_digest(committed) == remote_commit.files_digest(first)
-        # The new local step is not taken for uploaded because the old one was.
+        # The pass that uploaded the first save sees, right before committing it, that the step
+        # was saved again: nothing is committed under the first save's manifest.
+        assert result.state == remote_commit.WAITING and result.detail == remote_commit.SAVED_AGAIN, result
+        assert layout.MANIFEST_NAME not in {k.rsplit("/", 1)[-1] for k in s3.keys("resave/")}
+        # The new local step is not taken for uploaded.
         assert not remote_commit.is_uploaded(str(local_dir / layout.step_dirname(1)), url)
         assert remote_commit.pending_steps(str(local_dir), url) == [1]
         result = remote_commit.push_step(store, str(local_dir), 1, node="n0", policy=None)
