@@ -315,6 +315,31 @@ def test_a_run_that_saves_without_loading_never_takes_over_another_runs_remote_s
         assert c.load({"model": check}) == 3 and check.value() == 30.0
 
 
+@ONE_SERVER
+def test_a_step_an_earlier_run_committed_late_is_superseded_by_the_run_that_resumed(s3, tmp_path):
+    """The trainer died after saving step 3 locally; its node's uploader commits it only after a new
+    instance resumed step 2 from the bucket. That orphan is replaced by the new run's step 3 (it was
+    saved before the new run loaded: not another instance writing beside it)."""
+    url = f"s3://{BUCKET}/orphan"
+    net = Net()
+    with ckpt(tmp_path / "old", remote=url, drain_timeout_s=60, keep_last=None) as a:
+        save_values(a, net, [(1, 1.0), (2, 2.0)])
+    with ckpt(tmp_path / "old", remote=url, uploader="off", keep_last=None) as a:  # its upload comes late
+        assert a.load({"model": net}) == 2
+        save_values(a, net, [(3, 3.0)])
+    resumed = Net()
+    b = ckpt(tmp_path / "new", remote=url, drain_timeout_s=60, keep_last=None)
+    assert b.load({"model": resumed}) == 2
+    assert cli.main(["push", "--local", str(tmp_path / "old"), "--remote", url]) == 0  # the orphan commits now
+    save_values(b, resumed, [(3, 30.0)])
+    b.close()
+    with ckpt(tmp_path / "check", remote=url, uploader="off") as c:
+        check = Net()
+        assert c.load({"model": check}) == 3 and check.value() == 30.0
+    log = (tmp_path / "new" / ".shardckpt-remote" / "uploader.log").read_text()
+    assert "two instances" not in log, log[-3000:]
+
+
 # ------------------------------------------------------------ issue 17.1: a lower step number than the head
 
 

@@ -120,6 +120,7 @@ class Checkpointer:
         self._warned_values: set[str] = set()
         self._frozen: dict[str, Any] | None = None
         self._run: dict[str, Any] | None = None
+        self._loaded_at: float | None = None
         self._remote_checked = self.config.remote is None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardckpt-save")
         self._pending: SaveHandle | None = None
@@ -323,6 +324,11 @@ class Checkpointer:
         self.wait()
         self._ensure_ready()
         restored = self._restorer.load(state, step, strict=strict, trust_pickles=trust_pickles, elastic=elastic)
+        # When this run took its history over (rank 0's clock, the same in every rank's manifests):
+        # a remote save of a step created before then is an orphan of an earlier run that this one
+        # may replace; one created later is another instance's (remote_commit._replaces).
+        self._loaded_at = self._groups.broadcast_ctl(time.time())
+        self._run = None
         if self._restorer.next_lineage is not None:
             self._writer.continue_lineage(self._restorer.next_lineage, self._restorer.newest_created, restored)
         if restored is not None:
@@ -626,6 +632,7 @@ class Checkpointer:
                 "torch": torch.__version__,
                 "shardckpt": __version__,
                 "run_id": self.config.run_id,
+                "loaded_at": self._loaded_at,
             }
             if self.config.keep_best is not None and self.config.best_metric:
                 self._run["best"] = {"metric": self.config.best_metric, "mode": self.config.best_mode}

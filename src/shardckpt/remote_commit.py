@@ -533,6 +533,11 @@ def _replaces(root: str, step: int, manifest: layout.Manifest, committed: layout
     theirs = lineage_mod.info_of(committed)
     if lineage_mod.excluded_by(lineage_mod.Lineage.from_json(manifest.lineage), step, theirs.lineage) is not None:
         return True  # a rollback (or start_fresh) left that save's history
+    loaded_at = (manifest.run or {}).get("loaded_at")
+    if isinstance(loaded_at, (int, float)) and committed.created < loaded_at:
+        # Saved before this run loaded its history, committed only since (an earlier run's
+        # uploader finishing after its trainer died): an orphan this run's save supersedes.
+        return True
     tag = committed.save_id or layout.files_digest(committed)[:16]
     return any(os.path.basename(path).startswith(f"{layout.KEPT_PREFIX}{layout.step_dirname(step)}-{tag}")
                for _s, path in step_dirs.kept_versions(root))
