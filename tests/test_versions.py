@@ -162,7 +162,7 @@ def test_a_remote_step_that_cannot_be_used_is_an_error_not_a_fresh_start(s3, tmp
 
 
 @ONE_SERVER
-def test_a_stale_local_copy_never_beats_the_live_version(s3, tmp_path, caplog):
+def test_a_stale_local_copy_never_beats_the_live_version(s3, tmp_path, caplog, capsys):
     url = f"s3://{BUCKET}/stale"
     net = Net()
     opts = dict(remote=url, drain_timeout_s=60, keep_last=None)
@@ -187,6 +187,13 @@ def test_a_stale_local_copy_never_beats_the_live_version(s3, tmp_path, caplog):
     assert layout.version_of(local2) == layout.version_of(remote2)
     kept = [n for n in os.listdir(tmp_path / "machine-a") if n.startswith(layout.KEPT_PREFIX)]
     assert kept and kept[0].startswith(f"{layout.KEPT_PREFIX}{layout.step_dirname(2)}-"), kept
+    # `ls` lists it and `gc` (the remedy the log names) removes it; the live steps stay.
+    capsys.readouterr()
+    assert cli.main(["ls", str(tmp_path / "machine-a")]) == 0
+    assert "kept aside" in capsys.readouterr().out
+    assert cli.main(["gc", str(tmp_path / "machine-a"), "--keep-last", "10"]) == 0
+    assert not [n for n in os.listdir(tmp_path / "machine-a") if n.startswith(layout.KEPT_PREFIX)]
+    assert 2 in layout.committed_steps(str(tmp_path / "machine-a"))
     # The history A continued is B's branch: step 3 (before the rollback) is abandoned.
     with ckpt(tmp_path / "machine-d", remote=url, uploader="off") as d:
         assert d.load({"model": check}) == 4 and check.value() == 40.0
@@ -293,6 +300,9 @@ def test_a_run_that_saves_without_loading_never_takes_over_another_runs_remote_s
     assert cli.main(["ls", url, "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert [row["step"] for row in listed["steps"]] == [1, 2]
+    with pytest.raises(shardckpt.ConfigError, match="already holds committed steps"):
+        with ckpt(tmp_path / "run-b", **opts) as b:  # refused again, not only once
+            b.save({"model": net}, 1)
 
     # Two instances of one job on the same prefix: both resume step 2 and save 3. The first
     # commits; the second's uploader refuses to replace it and says why.
@@ -313,6 +323,14 @@ def test_a_run_that_saves_without_loading_never_takes_over_another_runs_remote_s
     with ckpt(tmp_path / "check", remote=url, uploader="off") as c:
         check = Net()
         assert c.load({"model": check}) == 3 and check.value() == 30.0
+
+    # The remedy it names: start_fresh=True starts a new history there deliberately.
+    with ckpt(tmp_path / "run-b2", start_fresh=True, **opts) as b:
+        save_values(b, Net(), [(7, 7.0)])
+    with ckpt(tmp_path / "check-b", remote=url, uploader="off") as c:
+        assert c.load({"model": check}) == 7 and check.value() == 7.0
+    with ckpt(tmp_path / "check-a", remote=url, uploader="off") as c:  # run A's steps are still there
+        assert c.load({"model": check}, step=2) == 2 and check.value() == 2.0
 
 
 @ONE_SERVER
