@@ -228,6 +228,12 @@ def version_of(manifest: Manifest) -> str:
     return f"id:{manifest.save_id}" if manifest.save_id else f"files:{files_digest(manifest)[:32]}"
 
 
+def kept_name(step_name: str, manifest: "Manifest | None") -> str:
+    """The name an earlier save of a step is kept aside under: ``.kept-step_<N>-<its save id>``."""
+    tag = (manifest.save_id or files_digest(manifest)[:16]) if manifest is not None else ""
+    return f"{KEPT_PREFIX}{step_name}-{tag}"
+
+
 def _kind(value: Any) -> str:
     if value not in ("full", "light"):
         raise ValueError(f"unknown step kind {value!r}")

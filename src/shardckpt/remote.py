@@ -613,8 +613,7 @@ class S3Store(Store):
         problems = []
         if head.get("ContentLength") != size:
             problems.append(f"{head.get('ContentLength')} bytes, expected {size}")
-        # User metadata names are case-insensitive (rclone answers "Checksum").
-        recorded = {k.lower(): v for k, v in (head.get("Metadata") or {}).items()}.get("checksum")
+        recorded = _recorded(head)
         if recorded not in (None, checksum):
             problems.append("its recorded checksum differs")
         if got_crc and got_crc != crc:
@@ -752,9 +751,7 @@ class S3Store(Store):
                 if self._is_missing(exc):
                     return None
                 raise
-            # User metadata names are case-insensitive (rclone answers "Checksum").
-            recorded = {k.lower(): v for k, v in (head.get("Metadata") or {}).items()}.get("checksum")
-            return int(head.get("ContentLength") or 0), str(recorded or "")
+            return int(head.get("ContentLength") or 0), str(_recorded(head) or "")
 
         got = self.retry(call, "lookup of", key, deadline)
         if got is not None and not got[1]:  # written without our metadata: hash its bytes
@@ -818,6 +815,12 @@ class S3Store(Store):
 
     def delete(self, key: str, deadline: Deadline) -> None:
         self.retry(lambda: self.client.delete_object(Bucket=self.bucket, Key=self.full_key(key)), "deletion of", key, deadline)
+
+
+def _recorded(head: dict) -> str | None:
+    """The checksum an object was uploaded with, from a HEAD answer. User metadata names are
+    case-insensitive (rclone answers "Checksum")."""
+    return {k.lower(): v for k, v in (head.get("Metadata") or {}).items()}.get("checksum")
 
 
 _XATTR = "user.shardckpt.checksum"

@@ -538,9 +538,8 @@ def _replaces(root: str, step: int, manifest: layout.Manifest, committed: layout
         # Saved before this run loaded its history, committed only since (an earlier run's
         # uploader finishing after its trainer died): an orphan this run's save supersedes.
         return True
-    tag = committed.save_id or layout.files_digest(committed)[:16]
-    return any(os.path.basename(path).startswith(f"{layout.KEPT_PREFIX}{layout.step_dirname(step)}-{tag}")
-               for _s, path in step_dirs.kept_versions(root))
+    kept = layout.kept_name(layout.step_dirname(step), committed)
+    return any(os.path.basename(path).startswith(kept) for _s, path in step_dirs.kept_versions(root))
 
 
 def _when(created: float) -> str:

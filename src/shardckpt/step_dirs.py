@@ -80,11 +80,12 @@ def finish_commit(commit: Commit) -> str | None:
         return None
     name = os.path.basename(commit.final)
     try:
-        manifest = layout.read_manifest(commit.displaced)
-        tag = (manifest.save_id or layout.files_digest(manifest)[:16]) if manifest is not None else ""
+        kept_name = layout.kept_name(name, layout.read_manifest(commit.displaced))
     except Exception:  # noqa: BLE001 - an unreadable earlier copy is still kept
-        tag = ""
-    kept = os.path.join(commit.root, f"{layout.KEPT_PREFIX}{name}-{tag or uuid.uuid4().hex[:8]}")
+        kept_name = layout.kept_name(name, None)
+    if kept_name.endswith("-"):
+        kept_name += uuid.uuid4().hex[:8]
+    kept = os.path.join(commit.root, kept_name)
     if os.path.exists(kept):
         kept += "-" + uuid.uuid4().hex[:8]
     os.replace(commit.displaced, kept)
