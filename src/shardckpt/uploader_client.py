@@ -45,8 +45,9 @@ _BOOTSTRAP = (
     "if os.fork() > 0:\n"
     "    os._exit(0)\n"
     "pkg = types.ModuleType('shardckpt'); pkg.__path__ = [sys.argv[1]]; sys.modules['shardckpt'] = pkg\n"
-    "from shardckpt.uploader import sync_main\n"
-    "sys.exit(sync_main(sys.argv[2:]))\n"
+    "module, _, func = sys.argv[2].partition(':')\n"
+    "main = getattr(__import__('shardckpt.' + module, fromlist=[func]), func)\n"
+    "sys.exit(main(sys.argv[3:]))\n"
 )
 
 
@@ -55,15 +56,20 @@ def spawn_uploader(root: str, url: str, args: list[str]) -> None:
 
     Returns once the uploader is forked; it reports through ``status.json``.
     """
+    spawn_node_daemon(root, "uploader:sync_main", ["--local", root, "--remote", url, *args], "uploader.log")
+
+
+def spawn_node_daemon(root: str, entry: str, args: list[str], log_name: str) -> None:
+    """Start a per-node daemon (``entry`` is ``module:function`` of this package) detached from the trainer."""
     directory = state_dir(root)
     os.makedirs(directory, exist_ok=True)
     env = dict(os.environ)
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(name, None)
     package_dir = os.path.dirname(os.path.abspath(__file__))
-    logfile = open(os.path.join(directory, "uploader.log"), "ab")
+    logfile = open(os.path.join(directory, log_name), "ab")
     try:
-        cmd = [sys.executable, "-c", _BOOTSTRAP, package_dir, "--local", root, "--remote", url, *args]
+        cmd = [sys.executable, "-c", _BOOTSTRAP, package_dir, entry, *args]
         launcher = subprocess.Popen(
             cmd, env=env, stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT,
             start_new_session=True, close_fds=True, cwd=root,

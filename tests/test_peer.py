@@ -1,0 +1,145 @@
+"""The peer tier: the per-node endpoint (authentication, bounds, paths), replication, restore after a node loss."""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shardckpt
+from shardckpt import layout, peer
+
+SECRET = b"job-secret-" + b"x" * 53
+
+
+def _tree(root):
+    """Every path under ``root`` with its size and mtime: what a refused request must leave as it was."""
+    out = {}
+    for base, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(base, name)
+            st = os.lstat(path)
+            out[os.path.relpath(path, root)] = "dir" if name in dirs else (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _raw(addr, method, path, body=b"", headers=None):
+    host, port = addr.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    except (ConnectionResetError, BrokenPipeError):
+        return "reset", b""  # refused while the body was still being sent
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def endpoint(tmp_path):
+    """A committed step of an owner node, and a holder node's endpoint on 127.0.0.1 (a free port)."""
+    owner = tmp_path / "owner"
+    torch.manual_seed(0)
+    with shardckpt.Checkpointer(local_dir=str(owner), preemption_signals=()) as ckpt:
+        ckpt.save({"model": nn.Linear(16, 8), "extra": {"epoch": 1}}, 1)
+    holder = tmp_path / "holder"
+    holder.mkdir()
+    secret_file = peer.write_secret(str(holder), SECRET.decode())
+    assert os.stat(secret_file).st_mode & 0o777 == 0o600
+    service = peer.PeerService(str(holder), "holder:0")
+    server = peer.serve(service, "127.0.0.1")
+    addr = f"127.0.0.1:{server.server_address[1]}"
+    yield owner, holder, addr
+    server.shutdown()
+    server.server_close()
+
+
+def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path):
+    owner, holder, addr = endpoint
+    step_dir = owner / layout.step_dirname(1)
+    manifest = layout.read_manifest(str(step_dir))
+    names = sorted(manifest.files)
+    client = peer.PeerClient(addr, SECRET)
+
+    # The job's own node: a replica is committed (manifest last), listed, read whole and by range.
+    assert client.put_replica("owner:0", str(step_dir), manifest, names) == sum(e.size for e in manifest.files.values())
+    replica = holder / peer.REPLICAS_DIR / "owner_0" / layout.step_dirname(1)
+    layout.verify_files(str(replica), layout.read_manifest(str(replica)))
+    listed = client.list_steps()
+    assert listed["replicas"] == {"owner_0": {"1": layout.version_of(manifest)}}, listed
+    big = max(names, key=lambda n: manifest.files[n].size)
+    data = (step_dir / big).read_bytes()
+    assert client.get(1, big, owner="owner:0") == data
+    assert client.get(1, big, owner="owner:0", start=5, end=50) == data[5:50]
+    assert client.put_replica("owner:0", str(step_dir), manifest, names) == 0  # held already: nothing sent
+    before = _tree(holder)
+
+    # Nobody else gets in, and nothing they send changes the holder's disk.
+    wrong = peer.PeerClient(addr, b"another-job-secret-" + b"y" * 45)
+    for call in (wrong.list_steps, lambda: wrong.get(1, big, owner="owner:0"),
+                 lambda: wrong.put_replica("evil", str(step_dir), manifest, names)):
+        with pytest.raises(peer.PeerError, match="401"):
+            call()
+    begin = f"/v1/replica/evil/1/{peer.version_tag(manifest)}/begin"
+    status, _ = _raw(addr, "POST", begin, manifest.to_json().encode())  # no signature at all
+    assert status == 401
+    status, _ = _raw(addr, "GET", "/v1/steps")
+    assert status == 401
+    # A request signed for one body carrying another (a tampered replica file) is not kept.
+    sig = peer.auth_headers(SECRET, "POST", begin, hashlib.sha256(b"{}").hexdigest())
+    assert _raw(addr, "POST", begin, manifest.to_json().encode(), sig)[0] == 401
+    # Paths out of the replica and step directories, signed with the right secret.
+    for path in ("/v1/local/1/..%2F..%2Fholder%2F.shardckpt-remote%2Fpeer.secret",
+                 "/v1/replica/../1/" + big, "/v1/replica/owner_0/1/..", "/v1/local/1/%2Fetc%2Fpasswd",
+                 f"/v1/replica/owner_0/1/{peer.version_tag(manifest)}/f/..%2F..%2Fx"):
+        for method in ("GET", "PUT"):
+            status, body = _raw(addr, method, path, b"z", peer.auth_headers(SECRET, method, path,
+                                                                             hashlib.sha256(b"z").hexdigest()))
+            assert status in (400, 403, 404), (method, path, status, body)
+    assert _tree(holder) == before
+    # A file of the step swapped for a symbolic link to a file outside is not followed.
+    os.symlink(os.path.join(holder, ".shardckpt-remote", peer.SECRET_NAME), replica / "link")
+    os.replace(replica / "link", replica / big)
+    before = _tree(holder)
+    with pytest.raises(peer.PeerError, match="403"):
+        client.get(1, big, owner="owner:0")
+    # Bodies larger than their bound: a replica file beyond its manifest size, a manifest beyond 16 MiB.
+    client.put_replica("owner:0", str(step_dir), manifest, [])  # begins (and commits nothing new)
+    tag = peer.version_tag(manifest)
+    path = f"/v1/replica/other/1/{tag}/begin"
+    status, _ = _raw(addr, "POST", path, manifest.to_json().encode(), peer.auth_headers(
+        SECRET, "POST", path, hashlib.sha256(manifest.to_json().encode()).hexdigest()))
+    assert status == 200
+    before = _tree(holder)
+    body = data + b"!"
+    path = f"/v1/replica/other/1/{tag}/f/{big}"
+    assert _raw(addr, "PUT", path, body, peer.auth_headers(SECRET, "PUT", path, hashlib.sha256(body).hexdigest()))[0] \
+        in (413, "reset")
+    path = f"/v1/replica/other/1/{tag}/begin"
+    headers = {**peer.auth_headers(SECRET, "POST", path), "Content-Length": str(peer.MAX_SMALL_BODY + 1)}
+    host, port = addr.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", path)
+    for k, v in headers.items():
+        conn.putheader(k, v)
+    conn.endheaders()
+    assert conn.getresponse().status == 413
+    conn.close()
+    # A file whose bytes do not match the owner's checksum (signed as it is) is not kept either.
+    bad = bytes([data[0] ^ 1]) + data[1:]
+    path = f"/v1/replica/other/1/{tag}/f/{big}"
+    assert _raw(addr, "PUT", path, bad, peer.auth_headers(SECRET, "PUT", path, hashlib.sha256(bad).hexdigest()))[0] == 422
+    assert _tree(holder) == before
+    # Without a job secret (or with one others can read) the endpoint answers nobody.
+    os.chmod(holder / ".shardckpt-remote" / peer.SECRET_NAME, 0o644)
+    os.utime(holder / ".shardckpt-remote" / peer.SECRET_NAME, ns=(1, 1))
+    with pytest.raises(peer.PeerError, match="503"):
+        client.list_steps()
