@@ -138,12 +138,19 @@ def run_two_nodes(nproc: int, script: str | Path, *args: str, timeout: float = 3
     Each launcher sees its own ``GROUP_RANK``, as on two machines. Raises with
     both logs when either fails; returns their outputs.
     """
+    return run_nodes(2, nproc, script, *args, timeout=timeout, env=env, log_dir=log_dir)
+
+
+def run_nodes(nnodes: int, nproc: int, script: str | Path, *args: str, timeout: float = 300, env: dict | None = None,
+              log_dir: Path | None = None, check: bool = True) -> list[str]:
+    """Run ``script`` as an ``nnodes``-node job (one torchrun launcher per node rank); ``check=False``
+    returns the outputs of a job whose ranks may fail (or kill themselves) without raising."""
     port = free_port()
     procs, logs = [], []
-    for node in range(2):
+    for node in range(nnodes):
         log_path = (log_dir or Path("/tmp")) / f"node{node}-{port}.log"
         logs.append(log_path)
-        procs.append(start_torchrun(nproc, script, *args, nnodes=2, node_rank=node, port=port, env=env,
+        procs.append(start_torchrun(nproc, script, *args, nnodes=nnodes, node_rank=node, port=port, env=env,
                                     log_path=log_path))
     try:
         deadline = time.monotonic() + timeout
@@ -156,9 +163,9 @@ def run_two_nodes(nproc: int, script: str | Path, *args: str, timeout: float = 3
             if proc.poll() is None:
                 kill_job(proc)
     outputs = [Path(p).read_text() for p in logs]
-    if any(proc.returncode != 0 for proc in procs):
+    if check and any(proc.returncode != 0 for proc in procs):
         raise AssertionError(
-            f"2-node job {script} {args} failed ({[p.returncode for p in procs]}):\n"
+            f"{nnodes}-node job {script} {args} failed ({[p.returncode for p in procs]}):\n"
             + "\n".join(f"--- node {i}:\n{out[-5000:]}" for i, out in enumerate(outputs))
         )
     return outputs

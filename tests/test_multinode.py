@@ -55,7 +55,8 @@ def test_shared_directory_commits_every_step_once_and_restores_at_one_process(tm
 def test_node_local_directories_each_hold_their_ranks_and_restore_from_each_other(tmp_path):
     base, out = tmp_path / "nvme", tmp_path / "out"
     out.mkdir()
-    logs = run_two_nodes(2, PROG, "save", base, out, "--layout", "local", "--steps", "6", log_dir=tmp_path)
+    env = child_env(SHARDCKPT_PEER_REPLICAS="0")  # the exchange between copies itself (no replicas to use)
+    logs = run_two_nodes(2, PROG, "save", base, out, "--layout", "local", "--steps", "6", log_dir=tmp_path, env=env)
     assert "node-local: 2 copies (ranks 0-1, ranks 2-3)" in logs[0]
     for node, ranks in (("node0", {0, 1}), ("node1", {2, 3})):
         step_dir = base / node / layout.step_dirname(6)
@@ -70,7 +71,7 @@ def test_node_local_directories_each_hold_their_ranks_and_restore_from_each_othe
     out2 = tmp_path / "out2"
     out2.mkdir()
     logs = run_two_nodes(2, PROG, "restore", base, out2, "--layout", "local", "--corrupt-transfer",
-                         log_dir=tmp_path)
+                         log_dir=tmp_path, env=env)
     assert "from other nodes' copies" in "".join(logs)
     for o in outcomes(out2):
         assert o["restored"] == 6, o

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import shardckpt
-from shardckpt import layout, peer
+from shardckpt import cli, layout, peer
 
 SECRET = b"job-secret-" + b"x" * 53
 
@@ -143,3 +143,77 @@ def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path
     os.utime(holder / ".shardckpt-remote" / peer.SECRET_NAME, ns=(1, 1))
     with pytest.raises(peer.PeerError, match="503"):
         client.list_steps()
+
+
+def _kill_daemons(base, signum=signal.SIGKILL):
+    """Signal (by default: end) the peer daemons the jobs under ``base`` started (they outlive their trainers by design)."""
+    from shardckpt.node_registry import pid_alive, read_json, state_dir
+
+    for node in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        info = read_json(os.path.join(state_dir(os.path.join(base, node)), peer.STATUS_NAME))
+        pid = info.get("pid")
+        if isinstance(pid, int) and info.get("state") == "running" and pid_alive(pid, info.get("pid_start")):
+            os.kill(pid, signum)
+
+
+def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_path, capsys):
+    """3 nodes x 2 ranks save (FSDP2, node-local directories, no remote), every trainer SIGKILLed right
+    after the last local commit; node 2 is then lost (its daemon and its disk) and the job continues on
+    2 nodes x 2 ranks, bitwise, with the elastic plan, from the survivors' files and node 2's replica."""
+    import socket
+
+    from helpers import PROGRAMS, run_nodes, wait_for
+    from test_multinode import assert_bitwise
+
+    prog = PROGRAMS / "peer_job.py"
+    base, out, out2 = tmp_path / "nvme", tmp_path / "out", tmp_path / "out2"
+    out.mkdir()
+    out2.mkdir()
+    host = socket.gethostname()
+    try:
+        logs = run_nodes(3, 2, prog, "save", base, out, "--steps", "3", "--kill", check=False, log_dir=tmp_path)
+        assert all((out / f"killed.{r}").exists() for r in range(6)), "\n".join(logs)
+        # Every trainer is dead and nothing of step 3 was replicated (the daemons were paused before
+        # its save); resumed now, the daemons replicate it on their own.
+        assert not list(base.glob(f"node*/{peer.REPLICAS_DIR}/*/{layout.step_dirname(3)}"))
+        _kill_daemons(base, signal.SIGCONT)
+        for r in range(6):  # step 2 was peer-durable before step 3 (status() says so on every rank)
+            status = json.loads((out / f"outcome.{r}.json").read_text())["status"]
+            assert status["peer_replicas"] == 1 and status["latest_peer"] == 2, status
+            assert len(status["peer"]["nodes"]) == 3, status
+        for g in range(3):  # the ring: node g's files are held by node g+1
+            owner_dir = base / f"node{g}" / layout.step_dirname(3)
+            replica = base / f"node{(g + 1) % 3}" / peer.REPLICAS_DIR / peer.owner_dirname(f"{host}:{g}")
+            wait_for(lambda: (replica / layout.step_dirname(3) / layout.MANIFEST_NAME).exists(), 60,
+                     f"node {g}'s step 3 replica on node {(g + 1) % 3}")
+            manifest = layout.read_manifest(str(replica / layout.step_dirname(3)))
+            assert layout.version_of(manifest) == layout.version_of(layout.read_manifest(str(owner_dir)))
+            held = sorted(p.name for p in (replica / layout.step_dirname(3)).iterdir() if p.name != layout.MANIFEST_NAME)
+            assert held == layout.copy_files(str(owner_dir), manifest)[0], held
+            assert {manifest.files[n].rank for n in held if n != layout.METADATA_NAME} == {2 * g, 2 * g + 1}
+            layout.verify_files(str(replica / layout.step_dirname(3)), manifest, held)
+            assert layout.committed_steps(str(replica)) == [2, 3]  # keep_last=2 replicas per owner
+        # `shardckpt status` shows the peer durability of the node's newest step and what it holds.
+        wait_for(lambda: (peer.node_status(str(base / "node0")) or {}).get("latest_peer") == 3, 30, "status")
+        assert cli.main(["status", str(base / "node0"), "--json"]) == 1  # 1: no remote here
+        shown = json.loads(capsys.readouterr().out)["peer"]
+        assert shown["holders"] == [f"{host}:1"] and shown["holding"] == {peer.owner_dirname(f"{host}:2"): [2, 3]}
+
+        # Node 2 is lost: its daemon and its disk. The survivors resume at 4 ranks, with no remote.
+        import shutil
+
+        info = json.loads((base / "node2" / ".shardckpt-remote" / peer.STATUS_NAME).read_text())
+        os.kill(info["pid"], signal.SIGKILL)
+
+        shutil.rmtree(base / "node2")
+        logs = run_nodes(2, 2, prog, "restore", base, out2, log_dir=tmp_path)
+        assert "using the replicas of other nodes' files" in "".join(logs), logs[0][-3000:]
+        for r in range(4):
+            o = json.loads((out2 / f"outcome.{r}.json").read_text())
+            assert o["restored"] == 3, o
+            plan = o["plan"]
+            assert (plan["saved_world_size"], plan["world_size"]) == (6, 4), plan
+            assert (plan["saved_accum_steps"], plan["accum_steps"], plan["global_batch"]) == (2, 3, 24), plan
+        assert_bitwise(out / "saved.pt", out2 / "restored.pt")
+    finally:
+        _kill_daemons(base)

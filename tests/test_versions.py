@@ -76,10 +76,11 @@ def save_values(c: shardckpt.Checkpointer, net: Net, steps_values) -> None:
 
 
 def test_a_lost_nodes_disk_makes_every_rank_raise_and_start_fresh_keeps_the_survivors_steps(tmp_path):
-    """Node-local directories, no remote: node 1's disk is gone and the job is relaunched."""
+    """Node-local directories, no remote, no peer replicas: node 1's disk is gone and the job is relaunched."""
     base, out = tmp_path / "nvme", tmp_path / "out"
     out.mkdir()
-    run_two_nodes(1, PROG, "save", base, out, "--layout", "local", "--steps", "3", log_dir=tmp_path)
+    env = child_env(SHARDCKPT_PEER_REPLICAS="0")  # no copy of node 1's files anywhere
+    run_two_nodes(1, PROG, "save", base, out, "--layout", "local", "--steps", "3", log_dir=tmp_path, env=env)
     before = tree_digest(base / "node0")
 
     # First, the job stopped between the two copies' commits of step 3: node 1 holds only that
@@ -91,7 +92,7 @@ def test_a_lost_nodes_disk_makes_every_rank_raise_and_start_fresh_keeps_the_surv
     step3.rename(partial)
     out1 = tmp_path / "out1"
     out1.mkdir()
-    logs = run_two_nodes(1, PROG, "resume", base, out1, "--layout", "local", "--no-fresh", log_dir=tmp_path)
+    logs = run_two_nodes(1, PROG, "resume", base, out1, "--layout", "local", "--no-fresh", log_dir=tmp_path, env=env)
     assert [json.loads((out1 / f"outcome.{r}.json").read_text()) for r in range(2)] == [{"restored": 2}] * 2
     assert "committed on some nodes only" in logs[0]
 
@@ -100,7 +101,7 @@ def test_a_lost_nodes_disk_makes_every_rank_raise_and_start_fresh_keeps_the_surv
 
     out2 = tmp_path / "out2"
     out2.mkdir()
-    run_two_nodes(1, PROG, "resume", base, out2, "--layout", "local", log_dir=tmp_path)
+    run_two_nodes(1, PROG, "resume", base, out2, "--layout", "local", log_dir=tmp_path, env=env)
     results = [json.loads((out2 / f"outcome.{r}.json").read_text()) for r in range(2)]
     for r, res in enumerate(results):
         error = res.get("error", "")

@@ -48,6 +48,7 @@ from .options import CheckpointConfig, OnRemoteUnavailable, SaveMode, UploaderMo
 from .policy import SavePolicy
 from .restore import Restorer
 from .stage import CopyFence, HostStager, split_bytes
+from .peer_tier import PeerTier
 from .uploader_client import UploaderClient
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -137,6 +138,7 @@ class Checkpointer:
                     f"cannot set up the uploader for {self.root} ({type(exc).__name__}: {exc}). Remedy: make "
                     f"local_dir a writable directory, or set uploader='off' to only restore from the remote."
                 ) from exc
+        self._peer = PeerTier(self.config, self.root, registered=self._uploads is not None and self._uploads.active)
         self._policy.install_signal_handlers()
 
     # ---------------------------------------------------------------- public
@@ -385,6 +387,7 @@ class Checkpointer:
         }
         if self._uploads is not None:
             out.update(self._uploads.status(self._restorer.remote_committed))
+        out.update(self._peer.status())
         return out
 
     def close(self, timeout: float | None = None) -> None:
@@ -421,7 +424,10 @@ class Checkpointer:
                     self._uploads.close(left)
                     self._retention_after_drain()
             finally:
-                self._restorer.close()
+                try:
+                    self._peer.close(None if timeout is None else max(0.0, timeout - (time.monotonic() - t0)))
+                finally:
+                    self._restorer.close()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -445,6 +451,7 @@ class Checkpointer:
             self._topology_known = True
             if self._uploads is not None:
                 self._uploads.launch(found.committer)
+            self._peer.launch(found, self._groups)
 
     def _check_in(self, step: int) -> None:
         """Before this call's first collective: every rank called ``save()`` (bounded by ``save_agree_timeout_s``)."""

@@ -353,7 +353,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from . import node_registry, remote_commit
+    from . import node_registry, peer, remote_commit
 
     root = os.path.abspath(args.dir)
     if not os.path.isdir(root):
@@ -380,6 +380,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "failed_commits": {k: v for k, v in (info.get("failed_steps") or {}).items() if k.isdigit() and int(k) in pending},
         "last_error": info.get("last_error"),
         "last_error_time": info.get("last_error_time"),
+        "peer": peer.node_status(root),
     }
     if args.json:
         _print_json(body)
@@ -387,6 +388,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not url:
         print(f"{root}: {len(steps)} committed step(s), newest {body['latest_local']}; no uploader has run here "
               f"(no remote configured, or it never started)")
+        if body["peer"]:
+            print(peer.status_line(body["peer"]))
         return BAD
     state = "running" if running is not None else (body["uploader"]["state"] or "not running")
     pid = f" (pid {running})" if running else ""
@@ -395,6 +398,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"  newest step: local {body['latest_local']}, remote {latest_remote}"
           + (f" (lag {body['lag_steps']} steps)" if body["lag_steps"] else ""))
     print(f"  pending: {pending or 'nothing'}" + (f" ({fmt_bytes(body['pending_bytes'])})" if pending else ""))
+    if body["peer"]:
+        print(peer.status_line(body["peer"]))
     for step, why in sorted(body["waiting"].items()):
         print(f"  step {step} waits: {why}")
     if body["failed_commits"]:

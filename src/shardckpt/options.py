@@ -276,6 +276,15 @@ class CheckpointConfig:
     The default fits AWS's 2-minute spot notice; the uploader goes on after the process exits
     (while the machine lives), and close() says what is still pending."""
 
+    peer_replicas: int | None = None
+    """Copies of each node's files of a step kept on other nodes (the peer tier): after each
+    local commit the node's peer daemon sends them to the next nodes on a ring, off the node's
+    ``SHARDCKPT_FAILURE_DOMAIN``. ``None``: 1 when the job spans >= 2 nodes with node-local
+    directories, else 0; ``0`` turns the tier off."""
+
+    peer_bandwidth: int | None = None
+    """Cap of the replication traffic each node sends, in bytes per second (``None``: unlimited)."""
+
     micro_batch_size: int | None = None
     """Per-rank micro-batch of this run. When set, every manifest records it (and
     ``grad_accum_steps``) so that an elastic restore at another world size can
@@ -356,6 +365,14 @@ class CheckpointConfig:
                 allowed = ", ".join(e.value for e in enum_type)
                 raise ConfigError(f"{name} must be one of {allowed}, got {value!r}") from None
         self.preemption_signals = tuple(int(s) for s in self.preemption_signals)
+        if self.peer_replicas is not None and (
+            isinstance(self.peer_replicas, bool) or not isinstance(self.peer_replicas, int) or self.peer_replicas < 0
+        ):
+            raise ConfigError(f"peer_replicas must be an integer >= 0 (0: no peer tier) or None, got {self.peer_replicas!r}")
+        if self.peer_bandwidth is not None and (
+            isinstance(self.peer_bandwidth, bool) or not isinstance(self.peer_bandwidth, int) or self.peer_bandwidth < 1
+        ):
+            raise ConfigError(f"peer_bandwidth must be a positive number of bytes per second or None, got {self.peer_bandwidth!r}")
         for name in ("micro_batch_size", "grad_accum_steps"):
             value = getattr(self, name)
             if (value is not None or name == "grad_accum_steps") and (
@@ -412,7 +429,8 @@ _FLOAT_FIELDS = {
 }
 _BOOL_FIELDS = {"capture_rng", "strict", "verify_on_load", "pin_memory", "trainable_only", "start_fresh",
                 "overlap_copies"}
-_INT_FIELDS |= {"max_pinned_bytes", "micro_batch_size", "grad_accum_steps", "keep_best", "full_every", "keep_last_light", "remote_every"}
+_INT_FIELDS |= {"max_pinned_bytes", "micro_batch_size", "grad_accum_steps", "keep_best", "full_every", "keep_last_light", "remote_every",
+                "peer_replicas", "peer_bandwidth"}
 
 
 def _parse_env(name: str, raw: str) -> Any:

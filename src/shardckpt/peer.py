@@ -803,6 +803,9 @@ class PeerDaemon:
             log.info("shardckpt: peer daemon (pid %d, node %s) serves %s on %s", os.getpid(), self.node,
                      self.root, self.addr)
             while not self._stop.is_set():
+                if not os.path.isdir(state_dir(self.root)):
+                    log.info("shardckpt: %s is gone; the peer daemon exits", self.root)
+                    break
                 pending = self.tick()
                 self._write_status("running")
                 if self._idle(pending):
@@ -814,7 +817,8 @@ class PeerDaemon:
             if self._server is not None:
                 self._server.shutdown()
                 self._server.server_close()
-            self._write_status("exited")
+            if os.path.isdir(state_dir(self.root)):
+                self._write_status("exited")
             os.close(fd)
 
     @property
@@ -853,7 +857,7 @@ class PeerDaemon:
             return False
         version = layout.version_of(manifest)
         done = self.sent.get(step)
-        if done is not None and done.version == version and len(done.holders) >= len(holders):
+        if done is not None and done.version == version and {h["node"] for h in holders} <= set(done.holders):
             return False
         if time.monotonic() < self._retry_at:
             return True
@@ -900,6 +904,30 @@ class PeerDaemon:
             layout.atomic_write_text(path, json.dumps(body, indent=1))
         except OSError as exc:
             log.warning("shardckpt: cannot write the peer status under %s: %s", self.root, exc)
+
+
+def node_status(root: str) -> dict[str, Any] | None:
+    """What ``shardckpt status`` shows of the peer tier on this node (``None``: no daemon has run here)."""
+    info = read_json(os.path.join(state_dir(root), STATUS_NAME))
+    if not info:
+        return None
+    replicated = info.get("replicated") or {}
+    newest = max((int(s) for s in replicated if s.isdigit()), default=None)
+    return {
+        "state": info.get("state"),
+        "addr": info.get("addr"),
+        "latest_peer": newest,
+        "holders": replicated.get(str(newest), {}).get("holders") if newest is not None else None,
+        "holding": {owner: sorted(steps) for owner, steps in committed_replicas(root).items()},
+        "last_error": info.get("last_error"),
+    }
+
+
+def status_line(body: dict[str, Any]) -> str:
+    holding = "; ".join(f"{o} steps {s}" for o, s in body["holding"].items()) or "nothing"
+    return (f"  peer: daemon {body['state']} on {body['addr']}; newest step replicated: {body['latest_peer']}"
+            f"{' to ' + ', '.join(body['holders']) if body['holders'] else ''}; holding replicas of {holding}"
+            + (f"; last error: {body['last_error']}" if body["last_error"] else ""))
 
 
 def peer_main(argv: list[str]) -> int:

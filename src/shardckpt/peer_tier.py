@@ -1,0 +1,199 @@
+"""The trainer's side of the peer tier: the job's secret, the node daemon, the nodes' addresses.
+
+At the first save or load (collective over the ``ctl`` side group, every
+rank alike): the ranks agree whether the tier is on (``peer_replicas``),
+rank 0 creates the job's secret and broadcasts it over the side group, the
+committer of each node's directory writes it into a 0600 file for its node's
+daemon (:mod:`shardckpt.peer`), starts the daemon when none runs and reads
+its address from the daemon's status file; the addresses are gathered and
+every node's committer writes them into ``peers.json``, which its daemon
+reads. ``close()`` waits, bounded, until the newest step is peer-durable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import time
+from typing import Any
+
+from . import _dist, layout, peer
+from .node_registry import pid_alive, read_json, register_trainer, state_dir, unregister_trainer
+from .options import CheckpointConfig
+from .topology import Topology
+from .uploader_client import spawn_node_daemon
+
+log = logging.getLogger("shardckpt")
+
+START_WAIT_S = 30.0
+"""How long the first save or load waits for a newly started daemon to report its address."""
+
+
+def node_host() -> str:
+    """The address this node's daemon serves on: ``SHARDCKPT_PEER_HOST``, else the one that reaches the job's master."""
+    explicit = os.environ.get("SHARDCKPT_PEER_HOST")
+    if explicit:
+        return explicit
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))  # no packet is sent
+                return s.getsockname()[0]
+        except OSError:
+            pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+class PeerTier:
+    """This trainer process's view of its node's peer daemon."""
+
+    def __init__(self, config: CheckpointConfig, root: str, *, registered: bool) -> None:
+        self.config = config
+        self.root = root
+        self.replicas = 0
+        """Replicas per step once :meth:`launch` decided (0: the tier is off)."""
+        self.nodes: list[dict[str, Any]] = []
+        self.committer = False
+        self._registered = registered
+        self._trainer_file: str | None = None
+
+    @property
+    def on(self) -> bool:
+        return self.replicas > 0
+
+    def launch(self, topology: Topology, groups: _dist.SideGroups) -> None:
+        """Decide, start and connect the tier (collective over ``ctl``; every rank calls it at the same point)."""
+        if not _dist.is_dist():
+            return
+        me = (_dist.node_id(), topology.committer, os.environ.get("SHARDCKPT_FAILURE_DOMAIN") or None)
+        everyone = groups.all_gather_ctl(me)
+        node_names = sorted({n for n, committer, _d in everyone if committer})
+        wanted = self.config.peer_replicas
+        if wanted is None:
+            wanted = 1 if not topology.shared and len(node_names) >= 2 else 0
+        elif wanted and topology.shared:
+            if _dist.rank() == 0:
+                log.warning("shardckpt: peer_replicas=%d is ignored: every rank shares one directory (%s), so there "
+                            "is nothing to replicate between nodes", wanted, self.root)
+            wanted = 0
+        if not wanted:
+            return
+        secret = groups.broadcast_ctl(secrets.token_hex(32) if _dist.rank() == 0 else None)
+        self.committer = topology.committer
+        entry: dict[str, Any] | None = None
+        error: str | None = None
+        if self.committer:
+            try:
+                entry = self._start(secret, me[0], me[2])
+            except (OSError, peer.PeerError) as exc:
+                error = f"node {me[0]}: {type(exc).__name__}: {exc}"
+        gathered = groups.all_gather_ctl((entry, error))
+        self.nodes = [e for e, _err in gathered if e is not None]
+        errors = [err for _e, err in gathered if err]
+        if errors and _dist.rank() == 0:
+            log.warning("shardckpt: the peer tier runs without %d node(s) whose daemon did not start: %s",
+                        len(errors), "; ".join(errors[:3]))
+        self.replicas = min(wanted, max(0, len(self.nodes) - 1))
+        if self.committer and entry is not None:
+            layout.atomic_write_text(os.path.join(state_dir(self.root), peer.PEERS_NAME), _json({
+                "nodes": self.nodes, "replicas": self.replicas, "bandwidth": self.config.peer_bandwidth,
+                "keep_last": self.config.keep_last, "written": time.time(),
+            }))
+        if _dist.rank() == 0:
+            log.info("shardckpt: peer tier: %d replica(s) of each node's files across %d node(s)", self.replicas,
+                     len(self.nodes))
+
+    def _start(self, secret: str, node: str, domain: str | None) -> dict[str, Any]:
+        os.makedirs(state_dir(self.root), exist_ok=True)
+        peer.write_secret(self.root, secret)
+        if not self._registered:
+            self._trainer_file = register_trainer(self.root)
+        info = self.daemon_info()
+        if info is None:
+            spawn_node_daemon(self.root, "peer:peer_main",
+                              ["--local", self.root, "--node", node, "--host", node_host()], "peer.log")
+            deadline = time.monotonic() + START_WAIT_S
+            while info is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                info = self.daemon_info()
+            if info is None:
+                raise peer.PeerError(
+                    f"the peer daemon of {self.root} did not report its address within {START_WAIT_S:.0f} s; "
+                    f"see {os.path.join(state_dir(self.root), 'peer.log')}"
+                )
+        return {"node": node, "addr": info["addr"], "domain": domain}
+
+    def daemon_info(self) -> dict[str, Any] | None:
+        """The running daemon's status (address, what it replicated), ``None`` when none runs."""
+        info = read_json(os.path.join(state_dir(self.root), peer.STATUS_NAME))
+        pid = info.get("pid")
+        if info.get("state") != "running" or not info.get("addr") or not isinstance(pid, int):
+            return None
+        if info.get("host", socket.gethostname()) != socket.gethostname() or not pid_alive(pid, info.get("pid_start")):
+            return None
+        return info
+
+    def durable(self, step: int) -> list[str]:
+        """The nodes holding this node's files of ``step`` (of the version committed here now)."""
+        info = read_json(os.path.join(state_dir(self.root), peer.STATUS_NAME))
+        sent = (info.get("replicated") or {}).get(str(step))
+        try:
+            manifest = layout.read_manifest(os.path.join(self.root, layout.step_dirname(step)))
+        except Exception:  # noqa: BLE001 - an unreadable step is not durable anywhere
+            return []
+        if not sent or manifest is None or sent.get("version") != layout.version_of(manifest):
+            return []
+        return list(sent.get("holders") or [])
+
+    def status(self) -> dict[str, Any]:
+        """The ``Checkpointer.status()`` fields of the peer tier."""
+        if not self.on:
+            return {"peer_replicas": 0}
+        steps = layout.committed_steps(self.root)
+        durable = [s for s in steps if len(self.durable(s)) >= self.replicas]
+        info = read_json(os.path.join(state_dir(self.root), peer.STATUS_NAME)) if self.committer else {}
+        return {
+            "peer_replicas": self.replicas,
+            "latest_peer": durable[-1] if durable else None,
+            "peer": {
+                "nodes": [n["node"] for n in self.nodes],
+                "addr": info.get("addr"),
+                "running": self.daemon_info() is not None if self.committer else None,
+                "holders": {s: self.durable(s) for s in steps[-3:]},
+                "last_error": info.get("last_error"),
+            },
+        }
+
+    def close(self, timeout: float | None) -> None:
+        """Wait (at most ``timeout`` or ``drain_timeout_s``) until this node's newest step is peer-durable."""
+        try:
+            if not self.on or not self.committer:
+                return
+            steps = layout.committed_steps(self.root)
+            if not steps:
+                return
+            limit = self.config.drain_timeout_s if timeout is None else min(timeout, self.config.drain_timeout_s)
+            deadline = time.monotonic() + limit
+            while len(self.durable(steps[-1])) < self.replicas:
+                if time.monotonic() >= deadline or self.daemon_info() is None:
+                    info = read_json(os.path.join(state_dir(self.root), peer.STATUS_NAME))
+                    log.warning(
+                        "shardckpt: close(): step %d of %s is not yet replicated to %d other node(s) after %.0f s "
+                        "(the peer daemon %s; last error: %s; its log: %s)", steps[-1], self.root, self.replicas,
+                        limit, "goes on after this process exits" if self.daemon_info() else "is not running",
+                        info.get("last_error"), os.path.join(state_dir(self.root), "peer.log"),
+                    )
+                    return
+                time.sleep(0.1)
+        finally:
+            unregister_trainer(self._trainer_file)
+            self._trainer_file = None
+
+
+def _json(body: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(body, indent=1)

@@ -1,0 +1,83 @@
+"""The peer tier under torchrun: K launchers make K "nodes" with node-local directories DIR/node<g>.
+
+usage: peer_job.py save    DIR OUT [--steps N] [--kill]
+       peer_job.py restore DIR OUT
+
+save:    N saves of an FSDP2 model (peer tier on by default: >= 2 nodes, node-local
+         directories); step N-1 is waited for until it is peer-durable, each rank
+         records status() in OUT/outcome.<rank>.json and rank 0 writes the full
+         state of step N to OUT/saved.pt. With --kill every rank SIGKILLs itself
+         right after step N is committed locally (OUT/killed.<rank> holds the time);
+         before that save, each node's peer daemon is paused (SIGSTOP): the test
+         resumes it once every trainer is dead.
+restore: load the newest step (world size and nodes may differ from the save);
+         rank 0 writes OUT/restored.pt; every rank records the elastic plan.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import time
+
+import common
+import torch
+from multinode import build, full_state, train_step
+
+import shardckpt
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["save", "restore"])
+    parser.add_argument("dir")
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--kill", action="store_true")
+    args = parser.parse_args()
+    rank, world = common.init()
+    local_dir = os.path.join(args.dir, f"node{os.environ['GROUP_RANK']}")
+    model, optim = build()
+    state = {"model": model, "optimizer": optim, "extra": {"rank_count": world}}
+    gen = torch.Generator().manual_seed(100 + rank)
+    ckpt = shardckpt.Checkpointer(local_dir=local_dir, keep_last=2, preemption_signals=(), micro_batch_size=2,
+                                  grad_accum_steps=2, mode="sync")
+    outcome = {}
+    if args.mode == "save":
+        for step in range(1, args.steps + 1):
+            train_step(model, optim, gen)
+            if step == args.steps:
+                tensors = full_state(model, optim)  # collective: every rank, before the last save
+                if rank == 0:
+                    torch.save({"step": step, "tensors": tensors}, os.path.join(args.out, "saved.pt"))
+                deadline = time.monotonic() + 60
+                while ckpt.status().get("latest_peer") != step - 1 and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                outcome["status"] = ckpt.status()
+                common.write_json(os.path.join(args.out, f"outcome.{rank}.json"), outcome)
+                torch.distributed.barrier()  # every node's step N-1 is replicated before any daemon pauses
+                if args.kill and int(os.environ["LOCAL_RANK"]) == 0:
+                    # The node's daemon is paused until the test resumes it, after every trainer is
+                    # dead: whatever it replicates of the last step, it does without a trainer.
+                    with open(os.path.join(local_dir, ".shardckpt-remote", "peer.json")) as f:
+                        os.kill(json.load(f)["pid"], signal.SIGSTOP)
+                torch.distributed.barrier()
+            ckpt.save(state, step)  # sync: committed locally on return
+        if args.kill:
+            common.write_json(os.path.join(args.out, f"killed.{rank}"), time.time())
+            os.kill(os.getpid(), signal.SIGKILL)
+        ckpt.close()
+    else:
+        outcome["restored"] = ckpt.load(state)
+        outcome["plan"] = dataclasses.asdict(ckpt.last_plan)
+        ckpt.close()
+        tensors = full_state(model, optim)
+        if rank == 0:
+            torch.save({"step": outcome["restored"], "tensors": tensors}, os.path.join(args.out, "restored.pt"))
+        common.write_json(os.path.join(args.out, f"outcome.{rank}.json"), outcome)
+    common.finish()
+
+
+if __name__ == "__main__":
+    main()
