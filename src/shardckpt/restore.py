@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _dist, layout, local, remote, remote_commit, retention, step_dirs
+from . import _dist, layout, local, peer, remote, remote_commit, retention, step_dirs
 from . import elastic as elastic_mod
 from . import lineage as lineage_mod
 from . import state as state_mod
@@ -190,6 +190,10 @@ class Restorer:
         rank's copy of another save of that number is stale, and is treated as
         absent there (kept aside and replaced when the step is fetched).
         """
+        adopted = peer.adopt_replicas(self.root)
+        if adopted:
+            log.info("shardckpt: using the replicas of other nodes' files held in %s: %s", peer.replicas_root(self.root),
+                     ", ".join(f"step {s}: {len(n)} file(s)" for s, n in sorted(adopted.items())))
         infos, missing, unreadable = _scan(self.root)
         remote_report: tuple[dict[int, Any], dict[int, str], str | None] | None = None
         if self.config.remote is not None and _dist.rank() == 0:
