@@ -217,3 +217,68 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
         assert_bitwise(out / "saved.pt", out2 / "restored.pt")
     finally:
         _kill_daemons(base)
+
+
+def test_replicas_go_round_the_ring_and_off_the_owners_failure_domain():
+    nodes = [{"node": f"n{i}", "addr": f"h{i}:1", "domain": d} for i, d in enumerate(["a", "a", "b", "b"])]
+    plain = [dict(n, domain=None) for n in nodes]
+    assert [h["node"] for h in peer.placement(plain, "n0", 1)] == ["n1"]
+    assert [h["node"] for h in peer.placement(plain, "n3", 2)] == ["n0", "n1"]
+    # n0 and n1 share rack a: n0's replica goes to the next node of another rack
+    assert [h["node"] for h in peer.placement(nodes, "n0", 1)] == ["n2"]
+    assert [h["node"] for h in peer.placement(nodes, "n2", 1)] == ["n0"]
+    # more replicas than nodes outside the rack: its own rack fills the rest, never the owner itself
+    assert [h["node"] for h in peer.placement(nodes, "n0", 3)] == ["n2", "n3", "n1"]
+    assert peer.placement(nodes, "n0", 0) == [] and peer.placement(nodes, "elsewhere", 1) == []
+
+
+@pytest.mark.parametrize("s3", ["moto"], indirect=True)
+def test_a_corrupt_replica_file_falls_through_to_the_remote_for_that_file_only(s3, tmp_path, caplog):
+    """A holder's copy of a step lacks the owner's shard file, which it holds as a replica (sent through
+    the endpoint); the replica rots on the holder's disk. The restore takes the other files as they
+    are and fetches that one file from the remote, where the step is committed."""
+    import logging
+    import shutil
+
+    from s3server import BUCKET
+    from shardckpt import remote, uploader
+
+    s3.reset()
+    owner, holder, url = tmp_path / "owner", tmp_path / "holder", f"s3://{BUCKET}/peerfall"
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    with shardckpt.Checkpointer(local_dir=str(owner), preemption_signals=()) as ckpt:
+        ckpt.save({"model": model}, 1)
+    store = remote.open_store(url, shardckpt.CheckpointConfig(local_dir=str(owner)).transfer_options())
+    assert uploader.Uploader(str(owner), store, node="owner:0", once=True, poll_s=0.05).run() == 0
+    step_dir = owner / layout.step_dirname(1)
+    manifest = layout.read_manifest(str(step_dir))
+    mine = holder / layout.step_dirname(1)
+    mine.mkdir(parents=True)
+    for name in (layout.METADATA_NAME, layout.MANIFEST_NAME):  # the holder's copy: all but the shard file
+        shutil.copy2(step_dir / name, mine / name)
+    peer.write_secret(str(holder), SECRET.decode())
+    server = peer.serve(peer.PeerService(str(holder), "holder:0"), "127.0.0.1")
+    try:
+        peer.PeerClient(f"127.0.0.1:{server.server_address[1]}", SECRET).put_replica(
+            "owner:0", str(step_dir), manifest, ["__0_0.distcp"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    rotten = holder / peer.REPLICAS_DIR / "owner_0" / layout.step_dirname(1) / "__0_0.distcp"
+    data = bytearray(rotten.read_bytes())
+    data[len(data) // 2] ^= 0x20
+    rotten.write_bytes(bytes(data))
+    metadata_inode = os.stat(mine / layout.METADATA_NAME).st_ino
+
+    fresh = nn.Linear(64, 64)
+    caplog.set_level(logging.INFO, logger="shardckpt")
+    with shardckpt.Checkpointer(local_dir=str(holder), remote=url, uploader="off", preemption_signals=()) as ckpt:
+        assert ckpt.load({"model": fresh}) == 1
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, fresh.state_dict()[key]), key
+    said = caplog.text
+    assert "using the replicas of other nodes' files" in said and "step 1: 1 file(s)" in said, said
+    assert "replaced 1 file(s)" in said and "(__0_0.distcp)" in said, said
+    layout.verify_files(str(mine), manifest)  # the holder's step now holds the remote's good copy
+    assert os.stat(mine / layout.METADATA_NAME).st_ino == metadata_inode  # the other file was not fetched
