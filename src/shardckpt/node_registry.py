@@ -30,6 +30,19 @@ def state_dir(root: str) -> str:
 
 
 
+def daemon_logging() -> None:
+    """A per-node daemon's log: timestamped lines of logger "shardckpt" on stderr (its log file)."""
+    import logging
+
+    logger = logging.getLogger("shardckpt")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(os.environ.get("SHARDCKPT_LOG_LEVEL", "INFO").upper())
+        logger.propagate = False
+
+
 def read_json(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:

@@ -58,7 +58,7 @@ from typing import Any, Callable
 
 from . import layout
 from .errors import CorruptCheckpointError, ShardckptError
-from .node_registry import proc_start, read_json, state_dir, trainers_alive
+from .node_registry import daemon_logging, proc_start, read_json, state_dir, trainers_alive
 
 log = logging.getLogger("shardckpt")
 
@@ -934,13 +934,7 @@ def peer_main(argv: list[str]) -> int:
     """Entry point of the peer daemon started by a trainer (no torch import)."""
     import argparse
 
-    logger = logging.getLogger("shardckpt")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(os.environ.get("SHARDCKPT_LOG_LEVEL", "INFO").upper())
-        logger.propagate = False
+    daemon_logging()
     parser = argparse.ArgumentParser(prog="shardckpt peer")
     parser.add_argument("--local", required=True, help="the node's local_dir")
     parser.add_argument("--node", default=socket.gethostname(), help="this node's name (default: hostname)")

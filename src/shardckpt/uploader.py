@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from . import layout
-from .node_registry import lock_path, proc_start, state_dir, trainers_alive
+from .node_registry import daemon_logging, lock_path, proc_start, state_dir, trainers_alive
 from .errors import RemoteError
 from .remote import Deadline, Store, redact, safe_url
 from .remote_commit import COMMITTED, SUPERSEDED, WAITING, local_bytes, missing_ranks, pending_steps, push_step, remote_steps
@@ -483,13 +483,7 @@ def sync_main(argv: list[str]) -> int:
     """Entry point of the uploader process started by a trainer (no torch import)."""
     import argparse
 
-    logger = logging.getLogger("shardckpt")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(os.environ.get("SHARDCKPT_LOG_LEVEL", "INFO").upper())
-        logger.propagate = False
+    daemon_logging()
     parser = argparse.ArgumentParser(prog="shardckpt sync")
     add_sync_args(parser)
     return sync_from_args(parser.parse_args(argv))
