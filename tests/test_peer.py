@@ -80,6 +80,13 @@ def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path
     assert client.get(1, big, owner="owner:0") == data
     assert client.get(1, big, owner="owner:0", start=5, end=50) == data[5:50]
     assert client.put_replica("owner:0", str(step_dir), manifest, names) == 0  # held already: nothing sent
+    got = tmp_path / "fetched"
+    client.get_file(1, big, str(got), manifest.files[big], owner="owner:0")  # checked on the way
+    assert got.read_bytes() == data
+    wrong_entry = layout.FileEntry(manifest.files[big].size, layout.checksum_bytes(b"other"), 0)
+    with pytest.raises(peer.PeerError, match="not the manifest's"):
+        client.get_file(1, big, str(tmp_path / "refused"), wrong_entry, owner="owner:0")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("refused")]
     before = _tree(holder)
 
     # Nobody else gets in, and nothing they send changes the holder's disk.

@@ -78,8 +78,9 @@ EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _TAG_RE = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 
 
-class PeerError(ShardckptError):
-    """A peer request failed (refused, unreachable, or the bytes did not match)."""
+class PeerError(ShardckptError, OSError):
+    """A peer request failed (refused, unreachable, or the bytes did not match); in the ``OSError`` family
+    like the remote tier's errors."""
 
 
 # ------------------------------------------------------------ names and files
@@ -280,6 +281,41 @@ class PeerClient:
         status, _h, body = self._request("GET", path, headers=headers)
         self._ok("GET", path, status, body, (200, 206))
         return body
+
+    def get_file(self, step: int, name: str, dest: str, entry: layout.FileEntry, *, owner: str | None = None) -> None:
+        """Download a committed step's file to ``dest``, checked against ``entry`` on the way (tmp + rename).
+
+        Raises :class:`PeerError` when the peer refuses or the bytes are not the manifest's; nothing is left at ``dest`` then.
+        """
+        path = self.file_path(step, name, owner)
+        tmp = f"{dest}.peer-{uuid.uuid4().hex[:8]}"
+        checksum = layout.Checksum.like(entry.checksum)
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        try:
+            conn.request("GET", path, headers=auth_headers(self.secret, "GET", path))
+            resp = conn.getresponse()
+            if resp.status != 200:
+                self._ok("GET", path, resp.status, resp.read())
+            size = 0
+            with open(tmp, "xb") as f:
+                while size <= entry.size and (chunk := resp.read(CHUNK)):
+                    size += len(chunk)
+                    checksum.update(chunk)
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            if size != entry.size or checksum.value() != entry.checksum:
+                raise PeerError(f"peer {self.addr}: step {step} file {name} is not the manifest's "
+                                f"({size} bytes, {entry.size} expected, or its checksum differs); not used")
+            os.replace(tmp, dest)
+        except PeerError:
+            raise
+        except (OSError, http.client.HTTPException) as exc:
+            raise PeerError(f"peer {self.addr}: GET {path} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            conn.close()
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
     def put_replica(self, owner: str, step_dir: str, manifest: layout.Manifest, names: list[str],
                     bandwidth: int | None = None) -> int:
@@ -603,6 +639,8 @@ def _remove_step(step_dir: str, parent: str) -> None:
 class _Handler(http.server.BaseHTTPRequestHandler):
     server_version = "shardckpt-peer"
     protocol_version = "HTTP/1.1"
+    timeout = 60.0
+    """Seconds a connection may stay silent (a client that stops sending does not hold a thread forever)."""
     service: PeerService
 
     def log_message(self, fmt: str, *args: Any) -> None:
