@@ -87,6 +87,11 @@ def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path
     with pytest.raises(peer.PeerError, match="not the manifest's"):
         client.get_file(1, big, str(tmp_path / "refused"), wrong_entry, owner="owner:0")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("refused")]
+    # peer_bandwidth: a replica of N bytes at R bytes/s takes at least N / R seconds to send.
+    total, rate = sum(e.size for e in manifest.files.values()), 40_000
+    t0 = time.monotonic()
+    assert client.put_replica("capped:0", str(step_dir), manifest, names, bandwidth=rate) == total
+    assert time.monotonic() - t0 >= 0.9 * total / rate
     before = _tree(holder)
 
     # Nobody else gets in, and nothing they send changes the holder's disk.
@@ -237,6 +242,10 @@ def test_replicas_go_round_the_ring_and_off_the_owners_failure_domain():
     # more replicas than nodes outside the rack: its own rack fills the rest, never the owner itself
     assert [h["node"] for h in peer.placement(nodes, "n0", 3)] == ["n2", "n3", "n1"]
     assert peer.placement(nodes, "n0", 0) == [] and peer.placement(nodes, "elsewhere", 1) == []
+    for bad in ({"peer_replicas": -1}, {"peer_replicas": True}, {"peer_bandwidth": 0}):
+        with pytest.raises(shardckpt.ConfigError, match=next(iter(bad))):
+            shardckpt.CheckpointConfig(local_dir="x", **bad)
+    assert shardckpt.CheckpointConfig.from_env({"SHARDCKPT_PEER_REPLICAS": "0"}, local_dir="x").peer_replicas == 0
 
 
 @pytest.mark.parametrize("s3", ["moto"], indirect=True)
