@@ -395,6 +395,11 @@ class _Refused(Exception):
         self.status = status
 
 
+def _same(a: str, b: str) -> bool:
+    """Constant-time comparison of two header values (any characters a client may send)."""
+    return hmac.compare_digest(a.encode("utf-8", "surrogateescape"), b.encode("utf-8", "surrogateescape"))
+
+
 def _safe_name(name: str) -> str:
     """A file name from a request path: one plain component, no way out of its directory."""
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
@@ -426,7 +431,7 @@ class PeerService:
     def __init__(self, root: str, node: str) -> None:
         self.root = os.path.abspath(root)
         self.node = node
-        self._secret: tuple[float, bytes | None] = (-1.0, None)
+        self._secret: tuple[Any, bytes | None] = (None, None)
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
         self.last_request = time.monotonic()
@@ -436,11 +441,12 @@ class PeerService:
     def secret(self) -> bytes | None:
         path = os.path.join(state_dir(self.root), SECRET_NAME)
         try:
-            mtime = os.stat(path).st_mtime_ns
+            st = os.stat(path)
         except OSError:
             return None
-        if mtime != self._secret[0]:
-            self._secret = (mtime, read_secret(self.root))
+        key = (st.st_ino, st.st_ctime_ns, st.st_mode)  # a new secret, or its mode changed: read again
+        if key != self._secret[0]:
+            self._secret = (key, read_secret(self.root))
         return self._secret[1]
 
     def owner_lock(self, owner: str) -> threading.Lock:
@@ -458,7 +464,7 @@ class PeerService:
         when, _, mac = auth.partition(":")
         if not when.isdigit() or abs(time.time() - int(when)) > CLOCK_SKEW_S:
             raise _Refused(401, "request signature expired")
-        if not hmac.compare_digest(mac, sign(secret, method, path, digest, int(when))):
+        if not _same(mac, sign(secret, method, path, digest, int(when))):
             raise _Refused(401, "bad request signature")
         return digest
 
@@ -568,7 +574,7 @@ class PeerService:
                     f.write(chunk)
                 f.flush()
                 os.fsync(f.fileno())
-            if not hmac.compare_digest(body.hexdigest(), digest):
+            if not _same(body.hexdigest(), digest):
                 raise _Refused(401, f"{name}: the body is not the one signed")
             if checksum.value() != entry.checksum:
                 raise _Refused(422, f"{name} fails its {entry.checksum.split(':')[0]} checksum; not kept")
@@ -663,7 +669,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if exc.status in (401, 403):
             log.warning("shardckpt: peer endpoint refused %s %s from %s: %s", self.command, self.path[:200],
                         self.client_address[0], exc)
-        self._reply(exc.status, json.dumps({"error": str(exc)}).encode(), headers={"Connection": "close"})
+        try:
+            self._reply(exc.status, json.dumps({"error": str(exc)}).encode(), headers={"Connection": "close"})
+        except OSError:
+            pass  # the client went away (or the answer had begun): nothing more to tell it
 
     def _route(self) -> tuple[list[str], str]:
         url = urllib.parse.urlsplit(self.path)
@@ -686,26 +695,44 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _small_body(self, digest: str) -> bytes:
         body = self.rfile.read(self._length(MAX_SMALL_BODY))
-        if not hmac.compare_digest(hashlib.sha256(body).hexdigest(), digest):
+        if not _same(hashlib.sha256(body).hexdigest(), digest):
             raise _Refused(401, "the body is not the one signed")
         return body
 
-    def do_GET(self) -> None:  # noqa: N802 - the http.server interface
+    def _guarded(self, serve: Callable[[], None]) -> None:
+        """Run one request; a refusal or a failure on this side becomes an answer, never a dropped connection."""
         try:
-            parts, _digest = self._route()
-            if parts == ["steps"]:
-                self._reply(200, json.dumps(self.service.listing()).encode())
-                return
-            step_dir, rest = self.service.step_dir_of(parts)
-            if len(rest) != 1:
-                raise _Refused(404, "no such resource")
-            fd, size = self.service.open_file(step_dir, rest[0])
-            try:
-                self._send_range(fd, size)
-            finally:
-                os.close(fd)
+            serve()
         except _Refused as exc:
             self._refuse(exc)
+        except CorruptCheckpointError as exc:
+            self._refuse(_Refused(400, str(exc)))
+        except (OSError, UnicodeError, ValueError) as exc:
+            log.warning("shardckpt: peer endpoint failed %s %s: %s", self.command, self.path[:200], exc)
+            self._refuse(_Refused(500, f"{type(exc).__name__}: {exc}"))
+
+    def do_GET(self) -> None:  # noqa: N802 - the http.server interface
+        self._guarded(self._get)
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._guarded(self._post)
+
+    def do_PUT(self) -> None:  # noqa: N802
+        self._guarded(self._put)
+
+    def _get(self) -> None:
+        parts, _digest = self._route()
+        if parts == ["steps"]:
+            self._reply(200, json.dumps(self.service.listing()).encode())
+            return
+        step_dir, rest = self.service.step_dir_of(parts)
+        if len(rest) != 1:
+            raise _Refused(404, "no such resource")
+        fd, size = self.service.open_file(step_dir, rest[0])
+        try:
+            self._send_range(fd, size)
+        finally:
+            os.close(fd)
 
     def _send_range(self, fd: int, size: int) -> None:
         start, end, status = 0, size, 200
@@ -733,40 +760,32 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(chunk)
             offset += len(chunk)
 
-    def do_POST(self) -> None:  # noqa: N802
-        try:
-            parts, digest = self._route()
-            if len(parts) != 5 or parts[0] != "replica" or not parts[2].isdigit() or parts[4] not in ("begin", "commit"):
-                raise _Refused(404, "no such resource")
-            owner, step, tag = parts[1], int(parts[2]), parts[3]
-            body = self._small_body(digest)
-            if parts[4] == "begin":
-                answer = self.service.begin(owner, step, tag, body)
-            else:
-                try:
-                    names = json.loads(body)["files"]
-                    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-                        raise ValueError(names)
-                except (ValueError, KeyError, TypeError):
-                    raise _Refused(400, "the commit body must be {\"files\": [names]}") from None
-                self.service.commit(owner, step, tag, names)
-                answer = {"state": "committed"}
-            self._reply(200, json.dumps(answer).encode())
-        except CorruptCheckpointError as exc:
-            self._refuse(_Refused(400, str(exc)))
-        except _Refused as exc:
-            self._refuse(exc)
+    def _post(self) -> None:
+        parts, digest = self._route()
+        if len(parts) != 5 or parts[0] != "replica" or not parts[2].isdigit() or parts[4] not in ("begin", "commit"):
+            raise _Refused(404, "no such resource")
+        owner, step, tag = parts[1], int(parts[2]), parts[3]
+        body = self._small_body(digest)
+        if parts[4] == "begin":
+            answer = self.service.begin(owner, step, tag, body)
+        else:
+            try:
+                names = json.loads(body)["files"]
+                if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                    raise ValueError(names)
+            except (ValueError, KeyError, TypeError):
+                raise _Refused(400, "the commit body must be {\"files\": [names]}") from None
+            self.service.commit(owner, step, tag, names)
+            answer = {"state": "committed"}
+        self._reply(200, json.dumps(answer).encode())
 
-    def do_PUT(self) -> None:  # noqa: N802
-        try:
-            parts, digest = self._route()
-            if len(parts) != 6 or parts[0] != "replica" or not parts[2].isdigit() or parts[4] != "f":
-                raise _Refused(404, "no such resource")
-            length = self._length(1 << 62)
-            self.service.receive(parts[1], int(parts[2]), parts[3], parts[5], length, digest, self.rfile.read)
-            self._reply(200, b"{}")
-        except _Refused as exc:
-            self._refuse(exc)
+    def _put(self) -> None:
+        parts, digest = self._route()
+        if len(parts) != 6 or parts[0] != "replica" or not parts[2].isdigit() or parts[4] != "f":
+            raise _Refused(404, "no such resource")
+        length = self._length(1 << 62)
+        self.service.receive(parts[1], int(parts[2]), parts[3], parts[5], length, digest, self.rfile.read)
+        self._reply(200, b"{}")
 
     def do_DELETE(self) -> None:  # noqa: N802
         self._refuse(_Refused(405, "not allowed"))
