@@ -43,6 +43,12 @@ def daemon_logging() -> None:
         logger.propagate = False
 
 
+def process_record(state: str, node: str) -> dict[str, Any]:
+    """The fields a daemon's status file starts with: who writes it, so readers can tell it is alive."""
+    pid = os.getpid()
+    return {"state": state, "pid": pid, "pid_start": proc_start(pid), "node": node, "host": socket.gethostname()}
+
+
 def read_json(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:

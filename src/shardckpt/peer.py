@@ -58,7 +58,7 @@ from typing import Any, Callable
 
 from . import layout
 from .errors import CorruptCheckpointError, ShardckptError
-from .node_registry import daemon_logging, proc_start, read_json, state_dir, trainers_alive
+from .node_registry import daemon_logging, process_record, read_json, state_dir, trainers_alive
 
 log = logging.getLogger("shardckpt")
 
@@ -944,11 +944,7 @@ class PeerDaemon:
 
     def _write_status(self, state: str) -> None:
         body = {
-            "state": state,
-            "pid": os.getpid(),
-            "pid_start": proc_start(os.getpid()),
-            "node": self.node,
-            "host": socket.gethostname(),
+            **process_record(state, self.node),
             "addr": self.addr if self._server is not None else None,
             "replicated": {str(s): dataclasses.asdict(v) for s, v in sorted(self.sent.items())},
             "sent_bytes": self.sent_bytes,

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from . import layout
-from .node_registry import daemon_logging, lock_path, proc_start, state_dir, trainers_alive
+from .node_registry import daemon_logging, lock_path, process_record, state_dir, trainers_alive
 from .errors import RemoteError
 from .remote import Deadline, Store, redact, safe_url
 from .remote_commit import COMMITTED, SUPERSEDED, WAITING, local_bytes, missing_ranks, pending_steps, push_step, remote_steps
@@ -296,11 +296,7 @@ class Uploader:
         pending = pending if pending is not None else pending_steps(self.root, self.store.url)
         steps = layout.committed_steps(self.root)
         body = {
-            "state": state,
-            "pid": os.getpid(),
-            "pid_start": proc_start(os.getpid()),
-            "node": self.node,
-            "host": socket.gethostname(),
+            **process_record(state, self.node),
             "remote": safe_url(self.store.url),
             "latest_local": steps[-1] if steps else None,
             "latest_remote": self.latest_remote,
