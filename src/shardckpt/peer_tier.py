@@ -71,13 +71,16 @@ class PeerTier:
         me = (_dist.node_id(), topology.committer, os.environ.get("SHARDCKPT_FAILURE_DOMAIN") or None)
         everyone = groups.all_gather_ctl(me)
         node_names = sorted({n for n, committer, _d in everyone if committer})
+        # One directory copy per node, on two nodes or more: a replica can live on another node.
+        per_node = not topology.shared and len(node_names) >= 2 and len(node_names) == len(topology.committers)
         wanted = self.config.peer_replicas
         if wanted is None:
-            wanted = 1 if not topology.shared and len(node_names) >= 2 else 0
-        elif wanted and topology.shared:
+            wanted = 1 if per_node else 0
+        elif wanted and not per_node:
             if _dist.rank() == 0:
-                log.warning("shardckpt: peer_replicas=%d is ignored: every rank shares one directory (%s), so there "
-                            "is nothing to replicate between nodes", wanted, self.root)
+                log.warning("shardckpt: peer_replicas=%d is ignored: the job's directory copies (%s) are not one per "
+                            "node on >= 2 nodes, so there is no other node to hold a replica", wanted,
+                            topology.describe())
             wanted = 0
         if not wanted:
             return
