@@ -24,7 +24,7 @@ from faultproxy import FaultProxy  # noqa: E402
 from helpers import PROGRAMS, free_port, kill_job, run_torchrun, start_torchrun, wait_for  # noqa: E402
 from helpers import child_env as job_env  # noqa: E402
 from s3server import BUCKET, Server, reset_if_used, stop_uploaders  # noqa: E402
-from shardckpt import cli, layout, node_registry, remote, remote_commit, uploader  # noqa: E402
+from shardckpt import cli, layout, node_registry, ranged, remote, remote_commit, uploader  # noqa: E402
 from shardckpt.errors import CorruptCheckpointError, RemoteError  # noqa: E402
 
 PROG = PROGRAMS / "remote_train.py"
@@ -83,11 +83,15 @@ def wait_uploader_exit(local_dir: Path, timeout: float = 90) -> dict:
 # ---------------------------------------------------------------- multi-node
 
 
-def test_two_nodes_upload_then_restore_on_a_new_instance(s3, tmp_path):
-    """2 nodes x 2 ranks save with node-local dirs; all local dirs wiped; a 1-node job restores."""
+def test_two_nodes_upload_then_restore_on_new_instances(s3, tmp_path):
+    """2 nodes x 2 ranks save with node-local dirs; all local dirs wiped; 2 new nodes x 1 rank
+    restore from the remote (4 -> 2 ranks), each through a byte-counting proxy: bitwise, and each
+    node fetched about half of the step's shard bytes (fetching every file would be all of them)
+    although it loaded the step twice (the second load read what the first one fetched)."""
     base = tmp_path / "job1"
     url = f"s3://{BUCKET}/twonode"
-    env = job_env(**s3.env())
+    knobs = {"RT_WIDTH": "512", "RT_CHUNK": "1024"}  # ~30 KiB per rank: many chunks per file
+    env = job_env(**s3.env(), **knobs)
     port = free_port()
     logs = [tmp_path / f"node{i}.log" for i in range(2)]
     procs = [
@@ -120,16 +124,42 @@ def test_two_nodes_upload_then_restore_on_a_new_instance(s3, tmp_path):
         assert status["pending_steps"] == []
 
     shutil.rmtree(base)
-    run_torchrun(2, PROG, "restore", tmp_path / "job2", url, tmp_path / "restored.pt", env=env, timeout=300)
+    proxies = [FaultProxy(s3.endpoint) for _ in range(2)]
+    logs = [tmp_path / f"restore{i}.log" for i in range(2)]
+    port = free_port()
+    procs = [
+        start_torchrun(1, PROG, "restore", tmp_path / "job2", url, tmp_path / "restored.pt", nnodes=2, node_rank=i,
+                       port=port, log_path=logs[i],
+                       env=job_env(**{**s3.env(), "AWS_ENDPOINT_URL": proxies[i].endpoint}, **knobs, RT_LOAD_TWICE="1"))
+        for i in range(2)
+    ]
+    try:
+        for proc, log_path in zip(procs, logs):
+            rc = proc.wait(timeout=300)
+            assert rc == 0, Path(log_path).read_text()[-5000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_job(proc)
+        for proxy in proxies:
+            proxy.stop()
     saved = torch.load(tmp_path / "saved.pt")
     restored = torch.load(tmp_path / "restored.pt")
     assert restored["step"] == 3
     assert saved["tensors"].keys() == restored["tensors"].keys()
     for key, value in saved["tensors"].items():
         assert torch.equal(value, restored["tensors"][key]), key
-    # The new node now holds every file of the step, verified.
-    new_step = tmp_path / "job2" / "node0" / layout.step_dirname(3)
-    layout.verify_files(str(new_step), layout.read_manifest(str(new_step)))
+    # Each new node fetched the ranges its rank read: about half of the shard bytes.
+    shards = sum(e.size for n, e in manifest.files.items() if n.endswith(".distcp"))
+    where = f"/{layout.step_dirname(3)}/"
+    fetched = [sum(n for path, n in p.got if where in path and path.endswith(".distcp")) for p in proxies]
+    for node, got in enumerate(fetched):
+        assert 0.35 * shards < got < 0.75 * shards, (node, got, shards, fetched)
+    assert sum(fetched) >= shards  # every shard byte was read by some node
+    for node in range(2):
+        local_dir = tmp_path / "job2" / f"node{node}"
+        assert layout.committed_steps(str(local_dir)) == []  # a sparse copy is never a committed step
+        assert [n for n in os.listdir(local_dir) if n.startswith(ranged.SPARSE_PREFIX)]
 
 
 @pytest.mark.parametrize("s3", ["moto"], indirect=True)
@@ -339,7 +369,9 @@ def test_steps_waiting_for_a_missing_node_are_polled_with_backoff_and_reported_f
 # ---------------------------------------------------------------- corruption
 
 
-def test_bit_flip_in_remote_object_is_refused_or_falls_back(s3, tmp_path):
+def test_bit_flip_in_remote_object_is_refused_or_falls_back(s3, tmp_path, caplog):
+    """A restore onto an empty disk fetches ranges: the flipped chunk fails its chunk checksum,
+    is fetched once more, fails again, and the step is refused (or falls back)."""
     src = tmp_path / "src"
     saved = save_local_steps(src, [1, 2])
     url = f"s3://{BUCKET}/flip"
@@ -354,10 +386,15 @@ def test_bit_flip_in_remote_object_is_refused_or_falls_back(s3, tmp_path):
     fresh = tmp_path / "fresh"
     ckpt = shardckpt.Checkpointer(local_dir=str(fresh), remote=url, uploader="off", preemption_signals=())
     model = torch.nn.Linear(64, 64)
-    with pytest.raises(CorruptCheckpointError) as info:
+    with caplog.at_level("WARNING", logger="shardckpt"), pytest.raises(CorruptCheckpointError) as info:
         ckpt.load({"model": model})
-    assert f"s3://{BUCKET}/{key}" in str(info.value)
+    assert f"s3://{BUCKET}/{key}" in str(info.value) and "chunk checksum twice" in str(info.value)
+    assert "fail their chunk checksum; fetching them again" in caplog.text
     assert layout.committed_steps(str(fresh)) == []  # nothing unverified became a local step
+    sparse = [n for n in os.listdir(fresh) if n.startswith(ranged.SPARSE_PREFIX)]
+    assert sparse and layout.step_dirname(2) in sparse[0]
+    held = json.loads((fresh / sparse[0] / ranged.HELD_NAME).read_text())
+    assert held.get("__0_0.distcp") == []  # the corrupt chunk was never taken as held
     ckpt.close()
 
     ckpt = shardckpt.Checkpointer(local_dir=str(fresh), remote=url, uploader="off", on_corrupt="fallback",
