@@ -69,11 +69,12 @@ _ALGOS = {"xxh3-128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 
 
 CHUNK_ALGO = "xxh3-64"
-CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 4 << 20
 """Files are also checksummed per chunk of this many bytes (xxh3-64 each), so that a byte
 range of a file can be verified without the whole file (a ranged fetch from the remote).
 The manifest records them per file as one hex string (:attr:`FileEntry.chunks`): 16 hex
-characters per 8 MiB, 1.6 MB for an 840 GB step. The size is recorded with the sums: a
+characters per 4 MiB, 3.2 MB for an 840 GB step. A ranged fetch reads whole chunks: a
+small record costs up to one chunk (see README, "Need-only restores"). The size is recorded with the sums: a
 reader follows the writer's (the multi-node tests save with small chunks to see ranges)."""
 
 

@@ -237,6 +237,7 @@ class SparseStep:
         """
         t0 = time.monotonic()
         held = self.held()
+        needed = 0
         jobs = []
         lock = threading.Lock()
         max_bytes = source.request_bytes
@@ -257,6 +258,7 @@ class SparseStep:
                     f.truncate(entry.size)
                 held.pop(name, None)
             wanted = chunk_runs(needs[name], chunk, entry.size)
+            needed += _union_bytes(needs[name], entry.size)
             have = held.setdefault(name, set())
             bad = [i for i in wanted if i in have and not self._disk_ok(path, i, chunk, entry.size, sums[i])]
             have.difference_update(bad)
@@ -278,8 +280,8 @@ class SparseStep:
             self._write_held(held)
         if jobs:
             log.info(
-                "shardckpt: step %d: fetched %d range(s), %.1f MiB, of what this node's ranks read into %s in %.2f s",
-                self.step, len(jobs), self.fetched_bytes / 2**20, self.dir, time.monotonic() - t0,
+                "shardckpt: step %d: fetched %d range(s), %d bytes, for the %d bytes this node's ranks read, into %s "
+                "in %.2f s", self.step, len(jobs), self.fetched_bytes, needed, self.dir, time.monotonic() - t0,
             )
 
     def _disk_ok(self, path: str, index: int, chunk: int, size: int, expected: str) -> bool:
@@ -326,6 +328,17 @@ class SparseStep:
             os.close(fd)
         with lock:
             held.setdefault(name, set()).update(range(first, first + -(-length // chunk)))
+
+
+def _union_bytes(intervals: Iterable[tuple[int, int]], size: int) -> int:
+    """How many bytes the union of ``[start, end)`` intervals covers."""
+    total, reach = 0, 0
+    for start, end in sorted(intervals):
+        start, end = max(start, reach), min(end, size)
+        if end > start:
+            total += end - start
+            reach = end
+    return total
 
 
 def _read_manifest_copy(directory: str) -> layout.Manifest | None:
