@@ -405,6 +405,33 @@ def test_bit_flip_in_remote_object_is_refused_or_falls_back(s3, tmp_path, caplog
     ckpt.close()
 
 
+@pytest.mark.parametrize("s3", ["moto"], indirect=True)
+def test_chunk_sums_are_taken_while_writing_and_a_manifest_without_them_is_fetched_whole(s3, tmp_path):
+    src = tmp_path / "src"
+    saved = save_local_steps(src, [1], width=1100)  # a shard of ~4.6 MiB: two chunks
+    step_dir = src / layout.step_dirname(1)
+    manifest = layout.read_manifest(str(step_dir))
+    for name, entry in manifest.files.items():  # the sums of the write are the sums of the file
+        assert layout.file_sums(str(step_dir / name)) == (entry.size, entry.checksum, entry.chunks), name
+    assert len(layout.chunk_table(manifest.files["__0_0.distcp"].chunks, manifest.files["__0_0.distcp"].size)[1]) == 2
+    url = f"s3://{BUCKET}/oldmanifest"
+    assert uploader.Uploader(str(src), remote.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
+    # A manifest from before chunk sums: the step is fetched whole and committed locally, as before.
+    key = f"oldmanifest/{layout.step_dirname(1)}/{layout.MANIFEST_NAME}"
+    body = json.loads(s3.client().get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    for entry in body["files"].values():
+        del entry["chunks"]
+    s3.client().put_object(Bucket=BUCKET, Key=key, Body=json.dumps(body).encode())
+    fresh = tmp_path / "fresh"
+    model = torch.nn.Linear(1100, 1100)
+    with shardckpt.Checkpointer(local_dir=str(fresh), remote=url, uploader="off", preemption_signals=()) as ckpt:
+        assert ckpt.load({"model": model}) == 1
+    for k, v in saved[1].items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert layout.committed_steps(str(fresh)) == [1]
+    assert not [n for n in os.listdir(fresh) if n.startswith(ranged.SPARSE_PREFIX)]
+
+
 def test_upload_check_refuses_an_object_recorded_with_another_checksum(s3):
     """The HEAD after an upload compares the checksum recorded with the object to the manifest's.
 
