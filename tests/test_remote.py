@@ -80,6 +80,18 @@ def wait_uploader_exit(local_dir: Path, timeout: float = 90) -> dict:
     return node_registry.read_json(str(status))
 
 
+def wait_all(procs, logs) -> None:
+    """Every launcher exits 0 (else its log's end is shown); none is left running."""
+    try:
+        for proc, log_path in zip(procs, logs):
+            rc = proc.wait(timeout=300)
+            assert rc == 0, Path(log_path).read_text()[-5000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_job(proc)
+
+
 # ---------------------------------------------------------------- multi-node
 
 
@@ -99,14 +111,7 @@ def test_two_nodes_upload_then_restore_on_new_instances(s3, tmp_path):
                        nnodes=2, node_rank=i, port=port, env=env, log_path=logs[i])
         for i in range(2)
     ]
-    try:
-        for proc, log_path in zip(procs, logs):
-            rc = proc.wait(timeout=300)
-            assert rc == 0, Path(log_path).read_text()[-5000:]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                kill_job(proc)
+    wait_all(procs, logs)
 
     # Each node holds only its own ranks' shard files locally.
     node1_files = os.listdir(base / "node1" / layout.step_dirname(3))
@@ -134,13 +139,8 @@ def test_two_nodes_upload_then_restore_on_new_instances(s3, tmp_path):
         for i in range(2)
     ]
     try:
-        for proc, log_path in zip(procs, logs):
-            rc = proc.wait(timeout=300)
-            assert rc == 0, Path(log_path).read_text()[-5000:]
+        wait_all(procs, logs)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                kill_job(proc)
         for proxy in proxies:
             proxy.stop()
     saved = torch.load(tmp_path / "saved.pt")

@@ -132,9 +132,8 @@ def checksum_bytes(data: bytes | memoryview, like: str | None = None) -> str:
     return c.value()
 
 
-def checksum_file(path: str, like: str | None = None) -> tuple[int, str]:
-    """Size and checksum of a file (algorithm of ``like`` when given), read in 8 MiB chunks."""
-    c = Checksum.like(like)
+def _hash_file(path: str, c: Checksum) -> int:
+    """Feed the file to ``c`` in 8 MiB reads; returns its size."""
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
     size = 0
@@ -145,23 +144,19 @@ def checksum_file(path: str, like: str | None = None) -> tuple[int, str]:
                 break
             size += n
             c.update(view[:n])
-    return size, c.value()
+    return size
+
+
+def checksum_file(path: str, like: str | None = None) -> tuple[int, str]:
+    """Size and checksum of a file (algorithm of ``like`` when given), read in 8 MiB chunks."""
+    c = Checksum.like(like)
+    return _hash_file(path, c), c.value()
 
 
 def file_sums(path: str) -> tuple[int, str, str]:
     """Size, checksum and chunk checksums (:attr:`FileEntry.chunks`) of a file, in one read."""
     c = Checksum(chunked=True)
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    size = 0
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            size += n
-            c.update(view[:n])
-    return size, c.value(), c.chunk_sums()
+    return _hash_file(path, c), c.value(), c.chunk_sums()
 
 
 def chunk_table(chunks: str, size: int) -> tuple[int, list[str]] | None:
