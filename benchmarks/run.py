@@ -125,7 +125,7 @@ CASES = [
          "moto's S3 server; an FSDP2 model + AdamW saved by K simulated nodes x 1 rank (K = 1, 2, 4), restored "
          "onto K empty disks, each node through its own byte-counting proxy: S3 bytes per node against the bytes "
          "its ranks' load plans read (.metadata included), total egress against the step's bytes, GETs per node "
-         "and the restore time of the slowest node.",
+         "and the restore time of the job (rank 0's log line: every rank's load is collective).",
          lambda a: ["--nodes", "1,2" if a.quick else "1,2,4", "--width", "65536" if a.quick else "1048576",
                     "--repeats", repeats(a, 1, 3)], sizes=None),
     Case("restore_kinds", "Restore per state kind", "bench_restore.py",
