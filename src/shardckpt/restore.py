@@ -10,8 +10,10 @@
        every rank can load: complete in its directory, committed on the
        remote, or completable from the other nodes' node-local copies
     2. fetch what a directory copy lacks: from the remote (each file checked
-       against the manifest while it downloads), else from the copies of
-       other nodes over the process group (also checked); one exchange
+       against the manifest while it downloads; a copy holding nothing of the
+       step becomes a sparse copy, given during the read only the chunks its
+       ranks read: ``ranged.py``), else from the copies of other nodes over
+       the process group (also checked); one exchange
     3. check presence and size of every file (a stat; the work split over the
        ranks of each copy); one exchange: a missing or truncated file stops
        the step before anything is read
