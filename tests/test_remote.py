@@ -402,6 +402,17 @@ def test_bit_flip_in_remote_object_is_refused_or_falls_back(s3, tmp_path, caplog
     assert ckpt.load({"model": model}) == 1
     for k, v in saved[1].items():
         assert torch.equal(model.state_dict()[k], v), k
+    # A held chunk that rots on the local disk is checked before it is read, and fetched again.
+    (sparse,) = [fresh / n for n in os.listdir(fresh) if n.startswith(ranged.SPARSE_PREFIX)]
+    with open(sparse / "__0_0.distcp", "r+b") as f:
+        f.seek(os.path.getsize(sparse / "__0_0.distcp") // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    model = torch.nn.Linear(64, 64)
+    assert ckpt.load({"model": model}, step=1) == 1
+    for k, v in saved[1].items():
+        assert torch.equal(model.state_dict()[k], v), k
     ckpt.close()
 
 
