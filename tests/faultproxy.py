@@ -12,7 +12,7 @@ answered with a fault, chosen by ``decide(method, path, index)``:
 Modes: :meth:`set_mode` with ``"pass"``, ``"fail503"`` (every request 503),
 ``"cycle"`` (every ``every``-th request gets the next fault of ``kinds`` in
 turn: deterministic counts) or ``"random"`` (a seeded mix at ``rate``). Counts of what was
-injected are kept in ``counts``.
+injected are kept in ``counts``; the body bytes of every forwarded GET, per path, in ``got``.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ class FaultProxy:
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.counts: dict[str, int] = {}
+        self.got: list[tuple[str, int]] = []
+        """``(path, body bytes)`` of every GET forwarded and answered."""
         self.index = 0
         proxy = self
 
@@ -164,6 +166,9 @@ class FaultProxy:
                 out.append(f"{name}: {value}")
             if method != "HEAD":
                 out.append(f"Content-Length: {len(data)}")
+            if method == "GET":
+                with self._lock:
+                    self.got.append((urllib.parse.urlparse(target).path, len(data)))
             conn.sendall(("\r\n".join(out) + "\r\n\r\n").encode("latin-1") + (data if method != "HEAD" else b""))
         finally:
             up.close()

@@ -234,7 +234,7 @@ def test_a_stream_that_seeks_is_hashed_from_disk(tmp_path):
     assert "f" not in fs.written
     with fs.create_stream(path, "wb") as stream:
         stream.write(b"plain")
-    assert fs.written["f"] == layout.checksum_file(path)
+    assert fs.written["f"] == layout.file_sums(path)
 
 
 def _tamper_records(step_dir: str, step: int, how: str) -> tuple[str, str]:

@@ -24,7 +24,7 @@ from faultproxy import FaultProxy  # noqa: E402
 from helpers import PROGRAMS, free_port, kill_job, run_torchrun, start_torchrun, wait_for  # noqa: E402
 from helpers import child_env as job_env  # noqa: E402
 from s3server import BUCKET, Server, reset_if_used, stop_uploaders  # noqa: E402
-from shardckpt import cli, layout, node_registry, remote, remote_commit, uploader  # noqa: E402
+from shardckpt import cli, layout, node_registry, ranged, remote, remote_commit, uploader  # noqa: E402
 from shardckpt.errors import CorruptCheckpointError, RemoteError  # noqa: E402
 
 PROG = PROGRAMS / "remote_train.py"
@@ -80,21 +80,8 @@ def wait_uploader_exit(local_dir: Path, timeout: float = 90) -> dict:
     return node_registry.read_json(str(status))
 
 
-# ---------------------------------------------------------------- multi-node
-
-
-def test_two_nodes_upload_then_restore_on_a_new_instance(s3, tmp_path):
-    """2 nodes x 2 ranks save with node-local dirs; all local dirs wiped; a 1-node job restores."""
-    base = tmp_path / "job1"
-    url = f"s3://{BUCKET}/twonode"
-    env = job_env(**s3.env())
-    port = free_port()
-    logs = [tmp_path / f"node{i}.log" for i in range(2)]
-    procs = [
-        start_torchrun(2, PROG, "save", base, url, tmp_path / "saved.pt", "3",
-                       nnodes=2, node_rank=i, port=port, env=env, log_path=logs[i])
-        for i in range(2)
-    ]
+def wait_all(procs, logs) -> None:
+    """Every launcher exits 0 (else its log's end is shown); none is left running."""
     try:
         for proc, log_path in zip(procs, logs):
             rc = proc.wait(timeout=300)
@@ -103,6 +90,28 @@ def test_two_nodes_upload_then_restore_on_a_new_instance(s3, tmp_path):
         for proc in procs:
             if proc.poll() is None:
                 kill_job(proc)
+
+
+# ---------------------------------------------------------------- multi-node
+
+
+def test_two_nodes_upload_then_restore_on_new_instances(s3, tmp_path):
+    """2 nodes x 2 ranks save with node-local dirs; all local dirs wiped; 2 new nodes x 1 rank
+    restore from the remote (4 -> 2 ranks), each through a byte-counting proxy: bitwise, and each
+    node fetched about half of the step's shard bytes (fetching every file would be all of them)
+    although it loaded the step twice (the second load read what the first one fetched)."""
+    base = tmp_path / "job1"
+    url = f"s3://{BUCKET}/twonode"
+    knobs = {"RT_WIDTH": "512", "RT_CHUNK": "1024"}  # ~30 KiB per rank: many chunks per file
+    env = job_env(**s3.env(), **knobs)
+    port = free_port()
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]
+    procs = [
+        start_torchrun(2, PROG, "save", base, url, tmp_path / "saved.pt", "3",
+                       nnodes=2, node_rank=i, port=port, env=env, log_path=logs[i])
+        for i in range(2)
+    ]
+    wait_all(procs, logs)
 
     # Each node holds only its own ranks' shard files locally.
     node1_files = os.listdir(base / "node1" / layout.step_dirname(3))
@@ -120,16 +129,37 @@ def test_two_nodes_upload_then_restore_on_a_new_instance(s3, tmp_path):
         assert status["pending_steps"] == []
 
     shutil.rmtree(base)
-    run_torchrun(2, PROG, "restore", tmp_path / "job2", url, tmp_path / "restored.pt", env=env, timeout=300)
+    proxies = [FaultProxy(s3.endpoint) for _ in range(2)]
+    logs = [tmp_path / f"restore{i}.log" for i in range(2)]
+    port = free_port()
+    procs = [
+        start_torchrun(1, PROG, "restore", tmp_path / "job2", url, tmp_path / "restored.pt", nnodes=2, node_rank=i,
+                       port=port, log_path=logs[i],
+                       env=job_env(**{**s3.env(), "AWS_ENDPOINT_URL": proxies[i].endpoint}, **knobs, RT_LOAD_TWICE="1"))
+        for i in range(2)
+    ]
+    try:
+        wait_all(procs, logs)
+    finally:
+        for proxy in proxies:
+            proxy.stop()
     saved = torch.load(tmp_path / "saved.pt")
     restored = torch.load(tmp_path / "restored.pt")
     assert restored["step"] == 3
     assert saved["tensors"].keys() == restored["tensors"].keys()
     for key, value in saved["tensors"].items():
         assert torch.equal(value, restored["tensors"][key]), key
-    # The new node now holds every file of the step, verified.
-    new_step = tmp_path / "job2" / "node0" / layout.step_dirname(3)
-    layout.verify_files(str(new_step), layout.read_manifest(str(new_step)))
+    # Each new node fetched the ranges its rank read: about half of the shard bytes.
+    shards = sum(e.size for n, e in manifest.files.items() if n.endswith(".distcp"))
+    where = f"/{layout.step_dirname(3)}/"
+    fetched = [sum(n for path, n in p.got if where in path and path.endswith(".distcp")) for p in proxies]
+    for node, got in enumerate(fetched):
+        assert 0.35 * shards < got < 0.75 * shards, (node, got, shards, fetched)
+    assert sum(fetched) >= shards  # every shard byte was read by some node
+    for node in range(2):
+        local_dir = tmp_path / "job2" / f"node{node}"
+        assert layout.committed_steps(str(local_dir)) == []  # a sparse copy is never a committed step
+        assert [n for n in os.listdir(local_dir) if n.startswith(ranged.SPARSE_PREFIX)]
 
 
 @pytest.mark.parametrize("s3", ["moto"], indirect=True)
@@ -339,7 +369,9 @@ def test_steps_waiting_for_a_missing_node_are_polled_with_backoff_and_reported_f
 # ---------------------------------------------------------------- corruption
 
 
-def test_bit_flip_in_remote_object_is_refused_or_falls_back(s3, tmp_path):
+def test_bit_flip_in_remote_object_is_refused_or_falls_back(s3, tmp_path, caplog):
+    """A restore onto an empty disk fetches ranges: the flipped chunk fails its chunk checksum,
+    is fetched once more, fails again, and the step is refused (or falls back)."""
     src = tmp_path / "src"
     saved = save_local_steps(src, [1, 2])
     url = f"s3://{BUCKET}/flip"
@@ -354,10 +386,15 @@ def test_bit_flip_in_remote_object_is_refused_or_falls_back(s3, tmp_path):
     fresh = tmp_path / "fresh"
     ckpt = shardckpt.Checkpointer(local_dir=str(fresh), remote=url, uploader="off", preemption_signals=())
     model = torch.nn.Linear(64, 64)
-    with pytest.raises(CorruptCheckpointError) as info:
+    with caplog.at_level("WARNING", logger="shardckpt"), pytest.raises(CorruptCheckpointError) as info:
         ckpt.load({"model": model})
-    assert f"s3://{BUCKET}/{key}" in str(info.value)
+    assert f"s3://{BUCKET}/{key}" in str(info.value) and "chunk checksum twice" in str(info.value)
+    assert "fail their chunk checksum; fetching them again" in caplog.text
     assert layout.committed_steps(str(fresh)) == []  # nothing unverified became a local step
+    sparse = [n for n in os.listdir(fresh) if n.startswith(ranged.SPARSE_PREFIX)]
+    assert sparse and layout.step_dirname(2) in sparse[0]
+    held = json.loads((fresh / sparse[0] / ranged.HELD_NAME).read_text())
+    assert held.get("__0_0.distcp") == []  # the corrupt chunk was never taken as held
     ckpt.close()
 
     ckpt = shardckpt.Checkpointer(local_dir=str(fresh), remote=url, uploader="off", on_corrupt="fallback",
@@ -365,7 +402,45 @@ def test_bit_flip_in_remote_object_is_refused_or_falls_back(s3, tmp_path):
     assert ckpt.load({"model": model}) == 1
     for k, v in saved[1].items():
         assert torch.equal(model.state_dict()[k], v), k
+    # A held chunk that rots on the local disk is checked before it is read, and fetched again.
+    (sparse,) = [fresh / n for n in os.listdir(fresh) if n.startswith(ranged.SPARSE_PREFIX)]
+    with open(sparse / "__0_0.distcp", "r+b") as f:
+        f.seek(os.path.getsize(sparse / "__0_0.distcp") // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    model = torch.nn.Linear(64, 64)
+    assert ckpt.load({"model": model}, step=1) == 1
+    for k, v in saved[1].items():
+        assert torch.equal(model.state_dict()[k], v), k
     ckpt.close()
+
+
+@pytest.mark.parametrize("s3", ["moto"], indirect=True)
+def test_chunk_sums_are_taken_while_writing_and_a_manifest_without_them_is_fetched_whole(s3, tmp_path):
+    src = tmp_path / "src"
+    saved = save_local_steps(src, [1], width=1100)  # a shard of ~4.6 MiB: two chunks
+    step_dir = src / layout.step_dirname(1)
+    manifest = layout.read_manifest(str(step_dir))
+    for name, entry in manifest.files.items():  # the sums of the write are the sums of the file
+        assert layout.file_sums(str(step_dir / name)) == (entry.size, entry.checksum, entry.chunks), name
+    assert len(layout.chunk_table(manifest.files["__0_0.distcp"].chunks, manifest.files["__0_0.distcp"].size)[1]) == 2
+    url = f"s3://{BUCKET}/oldmanifest"
+    assert uploader.Uploader(str(src), remote.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
+    # A manifest from before chunk sums: the step is fetched whole and committed locally, as before.
+    key = f"oldmanifest/{layout.step_dirname(1)}/{layout.MANIFEST_NAME}"
+    body = json.loads(s3.client().get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    for entry in body["files"].values():
+        del entry["chunks"]
+    s3.client().put_object(Bucket=BUCKET, Key=key, Body=json.dumps(body).encode())
+    fresh = tmp_path / "fresh"
+    model = torch.nn.Linear(1100, 1100)
+    with shardckpt.Checkpointer(local_dir=str(fresh), remote=url, uploader="off", preemption_signals=()) as ckpt:
+        assert ckpt.load({"model": model}) == 1
+    for k, v in saved[1].items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert layout.committed_steps(str(fresh)) == [1]
+    assert not [n for n in os.listdir(fresh) if n.startswith(ranged.SPARSE_PREFIX)]
 
 
 def test_upload_check_refuses_an_object_recorded_with_another_checksum(s3):

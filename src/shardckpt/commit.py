@@ -228,7 +228,7 @@ class StepWriter:
                 job.staged, partial, process_group=self._groups.io, io_threads=self.config.io_threads, rank=rank
             )
             _failpoints.hit("write.done")
-            table = {name: (size, digest, rank) for name, (size, digest) in sums.items()}
+            table = {name: (size, digest, rank, chunks) for name, (size, digest, chunks) in sums.items()}
             _failpoints.hit("write.hashed")
             if rank == 0 and not topo.shared:
                 with open(os.path.join(partial, layout.METADATA_NAME), "rb") as f:
@@ -331,8 +331,8 @@ class StepWriter:
     def _manifest(self, job: SaveJob, tables: list[dict[str, Any]], created: float) -> layout.Manifest:
         files: dict[str, layout.FileEntry] = {}
         for table in tables:
-            for name, (size, digest, owner) in table.items():
-                files[name] = layout.FileEntry(size, digest, owner)
+            for name, (size, digest, owner, chunks) in table.items():
+                files[name] = layout.FileEntry(size, digest, owner, chunks)
         return layout.Manifest(
             step=job.step,
             world_size=_dist.world_size(),

@@ -299,41 +299,91 @@ class CheckedReader(TrustingReader):
         entries: dict[str, layout.FileEntry] | None,
         copies: list[list[int]],
         skip: set[str] = frozenset(),  # type: ignore[assignment]
+        sparse: Any = None,
+        source: Any = None,
+        group: Any = None,
     ) -> None:
         super().__init__(path, metadata)
         self._step = step
         self._entries = entries
         self._copies = copies
         self._skip = set(skip)
+        self._sparse = sparse
+        """This rank's copy is a sparse step directory (``ranged.SparseStep``): the ranges the
+        ranks of its copy read are fetched from ``source`` first, by one rank of the copy."""
+        self._source = source
+        self._group = group
         self.failures: list[tuple[str, str]] = []
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return dataclasses.replace(plan, storage_data=sorted(self._skip))
+        return dataclasses.replace(plan, storage_data={"skip": sorted(self._skip), "sparse": self._sparse is not None})
+
+    def _needs(self, plans: list[LoadPlan]) -> dict[str, list[tuple[int, int]]]:
+        """The byte ranges of each file that ``plans`` read."""
+        needs: dict[str, list[tuple[int, int]]] = {}
+        for p in plans:
+            for item in p.items:
+                info = self.storage_data[item.storage_index]
+                needs.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length))
+        return needs
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """On the coordinator: which rank checks which file (one rank per file and copy)."""
-        if self._entries is None:
-            return [dataclasses.replace(p, storage_data=[]) for p in plans]
-        reads = [{self.storage_data[i.storage_index].relative_path for i in p.items} for p in plans]
-        assigned: list[list[str]] = [[] for _ in plans]
-        load = [0] * len(plans)
+        """On the coordinator: which rank checks which file (one rank per file and copy), and
+        which rank of each sparse copy fetches the ranges its copy's ranks read."""
+        local = [p.storage_data or {} for p in plans]
         copies = [list(c) for c in self._copies if c] or [list(range(len(plans)))]
+        fetch: list[Any] = [None] * len(plans)
         for copy in copies:
-            ranks = [r for r in copy if r < len(plans)]
-            if not ranks:
-                continue
-            done = set().union(*(set(plans[r].storage_data or ()) for r in ranks))
-            for name in sorted(self._entries, key=lambda n: -self._entries[n].size):  # type: ignore[index]
-                if name in done:
+            ranks = [r for r in copy if r < len(plans) and local[r].get("sparse")]
+            if ranks:
+                fetch[min(ranks)] = self._needs([plans[r] for r in copy if r < len(plans)])
+        barrier = any(p.get("sparse") for p in local)
+        assigned: list[list[str]] = [[] for _ in plans]
+        if self._entries is not None:
+            reads = [{self.storage_data[i.storage_index].relative_path for i in p.items} for p in plans]
+            load = [0] * len(plans)
+            for copy in copies:
+                ranks = [r for r in copy if r < len(plans)]
+                if not ranks:
                     continue
-                readers = [r for r in ranks if name in reads[r]] or ranks
-                r = min(readers, key=lambda x: load[x])
-                assigned[r].append(name)
-                load[r] += self._entries[name].size  # type: ignore[index]
-        return [dataclasses.replace(p, storage_data=sorted(a)) for p, a in zip(plans, assigned)]
+                done = set().union(*(set(local[r].get("skip", ())) for r in ranks))
+                for name in sorted(self._entries, key=lambda n: -self._entries[n].size):  # type: ignore[index]
+                    if name in done:
+                        continue
+                    readers = [r for r in ranks if name in reads[r]] or ranks
+                    r = min(readers, key=lambda x: load[x])
+                    assigned[r].append(name)
+                    load[r] += self._entries[name].size  # type: ignore[index]
+        return [
+            dataclasses.replace(p, storage_data={"check": sorted(a), "fetch": f, "barrier": barrier})
+            for p, a, f in zip(plans, assigned, fetch)
+        ]
+
+    def _fetch_ranges(self, plan: LoadPlan, todo: Any, barrier: bool) -> None:
+        """The sparse copy's fetch (by the rank given ``todo``); every rank waits for it when any copy is sparse."""
+        error: BaseException | None = None
+        if todo:
+            try:
+                self._sparse.ensure(todo, self._source)
+            except Exception as exc:  # noqa: BLE001 - raised after the other ranks were released
+                error = exc
+        if barrier and self._group is not None and torch.distributed.is_initialized():
+            torch.distributed.barrier(group=self._group)
+        if error is not None:
+            raise error
+        if self._sparse is not None:
+            lacking = self._sparse.lacking(self._needs([plan]))
+            if lacking:
+                raise CorruptCheckpointError(
+                    f"step {self._step}: {', '.join(lacking[:5])} in {self.path} lack(s) ranges this rank reads: the "
+                    f"fetch by another rank of this node failed (its error is reported by that rank). Remedy: see "
+                    f"that error; load an earlier step or set on_corrupt='fallback'."
+                )
 
     def read_data(self, plan: LoadPlan, planner: Any) -> Any:
-        check = set(plan.storage_data or ())
+        data = plan.storage_data or {}
+        self._fetch_ranges(plan, data.get("fetch"), bool(data.get("barrier")))
+        check = set(data.get("check", ()))
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)

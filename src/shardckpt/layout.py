@@ -68,14 +68,32 @@ content is handled by the loaders, which never unpickle arbitrary objects."""
 _ALGOS = {"xxh3-128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 
 
-class Checksum:
-    """An incremental checksum whose value names its algorithm: ``"xxh3-128:<hex>"``."""
+CHUNK_ALGO = "xxh3-64"
+CHUNK_BYTES = 4 << 20
+"""Files are also checksummed per chunk of this many bytes (xxh3-64 each), so that a byte
+range of a file can be verified without the whole file (a ranged fetch from the remote).
+The manifest records them per file as one hex string (:attr:`FileEntry.chunks`): 16 hex
+characters per 4 MiB, 3.2 MB for an 840 GB step. A ranged fetch reads whole chunks: a
+small record costs up to one chunk (see README, "Need-only restores"). The size is recorded with the sums: a
+reader follows the writer's (the multi-node tests save with small chunks to see ranges)."""
 
-    def __init__(self, algo: str = CHECKSUM_ALGO) -> None:
+
+class Checksum:
+    """An incremental checksum whose value names its algorithm: ``"xxh3-128:<hex>"``.
+
+    With ``chunked``, the same updates also checksum every :data:`CHUNK_BYTES` chunk
+    (:meth:`chunk_sums`): one pass over the bytes for both.
+    """
+
+    def __init__(self, algo: str = CHECKSUM_ALGO, *, chunked: bool = False) -> None:
         if algo not in _ALGOS:
             raise ValueError(f"unknown checksum algorithm {algo!r}; known: {sorted(_ALGOS)}")
         self.algo = algo
         self._h = _ALGOS[algo]()
+        self._chunks: list[str] | None = [] if chunked else None
+        self._chunk = xxhash.xxh3_64()
+        self._in_chunk = 0
+        self._chunk_bytes = CHUNK_BYTES
 
     @classmethod
     def like(cls, expected: str | None) -> "Checksum":
@@ -84,9 +102,28 @@ class Checksum:
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         self._h.update(data)
+        if self._chunks is None:
+            return
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            take = min(view.nbytes, self._chunk_bytes - self._in_chunk)
+            self._chunk.update(view[:take])
+            self._in_chunk += take
+            view = view[take:]
+            if self._in_chunk == self._chunk_bytes:
+                self._chunks.append(self._chunk.hexdigest())
+                self._chunk.reset()
+                self._in_chunk = 0
 
     def value(self) -> str:
         return f"{self.algo}:{self._h.hexdigest()}"
+
+    def chunk_sums(self) -> str:
+        """The chunk checksums so far (a last partial chunk included): see :attr:`FileEntry.chunks`."""
+        if self._chunks is None:
+            return ""
+        tail = [self._chunk.hexdigest()] if self._in_chunk else []
+        return f"{CHUNK_ALGO}:{self._chunk_bytes}:" + "".join(self._chunks + tail)
 
 
 def checksum_bytes(data: bytes | memoryview, like: str | None = None) -> str:
@@ -95,9 +132,8 @@ def checksum_bytes(data: bytes | memoryview, like: str | None = None) -> str:
     return c.value()
 
 
-def checksum_file(path: str, like: str | None = None) -> tuple[int, str]:
-    """Size and checksum of a file (algorithm of ``like`` when given), read in 8 MiB chunks."""
-    c = Checksum.like(like)
+def _hash_file(path: str, c: Checksum) -> int:
+    """Feed the file to ``c`` in 8 MiB reads; returns its size."""
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
     size = 0
@@ -108,7 +144,38 @@ def checksum_file(path: str, like: str | None = None) -> tuple[int, str]:
                 break
             size += n
             c.update(view[:n])
-    return size, c.value()
+    return size
+
+
+def checksum_file(path: str, like: str | None = None) -> tuple[int, str]:
+    """Size and checksum of a file (algorithm of ``like`` when given), read in 8 MiB chunks."""
+    c = Checksum.like(like)
+    return _hash_file(path, c), c.value()
+
+
+def file_sums(path: str) -> tuple[int, str, str]:
+    """Size, checksum and chunk checksums (:attr:`FileEntry.chunks`) of a file, in one read."""
+    c = Checksum(chunked=True)
+    return _hash_file(path, c), c.value(), c.chunk_sums()
+
+
+def chunk_table(chunks: str, size: int) -> tuple[int, list[str]] | None:
+    """``(chunk size, [hex digest per chunk])`` of a :attr:`FileEntry.chunks` value for a file
+    of ``size`` bytes; ``None`` when there is none or it does not fit the file (then the file
+    can only be verified whole)."""
+    parts = chunks.split(":")
+    if len(parts) != 3 or parts[0] != CHUNK_ALGO or not parts[1].isdigit() or int(parts[1]) <= 0:
+        return None
+    step, digits = int(parts[1]), parts[2]
+    count = -(-size // step)
+    if len(digits) != 16 * count:
+        return None
+    return step, [digits[i : i + 16] for i in range(0, len(digits), 16)]
+
+
+def chunk_sum(data: bytes | memoryview) -> str:
+    """The chunk checksum of ``data`` (one chunk, or the last one of a file), as in :func:`chunk_table`."""
+    return xxhash.xxh3_64_hexdigest(data)
 
 
 def _parse_checksum(entry: dict[str, Any], name: str) -> str:
@@ -127,6 +194,11 @@ class FileEntry:
     checksum: str
     """``"<algorithm>:<hex digest>"``, see :data:`CHECKSUM_ALGO`."""
     rank: int
+    chunks: str = ""
+    """``"xxh3-64:<chunk bytes>:<16 hex digits per chunk>"``: the checksum of every chunk of the
+    file (the last one may be short), for verifying byte ranges (:func:`chunk_table`). Empty in
+    manifests from before it was recorded, and for files hashed without it: such a file is
+    fetched and verified whole."""
 
 
 @dataclasses.dataclass
@@ -172,6 +244,9 @@ class Manifest:
 
     def to_json(self) -> str:
         body = dataclasses.asdict(self)
+        for entry in body["files"].values():
+            if not entry["chunks"]:
+                del entry["chunks"]
         return json.dumps(body, indent=1, sort_keys=True)
 
     @classmethod
@@ -183,7 +258,9 @@ class Manifest:
             files = {}
             for name, entry in body["files"].items():
                 check_relpath(name, where)
-                files[name] = FileEntry(int(entry["size"]), _parse_checksum(entry, name), int(entry["rank"]))
+                files[name] = FileEntry(
+                    int(entry["size"]), _parse_checksum(entry, name), int(entry["rank"]), str(entry.get("chunks") or "")
+                )
             return cls(
                 step=int(body["step"]),
                 world_size=int(body["world_size"]),

@@ -58,7 +58,7 @@ class _HashingStream(io.RawIOBase):
     def __init__(self, raw: Any) -> None:
         super().__init__()
         self._raw = raw
-        self.checksum: layout.Checksum | None = layout.Checksum()
+        self.checksum: layout.Checksum | None = layout.Checksum(chunked=True)
         self.size = 0
 
     def writable(self) -> bool:
@@ -107,7 +107,7 @@ class _HashingFileSystem(FileSystem):
     def __init__(self) -> None:
         super().__init__()
         self._lock = threading.Lock()
-        self.written: dict[str, tuple[int, str]] = {}
+        self.written: dict[str, tuple[int, str, str]] = {}
         self.errors: list[BaseException] = []
         """What failed while writing a file (DCP's writer threads only print their tracebacks)."""
 
@@ -128,7 +128,7 @@ class _HashingFileSystem(FileSystem):
             raise
         if stream.checksum is not None:
             with self._lock:
-                self.written[os.path.basename(path)] = (stream.size, stream.checksum.value())
+                self.written[os.path.basename(path)] = (stream.size, stream.checksum.value(), stream.checksum.chunk_sums())
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)
@@ -168,8 +168,8 @@ class CheckedWriter(FileSystemWriter):
             raise ValueError(f"{what}: {type(cause).__name__}: {cause}") from cause
         return future
 
-    def checksums(self, directory: str, names: list[str]) -> dict[str, tuple[int, str]]:
-        """Size and checksum of each of ``names`` in ``directory``: from the write, else read back."""
+    def checksums(self, directory: str, names: list[str]) -> dict[str, tuple[int, str, str]]:
+        """Size, checksum and chunk checksums of each of ``names`` in ``directory``: from the write, else read back."""
         out = {}
         for name in names:
             path = os.path.join(directory, name)
@@ -177,16 +177,16 @@ class CheckedWriter(FileSystemWriter):
             if seen is not None and os.path.getsize(path) == seen[0]:
                 out[name] = seen
             else:
-                out[name] = layout.checksum_file(path)
+                out[name] = layout.file_sums(path)
         return out
 
 
 def dcp_write(
     state_dict: dict[str, Any], directory: str, *, process_group: Any, io_threads: int, rank: int
-) -> dict[str, tuple[int, str]]:
+) -> dict[str, tuple[int, str, str]]:
     """Write this rank's shards (and on rank 0 ``.metadata``) into ``directory``.
 
-    Returns size and checksum of each file this rank wrote, taken while writing.
+    Returns size, checksum and chunk checksums of each file this rank wrote, taken while writing.
     """
     writer = CheckedWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=io_threads)
     no_dist = not (dist.is_available() and dist.is_initialized())
@@ -299,6 +299,8 @@ def dcp_read(
     entries: dict[str, layout.FileEntry] | None,
     copies: list[list[int]],
     checked: set[str] = frozenset(),  # type: ignore[assignment]
+    sparse: Any = None,
+    source: Any = None,
 ) -> list[tuple[str, str]]:
     """Read ``step_dir`` into ``target`` in place (:class:`dcp_reader.CheckedReader`).
 
@@ -306,10 +308,13 @@ def dcp_read(
     checksummed by one rank of its copy while it is read; returns this rank's
     ``(file, problem)`` pairs. ``target`` is taken as is: dcp.load would
     replace the top-level dict, losing entries the planner rebuilds there.
+    ``sparse``: ``step_dir`` is a sparse copy (``ranged.SparseStep``) completed from
+    ``source`` with the ranges its ranks read.
     """
     from .dcp_reader import CheckedReader
 
-    reader = CheckedReader(step_dir, metadata, step=step, entries=entries, copies=copies, skip=checked)
+    reader = CheckedReader(step_dir, metadata, step=step, entries=entries, copies=copies, skip=checked,
+                           sparse=sparse, source=source, group=process_group)
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         _load_state_dict(target, storage_reader=reader, planner=planner, process_group=process_group, no_dist=no_dist)
@@ -360,9 +365,9 @@ def adopt(source: str, root: str, step: int, *, trust_pickles: bool = False) -> 
             if not os.path.isfile(path) or name == layout.MANIFEST_NAME:
                 continue
             shutil.copyfile(path, os.path.join(partial, name))
-            size, digest = layout.checksum_file(os.path.join(partial, name))
+            size, digest, chunks = layout.file_sums(os.path.join(partial, name))
             match = re.match(r"__(\d+)_", name)
-            files[name] = layout.FileEntry(size, digest, int(match.group(1)) if match else 0)
+            files[name] = layout.FileEntry(size, digest, int(match.group(1)) if match else 0, chunks)
         ranks = {e.rank for n, e in files.items() if n.startswith("__")}
         keys = {}
         for fqn in metadata.state_dict_metadata:

@@ -363,6 +363,11 @@ class Store:
     def get_bytes(self, key: str, deadline: Deadline) -> bytes | None:
         raise NotImplementedError
 
+    def get_range(self, key: str, offset: int, length: int, deadline: Deadline) -> bytes:
+        """Bytes [offset, offset + length) of the stored object (one request, retried); a short
+        answer is retried, a missing object is a :class:`RemoteError`."""
+        raise NotImplementedError
+
     def exists(self, key: str, deadline: Deadline) -> bool:
         raise NotImplementedError
 
@@ -642,6 +647,18 @@ class S3Store(Store):
 
         return self.retry(call, "download of", key, deadline)
 
+    def get_range(self, key: str, offset: int, length: int, deadline: Deadline) -> bytes:
+        def call() -> bytes:
+            resp = self.client.get_object(
+                Bucket=self.bucket, Key=self.full_key(key), Range=f"bytes={offset}-{offset + length - 1}"
+            )
+            data = resp["Body"].read()
+            if len(data) != length:
+                raise _Transient(f"short ranged read of {self.where(key)}")
+            return data
+
+        return self.retry(call, "download of", key, deadline)
+
     def exists(self, key: str, deadline: Deadline) -> bool:
         def call() -> bool:
             try:
@@ -917,6 +934,17 @@ class FsspecStore(Store):
 
     def exists(self, key: str, deadline: Deadline) -> bool:
         return self.retry(lambda: self.fs.exists(self.path(key)), "lookup of", key, deadline)
+
+    def get_range(self, key: str, offset: int, length: int, deadline: Deadline) -> bytes:
+        def call() -> bytes:
+            with self.fs.open(self.path(key), "rb") as f:
+                f.seek(offset)
+                data = f.read(length)
+            if len(data) != length:
+                raise _Transient(f"short ranged read of {self.where(key)}")
+            return data
+
+        return self.retry(call, "download of", key, deadline)
 
     def recorded_checksum(self, key: str, like: str, deadline: Deadline) -> tuple[int, str] | None:
         if self.local:

@@ -10,8 +10,10 @@
        every rank can load: complete in its directory, committed on the
        remote, or completable from the other nodes' node-local copies
     2. fetch what a directory copy lacks: from the remote (each file checked
-       against the manifest while it downloads), else from the copies of
-       other nodes over the process group (also checked); one exchange
+       against the manifest while it downloads; a copy holding nothing of the
+       step becomes a sparse copy, given during the read only the chunks its
+       ranks read: ``ranged.py``), else from the copies of other nodes over
+       the process group (also checked); one exchange
     3. check presence and size of every file (a stat; the work split over the
        ranks of each copy); one exchange: a missing or truncated file stops
        the step before anything is read
@@ -40,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _dist, layout, local, peer, remote, remote_commit, retention, step_dirs
+from . import _dist, layout, local, peer, ranged, remote, remote_commit, retention, step_dirs
 from . import elastic as elastic_mod
 from . import lineage as lineage_mod
 from . import state as state_mod
@@ -100,6 +102,8 @@ class Restorer:
         """The lineage the saves after the last load continue (agreed by all ranks)."""
         self.newest_created = 0.0
         """The newest manifest time seen by the last load: later saves are stamped after it."""
+        self._sparse: dict[int, ranged.SparseStep] = {}
+        """Steps this rank reads from a sparse copy (need-only fetch from the remote, ``ranged.py``)."""
 
     def steps(self) -> list[int]:
         return layout.committed_steps(self.root)
@@ -144,6 +148,8 @@ class Restorer:
             step_dir = os.path.join(self.root, layout.step_dirname(candidate))
             try:
                 manifest, checked = self._prepare(candidate, step_dir, survey)
+                if candidate in self._sparse:
+                    step_dir = self._sparse[candidate].dir
                 self._load_checked(
                     state, candidate, step_dir, manifest, checked, survey, strict=strict, trust_pickles=trust_pickles
                 )
@@ -454,6 +460,7 @@ class Restorer:
         they are read (:meth:`_load_checked`).
         """
         received: set[str] = set()
+        self._sparse.pop(step, None)
         if step in survey.remote_unreadable:
             raise CorruptCheckpointError(
                 f"step {step} is committed on the remote {remote.safe_url(self.config.remote)}, but it cannot be "
@@ -465,10 +472,14 @@ class Restorer:
         else:
             lacking = any(step in m and m[step] for m in survey.missing) or any(step not in m for m in survey.missing)
             if lacking and step in survey.remote_steps:
-                received = self._fetch_missing(step, step_dir, stale=step in survey.stale[_dist.rank()])
+                if self._open_need_only(step, survey):
+                    received = self._fetch_missing(step, step_dir, stale=step in survey.stale[_dist.rank()])
             elif lacking:
                 received = self._exchange_with_peers(step, step_dir, survey)
-            manifest = layout.read_manifest(step_dir)
+            sparse = self._sparse.get(step)
+            if sparse is not None:
+                step_dir, received = sparse.dir, set(sparse.manifest.files)
+            manifest = sparse.manifest if sparse is not None else layout.read_manifest(step_dir)
             if manifest is None:
                 self._raise_not_found(step, survey)
             error, failed = self._check_share(step_dir, manifest, received)
@@ -577,7 +588,7 @@ class Restorer:
         """
         error: tuple[str, str] | None = None
         fetched: list[str] = []
-        if self.topology.committer:
+        if self.topology.committer and step not in self._sparse:
             try:
                 if stale:
                     kept = step_dirs.keep_aside(self.root, step)
@@ -600,6 +611,41 @@ class Restorer:
                 raise CorruptCheckpointError(message + more)
             raise RemoteError(message + more)
         return set(gathered[self.topology.copy[0]][1])
+
+    def _open_need_only(self, step: int, survey: Survey) -> bool:
+        """Copies holding nothing of ``step`` become sparse copies, filled while the step is read
+        with only the ranges their ranks read (``ranged.py``). Collective over ``ctl``.
+
+        Returns whether some copy still needs the whole-file fetch (:meth:`_fetch_missing`):
+        a copy holding part of the step or another save of it, or a step without chunk checksums.
+        """
+        topo = self.topology
+        empty = all(step not in survey.missing[r] and step not in survey.stale[r] for r in topo.copy)
+        result: tuple[str | None, tuple[str, str] | None] = (None, None)
+        sparse = None
+        if empty and topo.committer:
+            try:
+                store = self._remote_store()
+                source = ranged.RemoteSource(store, step)
+                sparse = ranged.SparseStep.open(
+                    self.root, survey.infos[step].version,
+                    lambda: remote_commit.remote_manifest(store, step, source.deadline), source,
+                )
+                result = (None if sparse is None else sparse.dir, None)
+            except CorruptCheckpointError as exc:
+                result = (None, ("corrupt", str(exc)))
+            except (RemoteError, OSError) as exc:
+                result = (None, ("remote", remote.redact(str(exc))))
+        gathered = self._groups.all_gather_ctl(result)
+        errors = [e for _d, e in gathered if e is not None]
+        if errors:
+            kind, message = next((e for e in errors if e[0] == "corrupt"), errors[0])
+            raise (CorruptCheckpointError if kind == "corrupt" else RemoteError)(message)
+        mine = gathered[topo.copy[0]][0]
+        if mine is not None:
+            self._sparse[step] = sparse if sparse is not None else ranged.SparseStep.attach(mine)
+        whole = [r for r, m in enumerate(survey.missing) if step not in m or m[step]]
+        return any(gathered[topo.copy_of(r)[0]][0] is None for r in whole)
 
     def _exchange_with_peers(self, step: int, step_dir: str, survey: Survey) -> set[str]:
         """Node-local copies without a remote: each copy receives the files it lacks from another node.
@@ -788,10 +834,12 @@ class Restorer:
         # they match (as modules are): no second allocation, no copy afterwards.
         live = state_mod.LiveTensors(state, kinds_live, rebuild_keys)
         planner = local.RestorePlanner(rebuild, allow_partial_load=True, trust_pickles=trust_pickles, into=live.find)
+        sparse = self._sparse.get(step)
         failures = local.dcp_read(
             targets, step_dir, metadata, planner, self._groups.ctl, step=step,
             entries=manifest.files if self.config.verify_on_load else None,
             copies=[list(c) for c in self.topology.copies], checked=checked,
+            sparse=sparse, source=ranged.RemoteSource(self._remote_store(), step) if sparse is not None else None,
         )
         # Every rank learns every checksum failure here, before anything is applied to the
         # live objects (applying may be collective: all ranks must take the same path).

@@ -8,6 +8,10 @@ usage: remote_train.py save    BASE REMOTE OUT STEPS     local_dir = BASE/node<G
                                                          they are reported failed; on OUT.go node 1's
                                                          uploader starts again and step 5 is saved
 
+Environment: RT_WIDTH (the model's width, default 24), RT_CHUNK (bytes per chunk checksum,
+default the library's), RT_LOAD_TWICE=1 (restore loads the step twice: the second load of
+the same step at the same world size reads what the first one fetched).
+
 OUT receives (rank 0) torch.save of the full model and optimizer tensors and
 the step, for bitwise comparison by the test.
 """
@@ -30,7 +34,7 @@ def build():
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    net = common.TinyNet(width=24)
+    net = common.TinyNet(width=int(os.environ.get("RT_WIDTH", "24")))
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
     for layer in (net.fc1, net.fc2, net.fc3):
         fully_shard(layer, mesh=mesh)
@@ -48,6 +52,10 @@ def dump(model, optim, step, out, rank):
 
 def main() -> None:
     mode, base, remote, out = sys.argv[1:5]
+    if os.environ.get("RT_CHUNK"):
+        from shardckpt import layout
+
+        layout.CHUNK_BYTES = int(os.environ["RT_CHUNK"])
     rank, world = common.init()
     node = os.environ.get("GROUP_RANK", "0")
     local_dir = os.path.join(base, f"node{node}")
@@ -63,6 +71,8 @@ def main() -> None:
     state = {"model": model, "optimizer": optim}
     if mode == "restore":
         step = ckpt.load(state)
+        if os.environ.get("RT_LOAD_TWICE") == "1":
+            assert ckpt.load(state) == step
         dump(model, optim, step, out, rank)
         ckpt.close()
         common.finish()

@@ -1,0 +1,350 @@
+"""Need-only restores from the remote: a node fetches only the byte ranges its ranks read.
+
+A node that holds nothing of the step being restored does not download the
+whole step. Its copy is a *sparse step directory*::
+
+    <local_dir>/.ranges-step_<N>-<save id>/
+        remote-manifest.json      the remote manifest (never named shardckpt.json: not a committed step)
+        .metadata                 fetched whole, checked against its whole-file checksum
+        __0_0.distcp ...          sparse files of the step's size, holding the fetched chunks
+        held.json                 which chunks of each file are held, each verified when fetched
+
+DCP's load plans say which bytes each rank reads (a ``ReadItem``'s
+``storage_index`` -> the metadata's ``storage_data``: file, offset, length).
+The coordinator of the read gathers them (``CheckedReader.prepare_global_plan``),
+and the committer of each sparse copy fetches the union of its ranks' ranges,
+widened to whole chunks of the manifest's chunk table (:data:`layout.CHUNK_BYTES`)
+and coalesced into requests of at most ``part_size`` bytes, many in flight. Every
+chunk is compared with its checksum as it lands; one that fails is fetched again
+once, then the step fails like a corrupt file (``on_corrupt``). Chunks already held
+are checked from disk instead of fetched: the next restore of the same step at the
+same world size reads nothing from the remote. One sparse directory is kept per
+node (a newer one replaces it); it is never read as a committed step.
+
+What is fetched comes from a :class:`Source`: the remote today (:class:`RemoteSource`);
+another node's copy can serve the same interface.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from typing import Any, Callable, Iterable, Protocol
+
+from . import layout
+from .errors import CorruptCheckpointError
+from .remote import Deadline, Store, safe_url
+
+log = logging.getLogger("shardckpt")
+
+SPARSE_PREFIX = ".ranges-"
+MANIFEST_COPY = "remote-manifest.json"
+HELD_NAME = "held.json"
+
+
+class Source(Protocol):
+    """Where the bytes of a step's files come from."""
+
+    def where(self, name: str) -> str:
+        """The source's name for the file (in error messages)."""
+
+    def read(self, name: str, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset + length) of the step's file ``name``."""
+
+    def fetch_whole(self, name: str, path: str, entry: layout.FileEntry) -> None:
+        """The whole file into ``path``, checked against ``entry``'s checksum."""
+
+    request_bytes: int
+    """The most bytes one request asks for."""
+
+    def run_all(self, jobs: list[Callable[[], Any]]) -> list[Any]:
+        """Run ``jobs`` (each one request) with as many in flight as the source allows."""
+
+
+class RemoteSource:
+    """The step's objects on the remote store (ranged GETs, retried by the store)."""
+
+    def __init__(self, store: Store, step: int) -> None:
+        self.store = store
+        self.step = step
+        self.deadline = Deadline(store.options.step_deadline_s)
+        self.request_bytes = max(layout.CHUNK_BYTES, store.options.part_size)
+
+    def run_all(self, jobs: list[Callable[[], Any]]) -> list[Any]:
+        return self.store.run_all(jobs)
+
+    def _key(self, name: str) -> str:
+        return f"{layout.step_dirname(self.step)}/{name}"
+
+    def where(self, name: str) -> str:
+        return self.store.where(self._key(name))
+
+    def read(self, name: str, offset: int, length: int) -> bytes:
+        return self.store.get_range(self._key(name), offset, length, self.deadline)
+
+    def fetch_whole(self, name: str, path: str, entry: layout.FileEntry) -> None:
+        self.store.get_file(self._key(name), path, entry.size, entry.checksum, self.deadline)
+
+
+def sparse_dirname(step: int, version: str) -> str:
+    tag = version.split(":", 1)[-1][:32]
+    return f"{SPARSE_PREFIX}{layout.step_dirname(step)}-{tag}"
+
+
+def usable(manifest: layout.Manifest) -> bool:
+    """Whether every file of the step can be verified by chunks (else it is fetched whole, as before)."""
+    return bool(manifest.files) and all(
+        layout.chunk_table(e.chunks, e.size) is not None for n, e in manifest.files.items() if n != layout.METADATA_NAME
+    )
+
+
+def chunk_runs(intervals: Iterable[tuple[int, int]], chunk: int, size: int) -> list[int]:
+    """The chunk indices covering byte intervals ``[start, end)`` of a file of ``size`` bytes, sorted."""
+    out: set[int] = set()
+    for start, end in intervals:
+        end = min(end, size)
+        if end > start:
+            out.update(range(start // chunk, (end - 1) // chunk + 1))
+    return sorted(out)
+
+
+def coalesce(indices: list[int], chunk: int, size: int, max_bytes: int) -> list[tuple[int, int]]:
+    """Requests ``(offset, length)`` for the sorted chunk ``indices``: runs of consecutive chunks,
+    each split to at most ``max_bytes`` (at least one chunk)."""
+    per = max(1, max_bytes // chunk)
+    out: list[tuple[int, int]] = []
+    run: list[int] = []
+    for i in indices + [-2]:
+        if run and (i != run[-1] + 1 or len(run) == per):
+            start = run[0] * chunk
+            out.append((start, min(size, (run[-1] + 1) * chunk) - start))
+            run = []
+        if i >= 0:
+            run.append(i)
+    return out
+
+
+class SparseStep:
+    """One node's sparse copy of a remote step (see the module's description)."""
+
+    def __init__(self, directory: str, manifest: layout.Manifest) -> None:
+        self.dir = directory
+        self.manifest = manifest
+        self.step = manifest.step
+        self.fetched_bytes = 0
+        self.requests = 0
+
+    # ---- opening
+
+    @classmethod
+    def open(
+        cls, root: str, version: str, manifest_of: Callable[[], "layout.Manifest | None"], source: Source
+    ) -> "SparseStep | None":
+        """The sparse copy of the step of ``version`` under ``root``, made or reused, with ``.metadata`` held.
+
+        ``manifest_of()`` reads the remote manifest (only when no copy of that version is here).
+        Returns ``None`` when the step has no chunk table (it is fetched whole instead).
+        Other sparse copies under ``root`` are removed.
+        """
+        name = None
+        manifest = None
+        try:
+            names = os.listdir(root)
+        except FileNotFoundError:
+            names = []
+        for existing in names:
+            if not existing.startswith(SPARSE_PREFIX):
+                continue
+            path = os.path.join(root, existing)
+            held = _read_manifest_copy(path)
+            if held is not None and layout.version_of(held) == version and name is None:
+                name, manifest = existing, held
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+        if manifest is None:
+            manifest = manifest_of()
+            if manifest is None or layout.version_of(manifest) != version or not usable(manifest):
+                return None
+            name = sparse_dirname(manifest.step, version)
+            os.makedirs(os.path.join(root, name), exist_ok=True)
+            layout.atomic_write_text(os.path.join(root, name, MANIFEST_COPY), manifest.to_json())
+        sparse = cls(os.path.join(root, name), manifest)
+        sparse._ensure_metadata(source)
+        return sparse
+
+    @classmethod
+    def attach(cls, directory: str) -> "SparseStep":
+        """The sparse copy another rank of this node opened."""
+        manifest = _read_manifest_copy(directory)
+        if manifest is None:
+            raise CorruptCheckpointError(
+                f"sparse step directory {directory} has no readable {MANIFEST_COPY}. Remedy: delete it and load again."
+            )
+        return cls(directory, manifest)
+
+    def _ensure_metadata(self, source: Source) -> None:
+        entry = self.manifest.files.get(layout.METADATA_NAME)
+        if entry is None:
+            return
+        path = os.path.join(self.dir, layout.METADATA_NAME)
+        try:
+            if layout.checksum_file(path, like=entry.checksum) == (entry.size, entry.checksum):
+                return
+        except FileNotFoundError:
+            pass
+        tmp = f"{path}.fetch"
+        source.fetch_whole(layout.METADATA_NAME, tmp, entry)
+        os.replace(tmp, path)
+        self.fetched_bytes += entry.size
+        self.requests += 1
+
+    # ---- the chunks held
+
+    def held(self) -> dict[str, set[int]]:
+        try:
+            with open(os.path.join(self.dir, HELD_NAME), encoding="utf-8") as f:
+                body = json.load(f)
+            return {str(n): {int(i) for i in v} for n, v in body.items()}
+        except (FileNotFoundError, ValueError, TypeError, AttributeError):
+            return {}
+
+    def _write_held(self, held: dict[str, set[int]]) -> None:
+        layout.atomic_write_text(os.path.join(self.dir, HELD_NAME), json.dumps({n: sorted(v) for n, v in held.items()}))
+
+    def lacking(self, needs: dict[str, list[tuple[int, int]]]) -> list[str]:
+        """Files of which some byte of ``needs`` is not held (nothing is read)."""
+        held = self.held()
+        out = []
+        for name, intervals in needs.items():
+            entry = self.manifest.files[name]
+            chunk, _sums = layout.chunk_table(entry.chunks, entry.size)  # type: ignore[misc]
+            if not set(chunk_runs(intervals, chunk, entry.size)) <= held.get(name, set()):
+                out.append(name)
+        return out
+
+    # ---- fetching
+
+    def ensure(self, needs: dict[str, list[tuple[int, int]]], source: Source) -> None:
+        """Hold every chunk covering ``needs`` (``{file: [(start, end), ...]}``), each verified.
+
+        Held chunks are checked from disk; the others are fetched from ``source`` in
+        coalesced requests of at most ``source.request_bytes``, many in flight. A chunk failing its checksum is
+        fetched once more; failing again raises :class:`CorruptCheckpointError`.
+        """
+        t0 = time.monotonic()
+        held = self.held()
+        needed = 0
+        jobs = []
+        lock = threading.Lock()
+        max_bytes = source.request_bytes
+        for name in sorted(needs):
+            entry = self.manifest.files.get(name)
+            if entry is None:
+                continue
+            table = layout.chunk_table(entry.chunks, entry.size)
+            if table is None:
+                raise CorruptCheckpointError(
+                    f"step {self.step}: file {name} has no chunk checksums in {self.dir}; it cannot be read in ranges. "
+                    f"Remedy: delete {self.dir} and load again."
+                )
+            chunk, sums = table
+            path = os.path.join(self.dir, name)
+            if not os.path.exists(path):
+                with open(path, "wb") as f:
+                    f.truncate(entry.size)
+                held.pop(name, None)
+            wanted = chunk_runs(needs[name], chunk, entry.size)
+            needed += _union_bytes(needs[name], entry.size)
+            have = held.setdefault(name, set())
+            bad = [i for i in wanted if i in have and not self._disk_ok(path, i, chunk, entry.size, sums[i])]
+            have.difference_update(bad)
+            todo = [i for i in wanted if i not in have]
+            for offset, length in coalesce(todo, chunk, entry.size, max_bytes):
+                jobs.append(lambda n=name, p=path, o=offset, ln=length, c=chunk, s=sums: self._fetch(
+                    source, n, p, o, ln, c, s, held, lock))
+        try:
+            source.run_all(jobs)
+        finally:
+            for name in held:
+                path = os.path.join(self.dir, name)
+                if os.path.exists(path):
+                    fd = os.open(path, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+            self._write_held(held)
+        if jobs:
+            log.info(
+                "shardckpt: step %d: fetched %d range(s), %d bytes, for the %d bytes this node's ranks read, into %s "
+                "in %.2f s", self.step, len(jobs), self.fetched_bytes, needed, self.dir, time.monotonic() - t0,
+            )
+
+    def _disk_ok(self, path: str, index: int, chunk: int, size: int, expected: str) -> bool:
+        start = index * chunk
+        length = min(size, start + chunk) - start
+        with open(path, "rb", buffering=0) as f:
+            data = os.pread(f.fileno(), length, start)
+        return len(data) == length and layout.chunk_sum(data) == expected
+
+    def _fetch(
+        self, source: Source, name: str, path: str, offset: int, length: int, chunk: int, sums: list[str],
+        held: dict[str, set[int]], lock: threading.Lock,
+    ) -> None:
+        first = offset // chunk
+        for attempt in (1, 2):
+            data = source.read(name, offset, length)
+            with lock:
+                self.requests += 1
+                self.fetched_bytes += len(data)
+            view = memoryview(data)
+            failing = [
+                first + k for k in range(0, -(-length // chunk))
+                if layout.chunk_sum(view[k * chunk : (k + 1) * chunk]) != sums[first + k]
+            ]
+            if not failing:
+                break
+            if attempt == 1:
+                log.warning(
+                    "shardckpt: step %d: bytes [%d, %d) of %s fail their chunk checksum; fetching them again",
+                    self.step, offset, offset + length, safe_url(source.where(name)),
+                )
+                continue
+            raise CorruptCheckpointError(
+                f"step {self.step}: remote object {safe_url(source.where(name))} is corrupt (bytes "
+                f"[{failing[0] * chunk}, {min(offset + length, (failing[0] + 1) * chunk)}) fail their chunk checksum "
+                f"twice); it was not loaded. Remedy: load an earlier step (load(step=...)) or set "
+                f"on_corrupt='fallback'; repair it from a node that still has the step (`shardckpt push --local "
+                f"LOCAL_DIR --remote URL --step N` checks the remote copy and uploads again what fails)."
+            )
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, offset)
+        finally:
+            os.close(fd)
+        with lock:
+            held.setdefault(name, set()).update(range(first, first + -(-length // chunk)))
+
+
+def _union_bytes(intervals: Iterable[tuple[int, int]], size: int) -> int:
+    """How many bytes the union of ``[start, end)`` intervals covers."""
+    total, reach = 0, 0
+    for start, end in sorted(intervals):
+        start, end = max(start, reach), min(end, size)
+        if end > start:
+            total += end - start
+            reach = end
+    return total
+
+
+def _read_manifest_copy(directory: str) -> layout.Manifest | None:
+    path = os.path.join(directory, MANIFEST_COPY)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return layout.Manifest.from_json(f.read(), path)
+    except (FileNotFoundError, CorruptCheckpointError):
+        return None
