@@ -484,6 +484,13 @@ def push_step(
     if not ready:
         return _superseded_or(store, step_dir, step, manifest, PushResult(WAITING, sent, why, marked=digest), deadline)
     _failpoints.hit("upload.markers_checked")
+    # A newer step of this history committed first (steps waiting for the slowest node
+    # are polled most-due first, not in order): committing this one now would bring
+    # back a step that retention has already counted out.
+    ready_result = PushResult(WAITING, sent, "ready", marked=digest)
+    later = _superseded_or(store, step_dir, step, manifest, ready_result, deadline)
+    if later is not ready_result:
+        return later
     # Identity, not sizes: every object must be this save's. Another node's upload of
     # another save of this step number (saved again meanwhile) would otherwise be
     # committed under this manifest. Checked before the manifest goes up, and again
@@ -662,7 +669,7 @@ def apply_remote_retention(
     manifests just committed), not by reading every manifest. The doomed
     steps leave the index (one write) before they are deleted.
     """
-    infos, _unreadable = remote_index.survey(store, deadline, known)
+    infos, _unreadable = remote_index.survey(store, deadline, known, write_back=True)
     live, _abandoned = lineage_mod.classify(infos)
     doomed = plan_deletions(live, policy, infos=infos, protect=known or ())  # never the step just committed
     if doomed:
