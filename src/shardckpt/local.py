@@ -104,9 +104,11 @@ class _HashingFileSystem(FileSystem):
     One instance per writer, hence per directory: files are known by name.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_file: Callable[[str, int, str], None] | None = None) -> None:
         super().__init__()
         self._lock = threading.Lock()
+        self._on_file = on_file
+        """Called with (name, size, checksum) as each file written whole is closed (complete, fsynced)."""
         self.written: dict[str, tuple[int, str]] = {}
         self.errors: list[BaseException] = []
         """What failed while writing a file (DCP's writer threads only print their tracebacks)."""
@@ -127,8 +129,11 @@ class _HashingFileSystem(FileSystem):
                 self.errors.append(exc)
             raise
         if stream.checksum is not None:
+            entry = (stream.size, stream.checksum.value())
             with self._lock:
-                self.written[os.path.basename(path)] = (stream.size, stream.checksum.value())
+                self.written[os.path.basename(path)] = entry
+            if self._on_file is not None:
+                self._on_file(os.path.basename(path), *entry)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)
@@ -150,9 +155,9 @@ class CheckedWriter(FileSystemWriter):
     Files are checksummed while they are written (:meth:`checksums`).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, on_file: Callable[[str, int, str], None] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fs = _HashingFileSystem()
+        self.fs = _HashingFileSystem(on_file)
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)
@@ -182,13 +187,16 @@ class CheckedWriter(FileSystemWriter):
 
 
 def dcp_write(
-    state_dict: dict[str, Any], directory: str, *, process_group: Any, io_threads: int, rank: int
+    state_dict: dict[str, Any], directory: str, *, process_group: Any, io_threads: int, rank: int,
+    on_file: Callable[[str, int, str], None] | None = None,
 ) -> dict[str, tuple[int, str]]:
     """Write this rank's shards (and on rank 0 ``.metadata``) into ``directory``.
 
     Returns size and checksum of each file this rank wrote, taken while writing.
+    ``on_file(name, size, checksum)``: called as each file is complete.
     """
-    writer = CheckedWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=io_threads)
+    writer = CheckedWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=io_threads,
+                           on_file=on_file)
     no_dist = not (dist.is_available() and dist.is_initialized())
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")

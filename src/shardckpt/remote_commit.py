@@ -47,7 +47,7 @@ import shutil
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Mapping
 
 from . import _failpoints, layout, remote_index, step_dirs
 from . import lineage as lineage_mod
@@ -379,6 +379,7 @@ def push_step(
     skip_upload_digest: str | None = None,
     progress_s: float = PROGRESS_S,
     verify_remote: bool = False,
+    early: Mapping[tuple[int, str], Mapping[str, tuple[int, str]]] | None = None,
 ) -> PushResult:
     """One pass of the protocol for one step of this node (see the module docstring).
 
@@ -391,6 +392,12 @@ def push_step(
     ``verify_remote`` (``shardckpt push``): when the step is already
     committed remotely, download and check this node's objects of it and
     upload again those that fail.
+
+    ``early``: what this node uploaded of saves before their local commit
+    (:class:`shardckpt.early_upload.EarlyUploads`), ``{(step, save_id):
+    {name: (size, checksum)}}``: a file sent early whose size and checksum
+    equal this manifest's is not sent again. Not used when an earlier save of
+    the step was committed remotely (its objects may have replaced them).
     """
     step_dir = os.path.join(root, layout.step_dirname(step))
     local = _read_local_manifest(step_dir)
@@ -454,7 +461,9 @@ def push_step(
     if skip_upload_digest != digest:
         existing = store.get_bytes(marker_key, deadline)
         if existing is None or _parse_marker(existing).get("files_digest") != digest:
-            total = sum(manifest.files[n].size for n in mine)
+            sent_early = (early or {}).get((step, manifest.save_id), {}) if committed is None else {}
+            todo = [n for n in mine if sent_early.get(n) != (manifest.files[n].size, manifest.files[n].checksum)]
+            total = sum(manifest.files[n].size for n in todo)
             progress = Progress(f"uploading step {step} to {safe_url(store.url)}", total, progress_s)
 
             def send(name: str) -> None:
@@ -464,7 +473,7 @@ def push_step(
 
             try:
                 with progress:
-                    store.run_all([lambda n=n: send(n) for n in mine], files=True)
+                    store.run_all([lambda n=n: send(n) for n in todo], files=True)
             except (FileNotFoundError, CorruptCheckpointError):
                 # A file vanished or differs from the manifest: the step was deleted or saved
                 # again meanwhile (else the local copy is damaged: the error stands).
@@ -484,13 +493,9 @@ def push_step(
     if not ready:
         return _superseded_or(store, step_dir, step, manifest, PushResult(WAITING, sent, why, marked=digest), deadline)
     _failpoints.hit("upload.markers_checked")
-    # A newer step of this history committed first (steps waiting for the slowest node
-    # are polled most-due first, not in order): committing this one now would bring
-    # back a step that retention has already counted out.
-    ready_result = PushResult(WAITING, sent, "ready", marked=digest)
-    later = _superseded_or(store, step_dir, step, manifest, ready_result, deadline)
-    if later is not ready_result:
-        return later
+    late = _retired_before_commit(store, step_dir, step, manifest, policy, sent, deadline)
+    if late is not None:
+        return late
     # Identity, not sizes: every object must be this save's. Another node's upload of
     # another save of this step number (saved again meanwhile) would otherwise be
     # committed under this manifest. Checked before the manifest goes up, and again
@@ -512,7 +517,7 @@ def push_step(
     mark_uploaded(step_dir, store.url, manifest)
     if policy is not None:
         try:
-            apply_remote_retention(store, policy, deadline, known={step: manifest})
+            apply_remote_retention(store, policy, deadline, known={step: manifest}, protect_known=False)
         except (RemoteError, CorruptCheckpointError) as exc:
             log.warning("shardckpt: step %d is committed on %s, but remote retention failed: %s", step, safe_url(store.url), exc)
     return PushResult(COMMITTED, sent)
@@ -533,6 +538,30 @@ def _foreign_objects(store: Store, step: int, manifest: layout.Manifest, deadlin
         return f"object {store.where(step_key(step, name))} is {what}"
 
     return [p for p in store.run_all([lambda n=n: check(n) for n in sorted(manifest.files)], files=True) if p]
+
+
+def _retired_before_commit(
+    store: Store, step_dir: str, step: int, manifest: layout.Manifest, policy: RetentionPolicy | None, sent: int,
+    deadline: Deadline,
+) -> PushResult | None:
+    """``SUPERSEDED`` when retention would remove this step as soon as it is committed, else ``None``.
+
+    Steps waiting for the slowest node are polled most-due first, not in
+    order: a step may be ready only after newer steps of its history have
+    committed. It is committed then when retention keeps it beside them (its
+    retention pass then removes what is older), never just to be counted
+    out: a step retention has already passed over must not come back.
+    """
+    if policy is None or not any(s > step for s in _step_dirs(store, deadline)):
+        return None
+    infos, _unreadable = remote_index.survey(store, deadline, {step: manifest})
+    live, _abandoned = lineage_mod.classify(infos)
+    newer = [s for s in live if s > step]
+    if not newer or step not in plan_deletions(live, policy, infos=infos):
+        return None
+    mark_uploaded(step_dir, store.url, manifest, superseded_by=newer[-1])
+    return PushResult(SUPERSEDED, sent, f"superseded by step {newer[-1]}, committed remotely first; "
+                                        f"retention keeps that one, not this")
 
 
 def _replaces(root: str, step: int, manifest: layout.Manifest, committed: layout.Manifest) -> bool:
@@ -661,17 +690,20 @@ def missing_ranks(
 
 
 def apply_remote_retention(
-    store: Store, policy: RetentionPolicy, deadline: Deadline, known: dict[int, layout.Manifest] | None = None
+    store: Store, policy: RetentionPolicy, deadline: Deadline, known: dict[int, layout.Manifest] | None = None,
+    *, protect_known: bool = True,
 ) -> list[int]:
     """Retention over the live remote steps; steps abandoned by a rollback stay until ``shardckpt gc``.
 
     Decides from the index (:func:`shardckpt.remote_index.survey`; ``known``:
-    manifests just committed), not by reading every manifest. The doomed
-    steps leave the index (one write) before they are deleted.
+    manifests just committed, never deleted unless ``protect_known`` is
+    False: the committer checked before its commit that retention keeps
+    it), not by reading every manifest. The newest step is never deleted.
+    The doomed steps leave the index (one write) before they are deleted.
     """
     infos, _unreadable = remote_index.survey(store, deadline, known, write_back=True)
     live, _abandoned = lineage_mod.classify(infos)
-    doomed = plan_deletions(live, policy, infos=infos, protect=known or ())  # never the step just committed
+    doomed = plan_deletions(live, policy, infos=infos, protect=(known or ()) if protect_known else ())
     if doomed:
         remote_index.forget(store, list(doomed), deadline)
     for old in doomed:
