@@ -42,7 +42,7 @@ def child(held: list[int], scratch: str) -> dict:
     import shardckpt
     from remote_history import RequestLog, clone_steps
     from s3server import BUCKET
-    from shardckpt import remote, remote_commit, uploader
+    from shardckpt import remote, remote_commit, remote_index, uploader
     from shardckpt.retention import KeepLast
 
     out: dict = {}
@@ -56,7 +56,7 @@ def child(held: list[int], scratch: str) -> dict:
         store = remote.open_store(url)
         clone_steps(store, 1, list(range(2, n + 1)))
         deadline = remote.Deadline(300)
-        remote_commit.remote_infos(store, deadline)  # the index up to date, as commits keep it
+        remote_index.survey(store, deadline, write_back=True)  # the index up to date, as commits keep it
         log = RequestLog(store)
         row = {}
         for op in OPS:

@@ -514,8 +514,10 @@ def test_files_upload_while_the_save_is_written_and_never_over_a_committed_step(
         ckpt.save({"model": model}, 1, force=True)
         assert seen["after_refusal"] == committed_etags
         local = layout.read_manifest(str(local_dir / layout.step_dirname(1)))
-        wait_for(lambda: remote_commit.files_digest(check_remote_step(s3, "early", 1)) == remote_commit.files_digest(local),
-                 60, "the second save of step 1 committed remotely")
+        store = remote.open_store(url, _opts())
+        wait_for(lambda: getattr(remote_commit.committed_record(store, 1, remote.Deadline(10)), "files_digest", None)
+                 == remote_commit.files_digest(local), 60, "the second save of step 1 committed remotely")
+        assert remote_commit.files_digest(check_remote_step(s3, "early", 1)) == remote_commit.files_digest(local)
     finally:
         _failpoints.arm("write.done", lambda: None, nth=10**9)
         ckpt.close()
@@ -546,10 +548,21 @@ def test_one_node_uploads_metadata_per_step_and_the_step_restores(s3, tmp_path):
     store.put_file = counted
     a, b = str(base / "rank0"), str(base / "rank1")  # A holds rank 0's shard: it commits
     push = remote_commit.push_step
-    assert push(store, b, 1, node="b", policy=None).state == remote_commit.WAITING
+    from remote_history import RequestLog
+
+    b_store = remote.open_store(f"s3://{BUCKET}/onemeta", _opts())  # node B's own client, counted
+    b_log = RequestLog(b_store)
+    assert push(b_store, b, 1, node="b", policy=None).state == remote_commit.WAITING
     assert push(store, a, 1, node="a", policy=None).state == remote_commit.COMMITTED
     assert push(store, a, 2, node="a", policy=None).state == remote_commit.WAITING
-    assert push(store, b, 2, node="b", policy=None).state == remote_commit.WAITING
+    marked = push(b_store, b, 2, node="b", policy=None)
+    assert marked.state == remote_commit.WAITING
+    b_log.clear()  # a waiting pass, then the pass that sees step 1 committed: the step record, never the manifest
+    assert push(b_store, b, 2, node="b", policy=None, skip_upload_digest=marked.marked).state == remote_commit.WAITING
+    assert push(b_store, b, 1, node="b", policy=None).state == remote_commit.COMMITTED
+    assert b_log.manifest_gets == 0 and b_log.gets[remote_commit.STEP_RECORD_NAME] >= 2, (b_log.kinds, b_log.gets)
+    assert b_log.bytes_in < 4096, b_log.bytes_in
+    b_store.close()
     assert push(store, a, 2, node="a", policy=None).state == remote_commit.COMMITTED
     client = s3.client()
     for step in (1, 2):

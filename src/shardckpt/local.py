@@ -55,11 +55,14 @@ class _HashingStream(io.RawIOBase):
     file is then hashed from disk as before.
     """
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, on_complete: Callable[[int, str], None] | None = None) -> None:
         super().__init__()
         self._raw = raw
         self.checksum: layout.Checksum | None = layout.Checksum()
         self.size = 0
+        self._on_complete = on_complete
+        self.announced: tuple[int, str] | None = None
+        """(size, checksum) handed to ``on_complete`` when DCP asked for the descriptor (to fsync it)."""
 
     def writable(self) -> bool:
         return True
@@ -87,6 +90,10 @@ class _HashingStream(io.RawIOBase):
 
     def fileno(self) -> int:
         self._raw.flush()  # DCP asks for the descriptor to fsync it: nothing may wait in our buffer
+        if self._on_complete is not None and self.checksum is not None and self.announced is None:
+            # Every byte is written (the fsync is DCP's last step): the file can be read now.
+            self.announced = (self.size, self.checksum.value())
+            self._on_complete(*self.announced)
         return self._raw.fileno()
 
     def flush(self) -> None:
@@ -108,7 +115,8 @@ class _HashingFileSystem(FileSystem):
         super().__init__()
         self._lock = threading.Lock()
         self._on_file = on_file
-        """Called with (name, size, checksum) as each file written whole is closed (complete, fsynced)."""
+        """Called with (name, size, checksum) once each file is written whole: before its fsync when
+        DCP asks for the descriptor, else as it is closed (again if it changed since)."""
         self.written: dict[str, tuple[int, str]] = {}
         self.errors: list[BaseException] = []
         """What failed while writing a file (DCP's writer threads only print their tracebacks)."""
@@ -120,8 +128,10 @@ class _HashingFileSystem(FileSystem):
                 yield stream
             return
         try:
+            name = os.path.basename(path)
+            on_file = self._on_file
             with open(path, mode) as raw:
-                stream = _HashingStream(raw)
+                stream = _HashingStream(raw, (lambda size, digest: on_file(name, size, digest)) if on_file else None)
                 yield stream
                 raw.flush()
         except BaseException as exc:
@@ -132,7 +142,7 @@ class _HashingFileSystem(FileSystem):
             entry = (stream.size, stream.checksum.value())
             with self._lock:
                 self.written[os.path.basename(path)] = entry
-            if self._on_file is not None:
+            if self._on_file is not None and stream.announced != entry:
                 self._on_file(os.path.basename(path), *entry)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
