@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -118,23 +117,11 @@ def child(nodes: list[int], scratch: str) -> dict:
 
 
 def run_child(nodes: list[int], scratch: str) -> dict:
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from s3server import apply_env, restore_env, start_server
+    sys.path.insert(0, HERE)
+    from bench_history import run_against_moto
 
-    server = start_server("moto")
-    server.reset()
-    previous = apply_env(server)
-    try:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.path.join(ROOT, "tests")]))
-        os.makedirs(scratch, exist_ok=True)
-        res = os.path.join(scratch, "child.json")
-        subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--nodes", ",".join(map(str, nodes)),
-                        "--dir", scratch, "--json", res], env=env, check=True)
-        with open(res, encoding="utf-8") as f:
-            return json.load(f)
-    finally:
-        restore_env(previous)
-        server.stop()
+    return run_against_moto(os.path.abspath(__file__), ["--nodes", ",".join(map(str, nodes))],
+                            os.path.join(ROOT, "src"), scratch)
 
 
 def check(got: dict) -> list[str]:

@@ -77,6 +77,12 @@ def child(held: list[int], scratch: str) -> dict:
 
 
 def run_child(src: str, held: list[int], scratch: str) -> dict:
+    return run_against_moto(os.path.abspath(__file__), ["--held", ",".join(map(str, held))], src, scratch)
+
+
+def run_against_moto(script: str, args: list[str], src: str, scratch: str) -> dict:
+    """``script --child ARGS --dir SCRATCH --json FILE`` with ``src`` on the path, against a fresh moto
+    server in its own process; returns what it wrote to FILE."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from s3server import apply_env, start_server
 
@@ -87,8 +93,7 @@ def run_child(src: str, held: list[int], scratch: str) -> dict:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.path.join(ROOT, "tests")]))
         os.makedirs(scratch, exist_ok=True)
         res = os.path.join(scratch, "child.json")
-        subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--held", ",".join(map(str, held)),
-                        "--dir", scratch, "--json", res], env=env, check=True)
+        subprocess.run([sys.executable, script, "--child", *args, "--dir", scratch, "--json", res], env=env, check=True)
         with open(res, encoding="utf-8") as f:
             return json.load(f)
     finally:

@@ -92,12 +92,9 @@ def partial_saves(root: str) -> list[tuple[int, str]]:
     except OSError:
         return out
     for name in names:
-        if not name.startswith(layout.PARTIAL_PREFIX):
-            continue
-        parts = name[len(layout.PARTIAL_PREFIX):].split("-")
-        step = layout.parse_step_dirname(parts[0])
-        if step is not None and len(parts) == 3:  # a save's (<count>-<nonce>), not a fetch or an adopt
-            out.append((step, os.path.join(root, name)))
+        parsed = layout.parse_partial_save(name)  # a fetch's holds no published file
+        if parsed is not None:
+            out.append((parsed[0], os.path.join(root, name)))
     return sorted(out)
 
 
