@@ -162,8 +162,22 @@ def main() -> int:
     got = run_child(nodes, os.path.join(scratch, "run"))
     print("\n".join(check(got)))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(got, f, indent=1)
+        sys.path.insert(0, HERE)
+        import common
+
+        result = common.new_result("commit_requests", 0, unit="requests", ratio_label="formula")
+        for k, body in got.items():
+            expected = formulas(int(k), body["F"], body["F0"])
+            for phase in PHASES:
+                for role in ("committer", "other"):
+                    c = body["counts"][phase][role]
+                    if c is None:
+                        continue
+                    group = f"{k} nodes: {phase} ({role})"
+                    common.add_row(result, "formula", [sum(expected[phase].values())], group=group, floor=True)
+                    common.add_row(result, "measured", [sum(c["kinds"].values())], group=group,
+                                   manifest_gets=c["manifest_gets"], bytes_in=c["bytes_in"])
+        common.write_json(args.json, result)
     return 0
 
 
