@@ -124,23 +124,28 @@ def run_child(nodes: list[int], scratch: str) -> dict:
                             os.path.join(ROOT, "src"), scratch)
 
 
-def check(got: dict) -> list[str]:
-    """Rows of the README's table; raises when a count differs from its formula."""
-    lines = ["| nodes | phase | node | GET | HEAD | LIST | PUT | DELETE | manifest GETs | bytes in |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    problems = []
+def measured(got: dict):
+    """``(nodes, phase, role, counts, formula)`` of every phase a node went through."""
     for k, body in got.items():
         expected = formulas(int(k), body["F"], body["F0"])
         for phase in PHASES:
             for role in ("committer", "other"):
                 c = body["counts"][phase][role]
-                if c is None:
-                    continue
-                kinds = {key: v for key, v in c["kinds"].items() if v}
-                if kinds != expected[phase]:
-                    problems.append(f"{k} nodes, {phase}, {role}: measured {kinds}, formula {expected[phase]}")
-                lines.append(f"| {k} | {phase} | {role} | " + " | ".join(str(kinds.get(x, 0)) for x in
-                             ("GET", "HEAD", "LIST", "PUT", "DELETE")) + f" | {c['manifest_gets']} | {c['bytes_in']} |")
+                if c is not None:
+                    yield k, phase, role, c, expected[phase]
+
+
+def check(got: dict) -> list[str]:
+    """Rows of the README's table; raises when a count differs from its formula."""
+    lines = ["| nodes | phase | node | GET | HEAD | LIST | PUT | DELETE | manifest GETs | bytes in |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    problems = []
+    for k, phase, role, c, expected in measured(got):
+        kinds = {key: v for key, v in c["kinds"].items() if v}
+        if kinds != expected:
+            problems.append(f"{k} nodes, {phase}, {role}: measured {kinds}, formula {expected}")
+        lines.append(f"| {k} | {phase} | {role} | " + " | ".join(str(kinds.get(x, 0)) for x in
+                     ("GET", "HEAD", "LIST", "PUT", "DELETE")) + f" | {c['manifest_gets']} | {c['bytes_in']} |")
     if problems:
         raise SystemExit("request counts differ from the formulas:\n" + "\n".join(problems) + "\n" + "\n".join(lines))
     return lines
@@ -166,17 +171,11 @@ def main() -> int:
         import common
 
         result = common.new_result("commit_requests", 0, unit="requests", ratio_label="formula")
-        for k, body in got.items():
-            expected = formulas(int(k), body["F"], body["F0"])
-            for phase in PHASES:
-                for role in ("committer", "other"):
-                    c = body["counts"][phase][role]
-                    if c is None:
-                        continue
-                    group = f"{k} nodes: {phase} ({role})"
-                    common.add_row(result, "formula", [sum(expected[phase].values())], group=group, floor=True)
-                    common.add_row(result, "measured", [sum(c["kinds"].values())], group=group,
-                                   manifest_gets=c["manifest_gets"], bytes_in=c["bytes_in"])
+        for k, phase, role, c, expected in measured(got):
+            group = f"{k} nodes: {phase} ({role})"
+            common.add_row(result, "formula", [sum(expected.values())], group=group, floor=True)
+            common.add_row(result, "measured", [sum(c["kinds"].values())], group=group,
+                           manifest_gets=c["manifest_gets"], bytes_in=c["bytes_in"])
         common.write_json(args.json, result)
     return 0
 
