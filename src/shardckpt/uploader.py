@@ -2,7 +2,8 @@
 
 One process per node (per local directory) uploads every committed local
 step to the remote and commits it there with the protocol of
-:mod:`shardckpt.remote_commit`. It is started by a trainer (see
+:mod:`shardckpt.remote_commit`; the shard files of a save still being
+written are uploaded as the writer publishes them (:mod:`shardckpt.early_upload`). It is started by a trainer (see
 :mod:`shardckpt.uploader_client`), by a sidecar or by systemd, holds
 ``uploader.lock`` so that a second one exits at once, and reports through
 ``status.json`` (:mod:`shardckpt.node_registry`). It imports no torch.
