@@ -32,7 +32,10 @@ the largest state per node that fits a 30 s (GCP) and a 120 s (AWS) notice.
   shardckpt save → remote commit  ``save(state, step)`` (sync mode) with the uploader process
                                   running (``uploader="auto"``) until ``step_<N>/shardckpt.json``
                                   is in the bucket (polled every 20 ms); "local commit" is when
-                                  ``save()`` returned
+                                  ``save()`` returned. Each shard file is uploaded as soon as it
+                                  is written (``shardckpt.early_upload``)
+  ..., upload after the local commit   the same with the early upload off: every file goes up
+                                  only once the step is committed locally
   dcp.async_save → s3 (FsspecWriter)  stock DCP straight to ``s3://`` through s3fs, until its
                                   future completes
 """
@@ -203,6 +206,14 @@ def case_durable(bench: Bench, repeats: int) -> dict:
     with uploading_checkpointer(bench, "rpo") as ckpt:
         step = [0]
 
+        def after_commit() -> common.Measured:
+            """The same, with every file uploaded only after the local commit (no early upload)."""
+            done, ckpt._writer.file_done = ckpt._writer.file_done, None
+            try:
+                return save_to_remote()
+            finally:
+                ckpt._writer.file_done = done
+
         def save_to_remote() -> common.Measured:
             step[0] += 1
             t0 = time.perf_counter()
@@ -222,8 +233,10 @@ def case_durable(bench: Bench, repeats: int) -> dict:
                         floor=True),
             common.Tool("shardckpt push (CLI)", push, before=lambda: renew("push")),
             common.Tool("shardckpt save → remote commit", save_to_remote),
-            common.Tool("dcp.async_save → s3 (FsspecWriter)", dcp_fsspec, before=lambda: renew("dcp")),
+            common.Tool("shardckpt save → remote commit, upload after the local commit", after_commit),
         ]
+        if not bench.args.no_fsspec:
+            tools.append(common.Tool("dcp.async_save → s3 (FsspecWriter)", dcp_fsspec, before=lambda: renew("dcp")))
         rows = common.compare(result, tools, repeats)
     for row in rows:
         per_gib = statistics.median(row["values"]) / (bench.nbytes / common.GIB)
@@ -248,6 +261,7 @@ def main() -> None:
     parser.add_argument("--bucket", default="shardckpt-bench")
     parser.add_argument("--dir", default=None, help="where the scratch directory goes (default: the system's temp)")
     parser.add_argument("--json", help="write the result here (a list of results with --case all)")
+    parser.add_argument("--no-fsspec", action="store_true", help="leave out the stock dcp.async_save → s3 row")
     args = parser.parse_args()
     if args.gib is None:
         args.gib = args.size_mb / 1024

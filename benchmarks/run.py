@@ -21,7 +21,7 @@ and ``<!-- perf:end -->`` in FILE with a summary (``benchmarks/report.py``
 does the same from existing results without running anything).
 
 Cases (``--only``): blocked, durable, restore, remote_restore, remote_durable,
-training, elastic, history, need_only, restore_kinds (a fixed size: 1 GiB, ``--quick`` 128 MiB). ``--sizes`` (GiB) sizes the local-disk cases (default 1,4,8;
+training, elastic, history, need_only, commit_requests, restore_kinds (a fixed size: 1 GiB, ``--quick`` 128 MiB). ``--sizes`` (GiB) sizes the local-disk cases (default 1,4,8;
 an 8 GiB state and its staging copy need about 17 GiB of RAM); the S3 cases
 use ``--remote-sizes`` (moto holds objects in RAM: 0.5 GiB at most).
 ``--quick`` runs small sizes and few repeats (minutes on 2 cores): a check
@@ -128,6 +128,11 @@ CASES = [
          "and the restore time of the job (rank 0's log line: every rank's load is collective).",
          lambda a: ["--nodes", "1,2" if a.quick else "1,2,4", "--width", "65536" if a.quick else "1048576",
                     "--repeats", repeats(a, 1, 3)], sizes=None),
+    Case("commit_requests", "Requests of a remote commit and a retention pass per node", "bench_commit_requests.py",
+         "moto's S3 server; 1, 2 and 4 simulated nodes (ranks under torchrun, a directory each). HTTP requests "
+         "of each node's passes of one commit (upload, a waiting poll, the commit, the pass that sees it) and of "
+         "a retention pass, against the exact formulas (the run fails when they differ).",
+         lambda a: ["--nodes", "1,2" if a.quick else "1,2,4"], sizes=None),
     Case("restore_kinds", "Restore per state kind", "bench_restore.py",
          "One process, warm page cache, checksums verified: `Checkpointer.load` of the same bytes held as a "
          "module, an optimizer (Adam; the module a third of the bytes), a plain dict of tensors "

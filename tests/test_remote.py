@@ -239,8 +239,14 @@ def test_uploader_commits_after_trainer_is_sigkilled(s3, tmp_path):
     log_path = tmp_path / "train.log"
     proc = start_torchrun(2, PROG, "hang", base, url, out, "3", env=job_env(**s3.env()), log_path=log_path)
     local_dir = base / "node0"
+
+    def step4_sent_early() -> bool:
+        names = [k.rsplit("/", 1)[1] for k in s3.keys(f"killed/{layout.step_dirname(4)}/")]
+        return {n[:4] for n in names if n.startswith("__")} == {"__0_", "__1_"}
+
     try:
         wait_for(lambda: Path(str(out) + ".ready").exists(), 240, "step 3 committed locally", proc, log_path)
+        wait_for(step4_sent_early, 120, "step 4's files uploaded before its local commit", proc, log_path)
     finally:
         kill_job(proc)  # torchrun and every worker, at once
     assert node_registry.trainers_alive(str(local_dir)) == []
@@ -250,6 +256,12 @@ def test_uploader_commits_after_trainer_is_sigkilled(s3, tmp_path):
     status = wait_uploader_exit(local_dir)
     assert status["pending_steps"] == []
     assert status["latest_remote"] == 3
+    # Step 4 was killed mid-save after its files were uploaded early: objects without a manifest,
+    # not a remote step; step 3 stays the newest.
+    early = [k for k in s3.keys(f"killed/{layout.step_dirname(4)}/") if k.rsplit("/", 1)[1].startswith("__")]
+    assert {k.rsplit("/", 1)[1][:4] for k in early} == {"__0_", "__1_"}, early
+    assert remote_manifests(s3, "killed") == [2, 3]
+    assert remote_commit.remote_steps(remote.open_store(url, _opts()), remote.Deadline(60)) == [2, 3]
     for step in layout.committed_steps(str(local_dir)):
         assert remote_commit.is_uploaded(str(local_dir / layout.step_dirname(step)), url)
 
@@ -526,6 +538,73 @@ def test_step_saved_again_replaces_its_remote_copy(s3, tmp_path):
 
 
 @pytest.mark.parametrize("s3", ["moto"], indirect=True)
+def test_files_upload_while_the_save_is_written_and_never_over_a_committed_step(s3, tmp_path, monkeypatch):
+    """With the uploader running (``auto``), a save's shard files are on the remote before its local
+    commit, are not sent twice, and the step commits bitwise. A second save of that committed step
+    number uploads nothing before its local commit (the committed objects stay untouched until the
+    committer retires that copy); then it commits whole."""
+    from shardckpt import _failpoints
+
+    for key, value in s3.env().items():
+        monkeypatch.setenv(key, value)
+    local_dir, url = tmp_path / "local", f"s3://{BUCKET}/early"
+    step_prefix = f"early/{layout.step_dirname(1)}/"
+    client = s3.client()
+
+    def shard_etags() -> dict[str, str]:
+        objs = client.list_objects_v2(Bucket=BUCKET, Prefix=step_prefix).get("Contents", [])
+        return {o["Key"].rsplit("/", 1)[1]: o["ETag"] for o in objs if o["Key"].rsplit("/", 1)[1].startswith("__")}
+
+    seen: dict[str, object] = {}
+
+    def first_write_done() -> None:  # every shard file written, the step not committed locally
+        wait_for(lambda: len(shard_etags()) == 2, 60, "the shard files uploaded before the local commit")
+        seen["local_commit"] = os.path.exists(local_dir / layout.step_dirname(1))
+        seen["remote_manifest"] = bool(s3.keys(step_prefix + layout.MANIFEST_NAME))
+
+    def second_write_done() -> None:
+        log_file = local_dir / node_registry.STATE_DIR / "uploader.log"
+        wait_for(lambda: "under another save" in log_file.read_text(), 60, "the early pass to pass the step over")
+        seen["after_refusal"] = shard_etags()
+
+    model = torch.nn.Linear(128, 128)
+    ckpt = shardckpt.Checkpointer(local_dir=str(local_dir), remote=url, uploader="auto", mode="sync", io_threads=2,
+                                  keep_last=None, preemption_signals=(), drain_timeout_s=60)
+    try:
+        _failpoints.arm("write.done", first_write_done)
+        ckpt.save({"model": model}, 1)
+        assert seen == {"local_commit": False, "remote_manifest": False}
+        wait_for(lambda: s3.keys(step_prefix + layout.MANIFEST_NAME), 60, "step 1 committed remotely")
+        first = check_remote_step(s3, "early", 1)
+        for name in first.files:
+            remote_bytes = client.get_object(Bucket=BUCKET, Key=step_prefix + name)["Body"].read()
+            assert remote_bytes == (local_dir / layout.step_dirname(1) / name).read_bytes(), name
+        status = wait_for_status(local_dir, lambda st: st.get("latest_remote") == 1)
+        assert status["uploaded_bytes"] == first.total_bytes  # each file sent once
+        committed_etags = shard_etags()
+
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        _failpoints.arm("write.done", second_write_done)
+        ckpt.save({"model": model}, 1, force=True)
+        assert seen["after_refusal"] == committed_etags
+        local = layout.read_manifest(str(local_dir / layout.step_dirname(1)))
+        store = remote.open_store(url, _opts())
+        wait_for(lambda: getattr(remote_commit.committed_record(store, 1, remote.Deadline(10)), "files_digest", None)
+                 == remote_commit.files_digest(local), 60, "the second save of step 1 committed remotely")
+        assert remote_commit.files_digest(check_remote_step(s3, "early", 1)) == remote_commit.files_digest(local)
+    finally:
+        _failpoints.arm("write.done", lambda: None, nth=10**9)
+        ckpt.close()
+
+
+def wait_for_status(local_dir: Path, predicate, timeout: float = 60) -> dict:
+    path = str(local_dir / node_registry.STATE_DIR / "status.json")
+    wait_for(lambda: predicate(node_registry.read_json(path)), timeout, f"the uploader status of {local_dir}")
+    return node_registry.read_json(path)
+
+
+@pytest.mark.parametrize("s3", ["moto"], indirect=True)
 def test_one_node_uploads_metadata_per_step_and_the_step_restores(s3, tmp_path):
     """Two node-local copies (one rank each, as two nodes hold): `.metadata` is PUT once per step,
     by the committer, whichever node uploads first; the other node's marker leaves it out; each
@@ -544,10 +623,21 @@ def test_one_node_uploads_metadata_per_step_and_the_step_restores(s3, tmp_path):
     store.put_file = counted
     a, b = str(base / "rank0"), str(base / "rank1")  # A holds rank 0's shard: it commits
     push = remote_commit.push_step
-    assert push(store, b, 1, node="b", policy=None).state == remote_commit.WAITING
+    from remote_history import RequestLog
+
+    b_store = remote.open_store(f"s3://{BUCKET}/onemeta", _opts())  # node B's own client, counted
+    b_log = RequestLog(b_store)
+    assert push(b_store, b, 1, node="b", policy=None).state == remote_commit.WAITING
     assert push(store, a, 1, node="a", policy=None).state == remote_commit.COMMITTED
     assert push(store, a, 2, node="a", policy=None).state == remote_commit.WAITING
-    assert push(store, b, 2, node="b", policy=None).state == remote_commit.WAITING
+    marked = push(b_store, b, 2, node="b", policy=None)
+    assert marked.state == remote_commit.WAITING
+    b_log.clear()  # a waiting pass, then the pass that sees step 1 committed: the step record, never the manifest
+    assert push(b_store, b, 2, node="b", policy=None, skip_upload_digest=marked.marked).state == remote_commit.WAITING
+    assert push(b_store, b, 1, node="b", policy=None).state == remote_commit.COMMITTED
+    assert b_log.manifest_gets == 0 and b_log.gets[remote_commit.STEP_RECORD_NAME] >= 2, (b_log.kinds, b_log.gets)
+    assert b_log.bytes_in < 4096, b_log.bytes_in
+    b_store.close()
     assert push(store, a, 2, node="a", policy=None).state == remote_commit.COMMITTED
     client = s3.client()
     for step in (1, 2):

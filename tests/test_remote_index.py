@@ -51,10 +51,13 @@ def test_newest_step_and_retention_read_o1_manifests_with_50_steps_held(s3, tmp_
     log = RequestLog(store)
     deadline = remote.Deadline(60)
 
-    # Committed steps missing from the index are found (their manifests read once) and the index repaired.
+    # Committed steps missing from the index are found (their manifests read once); a reader does
+    # not write the index, the committer's survey does.
     infos, bad = remote_commit.remote_infos(store, deadline)
     assert sorted(infos) == list(range(1, HELD + 1)) and bad == {}
     assert log.manifest_gets == HELD - 1
+    assert index_steps(s3, "held") == [1]
+    remote_index.survey(store, deadline, write_back=True)
     assert index_steps(s3, "held") == list(range(1, HELD + 1))
 
     # From then on: one listing, the index, and the head's manifest.
@@ -94,38 +97,75 @@ def test_a_missing_stale_or_corrupt_index_is_repaired(s3, tmp_path):
     client = s3.client()
     index_key = f"stale/{remote_index.INDEX_NAME}"
 
-    # Missing: rebuilt from the manifests.
-    assert sorted(remote_commit.remote_infos(store, deadline)[0]) == [1, 2, 3, 4, 5]
+    # Missing: rebuilt from the manifests (written by the committer's survey, never a reader's).
+    def remote_infos(store, deadline):
+        infos, bad = remote_index.survey(store, deadline, write_back=True)
+        return {s: i.to_json() for s, i in infos.items()}, bad
+
+    assert sorted(remote_infos(store, deadline)[0]) == [1, 2, 3, 4, 5]
     client.delete_object(Bucket=BUCKET, Key=index_key)
-    assert sorted(remote_commit.remote_infos(store, deadline)[0]) == [1, 2, 3, 4, 5]
+    assert sorted(remote_infos(store, deadline)[0]) == [1, 2, 3, 4, 5]
     assert index_steps(s3, "stale") == [1, 2, 3, 4, 5]
 
     # Corrupt: rebuilt.
     client.put_object(Bucket=BUCKET, Key=index_key, Body=b"{not json")
-    assert sorted(remote_commit.remote_infos(store, deadline)[0]) == [1, 2, 3, 4, 5]
+    assert sorted(remote_infos(store, deadline)[0]) == [1, 2, 3, 4, 5]
     assert index_steps(s3, "stale") == [1, 2, 3, 4, 5]
 
     # Stale: the newest step's manifest is gone (un-committed behind the index's back): not a step.
     client.delete_object(Bucket=BUCKET, Key=f"stale/{layout.step_dirname(5)}/{layout.MANIFEST_NAME}")
-    infos, _bad = remote_commit.remote_infos(store, deadline)
+    infos, _bad = remote_infos(store, deadline)
     assert sorted(infos) == [1, 2, 3, 4]
     assert index_steps(s3, "stale") == [1, 2, 3, 4]
 
     # Stale: the newest step was replaced by another save: the index takes the manifest's version.
-    before = remote_commit.remote_infos(store, deadline)[0][4][4]
+    before = remote_infos(store, deadline)[0][4][4]
     clone_steps(store, 1, [4])
     log = RequestLog(store)
-    after = remote_commit.remote_infos(store, deadline)[0]
+    after = remote_infos(store, deadline)[0]
     assert after[4][4] != before
     assert log.manifest_gets == 2  # step 4's, and step 5's (a directory without a manifest is looked at)
     assert json.loads(client.get_object(Bucket=BUCKET, Key=index_key)["Body"].read())["steps"]["4"][4] == after[4][4]
 
     # Stale: a deleted step directory drops its entry without reading anything of it.
     client.delete_objects(Bucket=BUCKET, Delete={"Objects": [{"Key": k} for k in s3.keys(f"stale/{layout.step_dirname(2)}/")]})
-    assert sorted(remote_commit.remote_infos(store, deadline)[0]) == [1, 3, 4]
+    assert sorted(remote_infos(store, deadline)[0]) == [1, 3, 4]
     assert index_steps(s3, "stale") == [1, 3, 4]
 
     # An unreadable manifest of a step outside the index is reported, never listed as a step.
     client.put_object(Bucket=BUCKET, Key=f"stale/{layout.step_dirname(9)}/{layout.MANIFEST_NAME}", Body=b"\xff")
-    infos, bad = remote_commit.remote_infos(store, deadline)
+    infos, bad = remote_infos(store, deadline)
     assert sorted(infos) == [1, 3, 4] and list(bad) == [9] and "step" in bad[9]
+
+
+@pytest.mark.parametrize("s3", ["moto"], indirect=True)
+def test_an_older_step_committing_late_stays_retired_and_readers_never_write_the_index(s3, tmp_path):
+    """Steps waiting for a slow node are polled most-due first: step 1 may be ready after 2 and 3
+    committed. Its commit must not bring it back past retention; and a reader's survey (another
+    node's uploader, a restore) repairs in memory only: it cannot write back a step retired after
+    it read the index."""
+    url = f"s3://{BUCKET}/late"
+    local_dir = tmp_path / "local"
+    save_local_steps(local_dir, [1, 2, 3])
+    store = remote.open_store(url, _opts())
+    deadline = remote.Deadline(60)
+
+    def push(step: int) -> str:
+        return remote_commit.push_step(store, str(local_dir), step, node="n0", policy=KeepLast(2)).state
+
+    assert push(2) == remote_commit.COMMITTED and push(3) == remote_commit.COMMITTED
+    assert push(1) == remote_commit.SUPERSEDED
+    assert remote_commit.remote_steps(store, deadline) == [2, 3] and index_steps(s3, "late") == [2, 3]
+    assert not s3.keys(f"late/{layout.step_dirname(1)}/{layout.MANIFEST_NAME}")
+
+    # The index lost an entry: readers find the step from its manifest and write nothing.
+    s3.client().put_object(Bucket=BUCKET, Key=f"late/{remote_index.INDEX_NAME}",
+                           Body=json.dumps({"format": remote_index.INDEX_FORMAT, "steps": {}}).encode())
+    log = RequestLog(store)
+    assert remote_commit.remote_steps(store, deadline) == [2, 3]
+    assert sorted(remote_commit.remote_infos(store, deadline)[0]) == [2, 3]
+    assert log.kinds["PUT"] == 0, log.kinds
+    assert index_steps(s3, "late") == []
+    # The committer's next pass writes the repair.
+    remote_commit.apply_remote_retention(store, KeepLast(2), deadline)
+    assert index_steps(s3, "late") == [2, 3]

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _dist, _failpoints, layout, remote, remote_commit, topology, values
+from . import _dist, _failpoints, early_upload, layout, remote, remote_commit, topology, values
 from . import lineage as lineage_mod
 from . import elastic as elastic_mod
 from . import state as state_mod
@@ -138,6 +138,8 @@ class Checkpointer:
                     f"cannot set up the uploader for {self.root} ({type(exc).__name__}: {exc}). Remedy: make "
                     f"local_dir a writable directory, or set uploader='off' to only restore from the remote."
                 ) from exc
+            if self._uploads.active:
+                self._writer.file_done = self._file_done
         self._peer = PeerTier(self.config, self.root, registered=self._uploads is not None and self._uploads.active)
         self._policy.install_signal_handlers()
 
@@ -644,6 +646,17 @@ class Checkpointer:
             if self.config.keep_best is not None and self.config.best_metric:
                 self._run["best"] = {"metric": self.config.best_metric, "mode": self.config.best_mode}
         return self._run
+
+    def _file_done(self, job: SaveJob, rank: int, name: str, size: int, checksum: str) -> None:
+        """Writer thread: a shard file of ``job`` is complete; publish it for an early upload, wake the uploader."""
+        if not job.upload or self._uploads is None:
+            return
+        try:
+            if early_upload.publish(job.partial, step=job.step, save_id=job.save_id, rank=rank, name=name,
+                                    size=size, checksum=checksum):
+                self._uploads.wake()
+        except Exception as exc:  # noqa: BLE001 - the upload after the local commit sends the file
+            log.debug("shardckpt: step %d: %s was not offered for an early upload: %s", job.step, name, exc)
 
     def _record_outcome(self, future: concurrent.futures.Future) -> None:
         """Done-callback of every save: keeps the last failure for ``status()`` and logs it at once."""

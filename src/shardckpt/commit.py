@@ -102,6 +102,8 @@ class StepWriter:
         self.head_step: int | None = None
         """The newest step of that branch: the step loaded, then each step committed."""
         self._newest_created = 0.0
+        self.file_done: Callable[[SaveJob, int, str, int, str], None] | None = None
+        """``(job, rank, name, size, checksum)`` as each file of a save is complete (early uploads)."""
 
     def continue_lineage(self, lineage: lineage_mod.Lineage, newest_created: float, head_step: int | None = None) -> None:
         """After a load: later saves continue (or fork from) the loaded step's history."""
@@ -224,8 +226,10 @@ class StepWriter:
             if job.fence is not None:
                 job.fence.synchronize()  # on a GPU the copies into the buffers may still run
             os.makedirs(partial, exist_ok=True)
+            done = self.file_done
             sums = local.dcp_write(
-                job.staged, partial, process_group=self._groups.io, io_threads=self.config.io_threads, rank=rank
+                job.staged, partial, process_group=self._groups.io, io_threads=self.config.io_threads, rank=rank,
+                on_file=(lambda name, size, digest: done(job, rank, name, size, digest)) if done else None,
             )
             _failpoints.hit("write.done")
             table = {name: (size, digest, rank, chunks) for name, (size, digest, chunks) in sums.items()}

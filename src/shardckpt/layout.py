@@ -58,6 +58,18 @@ def partial_dirname(step: int, nonce: str) -> str:
     return f"{PARTIAL_PREFIX}{step_dirname(step)}-{nonce}"
 
 
+def parse_partial_save(name: str) -> tuple[int, str] | None:
+    """``(step, save id)`` of a partial directory ``.partial-step_<N>-<count>-<nonce>`` (the save
+    ``<nonce>-<count>``); ``None`` for a name of another form."""
+    if not name.startswith(PARTIAL_PREFIX):
+        return None
+    parts = name[len(PARTIAL_PREFIX):].split("-")
+    step = parse_step_dirname(parts[0])
+    if step is None or len(parts) != 3:
+        return None
+    return step, f"{parts[2]}-{parts[1]}"
+
+
 CHECKSUM_ALGO = "xxh3-128"
 """Checksum of new files. The manifest is not signed, so a cryptographic hash
 would add no protection against tampering (whoever can change a file can

@@ -55,11 +55,14 @@ class _HashingStream(io.RawIOBase):
     file is then hashed from disk as before.
     """
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, on_complete: Callable[[int, str], None] | None = None) -> None:
         super().__init__()
         self._raw = raw
         self.checksum: layout.Checksum | None = layout.Checksum(chunked=True)
         self.size = 0
+        self._on_complete = on_complete
+        self.announced: tuple[int, str] | None = None
+        """(size, checksum) handed to ``on_complete`` when DCP asked for the descriptor (to fsync it)."""
 
     def writable(self) -> bool:
         return True
@@ -87,6 +90,10 @@ class _HashingStream(io.RawIOBase):
 
     def fileno(self) -> int:
         self._raw.flush()  # DCP asks for the descriptor to fsync it: nothing may wait in our buffer
+        if self._on_complete is not None and self.checksum is not None and self.announced is None:
+            # Every byte is written (the fsync is DCP's last step): the file can be read now.
+            self.announced = (self.size, self.checksum.value())
+            self._on_complete(*self.announced)
         return self._raw.fileno()
 
     def flush(self) -> None:
@@ -104,9 +111,12 @@ class _HashingFileSystem(FileSystem):
     One instance per writer, hence per directory: files are known by name.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_file: Callable[[str, int, str], None] | None = None) -> None:
         super().__init__()
         self._lock = threading.Lock()
+        self._on_file = on_file
+        """Called with (name, size, checksum) once each file is written whole: before its fsync when
+        DCP asks for the descriptor, else as it is closed (again if it changed since)."""
         self.written: dict[str, tuple[int, str, str]] = {}
         self.errors: list[BaseException] = []
         """What failed while writing a file (DCP's writer threads only print their tracebacks)."""
@@ -118,8 +128,10 @@ class _HashingFileSystem(FileSystem):
                 yield stream
             return
         try:
+            name = os.path.basename(path)
+            on_file = self._on_file
             with open(path, mode) as raw:
-                stream = _HashingStream(raw)
+                stream = _HashingStream(raw, (lambda size, digest: on_file(name, size, digest)) if on_file else None)
                 yield stream
                 raw.flush()
         except BaseException as exc:
@@ -127,8 +139,11 @@ class _HashingFileSystem(FileSystem):
                 self.errors.append(exc)
             raise
         if stream.checksum is not None:
+            entry = (stream.size, stream.checksum.value())
             with self._lock:
-                self.written[os.path.basename(path)] = (stream.size, stream.checksum.value(), stream.checksum.chunk_sums())
+                self.written[os.path.basename(path)] = (*entry, stream.checksum.chunk_sums())
+            if self._on_file is not None and stream.announced != entry:
+                self._on_file(os.path.basename(path), *entry)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)
@@ -150,9 +165,9 @@ class CheckedWriter(FileSystemWriter):
     Files are checksummed while they are written (:meth:`checksums`).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, on_file: Callable[[str, int, str], None] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fs = _HashingFileSystem()
+        self.fs = _HashingFileSystem(on_file)
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)
@@ -182,13 +197,16 @@ class CheckedWriter(FileSystemWriter):
 
 
 def dcp_write(
-    state_dict: dict[str, Any], directory: str, *, process_group: Any, io_threads: int, rank: int
+    state_dict: dict[str, Any], directory: str, *, process_group: Any, io_threads: int, rank: int,
+    on_file: Callable[[str, int, str], None] | None = None,
 ) -> dict[str, tuple[int, str, str]]:
     """Write this rank's shards (and on rank 0 ``.metadata``) into ``directory``.
 
     Returns size, checksum and chunk checksums of each file this rank wrote, taken while writing.
+    ``on_file(name, size, checksum)``: called as each file is complete.
     """
-    writer = CheckedWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=io_threads)
+    writer = CheckedWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=io_threads,
+                           on_file=on_file)
     no_dist = not (dist.is_available() and dist.is_initialized())
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")

@@ -5,6 +5,7 @@ Remote layout (``<remote>`` is the URL given as ``remote=``)::
     <remote>/step_<N>/.metadata, __<rank>_<i>.distcp ...   the step's files
     <remote>/step_<N>/_nodes/ranks-<a>-<b>-<n>.json          one marker per node
     <remote>/step_<N>/shardckpt.json                         the manifest, LAST
+    <remote>/step_<N>/_committed.json                        the step record: a few hundred bytes
     <remote>/_index.json                                     the committed steps' infos (a cache)
 
 Protocol for one step, run by every node's uploader on its own (uploaders
@@ -23,9 +24,13 @@ trainer's process group):
    manifest (``.metadata`` by its own marker) with matching checksums and
    the listing shows every object with its size; then it uploads the
    manifest. From that moment the step exists remotely; before, it does not
-   exist for anyone. Then it adds the step to the index
-   (:mod:`shardckpt.remote_index`), which lets finding the newest step and
-   retention work without reading every manifest.
+   exist for anyone. Then it writes the step record (files digest, save id,
+   created, lineage: what the other nodes need to know of the commit, so
+   that no node but the committer downloads the manifest, which grows with
+   the job) and adds the step to the index (:mod:`shardckpt.remote_index`),
+   which lets finding the newest step and retention work without reading
+   every manifest. A step committed without a record (by an earlier
+   version, or a crash right after the manifest) is read from its manifest.
 4. The committer applies the remote retention policy (never the newest
    step, only after a newer step is committed). Every node marks its local
    copy as committed remotely (``step_<N>/.shardckpt-uploaded.json``); only
@@ -47,7 +52,7 @@ import shutil
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Mapping
 
 from . import _failpoints, layout, remote_index, step_dirs
 from . import lineage as lineage_mod
@@ -299,14 +304,69 @@ def remote_manifest(store: Store, step: int, deadline: Deadline) -> layout.Manif
     return manifest
 
 
+STEP_RECORD_NAME = "_committed.json"
+STEP_RECORD_FORMAT = "shardckpt-step/1"
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """What a node needs to know of a committed step, without downloading its manifest."""
+
+    files_digest: str
+    save_id: str
+    info: lineage_mod.StepInfo
+    manifest: layout.Manifest | None = None
+    """Set when the record was taken from the manifest (a step committed without a record)."""
+
+
+def step_record_bytes(manifest: layout.Manifest) -> bytes:
+    body = {"format": STEP_RECORD_FORMAT, "step": manifest.step, "files_digest": files_digest(manifest),
+            "save_id": manifest.save_id, "info": lineage_mod.info_of(manifest).to_json()}
+    return json.dumps(body, sort_keys=True).encode()
+
+
+def committed_record(store: Store, step: int, deadline: Deadline) -> StepRecord | None:
+    """The record of ``step`` when it is committed remotely, else ``None``.
+
+    One GET of the step record (a few hundred bytes); without one, a HEAD of
+    the manifest, read only when it exists (a step committed before records,
+    or whose committer died right after the manifest): an uncommitted step
+    costs two 404s and no manifest GET. The record is written after the
+    manifest and deleted before it, so a record stands for a manifest.
+    """
+    data = store.get_bytes(step_key(step, STEP_RECORD_NAME), deadline)
+    if data is not None:
+        try:
+            body = json.loads(data.decode("utf-8"))
+            if body.get("format") == STEP_RECORD_FORMAT and body.get("step") == step:
+                return StepRecord(str(body["files_digest"]), str(body.get("save_id") or ""),
+                                  lineage_mod.StepInfo.from_json(step, body["info"]))
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+        log.warning("shardckpt: the step record %s is unreadable; reading the manifest instead",
+                    store.where(step_key(step, STEP_RECORD_NAME)))
+    elif not store.exists(step_key(step, layout.MANIFEST_NAME), deadline):
+        return None
+    manifest = remote_manifest(store, step, deadline)
+    if manifest is None:
+        return None
+    return StepRecord(files_digest(manifest), manifest.save_id, lineage_mod.info_of(manifest), manifest)
+
+
+def _uncommit(store: Store, step: int, deadline: Deadline) -> None:
+    """The step stops existing remotely: its record, then its manifest, go."""
+    store.delete(step_key(step, STEP_RECORD_NAME), deadline)
+    store.delete(step_key(step, layout.MANIFEST_NAME), deadline)
+
+
 def delete_remote_step(store: Store, step: int, deadline: Deadline, *, indexed: bool = True) -> None:
-    """Out of the index, un-commit (manifest away), then delete the rest.
+    """Out of the index, un-commit (record and manifest away), then delete the rest.
 
     ``indexed=False``: the caller has already removed the step from the index.
     """
     if indexed:
         remote_index.forget(store, [step], deadline)
-    store.delete(step_key(step, layout.MANIFEST_NAME), deadline)
+    _uncommit(store, step, deadline)
     _failpoints.hit("upload.retention_hidden")
     store.delete_prefix(layout.step_dirname(step), deadline)
 
@@ -379,6 +439,7 @@ def push_step(
     skip_upload_digest: str | None = None,
     progress_s: float = PROGRESS_S,
     verify_remote: bool = False,
+    early: Mapping[tuple[int, str], Mapping[str, tuple[int, str]]] | None = None,
 ) -> PushResult:
     """One pass of the protocol for one step of this node (see the module docstring).
 
@@ -391,6 +452,12 @@ def push_step(
     ``verify_remote`` (``shardckpt push``): when the step is already
     committed remotely, download and check this node's objects of it and
     upload again those that fail.
+
+    ``early``: what this node uploaded of saves before their local commit
+    (:class:`shardckpt.early_upload.EarlyUploads`), ``{(step, save_id):
+    {name: (size, checksum)}}``: a file sent early whose size and checksum
+    equal this manifest's is not sent again. Not used when an earlier save of
+    the step was committed remotely (its objects may have replaced them).
     """
     step_dir = os.path.join(root, layout.step_dirname(step))
     local = _read_local_manifest(step_dir)
@@ -402,7 +469,11 @@ def push_step(
     held = present_files(step_dir, manifest)
     committer = bool(held) and _committer_file(manifest) in held
     mine = _upload_set(held, committer)
-    committed = remote_manifest(store, step, deadline)
+    # The step record, not the manifest: only the committer ever downloads the whole manifest.
+    record = committed_record(store, step, deadline)
+    committed = None if record is None else (
+        manifest if record.files_digest == digest else record.manifest or remote_manifest(store, step, deadline)
+    )
     if committed is not None:
         if files_digest(committed) == digest:
             # Any node's copy of .metadata may repair the remote one (it is the same file).
@@ -436,7 +507,7 @@ def push_step(
             step, store.where(layout.step_dirname(step)),
         )
         remote_index.forget(store, [step], deadline)
-        store.delete(step_key(step, layout.MANIFEST_NAME), deadline)
+        _uncommit(store, step, deadline)
     if not mine:
         return _superseded_or(
             store, step_dir, step, manifest, PushResult(WAITING, detail="this node holds no file of the step"), deadline
@@ -454,7 +525,9 @@ def push_step(
     if skip_upload_digest != digest:
         existing = store.get_bytes(marker_key, deadline)
         if existing is None or _parse_marker(existing).get("files_digest") != digest:
-            total = sum(manifest.files[n].size for n in mine)
+            sent_early = (early or {}).get((step, manifest.save_id), {}) if committed is None else {}
+            todo = [n for n in mine if sent_early.get(n) != (manifest.files[n].size, manifest.files[n].checksum)]
+            total = sum(manifest.files[n].size for n in todo)
             progress = Progress(f"uploading step {step} to {safe_url(store.url)}", total, progress_s)
 
             def send(name: str) -> None:
@@ -464,7 +537,7 @@ def push_step(
 
             try:
                 with progress:
-                    store.run_all([lambda n=n: send(n) for n in mine], files=True)
+                    store.run_all([lambda n=n: send(n) for n in todo], files=True)
             except (FileNotFoundError, CorruptCheckpointError):
                 # A file vanished or differs from the manifest: the step was deleted or saved
                 # again meanwhile (else the local copy is damaged: the error stands).
@@ -484,6 +557,9 @@ def push_step(
     if not ready:
         return _superseded_or(store, step_dir, step, manifest, PushResult(WAITING, sent, why, marked=digest), deadline)
     _failpoints.hit("upload.markers_checked")
+    late = _retired_before_commit(store, step_dir, step, manifest, policy, sent, deadline)
+    if late is not None:
+        return late
     # Identity, not sizes: every object must be this save's. Another node's upload of
     # another save of this step number (saved again meanwhile) would otherwise be
     # committed under this manifest. Checked before the manifest goes up, and again
@@ -501,11 +577,16 @@ def push_step(
         log.warning("shardckpt: step %d: withdrew the remote commit at %s: %s", step,
                     store.where(layout.step_dirname(step)), foreign[0])
         return PushResult(WAITING, sent, f"{SAVED_AGAIN_ELSEWHERE}: {foreign[0]}", marked=digest)
+    try:
+        store.put_bytes(step_key(step, STEP_RECORD_NAME), step_record_bytes(manifest), deadline)
+    except RemoteError as exc:  # the step is committed; the other nodes read its manifest instead
+        log.warning("shardckpt: step %d is committed, but its step record %s was not written: %s", step,
+                    store.where(step_key(step, STEP_RECORD_NAME)), exc)
     remote_index.record(store, manifest, deadline)
     mark_uploaded(step_dir, store.url, manifest)
     if policy is not None:
         try:
-            apply_remote_retention(store, policy, deadline, known={step: manifest})
+            apply_remote_retention(store, policy, deadline, known={step: manifest}, protect_known=False)
         except (RemoteError, CorruptCheckpointError) as exc:
             log.warning("shardckpt: step %d is committed on %s, but remote retention failed: %s", step, safe_url(store.url), exc)
     return PushResult(COMMITTED, sent)
@@ -526,6 +607,30 @@ def _foreign_objects(store: Store, step: int, manifest: layout.Manifest, deadlin
         return f"object {store.where(step_key(step, name))} is {what}"
 
     return [p for p in store.run_all([lambda n=n: check(n) for n in sorted(manifest.files)], files=True) if p]
+
+
+def _retired_before_commit(
+    store: Store, step_dir: str, step: int, manifest: layout.Manifest, policy: RetentionPolicy | None, sent: int,
+    deadline: Deadline,
+) -> PushResult | None:
+    """``SUPERSEDED`` when retention would remove this step as soon as it is committed, else ``None``.
+
+    Steps waiting for the slowest node are polled most-due first, not in
+    order: a step may be ready only after newer steps of its history have
+    committed. It is committed then when retention keeps it beside them (its
+    retention pass then removes what is older), never just to be counted
+    out: a step retention has already passed over must not come back.
+    """
+    if policy is None or not any(s > step for s in _step_dirs(store, deadline)):
+        return None
+    infos, _unreadable = remote_index.survey(store, deadline, {step: manifest})
+    live, _abandoned = lineage_mod.classify(infos)
+    newer = [s for s in live if s > step]
+    if not newer or step not in plan_deletions(live, policy, infos=infos):
+        return None
+    mark_uploaded(step_dir, store.url, manifest, superseded_by=newer[-1])
+    return PushResult(SUPERSEDED, sent, f"superseded by step {newer[-1]}, committed remotely first; "
+                                        f"retention keeps that one, not this")
 
 
 def _replaces(root: str, step: int, manifest: layout.Manifest, committed: layout.Manifest) -> bool:
@@ -579,10 +684,10 @@ def _superseded_or(
         return waiting
     mine = lineage_mod.info_of(manifest)
     for other in reversed(newer):
-        latest = remote_manifest(store, other, deadline)
-        if latest is None or latest.created < manifest.created:
+        latest = committed_record(store, other, deadline)
+        if latest is None or latest.info.created < manifest.created:
             continue
-        if lineage_mod.excluded_by(lineage_mod.Lineage.from_json(latest.lineage), step, mine.lineage) is not None:
+        if lineage_mod.excluded_by(latest.info.lineage, step, mine.lineage) is not None:
             continue
         mark_uploaded(step_dir, store.url, manifest, superseded_by=other)
         return PushResult(SUPERSEDED, waiting.uploaded_bytes, f"superseded by step {other}, committed remotely")
@@ -654,17 +759,20 @@ def missing_ranks(
 
 
 def apply_remote_retention(
-    store: Store, policy: RetentionPolicy, deadline: Deadline, known: dict[int, layout.Manifest] | None = None
+    store: Store, policy: RetentionPolicy, deadline: Deadline, known: dict[int, layout.Manifest] | None = None,
+    *, protect_known: bool = True,
 ) -> list[int]:
     """Retention over the live remote steps; steps abandoned by a rollback stay until ``shardckpt gc``.
 
     Decides from the index (:func:`shardckpt.remote_index.survey`; ``known``:
-    manifests just committed), not by reading every manifest. The doomed
-    steps leave the index (one write) before they are deleted.
+    manifests just committed, never deleted unless ``protect_known`` is
+    False: the committer checked before its commit that retention keeps
+    it), not by reading every manifest. The newest step is never deleted.
+    The doomed steps leave the index (one write) before they are deleted.
     """
-    infos, _unreadable = remote_index.survey(store, deadline, known)
+    infos, _unreadable = remote_index.survey(store, deadline, known, write_back=True)
     live, _abandoned = lineage_mod.classify(infos)
-    doomed = plan_deletions(live, policy, infos=infos, protect=known or ())  # never the step just committed
+    doomed = plan_deletions(live, policy, infos=infos, protect=(known or ()) if protect_known else ())
     if doomed:
         remote_index.forget(store, list(doomed), deadline)
     for old in doomed:

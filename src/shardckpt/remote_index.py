@@ -14,14 +14,19 @@ need. It is a cache; the manifest stays the commit record:
   manifest read, once: a committed one is added. The head (the most
   recently created step, whose lineage decides what is live) and the newest
   live step have their manifests read, so an entry whose manifest was
-  removed or replaced is caught where it matters. Repairs are written back.
+  removed or replaced is caught where it matters. Repairs are written back
+  by the committing node only (its commit and its retention pass): a reader
+  (another node's uploader, a restore, ``ls``) repairs in memory and never
+  writes, so a survey that read the index before a retention pass cannot
+  write the retired steps back after it.
 
 One aggregated object rather than one object per step: a per-step entry
 would need one GET per step to learn its contents, which is the cost being
-removed. A read-modify-write can lose a concurrent writer's change (two jobs
-on one prefix, ``shardckpt gc`` beside an uploader); both kinds of loss
-heal: a lost addition is a directory without an entry, a lost removal an
-entry without a directory.
+removed. Within a job one process writes it (the committer's uploader, one
+step at a time). A read-modify-write can still lose a concurrent writer's
+change (two jobs on one prefix, ``shardckpt gc`` beside an uploader); both
+kinds of loss heal: a lost addition is a directory without an entry, a lost
+removal an entry without a directory.
 """
 
 from __future__ import annotations
@@ -68,11 +73,10 @@ def write(store: Store, infos: Mapping[int, lineage_mod.StepInfo], deadline: Dea
 
 
 def record(store: Store, manifest: layout.Manifest, deadline: Deadline) -> None:
-    """Add (or replace) the entry of a step just committed. Never raises: the index is repairable."""
+    """Add (or replace) the entry of a step just committed, by its committer, with the repairs
+    a survey finds. Never raises: the index is repairable."""
     try:
-        infos = read(store, deadline) or {}
-        infos[manifest.step] = lineage_mod.info_of(manifest)
-        write(store, infos, deadline)
+        survey(store, deadline, {manifest.step: manifest}, write_back=True)
     except RemoteError as exc:
         log.warning("shardckpt: step %d is committed, but the step index %s was not updated (%s); "
                     "the next survey of the remote repairs it", manifest.step, store.where(INDEX_NAME), exc)
@@ -97,13 +101,15 @@ def step_dirs(store: Store, deadline: Deadline) -> list[int]:
 
 
 def survey(
-    store: Store, deadline: Deadline, known: Mapping[int, layout.Manifest] | None = None
+    store: Store, deadline: Deadline, known: Mapping[int, layout.Manifest] | None = None, *, write_back: bool = False
 ) -> tuple[dict[int, lineage_mod.StepInfo], dict[int, str]]:
     """The committed steps' infos and the committed steps whose manifest cannot be read (with the reason).
 
     ``known``: manifests the caller has just read or written (not read again).
-    See the module's docstring for what is read; the index is written back
-    when it was missing or anything was repaired.
+    See the module's docstring for what is read. ``write_back`` (the
+    committer's commit and retention, ``shardckpt gc``): the index is
+    written when it was missing or anything was repaired; any other caller
+    leaves it as it is.
     """
     from .remote_commit import remote_manifest
 
@@ -143,7 +149,7 @@ def survey(
         if not check:
             break
         settle(check)
-    if cached is None or json.dumps(_entries(infos)) != json.dumps(_entries(stored)):
+    if write_back and (cached is None or json.dumps(_entries(infos)) != json.dumps(_entries(stored))):
         try:
             write(store, infos, deadline)
         except RemoteError as exc:

@@ -958,12 +958,9 @@ def _partial_saves(root: str) -> dict[int, list[str]]:
     except FileNotFoundError:
         return out
     for name in names:
-        if not name.startswith(layout.PARTIAL_PREFIX):
-            continue
-        parts = name[len(layout.PARTIAL_PREFIX):].split("-")
-        step = layout.parse_step_dirname(parts[0])
-        if step is not None and len(parts) == 3:
-            out.setdefault(step, []).append(f"id:{parts[2]}-{parts[1]}")
+        parsed = layout.parse_partial_save(name)
+        if parsed is not None:
+            out.setdefault(parsed[0], []).append(f"id:{parsed[1]}")
     return out
 
 

@@ -2,7 +2,8 @@
 
 One process per node (per local directory) uploads every committed local
 step to the remote and commits it there with the protocol of
-:mod:`shardckpt.remote_commit`. It is started by a trainer (see
+:mod:`shardckpt.remote_commit`; the shard files of a save still being
+written are uploaded as the writer publishes them (:mod:`shardckpt.early_upload`). It is started by a trainer (see
 :mod:`shardckpt.uploader_client`), by a sidecar or by systemd, holds
 ``uploader.lock`` so that a second one exits at once, and reports through
 ``status.json`` (:mod:`shardckpt.node_registry`). It imports no torch.
@@ -22,6 +23,7 @@ import time
 from typing import Any
 
 from . import layout
+from .early_upload import EarlyUploads
 from .node_registry import daemon_logging, lock_path, process_record, state_dir, trainers_alive
 from .errors import RemoteError
 from .remote import Deadline, Store, redact, safe_url
@@ -97,6 +99,8 @@ class Uploader:
         self._last_status: dict[str, Any] = {}
         self._last_status_time = 0.0
         self._last_progress = time.monotonic()
+        self.early = EarlyUploads()
+        """Files of saves still being written, uploaded before their local commit."""
 
     # ---- lifecycle
 
@@ -179,6 +183,10 @@ class Uploader:
 
     def tick(self) -> list[int]:
         """One pass over the pending steps; returns the steps still pending."""
+        sent_early = self.early.run(self.store, self.root)
+        if sent_early:
+            self.uploaded_bytes += sent_early
+            self._last_progress = time.monotonic()
         pending = pending_steps(self.root, self.store.url)
         for step in list(self.steps):
             if step not in pending:
@@ -200,7 +208,8 @@ class Uploader:
             t0 = time.monotonic()
             try:
                 result = push_step(
-                    self.store, self.root, step, node=self.node, policy=self.policy, skip_upload_digest=st.marker_digest
+                    self.store, self.root, step, node=self.node, policy=self.policy, skip_upload_digest=st.marker_digest,
+                    early=self.early.sent,
                 )
             except Exception as exc:  # noqa: BLE001 - reported and retried later
                 st.attempts += 1
@@ -213,6 +222,8 @@ class Uploader:
                 self._check_deadline(step, st)
                 continue
             st.permanent = False
+            if result.state != WAITING:
+                self.early.forget(step)
             if result.uploaded_bytes:
                 self.uploaded_bytes += result.uploaded_bytes
                 self._last_progress = time.monotonic()

@@ -193,6 +193,12 @@ class UploaderClient:
         """A step was committed here: wake the uploader (same host and PID namespace; else it polls)."""
         if not self.active or not self.committer:
             return
+        self.wake()
+
+    def wake(self) -> None:
+        """Signal this directory's uploader to look now; any rank of the node may (a file is complete)."""
+        if not self.active:
+            return
         info = read_status(self.root)
         pid = uploader_running(self.root)
         # Only a process that is the uploader by pid *and* start time (in another PID

@@ -2,7 +2,8 @@
 
 usage: remote_train.py save    BASE REMOTE OUT STEPS     local_dir = BASE/node<GROUP_RANK>
        remote_train.py restore BASE REMOTE OUT           restore the newest step, dump the state
-       remote_train.py hang    BASE REMOTE OUT STEPS     save STEPS steps, then wait to be killed
+       remote_train.py hang    BASE REMOTE OUT STEPS     save STEPS steps, start step STEPS+1 whose write
+                                                         stalls before its local commit; wait to be killed
        remote_train.py deadnode BASE REMOTE OUT          node 1's uploader dies after step 1: steps 2-4
                                                          cannot commit; OUT.failed gets node 0's status once
                                                          they are reported failed; on OUT.go node 1's
@@ -86,6 +87,12 @@ def main() -> None:
         ckpt.save(state, step).wait()
     dump(model, optim, steps, out, rank)
     if mode == "hang":
+        # The next save stalls once its files are written, before its local commit: killed
+        # there, it is a save abandoned after its files were uploaded early.
+        from shardckpt import _failpoints
+
+        _failpoints.arm("write.done", lambda: time.sleep(3600))
+        ckpt.save(state, steps + 1)
         if rank == 0:
             with open(out + ".ready", "w") as f:
                 f.write(str(steps))
