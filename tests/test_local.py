@@ -103,6 +103,19 @@ def test_a_save_of_a_sharded_state_holds_one_copy_of_it(tmp_path):
     assert result["hwm_growth"] <= 1.1 * result["staged"], result
 
 
+def test_torch_save_outside_a_save_keeps_its_crc32(tmp_path):
+    import zipfile
+
+    state = make_state()
+    with ckpt_for(tmp_path) as ckpt:
+        ckpt.save(state, 1)  # the step's files are written without torch.save's per-record CRC-32
+    assert torch.serialization.get_crc32_options() is True
+    torch.save(torch.arange(1000.0), tmp_path / "mine.pt")
+    with zipfile.ZipFile(tmp_path / "mine.pt") as archive:
+        assert any(info.CRC for info in archive.infolist())
+        assert archive.testzip() is None
+
+
 def test_committed_step_is_a_stock_dcp_checkpoint(tmp_path):
     state = make_state()
     train(state, 2)
