@@ -93,8 +93,9 @@ def test_values_restore_into_empty_dict_and_staging_buffers_are_reused(tmp_path)
 
 
 def test_a_save_of_a_sharded_state_holds_one_copy_of_it(tmp_path):
-    # FSDP2 shards of 4 MiB: staging once deep-copied every DTensor, data included, to make its
-    # buffer, and those transient copies stayed in the C heap: the RSS grew ~2.4x the staged bytes.
+    # DTensor shards of 4 MiB (as FSDP2 holds them): staging once deep-copied every DTensor, data
+    # included, to make its buffer, and those transient copies stayed in the C heap: the RSS grew
+    # ~2.5x the staged bytes.
     out = tmp_path / "out"
     out.mkdir()
     run_torchrun(1, PROGRAMS / "stage_memory.py", str(tmp_path / "ckpt"), str(out), timeout=120)

@@ -2,7 +2,7 @@
 
 usage: stage_memory.py DIR OUT  (1 or more ranks)
 
-An FSDP2 model of 16 shards of 4 MiB per rank is saved; each rank
+A state of 16 DTensors sharded by rows, 4 MiB per rank each, is saved; each rank
 records the growth of its RSS high-water mark over the save (``VmHWM``
 after ``5 > /proc/self/clear_refs``) and the bytes it staged, in
 OUT/result.<rank>.json.
@@ -13,7 +13,6 @@ import sys
 
 import common
 import torch
-import torch.nn as nn
 
 import shardckpt
 
@@ -28,26 +27,20 @@ def _status(key: str) -> int:
 
 def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     root, out = sys.argv[1], sys.argv[2]
     rank, world = common.init()
-    with torch.device("meta"):
-        model = nn.Sequential(*[nn.Linear(1024, 1024 * world, bias=False) for _ in range(16)])
     mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float(rank + 1))
-    staged = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
+    # Row shards of 4 MiB per rank, as FSDP2 holds its parameters.
+    shards = {f"w{i}": distribute_tensor(torch.full((1024 * world, 1024), float(i)), mesh, [Shard(0)])
+              for i in range(16)}
+    staged = sum(t.to_local().numel() * t.to_local().element_size() for t in shards.values())
     ckpt = shardckpt.Checkpointer(local_dir=root, keep_last=1, preemption_signals=())
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = _status("VmRSS:")
-    ckpt.save({"model": model}, 1).wait()
+    ckpt.save({"shards": shards}, 1).wait()
     grown = _status("VmHWM:") - before
     ckpt.close()
     common.write_json(os.path.join(out, f"result.{rank}.json"), {"staged": staged, "hwm_growth": grown})
