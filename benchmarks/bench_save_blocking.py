@@ -26,7 +26,8 @@ Tools (``--tool``, default all of them, one after another):
   torch_save         rank 0 gathers the full state and ``torch.save``s it
 
 Each rank's RSS high-water mark is reset before every tool and reported
-(largest rank); ``benchmarks/run.py`` starts a fresh torchrun per tool and
+(largest rank), with its growth over the tool's saves as a multiple of the
+rank's staged bytes (one copy of the state: 1.0×); ``benchmarks/run.py`` starts a fresh torchrun per tool and
 also samples the RAM of all processes (DCP's daemons included). DCP's async
 saves get a gloo group of their own: on CPU they deadlock on the trainer's.
 """
@@ -242,8 +243,10 @@ def measure(ctx: Context, name: str) -> tuple[list[float], dict[str, Any]]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (peak, peak - before))
     out: dict[str, Any] = {k: statistics.median(v) for k, v in extra.items()}
+    staged = sum(t.numel() * t.element_size() for t in ctx.local_shards)
     out.update(first_s=first, peak_rss_rank_bytes=max(p for p, _ in gathered),
-               rss_growth_rank_bytes=max(g for _, g in gathered))
+               rss_growth_rank_bytes=max(g for _, g in gathered),
+               rss_growth_x_staged=max(g for _, g in gathered) / staged)
     return times, out
 
 

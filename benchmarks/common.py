@@ -224,10 +224,12 @@ COLUMNS = {
     "returned_s": "call returned (s)",
     "local_commit_s": "local commit (s)",
     "s_per_gib": "s / GiB",
+    "cpu_s_per_gib": "CPU s / GiB",
     "fits_30s_gib": "fits a 30 s notice (GiB)",
     "fits_120s_gib": "fits a 120 s notice (GiB)",
     "peak_rss_rank_bytes": "RSS peak / rank",
     "rss_growth_rank_bytes": "RSS growth / rank",
+    "rss_growth_x_staged": "RSS growth / staged bytes",
     "host_peak_bytes": "host RAM peak (all processes)",
     "resident_after_evict": "cached after eviction",
     "paired_ratio": "paired ratio",
@@ -274,7 +276,8 @@ def table(results: list[dict]) -> list[str]:
             extras += [k for k in row["extra"] if k not in extras]
     unit = results[0]["unit"] if results else "s"
     label = results[0].get("ratio_label", "floor") if results else "floor"
-    head = ["state", *(["cache"] if grouped else []), "tool", f"median ({unit})", f"min ({unit})", f"× {label}",
+    groups = {row["group"] for r in results for row in r["rows"]} - {""}
+    head = ["state", *([("cache" if groups <= {"warm", "cold"} else "on")] if grouped else []), "tool", f"median ({unit})", f"min ({unit})", f"× {label}",
             *(COLUMNS.get(k, k) for k in extras)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
@@ -453,11 +456,15 @@ def fresh_dir(path: str | os.PathLike) -> Path:
 
 # ------------------------------------------------------------------ states
 
-def sized_args(doc: str | None, repeats_help: str, switches: dict[str, str] | None = None) -> argparse.Namespace:
-    """The options of a single-process case measuring one state size (``switches``: flag -> help, on/off)."""
+def sized_args(doc: str | None, repeats_help: str, switches: dict[str, str] | None = None,
+               values: dict[str, str] | None = None) -> argparse.Namespace:
+    """The options of a single-process case measuring one state size (``switches``: flag -> help, on/off;
+    ``values``: option -> help, a string, default None)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     for flag, text in (switches or {}).items():
         parser.add_argument(flag, action="store_true", help=text)
+    for flag, text in (values or {}).items():
+        parser.add_argument(flag, default=None, help=text)
     parser.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1.0)")
     parser.add_argument("--repeats", type=int, default=3, help=repeats_help)
     parser.add_argument("--dir", default=None, help="where the scratch directory goes (default: the system's temp)")

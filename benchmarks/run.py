@@ -86,7 +86,9 @@ CASES = [
     Case("durable", "Time to durable (save → locally committed)", "bench_durable.py",
          "One process: from `save()` until the step is committed on the local disk (`save(...).wait()`), against "
          "`dd` of the same bytes with `conv=fdatasync` (floor) and with `oflag=direct`, stock `dcp.save` and "
-         "`torch.save` + `fsync`. Every write starts after `os.sync()` with the previous output deleted.",
+         "`torch.save` + `fsync`, on the disk and again on a tmpfs (/dev/shm: memory at several GB/s standing in "
+         "for NVMe, skipped where the files do not fit beside the state). Every write starts after `os.sync()` "
+         "with the previous output deleted.",
          lambda a: ["--repeats", repeats(a, 2, 3)], memory=2.2, disk=1.5, plot="durable.png"),
     Case("restore", "Restore from the local tier", "bench_restore.py",
          "One process restores the step into the live model: `Checkpointer.load` with checksums verified and "

@@ -205,7 +205,12 @@ def stored_tensor(f: Any, offset: int, length: int) -> StoredTensor | None:
                 return None
             if zf.start_dir != cd_offset or any(i.header_offset >= cd_offset for i in infos.values()):
                 return None  # zipfile found another archive than the one that fills the record
-            lay = _LayoutUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
+            start = _member_start(f, offset, infos[pkl[0]], cd_offset)
+            if start is None:
+                return None
+            # Read raw: records of a step carry no CRC-32 (the file's checksum covers them), which
+            # zipfile's own read would refuse.
+            lay = _LayoutUnpickler(io.BytesIO(os.pread(f.fileno(), infos[pkl[0]].file_size, start))).load()
             info = infos[stored[0]]
     except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError, AttributeError):
         return None
@@ -219,6 +224,16 @@ def stored_tensor(f: Any, offset: int, length: int) -> StoredTensor | None:
     contiguous = all(s == e for s, e, d in zip(lay.stride, reversed(expected_stride), lay.size) if d > 1)
     if lay.offset != 0 or numel != lay.ref.numel or not contiguous or info.file_size != numel * lay.ref.dtype.itemsize:
         return None
+    start = _member_start(f, offset, info, cd_offset)
+    if start is None:
+        return None
+    return StoredTensor(start, lay.ref.dtype, lay.size)
+
+
+def _member_start(f: Any, offset: int, info: zipfile.ZipInfo, cd_offset: int) -> int | None:
+    """Where the bytes of an uncompressed member of the archive at ``offset`` start, or None if unusual."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        return None
     header = os.pread(f.fileno(), 30, offset + info.header_offset)
     if len(header) != 30 or header[:4] != b"PK\x03\x04":
         return None
@@ -226,7 +241,7 @@ def stored_tensor(f: Any, offset: int, length: int) -> StoredTensor | None:
     start = offset + info.header_offset + 30 + name_len + extra_len
     if start + info.file_size > offset + cd_offset:
         return None
-    return StoredTensor(start, lay.ref.dtype, lay.size)
+    return start
 
 
 def _memory_of(t: torch.Tensor) -> memoryview:

@@ -105,6 +105,36 @@ class _HashingStream(io.RawIOBase):
         super().close()
 
 
+_WRITING = threading.local()
+"""``active`` in a thread while it writes a step's file (inside ``_HashingFileSystem.create_stream``)."""
+
+
+def _install_crc_switch() -> None:
+    """Make torch.save skip its per-record CRC-32 in the threads writing a step's files.
+
+    DCP serialises every tensor with torch.save, whose zip records carry a
+    CRC-32 of the data: a pass over every byte at about 1-2 GB/s, more CPU
+    than the copy into the page cache. Every file of a step is already
+    checksummed whole (xxh3-128, :class:`_HashingStream`) and verified on
+    load, and torch.load reads records written without a CRC-32, so stock
+    ``dcp.load`` reads the files as before. Only a thread inside
+    ``create_stream`` sees the switch: torch.save anywhere else in the
+    process (the training loop's own files) keeps its CRC-32.
+    """
+    original = getattr(torch.serialization, "get_crc32_options", None)
+    if original is None or getattr(original, "shardckpt_switch", False):
+        return
+
+    def get_crc32_options() -> bool:
+        if getattr(_WRITING, "active", False):
+            return False
+        return original()
+
+    get_crc32_options.shardckpt_switch = True  # type: ignore[attr-defined]
+    get_crc32_options.__doc__ = original.__doc__
+    torch.serialization.get_crc32_options = get_crc32_options
+
+
 class _HashingFileSystem(FileSystem):
     """DCP's local file system, remembering the checksum of every file it wrote whole.
 
@@ -113,6 +143,7 @@ class _HashingFileSystem(FileSystem):
 
     def __init__(self, on_file: Callable[[str, int, str], None] | None = None) -> None:
         super().__init__()
+        _install_crc_switch()
         self._lock = threading.Lock()
         self._on_file = on_file
         """Called with (name, size, checksum) once each file is written whole: before its fsync when
@@ -127,6 +158,8 @@ class _HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
+        was = getattr(_WRITING, "active", False)
+        _WRITING.active = True
         try:
             name = os.path.basename(path)
             on_file = self._on_file
@@ -138,6 +171,8 @@ class _HashingFileSystem(FileSystem):
             with self._lock:
                 self.errors.append(exc)
             raise
+        finally:
+            _WRITING.active = was
         if stream.checksum is not None:
             entry = (stream.size, stream.checksum.value())
             with self._lock:
