@@ -67,8 +67,9 @@ def child(nodes: list[int], scratch: str) -> dict:
     from helpers import PROGRAMS, run_torchrun
     from remote_history import RequestLog
     from s3server import BUCKET
-    from shardckpt import layout, remote, remote_commit
-    from shardckpt.retention import KeepLast
+    from shardckpt.format import layout
+    from shardckpt.tiers import remote, remote_commit
+    from shardckpt.format.retention import KeepLast
 
     out: dict = {}
     for k in nodes:

@@ -42,8 +42,9 @@ def child(held: list[int], scratch: str) -> dict:
     import shardckpt
     from remote_history import RequestLog, clone_steps
     from s3server import BUCKET
-    from shardckpt import remote, remote_commit, uploader
-    from shardckpt.retention import KeepLast
+    from shardckpt.tiers import remote, remote_commit
+    from shardckpt.node import uploader
+    from shardckpt.format.retention import KeepLast
 
     out: dict = {}
     for n in held:
@@ -78,10 +79,10 @@ def child(held: list[int], scratch: str) -> dict:
 
 def bring_index_up_to_date(store, deadline) -> None:
     """As the committer's commits keep it (in code before the index there is none to update)."""
-    from shardckpt import remote_commit
+    from shardckpt.tiers import remote_commit
 
     try:
-        from shardckpt import remote_index
+        from shardckpt.tiers import remote_index
     except ImportError:
         return
     try:

@@ -55,7 +55,8 @@ def one(k: int, width: int, repeats: int, scratch: str, server) -> dict:
     from faultproxy import FaultProxy
     from helpers import child_env
     from s3server import BUCKET
-    from shardckpt import layout, remote, remote_commit
+    from shardckpt.format import layout
+    from shardckpt.tiers import remote, remote_commit
 
     url = f"s3://{BUCKET}/needonly{k}"
     base = os.path.join(scratch, f"k{k}")

@@ -230,7 +230,8 @@ def check_both(ckpt_dir: Path, url: str, scratch: Path, ref: dict[int, str]) -> 
 import sys, json
 sys.path.insert(0, {str(PROGRAM.parent)!r})
 import soak_train, shardckpt
-from shardckpt import node_registry, remote, remote_commit, uploader
+from shardckpt.node import node_registry, uploader
+from shardckpt.tiers import remote, remote_commit
 
 def load_all(ckpt, steps):
     out = {{}}
@@ -282,7 +283,8 @@ def _reported_remote(ckpt_dir: Path, url: str) -> set[int]:
     """Local steps marked as committed remotely (not merely superseded)."""
     import json
 
-    from shardckpt import layout, remote_commit
+    from shardckpt.format import layout
+    from shardckpt.tiers import remote_commit
 
     out = set()
     for step in layout.committed_steps(str(ckpt_dir)):
@@ -297,7 +299,7 @@ def _reported_remote(ckpt_dir: Path, url: str) -> set[int]:
 
 def _uploader_pid(ckpt_dir: Path) -> int | None:
     """The uploader serving ``ckpt_dir`` (it holds its lock), else None; 0 when its pid is not known yet."""
-    from shardckpt import node_registry
+    from shardckpt.node import node_registry
 
     return node_registry.uploader_running(str(ckpt_dir))
 

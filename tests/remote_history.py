@@ -18,7 +18,8 @@ import urllib.parse
 import uuid
 from typing import Any
 
-from shardckpt import layout, remote, remote_commit
+from shardckpt.format import layout
+from shardckpt.tiers import remote, remote_commit
 
 
 def clone_steps(store: remote.Store, source: int, steps: list[int]) -> None:

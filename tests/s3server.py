@@ -264,7 +264,7 @@ def stop_uploaders(base, grace_s: float = 0.0) -> None:
     import time as _time
     from pathlib import Path as _Path
 
-    from shardckpt import node_registry as _node_registry
+    from shardckpt.node import node_registry as _node_registry
 
     for status in _Path(base).rglob(f"{_node_registry.STATE_DIR}/status.json"):
         body = _node_registry.read_json(str(status))

@@ -22,7 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shardckpt  # noqa: E402
 from helpers import ROOT, child_env  # noqa: E402
 from s3server import BUCKET, reset_if_used, stop_uploaders  # noqa: E402
-from shardckpt import cli, layout, remote, uploader  # noqa: E402
+from shardckpt import cli
+from shardckpt.format import layout
+from shardckpt.tiers import remote
+from shardckpt.node import uploader  # noqa: E402
 
 LS_KEYS = {"step", "bytes", "files", "world_size", "created", "created_utc", "live", "abandoned", "branch",
            "run_id", "metadata", "kind", "metrics", "best", "tiers", "for_upload"}

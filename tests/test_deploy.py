@@ -495,7 +495,8 @@ def test_fsdp2_example_resumes_at_half_the_world_size_with_the_accumulation_of_t
     import shutil
 
     from helpers import run_torchrun
-    from shardckpt import cli, layout
+    from shardckpt import cli
+    from shardckpt.format import layout
 
     example = ROOT / "examples" / "train_fsdp2.py"
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import shardckpt
-from shardckpt import elastic
+from shardckpt.restoring import elastic
 from shardckpt.data import ResumableSampler, rank_slice
-from shardckpt.elastic import ElasticPolicy, apply_lr_factor, compute_plan
+from shardckpt.restoring.elastic import ElasticPolicy, apply_lr_factor, compute_plan
 
 
 def _plan(policy=None, **kw):

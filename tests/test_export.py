@@ -24,7 +24,10 @@ import shardckpt  # noqa: E402
 from programs.common import TinyNet  # noqa: E402  (benchmarks/ has a module named common too)
 from helpers import PROGRAMS, run_torchrun  # noqa: E402
 from s3server import BUCKET  # noqa: E402
-from shardckpt import cli, export, layout, local, remote, uploader  # noqa: E402
+from shardckpt import cli, export
+from shardckpt.format import layout
+from shardckpt.tiers import local, remote
+from shardckpt.node import uploader  # noqa: E402
 from shardckpt.errors import (  # noqa: E402
     CheckpointNotFoundError,
     ConfigError,

@@ -10,9 +10,10 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 import shardckpt
-from shardckpt import layout, local
+from shardckpt.format import layout
+from shardckpt.tiers import local
 from helpers import flip_byte_in_tensor
-from shardckpt.dcp_reader import stored_tensor
+from shardckpt.tiers.dcp_reader import stored_tensor
 
 
 class Mixed(nn.Module):

@@ -22,7 +22,8 @@ from helpers import PROGRAMS, ROOT, child_env, kill_job, run_torchrun, start_tor
 from s3server import BUCKET, stop_uploaders  # noqa: E402
 
 import shardckpt  # noqa: E402
-from shardckpt import cli, layout  # noqa: E402
+from shardckpt import cli
+from shardckpt.format import layout  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
 ITERS = 16

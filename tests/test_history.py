@@ -21,7 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shardckpt  # noqa: E402
 from helpers import PROGRAMS, ROOT, child_env, run_torchrun  # noqa: E402
 from s3server import BUCKET, reset_if_used, stop_uploaders  # noqa: E402
-from shardckpt import _failpoints, cli, layout, remote, remote_commit  # noqa: E402
+from shardckpt import _failpoints, cli
+from shardckpt.format import layout
+from shardckpt.tiers import remote, remote_commit  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

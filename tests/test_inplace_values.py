@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import shardckpt
 from helpers import flip_byte_in_tensor
-from shardckpt import local
+from shardckpt.tiers import local
 
 
 class Counter:

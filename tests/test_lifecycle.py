@@ -182,7 +182,7 @@ def slow_copies(monkeypatch):
     """
     import threading
 
-    from shardckpt import stage
+    from shardckpt.saving import stage
 
     monkeypatch.setattr(stage.HostStager, "defer_cpu_copies", True)
     monkeypatch.setattr(_failpoints, "_SPEC", {})
@@ -289,7 +289,7 @@ def test_by_default_save_returns_with_the_copies_done(tmp_path, slow_copies):
 
 
 def test_pinned_memory_cap_pins_up_to_the_limit():
-    from shardckpt.stage import HostStager
+    from shardckpt.saving.stage import HostStager
 
     stager = HostStager(pin_memory=True, max_pinned_bytes=1000)
     assert stager._pin(torch.zeros(200)) is True  # 800 bytes

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import shardckpt
 from helpers import PROGRAMS, mount_tmpfs, run_torchrun
-from shardckpt import layout
+from shardckpt.format import layout
 
 
 def make_state(seed=0):

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from helpers import PROGRAMS, ROOT, child_env, run_two_nodes
-from shardckpt import cli, layout
+from shardckpt import cli
+from shardckpt.format import layout
 
 PROG = PROGRAMS / "multinode.py"
 

@@ -14,7 +14,9 @@ import torch
 import torch.nn as nn
 
 import shardckpt
-from shardckpt import cli, layout, peer
+from shardckpt import cli
+from shardckpt.format import layout
+from shardckpt.tiers import peer
 
 SECRET = b"job-secret-" + b"x" * 53
 
@@ -160,7 +162,7 @@ def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path
 
 def _kill_daemons(base, signum=signal.SIGKILL):
     """Signal (by default: end) the peer daemons the jobs under ``base`` started (they outlive their trainers by design)."""
-    from shardckpt.node_registry import pid_alive, read_json, state_dir
+    from shardckpt.node.node_registry import pid_alive, read_json, state_dir
 
     for node in sorted(os.listdir(base)) if os.path.isdir(base) else []:
         info = read_json(os.path.join(state_dir(os.path.join(base, node)), peer.STATUS_NAME))
@@ -258,7 +260,8 @@ def test_a_corrupt_replica_file_falls_through_to_the_remote_for_that_file_only(s
     import shutil
 
     from s3server import BUCKET
-    from shardckpt import remote, uploader
+    from shardckpt.tiers import remote
+    from shardckpt.node import uploader
 
     s3.reset()
     owner, holder, url = tmp_path / "owner", tmp_path / "holder", f"s3://{BUCKET}/peerfall"

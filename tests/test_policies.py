@@ -21,7 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers import PROGRAMS, child_env, run_torchrun  # noqa: E402
 from s3server import BUCKET, stop_uploaders  # noqa: E402
-from shardckpt import Checkpointer, cli, policy, remote, remote_commit  # noqa: E402
+from shardckpt import Checkpointer, cli
+from shardckpt.saving import policy
+from shardckpt.tiers import remote, remote_commit  # noqa: E402
 from shardckpt.options import CheckpointConfig  # noqa: E402
 
 PROG = PROGRAMS / "policies.py"

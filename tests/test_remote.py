@@ -24,7 +24,10 @@ from faultproxy import FaultProxy  # noqa: E402
 from helpers import PROGRAMS, free_port, kill_job, run_torchrun, start_torchrun, wait_for  # noqa: E402
 from helpers import child_env as job_env  # noqa: E402
 from s3server import BUCKET, Server, reset_if_used, stop_uploaders  # noqa: E402
-from shardckpt import cli, layout, node_registry, ranged, remote, remote_commit, uploader  # noqa: E402
+from shardckpt import cli
+from shardckpt.format import layout
+from shardckpt.node import node_registry, uploader
+from shardckpt.tiers import ranged, remote, remote_commit  # noqa: E402
 from shardckpt.errors import CorruptCheckpointError, RemoteError  # noqa: E402
 
 PROG = PROGRAMS / "remote_train.py"

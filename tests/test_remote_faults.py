@@ -36,7 +36,9 @@ import shardckpt  # noqa: E402
 from faultproxy import FaultProxy  # noqa: E402
 from helpers import ROOT, free_port  # noqa: E402
 from s3server import BUCKET, CREDENTIALS, Server, reset_if_used, stop_uploaders  # noqa: E402
-from shardckpt import layout, node_registry, remote_commit  # noqa: E402
+from shardckpt.format import layout
+from shardckpt.node import node_registry
+from shardckpt.tiers import remote_commit  # noqa: E402
 from shardckpt.errors import RemoteError  # noqa: E402
 
 BOUND_S = 120.0  # generous: a hang, not slowness, is what fails these tests
@@ -418,7 +420,7 @@ def test_sigkill_during_s3_uploads_loses_no_remote_step(s3, tmp_path):
 @pytest.mark.parametrize("s3", ["moto"], indirect=True)
 def test_slow_upload_logs_progress_and_commits(s3, tmp_path, caplog):
     """An upload slowed by stalled requests reports its progress while it runs, then commits."""
-    from shardckpt import remote
+    from shardckpt.tiers import remote
 
     src = tmp_path / "src"
     with shardckpt.Checkpointer(local_dir=str(src), preemption_signals=()) as ckpt:

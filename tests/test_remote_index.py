@@ -17,8 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from remote_history import RequestLog, clone_steps  # noqa: E402
 from s3server import BUCKET, reset_if_used  # noqa: E402
-from shardckpt import layout, remote, remote_commit, remote_index, uploader  # noqa: E402
-from shardckpt.retention import KeepLast  # noqa: E402
+from shardckpt.format import layout
+from shardckpt.tiers import remote, remote_commit, remote_index
+from shardckpt.node import uploader  # noqa: E402
+from shardckpt.format.retention import KeepLast  # noqa: E402
 from test_remote import _opts, save_local_steps  # noqa: E402
 
 HELD = 50

@@ -17,7 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shardckpt  # noqa: E402
 from helpers import free_port, wait_for  # noqa: E402
 from s3server import BUCKET, reset_if_used, stop_uploaders  # noqa: E402
-from shardckpt import cli, layout, node_registry, remote, remote_commit, uploader, uploader_client  # noqa: E402
+from shardckpt import cli
+from shardckpt.format import layout
+from shardckpt.node import node_registry, uploader, uploader_client
+from shardckpt.tiers import remote, remote_commit  # noqa: E402
 
 MiB = 1 << 20
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import shardckpt
-from shardckpt import layout
+from shardckpt.format import layout
 
 
 class _Payload:

@@ -187,7 +187,7 @@ def test_plan_line_without_rng_capture(tmp_path, caplog):
 
 
 def test_close_logs_a_short_wait_for_uploads_at_debug_only(tmp_path, caplog, monkeypatch):
-    from shardckpt import uploader_client
+    from shardckpt.node import uploader_client
 
     monkeypatch.setattr(uploader_client, "ANNOUNCE_AFTER_S", 600.0)  # this wait never counts as long
     ckpt = ckpt_for(tmp_path / "local", remote=f"file://{tmp_path}/remote", drain_timeout_s=120.0)

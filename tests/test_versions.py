@@ -24,7 +24,9 @@ import torch.distributed.checkpoint as dcp
 import shardckpt
 from helpers import PROGRAMS, ROOT, child_env, run_torchrun, run_two_nodes
 from s3server import BUCKET, reset_if_used, stop_uploaders
-from shardckpt import _failpoints, cli, layout, remote, remote_commit, retention
+from shardckpt import _failpoints, cli
+from shardckpt.format import layout, retention
+from shardckpt.tiers import remote, remote_commit
 
 PROG = PROGRAMS / "multinode.py"
 ONE_SERVER = pytest.mark.parametrize("s3", ["moto"], indirect=True)

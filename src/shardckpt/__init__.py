@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 if _TYPE_CHECKING:  # pragma: no cover
     from typing import Any
 
-    from .checkpointer import Checkpointer, SaveHandle
-    from .elastic import ElasticPlan
-    from .step_peek import StepPeek
+    from shardckpt.checkpointer import Checkpointer, SaveHandle
+    from shardckpt.restoring.elastic import ElasticPlan
+    from shardckpt.restoring.step_peek import StepPeek
 
 __version__ = "0.1.0"
 
 # torch-free parts, imported at once; the rest (and torch with it) on first
 # use, so that `shardckpt ls` and friends start in well under a second.
-from .errors import (  # noqa: E402
+from shardckpt.errors import (  # noqa: E402
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
@@ -36,8 +36,8 @@ from .errors import (  # noqa: E402
     StateMismatchError,
     UntrustedCheckpointError,
 )
-from .options import CheckpointConfig, OnCorrupt, OnDiskFull, OnRemoteUnavailable, SaveMode, UploaderMode  # noqa: E402
-from .retention import AnyOf, KeepAll, KeepBest, KeepEvery, KeepLast  # noqa: E402
+from shardckpt.options import CheckpointConfig, OnCorrupt, OnDiskFull, OnRemoteUnavailable, SaveMode, UploaderMode  # noqa: E402
+from shardckpt.format.retention import AnyOf, KeepAll, KeepBest, KeepEvery, KeepLast  # noqa: E402
 
 _LAZY = {
     "Checkpointer": "checkpointer",
@@ -45,13 +45,13 @@ _LAZY = {
     "ResumableSampler": "data",
     "epoch_order": "data",
     "rank_slice": "data",
-    "BatchPolicy": "elastic",
-    "ElasticPlan": "elastic",
-    "ElasticPolicy": "elastic",
-    "LRRule": "elastic",
-    "OnInexact": "elastic",
-    "PerRank": "elastic",
-    "StepPeek": "step_peek",
+    "BatchPolicy": "restoring.elastic",
+    "ElasticPlan": "restoring.elastic",
+    "ElasticPolicy": "restoring.elastic",
+    "LRRule": "restoring.elastic",
+    "OnInexact": "restoring.elastic",
+    "PerRank": "restoring.elastic",
+    "StepPeek": "restoring.step_peek",
 }
 
 
@@ -146,7 +146,7 @@ def init(config: CheckpointConfig | None = None, **kwargs: Any) -> "Checkpointer
             config = CheckpointConfig.from_env(**kwargs)
         elif kwargs:
             raise ConfigError("pass either a CheckpointConfig or keyword options, not both")
-        from .checkpointer import Checkpointer
+        from shardckpt.checkpointer import Checkpointer
 
         _default = Checkpointer(config)
         return _default
@@ -156,7 +156,7 @@ def _instance() -> "Checkpointer":
     global _default
     with _default_lock:
         if _default is None:
-            from .checkpointer import Checkpointer
+            from shardckpt.checkpointer import Checkpointer
 
             _default = Checkpointer(CheckpointConfig.from_env())
         return _default

@@ -67,7 +67,7 @@ POINTS = (
 # Handing data over: "peer.chunk_read" (a chunk of a file about to be sent to
 # another node's rank during a restore).
 
-# Inside the uploader process (``shardckpt.uploader``): the remote commit protocol.
+# Inside the uploader process (``shardckpt.node.uploader``): the remote commit protocol.
 UPLOADER_POINTS = (
     "upload.files_sent",  # this node's files uploaded and verified, no marker yet
     "upload.marker_written",  # node marker uploaded, the step's manifest not yet

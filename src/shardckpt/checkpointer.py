@@ -35,24 +35,26 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _dist, _failpoints, early_upload, layout, remote, remote_commit, topology, values
-from . import lineage as lineage_mod
-from . import elastic as elastic_mod
-from . import state as state_mod
-from ._text import fmt_bytes
-from .commit import SaveJob, StepWriter
-from .retention import FULL, LIGHT
-from .errors import ConfigError, CorruptCheckpointError, RemoteError, SaveError
-from .node_registry import state_dir
-from .options import CheckpointConfig, OnRemoteUnavailable, SaveMode, UploaderMode
-from .policy import SavePolicy
-from .restore import Restorer
-from .stage import CopyFence, HostStager, split_bytes
-from .peer_tier import PeerTier
-from .uploader_client import UploaderClient
+from shardckpt import _dist, _failpoints, topology, values
+from shardckpt.tiers import early_upload, remote, remote_commit
+from shardckpt.format import layout
+from shardckpt.format import lineage as lineage_mod
+from shardckpt.restoring import elastic as elastic_mod
+from shardckpt import state as state_mod
+from shardckpt._text import fmt_bytes
+from shardckpt.saving.commit import SaveJob, StepWriter
+from shardckpt.format.retention import FULL, LIGHT
+from shardckpt.errors import ConfigError, CorruptCheckpointError, RemoteError, SaveError
+from shardckpt.node.node_registry import state_dir
+from shardckpt.options import CheckpointConfig, OnRemoteUnavailable, SaveMode, UploaderMode
+from shardckpt.saving.policy import SavePolicy
+from shardckpt.restoring.restorer import Restorer
+from shardckpt.saving.stage import CopyFence, HostStager, split_bytes
+from shardckpt.node.peer_tier import PeerTier
+from shardckpt.node.uploader_client import UploaderClient
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .step_peek import StepPeek
+    from shardckpt.restoring.step_peek import StepPeek
 
 log = logging.getLogger("shardckpt")
 
@@ -352,8 +354,8 @@ class Checkpointer:
         loads are unaffected. Use it to build the model from its saved
         configuration, then ``load()`` into it.
         """
-        from . import step_peek as peek_mod
-        from .tiers import LocalTier, RemoteTier
+        from shardckpt.restoring import step_peek as peek_mod
+        from shardckpt.tiers.location import LocalTier, RemoteTier
 
         self._check_open()
         tiers: list[Any] = [LocalTier(self.root)]
@@ -631,7 +633,7 @@ class Checkpointer:
     def _run_record(self) -> dict[str, Any]:
         """What was this checkpoint: the run's config, command line, world size, device, versions."""
         if self._run is None:
-            from . import __version__
+            from shardckpt import __version__
 
             self._run = {
                 "config": run_config_of(self.config.run_config),

@@ -36,9 +36,10 @@ import socket
 import sys
 from typing import Any, Sequence
 
-from . import __version__, layout, lineage, retention
-from ._text import fmt_bytes
-from .errors import ShardckptError
+from shardckpt import __version__
+from shardckpt.format import layout, lineage, retention
+from shardckpt._text import fmt_bytes
+from shardckpt.errors import ShardckptError
 
 OK, BAD, ERROR = 0, 1, 2
 
@@ -74,13 +75,13 @@ def _bar(total: int, what: str, enabled: bool) -> Any:
 
 
 def _transfer_options(args: argparse.Namespace) -> Any:
-    from .remote import TransferOptions
+    from shardckpt.tiers.remote import TransferOptions
 
     return TransferOptions(endpoint_url=getattr(args, "endpoint_url", None))
 
 
 def _open(args: argparse.Namespace) -> Any:
-    from .tiers import open_tier
+    from shardckpt.tiers.location import open_tier
 
     return open_tier(args.src, _transfer_options(args))
 
@@ -152,7 +153,7 @@ def _step_row(step: int, manifest: layout.Manifest, abandoned: dict[int, str], t
 
 def _kept(tier: Any) -> list[tuple[int, str]]:
     """Earlier saves of step numbers set aside by later saves (local tiers only)."""
-    from . import step_dirs
+    from shardckpt.format import step_dirs
 
     root = getattr(tier, "root", None)
     return step_dirs.kept_versions(root) if root else []
@@ -203,7 +204,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         keys = _saved_keys(tier, step, args.trust_pickles) if args.keys else None
         looked = None
         if args.values:
-            from .step_peek import read_step
+            from shardckpt.restoring.step_peek import read_step
 
             looked = read_step(tier, manifest, trust_pickles=args.trust_pickles).to_json()
         if args.json:
@@ -250,7 +251,7 @@ def _saved_keys(tier: Any, step: int, trust_pickles: bool) -> list[dict[str, Any
     """Every saved item of the step with its shape and dtype (reads DCP's metadata: imports torch)."""
     import pickle
 
-    from .safe_pickle import safe_load_metadata
+    from shardckpt.format.safe_pickle import safe_load_metadata
 
     data = tier.metadata_bytes(step)
     where = f"{tier.step_where(step)}/.metadata"
@@ -312,7 +313,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import run_export
+    from shardckpt.export import run_export
 
     args.fmt = args.format
     return run_export(args)
@@ -343,7 +344,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if not doomed:
             print(f"nothing to delete in {tier.where}")
         if not args.dry_run and not ("://" in args.src):
-            from . import step_dirs
+            from shardckpt.format import step_dirs
 
             for name in step_dirs.clean_leftovers(tier.where, keep_nonce=None):
                 print(f"removed leftover {name}")
@@ -353,7 +354,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from . import node_registry, peer, remote_commit
+    from shardckpt.node import node_registry
+    from shardckpt.tiers import peer, remote_commit
 
     root = os.path.abspath(args.dir)
     if not os.path.isdir(root):
@@ -403,7 +405,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     for step, why in sorted(body["waiting"].items()):
         print(f"  step {step} waits: {why}")
     if body["failed_commits"]:
-        from .uploader import failure_text
+        from shardckpt.node.uploader import failure_text
 
         for step, failed in sorted(body["failed_commits"].items(), key=lambda kv: int(kv[0])):
             print(f"  FAILED: {failure_text(int(step), failed, url)}")
@@ -414,7 +416,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_adopt(args: argparse.Namespace) -> int:
-    from . import local
+    from shardckpt.tiers import local
 
     final = local.adopt(args.source, args.into, args.step, trust_pickles=args.trust_pickles)
     manifest = layout.read_manifest(final)
@@ -428,20 +430,20 @@ def cmd_adopt(args: argparse.Namespace) -> int:
 
 def _with_bars(enabled: bool) -> None:
     """Transfers of push / pull / sync show tqdm bars on a terminal (else their log lines)."""
-    from . import remote_commit
+    from shardckpt.tiers import remote_commit
 
     remote_commit.Progress.bar_factory = (lambda what, total: _bar(total, what, True)) if enabled and sys.stderr.isatty() else None
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
-    from .uploader import sync_from_args
+    from shardckpt.node.uploader import sync_from_args
 
     return sync_from_args(args)
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from . import remote_commit
-    from .uploader import policy_from_args, store_from_args
+    from shardckpt.tiers import remote_commit
+    from shardckpt.node.uploader import policy_from_args, store_from_args
 
     _with_bars(True)
     store = store_from_args(args)
@@ -475,9 +477,9 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from . import remote_commit, remote_index
-    from .remote import Deadline
-    from .uploader import store_from_args
+    from shardckpt.tiers import remote_commit, remote_index
+    from shardckpt.tiers.remote import Deadline
+    from shardckpt.node.uploader import store_from_args
 
     _with_bars(True)
     store = store_from_args(args)
@@ -513,7 +515,7 @@ def _source_args(p: argparse.ArgumentParser, what: str = "checkpoint location") 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .uploader import add_best_args, add_sync_args, add_transfer_args
+    from shardckpt.node.uploader import add_best_args, add_sync_args, add_transfer_args
 
     parser = argparse.ArgumentParser(
         prog="shardckpt",
@@ -690,7 +692,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _report(exc: BaseException) -> int:
-    from .remote import redact
+    from shardckpt.tiers.remote import redact
 
     code = BAD if isinstance(exc, Problem) else ERROR
     text = redact(str(exc)) if isinstance(exc, ShardckptError) else redact(f"{type(exc).__name__}: {exc}")

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import Sampler
 
-from .errors import ConfigError
+from shardckpt.errors import ConfigError
 
 
 def rank_slice(position: int, *, rank: int, world_size: int, micro_batch: int) -> slice:
@@ -79,7 +79,7 @@ class ResumableSampler(Sampler[int]):
         seed: int = 0,
         accum_steps: int = 1,
     ) -> None:
-        from . import _dist
+        from shardckpt import _dist
 
         self.dataset_len = int(dataset_len)
         self.batch_size = int(batch_size)

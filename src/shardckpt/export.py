@@ -7,7 +7,7 @@ many ranks saved it and however it was sharded (FSDP2 / DTensor).
 
 The order of the work, for a local directory and a remote URL alike::
 
-    locate the step (default: the newest live step, see shardckpt.lineage)
+    locate the step (default: the newest live step, see shardckpt.format.lineage)
       -> .metadata: verified (local) or fetched and verified (remote), then
          parsed with the restricted unpickler (no code from the checkpoint runs)
       -> plan: the module key (and the optimizer paired with it), the items to
@@ -53,10 +53,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from . import layout, lineage, local, remote, remote_commit, remote_index
-from . import state as state_mod
-from ._text import fmt_bytes
-from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, ShardckptError
+from shardckpt.format import layout, lineage
+from shardckpt.tiers import local, remote, remote_commit, remote_index
+from shardckpt import state as state_mod
+from shardckpt._text import fmt_bytes
+from shardckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, ShardckptError
 
 log = logging.getLogger("shardckpt")
 

@@ -14,7 +14,7 @@ import os
 import signal
 from typing import Any
 
-from .errors import ConfigError
+from shardckpt.errors import ConfigError
 
 
 class SaveMode(str, enum.Enum):
@@ -288,7 +288,7 @@ class CheckpointConfig:
     micro_batch_size: int | None = None
     """Per-rank micro-batch of this run. When set, every manifest records it (and
     ``grad_accum_steps``) so that an elastic restore at another world size can
-    recompute accumulation or scale the learning rate; see ``shardckpt.elastic``."""
+    recompute accumulation or scale the learning rate; see ``shardckpt.restoring.elastic``."""
 
     grad_accum_steps: int = 1
     """Gradient accumulation steps per optimizer step of this run (with
@@ -380,7 +380,7 @@ class CheckpointConfig:
             ):
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.micro_batch_size is not None:
-            from .elastic import record_shape
+            from shardckpt.restoring.elastic import record_shape
 
             self.metadata = dict(self.metadata)
             record_shape(self, self.micro_batch_size, self.grad_accum_steps)
@@ -404,8 +404,8 @@ class CheckpointConfig:
         return cls(**values)
 
     def transfer_options(self) -> Any:
-        """The remote tier's :class:`shardckpt.remote.TransferOptions` for this config."""
-        from .remote import TransferOptions
+        """The remote tier's :class:`shardckpt.tiers.remote.TransferOptions` for this config."""
+        from shardckpt.tiers.remote import TransferOptions
 
         return TransferOptions(
             endpoint_url=self.endpoint_url,

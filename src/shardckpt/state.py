@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .errors import ConfigError
-from .values import decode_key, decode_keys
+from shardckpt.errors import ConfigError
+from shardckpt.values import decode_key, decode_keys
 
 try:  # numpy is optional
     import numpy as np

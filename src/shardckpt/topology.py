@@ -22,9 +22,9 @@ import logging
 import os
 import uuid
 
-from . import _dist
-from .errors import ShardckptError
-from .step_dirs import PROBE_PREFIX
+from shardckpt import _dist
+from shardckpt.errors import ShardckptError
+from shardckpt.format.step_dirs import PROBE_PREFIX
 
 log = logging.getLogger("shardckpt")
 

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from . import _dist
-from .errors import ConfigError
+from shardckpt import _dist
+from shardckpt.errors import ConfigError
 
 log = logging.getLogger("shardckpt")
 
@@ -182,7 +182,7 @@ def agree(
     refused on any rank raises :class:`ConfigError` on every rank. ``warned``
     holds the keys already warned about (one warning per key and instance).
     """
-    from .state import STATEFUL, VALUE
+    from shardckpt.state import STATEFUL, VALUE
 
     out = dict(captured)
     error = None

@@ -60,7 +60,7 @@ def from_rank0(value):
 
 
 def kinds(directory):
-    from shardckpt import layout
+    from shardckpt.format import layout
 
     return {s: layout.read_manifest(os.path.join(directory, layout.step_dirname(s))).kind
             for s in layout.committed_steps(directory)}

@@ -54,7 +54,7 @@ def dump(model, optim, step, out, rank):
 def main() -> None:
     mode, base, remote, out = sys.argv[1:5]
     if os.environ.get("RT_CHUNK"):
-        from shardckpt import layout
+        from shardckpt.format import layout
 
         layout.CHUNK_BYTES = int(os.environ["RT_CHUNK"])
     rank, world = common.init()
@@ -104,7 +104,9 @@ def main() -> None:
 
 def deadnode(build, local_dir, remote, out, rank, node):
     """Node 1's uploader is a sidecar of its own (started here, SIGKILLed after step 1)."""
-    from shardckpt import layout, node_registry, remote_commit, uploader_client
+    from shardckpt.format import layout
+    from shardckpt.node import node_registry, uploader_client
+    from shardckpt.tiers import remote_commit
 
     uploader_client.HEALTH_EVERY_S = 0.2  # save() looks at the uploader's status often (default 10 s)
     lead = os.environ["LOCAL_RANK"] == "0"

@@ -21,7 +21,7 @@ It is written into the partial directory, every file checked against the
 owner's manifest while it arrives (size and checksum), and committed by
 renaming the manifest into place last, then the directory. Two saves of one
 step number are told apart by the manifest's version
-(:func:`shardckpt.layout.version_of`), never by the number.
+(:func:`shardckpt.format.layout.version_of`), never by the number.
 
 Every request is authenticated with the job's secret (created by rank 0 at
 the first save or load, handed to the daemon in a 0600 file): the header
@@ -56,9 +56,9 @@ import urllib.parse
 import uuid
 from typing import Any, Callable
 
-from . import layout
-from .errors import CorruptCheckpointError, ShardckptError
-from .node_registry import daemon_logging, process_record, read_json, state_dir, trainers_alive
+from shardckpt.format import layout
+from shardckpt.errors import CorruptCheckpointError, ShardckptError
+from shardckpt.node.node_registry import daemon_logging, process_record, read_json, state_dir, trainers_alive
 
 log = logging.getLogger("shardckpt")
 

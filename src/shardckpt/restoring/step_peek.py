@@ -23,11 +23,12 @@ from typing import Any
 
 import torch
 
-from . import layout, lineage, state as state_mod
-from . import values as values_mod
-from .errors import CheckpointNotFoundError, UntrustedCheckpointError
-from .safe_pickle import safe_load_metadata
-from .tiers import LocalTier, Tier
+from shardckpt.format import layout, lineage
+from shardckpt import state as state_mod
+from shardckpt import values as values_mod
+from shardckpt.errors import CheckpointNotFoundError, UntrustedCheckpointError
+from shardckpt.format.safe_pickle import safe_load_metadata
+from shardckpt.tiers.location import LocalTier, Tier
 
 VALUE_TENSOR_LIMIT = 1 << 20
 """Tensors among the plain values up to this many bytes are read; larger ones are only described."""

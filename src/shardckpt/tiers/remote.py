@@ -51,8 +51,9 @@ import uuid
 import zlib
 from typing import Any, Callable, TypeVar
 
-from . import _failpoints, layout
-from .errors import ConfigError, CorruptCheckpointError, RemoteError
+from shardckpt import _failpoints
+from shardckpt.format import layout
+from shardckpt.errors import ConfigError, CorruptCheckpointError, RemoteError
 
 log = logging.getLogger("shardckpt")
 

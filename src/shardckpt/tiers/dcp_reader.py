@@ -45,9 +45,9 @@ from torch.storage import _get_dtype_from_pickle_storage_type as _dtype_of_stora
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from . import layout
-from .local import TrustingReader
-from .errors import CorruptCheckpointError
+from shardckpt.format import layout
+from shardckpt.tiers.local import TrustingReader
+from shardckpt.errors import CorruptCheckpointError
 
 try:
     from torch.distributed.checkpoint._traverse import narrow_tensor_by_index  # type: ignore

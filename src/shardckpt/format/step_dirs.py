@@ -18,7 +18,8 @@ import os
 import shutil
 import uuid
 
-from . import _failpoints, layout
+from shardckpt import _failpoints
+from shardckpt.format import layout
 
 log = logging.getLogger("shardckpt")
 

@@ -1,7 +1,7 @@
 """The remote step index: what the committed steps are, without reading their manifests.
 
 ``<remote>/_index.json`` maps each committed step to its
-:class:`~shardckpt.lineage.StepInfo` (created, lineage, kind, metrics,
+:class:`~shardckpt.format.lineage.StepInfo` (created, lineage, kind, metrics,
 version): all that finding the newest live step, its lineage and retention
 need. It is a cache; the manifest stays the commit record:
 
@@ -36,10 +36,10 @@ import logging
 import time
 from typing import Any, Mapping
 
-from . import layout
-from . import lineage as lineage_mod
-from .errors import CorruptCheckpointError, RemoteError
-from .remote import Deadline, Store
+from shardckpt.format import layout
+from shardckpt.format import lineage as lineage_mod
+from shardckpt.errors import CorruptCheckpointError, RemoteError
+from shardckpt.tiers.remote import Deadline, Store
 
 log = logging.getLogger("shardckpt")
 
@@ -111,7 +111,7 @@ def survey(
     written when it was missing or anything was repaired; any other caller
     leaves it as it is.
     """
-    from .remote_commit import remote_manifest
+    from shardckpt.tiers.remote_commit import remote_manifest
 
     dirs = set(step_dirs(store, deadline))
     cached = read(store, deadline)

@@ -36,19 +36,21 @@ from typing import Any, Callable
 
 import torch
 
-from . import _dist, _failpoints, layout, local, retention, step_dirs
-from . import lineage as lineage_mod
-from ._text import fmt_bytes
-from .errors import InsufficientSpaceError, SaveError
-from .options import CheckpointConfig, OnDiskFull
-from .stage import CopiesRacedError
-from .topology import Topology
+from shardckpt import _dist, _failpoints
+from shardckpt.format import layout, retention, step_dirs
+from shardckpt.tiers import local
+from shardckpt.format import lineage as lineage_mod
+from shardckpt._text import fmt_bytes
+from shardckpt.errors import InsufficientSpaceError, SaveError
+from shardckpt.options import CheckpointConfig, OnDiskFull
+from shardckpt.saving.stage import CopiesRacedError
+from shardckpt.topology import Topology
 
 log = logging.getLogger("shardckpt")
 
 
 def _version() -> str:
-    from . import __version__
+    from shardckpt import __version__
 
     return __version__
 

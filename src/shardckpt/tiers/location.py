@@ -14,9 +14,10 @@ import json
 import os
 from typing import Callable
 
-from . import layout, lineage, remote_commit, step_dirs
-from .errors import CorruptCheckpointError, ShardckptError
-from .remote import Deadline, Store, TransferOptions, open_store, safe_url, split_url
+from shardckpt.format import layout, lineage, step_dirs
+from shardckpt.tiers import remote_commit
+from shardckpt.errors import CorruptCheckpointError, ShardckptError
+from shardckpt.tiers.remote import Deadline, Store, TransferOptions, open_store, safe_url, split_url
 
 
 def is_url(src: str) -> bool:

@@ -33,10 +33,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from . import layout, step_dirs
-from . import lineage as lineage_mod
-from .errors import CorruptCheckpointError, ShardckptError, UntrustedCheckpointError
-from .safe_pickle import safe_load_metadata
+from shardckpt.format import layout, step_dirs
+from shardckpt.format import lineage as lineage_mod
+from shardckpt.errors import CorruptCheckpointError, ShardckptError, UntrustedCheckpointError
+from shardckpt.format.safe_pickle import safe_load_metadata
 
 log = logging.getLogger("shardckpt")
 
@@ -364,7 +364,7 @@ def dcp_read(
     ``sparse``: ``step_dir`` is a sparse copy (``ranged.SparseStep``) completed from
     ``source`` with the ranges its ranks read.
     """
-    from .dcp_reader import CheckedReader
+    from shardckpt.tiers.dcp_reader import CheckedReader
 
     reader = CheckedReader(step_dir, metadata, step=step, entries=entries, copies=copies, skip=checked,
                            sparse=sparse, source=source, group=process_group)

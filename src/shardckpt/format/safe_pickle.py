@@ -13,7 +13,7 @@ import pickle
 
 import torch
 
-from .errors import UntrustedCheckpointError
+from shardckpt.errors import UntrustedCheckpointError
 
 _ALLOWED: dict[str, set[str]] = {
     "torch.distributed.checkpoint.metadata": {
@@ -57,7 +57,7 @@ def safe_load_metadata(data: bytes, where: str):
             f"load with trust_pickles=True; otherwise delete it."
         ) from exc
     except Exception as exc:  # truncated or garbage bytes
-        from .errors import CorruptCheckpointError
+        from shardckpt.errors import CorruptCheckpointError
 
         raise CorruptCheckpointError(f"{where} is unreadable ({type(exc).__name__}: {exc})") from exc
     if not isinstance(metadata, Metadata):

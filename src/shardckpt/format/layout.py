@@ -26,7 +26,7 @@ from typing import Any, Iterable
 
 import xxhash
 
-from .errors import CorruptCheckpointError
+from shardckpt.errors import CorruptCheckpointError
 
 MANIFEST_NAME = "shardckpt.json"
 METADATA_NAME = ".metadata"
@@ -234,7 +234,7 @@ class Manifest:
     directory was shared by all ranks, one per node when node-local. Every copy
     holds ``.metadata``. Empty in manifests from before this field: one copy."""
     lineage: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """The branch of the run's history this step belongs to (see ``shardckpt.lineage``);
+    """The branch of the run's history this step belongs to (see ``shardckpt.format.lineage``);
     empty in manifests from before rollbacks were tracked: the first branch."""
     kind: str = "full"
     """``full``, or ``light``: model weights and the small state, without optimizer state."""

@@ -4,7 +4,7 @@ At the first save or load (collective over the ``ctl`` side group, every
 rank alike): the ranks agree whether the tier is on (``peer_replicas``),
 rank 0 creates the job's secret and broadcasts it over the side group, the
 committer of each node's directory writes it into a 0600 file for its node's
-daemon (:mod:`shardckpt.peer`), starts the daemon when none runs and reads
+daemon (:mod:`shardckpt.tiers.peer`), starts the daemon when none runs and reads
 its address from the daemon's status file; the addresses are gathered and
 every node's committer writes them into ``peers.json``, which its daemon
 reads. ``close()`` waits, bounded, until the newest step is peer-durable.
@@ -19,11 +19,13 @@ import socket
 import time
 from typing import Any
 
-from . import _dist, layout, peer
-from .node_registry import pid_alive, read_json, register_trainer, state_dir, unregister_trainer
-from .options import CheckpointConfig
-from .topology import Topology
-from .uploader_client import spawn_node_daemon
+from shardckpt import _dist
+from shardckpt.format import layout
+from shardckpt.tiers import peer
+from shardckpt.node.node_registry import pid_alive, read_json, register_trainer, state_dir, unregister_trainer
+from shardckpt.options import CheckpointConfig
+from shardckpt.topology import Topology
+from shardckpt.node.uploader_client import spawn_node_daemon
 
 log = logging.getLogger("shardckpt")
 
@@ -116,7 +118,7 @@ class PeerTier:
             self._trainer_file = register_trainer(self.root)
         info = self.daemon_info()
         if info is None:
-            spawn_node_daemon(self.root, "peer:peer_main",
+            spawn_node_daemon(self.root, "tiers.peer:peer_main",
                               ["--local", self.root, "--node", node, "--host", node_host()], "peer.log")
             deadline = time.monotonic() + START_WAIT_S
             while info is None and time.monotonic() < deadline:

@@ -25,8 +25,8 @@ from typing import Any, Callable
 
 import torch
 
-from . import _dist
-from .options import CheckpointConfig
+from shardckpt import _dist
+from shardckpt.options import CheckpointConfig
 
 log = logging.getLogger("shardckpt")
 

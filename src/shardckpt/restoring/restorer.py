@@ -42,13 +42,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _dist, layout, local, peer, ranged, remote, remote_commit, retention, step_dirs
-from . import elastic as elastic_mod
-from . import lineage as lineage_mod
-from . import state as state_mod
-from . import _failpoints
-from ._text import fmt_bytes
-from .errors import (
+from shardckpt import _dist
+from shardckpt.format import layout, retention, step_dirs
+from shardckpt.tiers import local, peer, ranged, remote, remote_commit
+from shardckpt.restoring import elastic as elastic_mod
+from shardckpt.format import lineage as lineage_mod
+from shardckpt import state as state_mod
+from shardckpt import _failpoints
+from shardckpt._text import fmt_bytes
+from shardckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
@@ -56,8 +58,8 @@ from .errors import (
     RemoteError,
     StateMismatchError,
 )
-from .options import CheckpointConfig, OnCorrupt
-from .topology import Topology
+from shardckpt.options import CheckpointConfig, OnCorrupt
+from shardckpt.topology import Topology
 
 log = logging.getLogger("shardckpt")
 
@@ -191,7 +193,7 @@ class Restorer:
     def _survey(self, step: int | str | None) -> Survey:
         """One exchange: every rank's steps, rank 0's remote listing, early verification.
 
-        Steps are compared by version (:func:`shardckpt.layout.version_of`): for
+        Steps are compared by version (:func:`shardckpt.format.layout.version_of`): for
         each step number the newest save anywhere is the one that counts; a
         rank's copy of another save of that number is stale, and is treated as
         absent there (kept aside and replaced when the step is fetched).
@@ -406,7 +408,7 @@ class Restorer:
 
     def _config_changes(self, manifest: layout.Manifest) -> list[str]:
         """``key: saved -> current`` for each ``run_config`` entry that differs (empty when either is unknown)."""
-        from .checkpointer import run_config_of
+        from shardckpt.checkpointer import run_config_of
 
         saved = (manifest.run or {}).get("config")
         current = run_config_of(self.config.run_config)

@@ -35,9 +35,9 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Protocol
 
-from . import layout
-from .errors import CorruptCheckpointError
-from .remote import Deadline, Store, safe_url
+from shardckpt.format import layout
+from shardckpt.errors import CorruptCheckpointError
+from shardckpt.tiers.remote import Deadline, Store, safe_url
 
 log = logging.getLogger("shardckpt")
 

@@ -10,7 +10,7 @@ and wakes the uploader. The uploader's early pass (:class:`EarlyUploads`,
 run at the start of each of its passes) uploads every published file of a
 partial save to its final key ``<remote>/step_<N>/<file>``, verified as any
 upload, and remembers what it sent. What keeps the remote commit protocol
-(:mod:`shardckpt.remote_commit`) whole:
+(:mod:`shardckpt.tiers.remote_commit`) whole:
 
 * nothing is uploaded early into a step committed remotely (its manifest is
   there, whatever its version): a save of a committed number (a rollback, a
@@ -38,8 +38,8 @@ import logging
 import os
 from typing import Any, Mapping
 
-from . import layout
-from .remote import Deadline, Store, join
+from shardckpt.format import layout
+from shardckpt.tiers.remote import Deadline, Store, join
 
 log = logging.getLogger("shardckpt")
 

@@ -22,8 +22,8 @@ import torch
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.tensor import DTensor
 
-from . import _failpoints
-from .errors import SaveError
+from shardckpt import _failpoints
+from shardckpt.errors import SaveError
 
 _PLAIN = (int, float, bool, str, bytes, type(None))
 

@@ -2,11 +2,11 @@
 
 One process per node (per local directory) uploads every committed local
 step to the remote and commits it there with the protocol of
-:mod:`shardckpt.remote_commit`; the shard files of a save still being
-written are uploaded as the writer publishes them (:mod:`shardckpt.early_upload`). It is started by a trainer (see
-:mod:`shardckpt.uploader_client`), by a sidecar or by systemd, holds
+:mod:`shardckpt.tiers.remote_commit`; the shard files of a save still being
+written are uploaded as the writer publishes them (:mod:`shardckpt.tiers.early_upload`). It is started by a trainer (see
+:mod:`shardckpt.node.uploader_client`), by a sidecar or by systemd, holds
 ``uploader.lock`` so that a second one exits at once, and reports through
-``status.json`` (:mod:`shardckpt.node_registry`). It imports no torch.
+``status.json`` (:mod:`shardckpt.node.node_registry`). It imports no torch.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import threading
 import time
 from typing import Any
 
-from . import layout
-from .early_upload import EarlyUploads
-from .node_registry import daemon_logging, lock_path, process_record, state_dir, trainers_alive
-from .errors import RemoteError
-from .remote import Deadline, Store, redact, safe_url
-from .remote_commit import COMMITTED, SUPERSEDED, WAITING, local_bytes, missing_ranks, pending_steps, push_step, remote_steps
-from .retention import RetentionPolicy
+from shardckpt.format import layout
+from shardckpt.tiers.early_upload import EarlyUploads
+from shardckpt.node.node_registry import daemon_logging, lock_path, process_record, state_dir, trainers_alive
+from shardckpt.errors import RemoteError
+from shardckpt.tiers.remote import Deadline, Store, redact, safe_url
+from shardckpt.tiers.remote_commit import COMMITTED, SUPERSEDED, WAITING, local_bytes, missing_ranks, pending_steps, push_step, remote_steps
+from shardckpt.format.retention import RetentionPolicy
 
 log = logging.getLogger("shardckpt")
 
@@ -444,8 +444,8 @@ def add_best_args(p: Any) -> None:
 
 
 def store_from_args(args: Any) -> Store:
-    from .options import CheckpointConfig
-    from .remote import open_store
+    from shardckpt.options import CheckpointConfig
+    from shardckpt.tiers.remote import open_store
 
     cfg = CheckpointConfig(
         local_dir=args.local,
@@ -463,7 +463,7 @@ def store_from_args(args: Any) -> Store:
 
 
 def policy_from_args(args: Any) -> RetentionPolicy | None:
-    from .retention import policy_from
+    from shardckpt.format.retention import policy_from
 
     if getattr(args, "keep_last", None) is None:
         return None

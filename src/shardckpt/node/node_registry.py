@@ -20,7 +20,7 @@ import socket
 import time
 from typing import Any
 
-from . import layout
+from shardckpt.format import layout
 
 STATE_DIR = ".shardckpt-remote"
 

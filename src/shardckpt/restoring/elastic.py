@@ -45,7 +45,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from .errors import ConfigError
+from shardckpt.errors import ConfigError
 
 log = logging.getLogger("shardckpt")
 
@@ -363,7 +363,7 @@ class PerRank:
 
     @property
     def rank(self) -> int:
-        from . import _dist
+        from shardckpt import _dist
 
         return _dist.rank() if self._rank is None else self._rank
 
@@ -393,7 +393,7 @@ class PerRank:
 
 
 def _samplers(state: Mapping[str, Any]) -> list[Any]:
-    from .data import ResumableSampler
+    from shardckpt.data import ResumableSampler
 
     return [v for v in state.values() if isinstance(v, ResumableSampler)]
 

@@ -27,7 +27,7 @@ trainer's process group):
    exist for anyone. Then it writes the step record (files digest, save id,
    created, lineage: what the other nodes need to know of the commit, so
    that no node but the committer downloads the manifest, which grows with
-   the job) and adds the step to the index (:mod:`shardckpt.remote_index`),
+   the job) and adds the step to the index (:mod:`shardckpt.tiers.remote_index`),
    which lets finding the newest step and retention work without reading
    every manifest. A step committed without a record (by an earlier
    version, or a crash right after the manifest) is read from its manifest.
@@ -37,7 +37,7 @@ trainer's process group):
    then may local retention delete it.
 
 A step that fails (after the store's per-request retries, or past the
-step's deadline) raises here; the uploader (:mod:`shardckpt.uploader`)
+step's deadline) raises here; the uploader (:mod:`shardckpt.node.uploader`)
 reports it and retries later with capped backoff. It is never half-committed.
 """
 
@@ -54,11 +54,13 @@ import time
 import uuid
 from typing import Any, Mapping
 
-from . import _failpoints, layout, remote_index, step_dirs
-from . import lineage as lineage_mod
-from .errors import CorruptCheckpointError, RemoteError
-from .remote import Deadline, Store, join, safe_url
-from .retention import RetentionPolicy, plan_deletions
+from shardckpt import _failpoints
+from shardckpt.format import layout, step_dirs
+from shardckpt.tiers import remote_index
+from shardckpt.format import lineage as lineage_mod
+from shardckpt.errors import CorruptCheckpointError, RemoteError
+from shardckpt.tiers.remote import Deadline, Store, join, safe_url
+from shardckpt.format.retention import RetentionPolicy, plan_deletions
 
 log = logging.getLogger("shardckpt")
 
@@ -242,7 +244,7 @@ def newest_committed(store: Store, deadline: Deadline) -> tuple[list[int], layou
 def remote_steps(store: Store, deadline: Deadline) -> list[int]:
     """Steps committed on the remote (their manifest exists, readable or not), oldest first.
 
-    From the index (:func:`shardckpt.remote_index.survey`): one listing and
+    From the index (:func:`shardckpt.tiers.remote_index.survey`): one listing and
     one GET, not a request per step.
     """
     infos, unreadable = remote_index.survey(store, deadline)
@@ -454,7 +456,7 @@ def push_step(
     upload again those that fail.
 
     ``early``: what this node uploaded of saves before their local commit
-    (:class:`shardckpt.early_upload.EarlyUploads`), ``{(step, save_id):
+    (:class:`shardckpt.tiers.early_upload.EarlyUploads`), ``{(step, save_id):
     {name: (size, checksum)}}``: a file sent early whose size and checksum
     equal this manifest's is not sent again. Not used when an earlier save of
     the step was committed remotely (its objects may have replaced them).
@@ -764,7 +766,7 @@ def apply_remote_retention(
 ) -> list[int]:
     """Retention over the live remote steps; steps abandoned by a rollback stay until ``shardckpt gc``.
 
-    Decides from the index (:func:`shardckpt.remote_index.survey`; ``known``:
+    Decides from the index (:func:`shardckpt.tiers.remote_index.survey`; ``known``:
     manifests just committed, never deleted unless ``protect_known`` is
     False: the committer checked before its commit that retention keeps
     it), not by reading every manifest. The newest step is never deleted.

@@ -29,8 +29,8 @@ import os
 import uuid
 from typing import Any, Mapping
 
-from . import layout
-from .errors import CorruptCheckpointError
+from shardckpt.format import layout
+from shardckpt.errors import CorruptCheckpointError
 
 NO_STEP = -1
 """The fork point of a branch started without loading any step."""
@@ -79,7 +79,7 @@ class StepInfo:
     metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
     """The metrics recorded at save (``save(..., metrics={...})``)."""
     version: str = ""
-    """The save's identity (:func:`shardckpt.layout.version_of`): two saves of one step number differ here."""
+    """The save's identity (:func:`shardckpt.format.layout.version_of`): two saves of one step number differ here."""
 
     def to_json(self) -> list[Any]:
         return [self.created, self.lineage.to_json(), self.kind, dict(self.metrics), self.version]
@@ -149,7 +149,7 @@ def continue_from(infos: Mapping[int, StepInfo], step: int | None) -> Lineage:
 
 
 def info_of(manifest: Any) -> StepInfo:
-    """The :class:`StepInfo` of a :class:`~shardckpt.layout.Manifest`."""
+    """The :class:`StepInfo` of a :class:`~shardckpt.format.layout.Manifest`."""
     return StepInfo(manifest.step, manifest.created, Lineage.from_json(manifest.lineage), manifest.kind,
                     dict(manifest.metrics), layout.version_of(manifest))
 

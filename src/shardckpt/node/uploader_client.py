@@ -1,6 +1,6 @@
 """The trainer's side of the uploader: start it, read its status, wait for it to drain.
 
-The uploader itself (:mod:`shardckpt.uploader`) is a separate process per
+The uploader itself (:mod:`shardckpt.node.uploader`) is a separate process per
 node; the trainer never talks to it directly. It registers itself as a live
 trainer of the node (so the uploader knows when to exit), starts the
 uploader when none runs (``uploader="auto"``), reads ``status.json`` for
@@ -19,11 +19,13 @@ import sys
 import time
 from typing import Any
 
-from . import _dist, layout, remote_commit
-from .node_registry import pid_alive, read_status, register_trainer, state_dir, unregister_trainer, uploader_running
-from .options import CheckpointConfig, UploaderMode
-from ._text import fmt_bytes
-from .remote import safe_url
+from shardckpt import _dist
+from shardckpt.format import layout
+from shardckpt.tiers import remote_commit
+from shardckpt.node.node_registry import pid_alive, read_status, register_trainer, state_dir, unregister_trainer, uploader_running
+from shardckpt.options import CheckpointConfig, UploaderMode
+from shardckpt._text import fmt_bytes
+from shardckpt.tiers.remote import safe_url
 
 log = logging.getLogger("shardckpt")
 
@@ -56,7 +58,7 @@ def spawn_uploader(root: str, url: str, args: list[str]) -> None:
 
     Returns once the uploader is forked; it reports through ``status.json``.
     """
-    spawn_node_daemon(root, "uploader:sync_main", ["--local", root, "--remote", url, *args], "uploader.log")
+    spawn_node_daemon(root, "node.uploader:sync_main", ["--local", root, "--remote", url, *args], "uploader.log")
 
 
 def spawn_node_daemon(root: str, entry: str, args: list[str], log_name: str) -> None:
@@ -66,7 +68,7 @@ def spawn_node_daemon(root: str, entry: str, args: list[str], log_name: str) -> 
     env = dict(os.environ)
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(name, None)
-    package_dir = os.path.dirname(os.path.abspath(__file__))
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # shardckpt/, above node/
     logfile = open(os.path.join(directory, log_name), "ab")
     try:
         cmd = [sys.executable, "-c", _BOOTSTRAP, package_dir, entry, *args]
@@ -178,7 +180,7 @@ class UploaderClient:
 
     def _warn_failed(self, info: dict[str, Any], pending: list[int]) -> None:
         """Once per step the uploader reports not committed within ``remote_commit_timeout_s``."""
-        from .uploader import failure_text
+        from shardckpt.node.uploader import failure_text
 
         for key, failed in sorted((info.get("failed_steps") or {}).items()):
             if not key.isdigit() or int(key) not in pending or not isinstance(failed, dict):

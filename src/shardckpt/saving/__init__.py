@@ -1,0 +1,1 @@
+"""The save path: when to save (policy), staging into host memory, writing and committing a step."""
