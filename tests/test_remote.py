@@ -692,3 +692,33 @@ def test_local_retention_keeps_unuploaded_steps_unless_disk_nearly_full(tmp_path
     monkeypatch.undo()
     ckpt.close()
     assert ckpt.status()["drain"]["pending_steps"] == [2]
+
+
+def test_share_plan_gives_each_chunk_to_one_node_spread_by_bytes():
+    """Read once: every chunk some node lacks is fetched by exactly one node (a holder when there
+    is one), the fetched bytes are even across the nodes, and every node gets what it reads."""
+    chunk = 1024
+    files = {n: layout.FileEntry(size=size, checksum="", rank=0, chunks=f"xxh3-64:{chunk}:" + "0" * 16 * (-(-size // chunk)))
+             for n, size in (("a", 12 * chunk), ("b", 3 * chunk + 100))}
+    every = set(range(12))
+    wants = [{"a": set(every), "b": {0, 3}}, {"a": set(every)}, {"a": set(every), "b": {3}}]
+    holds = [{}, {}, {"a": {11}}]
+    plan = ranged.share_plan(wants, holds, files)
+    owners: dict[tuple[str, int], list[int]] = {}
+    for c, part in enumerate(plan):
+        for name, indices in part["fetch"].items():
+            for i in indices:
+                owners.setdefault((name, i), []).append(c)
+    assert set(owners) == {("a", i) for i in every} | {("b", 0), ("b", 3)}
+    assert all(len(v) == 1 for v in owners.values()), owners
+    assert owners[("b", 0)] == [0]  # wanted by one node only: that node
+    assert owners[("a", 11)] == [2]  # already held there: passed on, not fetched again
+    fetched = [sum(min(files[n].size, (i + 1) * chunk) - i * chunk for n, idx in part["fetch"].items() for i in idx
+                   if i not in holds[c].get(n, ())) for c, part in enumerate(plan)]
+    assert max(fetched) - min(fetched) <= 2 * chunk, fetched
+    for c, part in enumerate(plan):
+        got = {(n, i) for n, idx in part["fetch"].items() for i in idx}
+        for src, chunks in part["recv"].items():
+            assert plan[src]["send"][c] == chunks
+            got |= {(n, i) for n, idx in chunks.items() for i in idx}
+        assert {(n, i) for n, idx in wants[c].items() for i in idx} <= got | {(n, i) for n, idx in holds[c].items() for i in idx}
