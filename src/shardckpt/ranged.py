@@ -362,17 +362,21 @@ class SparseStep:
 
         pending = []
         sent = 0
+        built: dict[tuple, Any] = {}  # one buffer per set of chunks (with replicated state, every peer's)
         for dst, chunks in sorted(mine["send"].items()):
-            buf = bytearray()
-            for name in sorted(chunks):
-                path = os.path.join(self.dir, name)
-                for i in sorted(chunks[name]):
-                    part = self._read_chunk(path, name, i)
-                    _failpoints.hit("share.chunk_send", part)
-                    buf += part
-            if buf:
-                sent += len(buf)
-                pending.append(dist.isend(torch.frombuffer(buf, dtype=torch.uint8), dst=ranks[dst], group=group))
+            key = tuple((name, tuple(sorted(chunks[name]))) for name in sorted(chunks))
+            if key not in built:
+                buf = bytearray()
+                for name, indices in key:
+                    path = os.path.join(self.dir, name)
+                    for i in indices:
+                        part = self._read_chunk(path, name, i)
+                        _failpoints.hit("share.chunk_send", part)
+                        buf += part
+                built[key] = torch.frombuffer(buf, dtype=torch.uint8) if buf else None
+            if built[key] is not None:
+                sent += built[key].numel()
+                pending.append(dist.isend(built[key], dst=ranks[dst], group=group))
         incoming = []
         for src, chunks in sorted(mine["recv"].items()):
             order = [(name, i) for name in sorted(chunks) for i in sorted(chunks[name])]
