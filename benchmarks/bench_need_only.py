@@ -66,7 +66,7 @@ def one(k: int, width: int, repeats: int, scratch: str, server, mode: str = "fsd
     knobs = {"RT_WIDTH": str(width), **server.env(), "SHARDCKPT_LOG_LEVEL": "INFO"}  # its log lines are read below
     if mode == "ddp":
         knobs["RT_DDP"] = "1"
-    logs = [os.path.join(scratch, f"k{k}-save{i}.log") for i in range(k)]
+    logs = [os.path.join(scratch, f"{mode}-k{k}-save{i}.log") for i in range(k)]
     launch(k, "save", os.path.join(base, "save"), url, os.path.join(base, "saved.pt"),
            lambda i: child_env(**knobs), logs, ["1"])
     shutil.rmtree(os.path.join(base, "save"))
@@ -76,7 +76,7 @@ def one(k: int, width: int, repeats: int, scratch: str, server, mode: str = "fsd
     rounds = []
     for r in range(repeats):
         proxies = [FaultProxy(server.endpoint) for _ in range(k)]
-        logs = [os.path.join(scratch, f"k{k}-restore{r}-{i}.log") for i in range(k)]
+        logs = [os.path.join(scratch, f"{mode}-k{k}-restore{r}-{i}.log") for i in range(k)]
         target = os.path.join(base, f"restore{r}")
         try:
             launch(k, "restore", target, url, os.path.join(base, "restored.pt"),
