@@ -164,6 +164,8 @@ def test_two_nodes_upload_then_restore_on_new_instances(s3, tmp_path):
     # The replicated bytes were read once, not per node (per node: 1.25x; records nobody reads, as the
     # RNG states of the saved ranks 2-3, are not fetched at all).
     assert 0.8 * shards < sum(fetched) <= 1.1 * shards, (fetched, shards)
+    metadata_gets = [path for p in proxies for path, _n in p.got if path.endswith(f"{where}{layout.METADATA_NAME}")]
+    assert len(metadata_gets) == 1, metadata_gets  # .metadata too: fetched once, passed to the other node
     texts = [log_path.read_text() for log_path in logs]
     assert all("read once, shared" in text for text in texts)
     assert "received from rank 1 fails its checksum; fetching it from the remote instead" in texts[0]

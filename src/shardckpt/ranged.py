@@ -157,9 +157,11 @@ class SparseStep:
 
     @classmethod
     def open(
-        cls, root: str, version: str, manifest_of: Callable[[], "layout.Manifest | None"], source: Source
+        cls, root: str, version: str, manifest_of: Callable[[], "layout.Manifest | None"], source: Source,
+        *, metadata: bool = True,
     ) -> "SparseStep | None":
-        """The sparse copy of the step of ``version`` under ``root``, made or reused, with ``.metadata`` held.
+        """The sparse copy of the step of ``version`` under ``root``, made or reused, with ``.metadata`` held
+        (``metadata=False``: not fetched here, see :meth:`has_metadata`).
 
         ``manifest_of()`` reads the remote manifest (only when no copy of that version is here).
         Returns ``None`` when the step has no chunk table (it is fetched whole instead).
@@ -188,7 +190,8 @@ class SparseStep:
             os.makedirs(os.path.join(root, name), exist_ok=True)
             layout.atomic_write_text(os.path.join(root, name, MANIFEST_COPY), manifest.to_json())
         sparse = cls(os.path.join(root, name), manifest)
-        sparse._ensure_metadata(source)
+        if metadata:
+            sparse._ensure_metadata(source)
         return sparse
 
     @classmethod
@@ -201,16 +204,22 @@ class SparseStep:
             )
         return cls(directory, manifest)
 
-    def _ensure_metadata(self, source: Source) -> None:
+    def has_metadata(self) -> bool:
+        """Whether ``.metadata`` is here and matches the manifest (or the step lists none)."""
         entry = self.manifest.files.get(layout.METADATA_NAME)
         if entry is None:
+            return True
+        try:
+            path = os.path.join(self.dir, layout.METADATA_NAME)
+            return layout.checksum_file(path, like=entry.checksum) == (entry.size, entry.checksum)
+        except FileNotFoundError:
+            return False
+
+    def _ensure_metadata(self, source: Source) -> None:
+        entry = self.manifest.files.get(layout.METADATA_NAME)
+        if entry is None or self.has_metadata():
             return
         path = os.path.join(self.dir, layout.METADATA_NAME)
-        try:
-            if layout.checksum_file(path, like=entry.checksum) == (entry.size, entry.checksum):
-                return
-        except FileNotFoundError:
-            pass
         tmp = f"{path}.fetch"
         source.fetch_whole(layout.METADATA_NAME, tmp, entry)
         os.replace(tmp, path)
