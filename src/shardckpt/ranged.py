@@ -337,7 +337,10 @@ class SparseStep:
         share_bytes = self.fetched_bytes - before
         received, sent, peers = self._exchange(mine, group, ranks)
         fixed_before = self.fetched_bytes
-        self.ensure(needs, source, verified=received, quiet=True)
+        verified = {n: set(v) for n, v in (mine["fetch"] if error is None else {}).items()}
+        for name, indices in received.items():
+            verified.setdefault(name, set()).update(indices)
+        self.ensure(needs, source, verified=verified, quiet=True)  # checks the rest, fetches what did not arrive
         refetched = self.fetched_bytes - fixed_before
         if error is not None:
             raise error
