@@ -1,17 +1,19 @@
 """Need-only restores from the remote: S3 bytes per node against the bytes its ranks read.
 
-usage: python benchmarks/bench_need_only.py [--nodes 1,2,4] [--width 65536] [--repeats 2] [--dir DIR] [--json FILE]
+usage: python benchmarks/bench_need_only.py [--nodes 1,2,4] [--width 65536] [--repeats 2] [--modes fsdp,ddp]
+                                           [--dir DIR] [--json FILE]
 
-moto's S3 server in its own process on 127.0.0.1. For each node count K, an
-FSDP2 model + AdamW (``tests/programs/remote_train.py``, ``TinyNet`` of
+moto's S3 server in its own process on 127.0.0.1. For each mode and node count K, an
+FSDP2 model + AdamW (mode ``fsdp``; ``ddp``: the same model and optimizer replicated on
+every rank, every rank reading all of it) (``tests/programs/remote_train.py``, ``TinyNet`` of
 ``--width``) is saved by K simulated nodes x 1 rank (``torchrun --nnodes K
 --node-rank i`` launchers on this machine) and committed on the remote; then the
 local disks are wiped and K new nodes restore it onto empty disks, each through
 its own byte-counting proxy in front of the server (``tests/faultproxy.py``),
 ``--repeats`` times (fresh disks each time). Per node: the bytes of every GET it
 sent (index, manifest, ``.metadata``, ranges) against the bytes its ranks' load
-plans read (the restore's log line, ``.metadata`` included); in all: the nodes'
-GET bytes against the step's bytes. Byte counts do not depend on the machine;
+plans read (the restore's log line, ``.metadata`` included) and the bytes it received
+from other nodes (read once, shared); in all: the nodes' GET bytes against the step's bytes. Byte counts do not depend on the machine;
 the restore times do (2 shared cores here: medians and spread are shown).
 """
 
@@ -32,6 +34,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 _NEED = re.compile(r"fetched (\d+) range\(s\), (\d+) bytes, for the (\d+) bytes this node's ranks read")
+_SHARED = re.compile(r"read once, shared: fetched (\d+) bytes .*? for the (\d+) bytes this node's ranks read, "
+                     r"received (\d+) bytes")
 _TOOK = re.compile(r"restored step \d+ from .*?, ([0-9.]+) s$", re.M)
 
 
@@ -51,17 +55,19 @@ def launch(k: int, mode: str, base: str, url: str, out: str, env_of, logs: list[
                 kill_job(proc)
 
 
-def one(k: int, width: int, repeats: int, scratch: str, server) -> dict:
+def one(k: int, width: int, repeats: int, scratch: str, server, mode: str = "fsdp") -> dict:
     from faultproxy import FaultProxy
     from helpers import child_env
     from s3server import BUCKET
     from shardckpt.format import layout
     from shardckpt.tiers import remote, remote_commit
 
-    url = f"s3://{BUCKET}/needonly{k}"
-    base = os.path.join(scratch, f"k{k}")
+    url = f"s3://{BUCKET}/needonly-{mode}{k}"
+    base = os.path.join(scratch, f"{mode}-k{k}")
     knobs = {"RT_WIDTH": str(width), **server.env(), "SHARDCKPT_LOG_LEVEL": "INFO"}  # its log lines are read below
-    logs = [os.path.join(scratch, f"k{k}-save{i}.log") for i in range(k)]
+    if mode == "ddp":
+        knobs["RT_DDP"] = "1"
+    logs = [os.path.join(scratch, f"{mode}-k{k}-save{i}.log") for i in range(k)]
     launch(k, "save", os.path.join(base, "save"), url, os.path.join(base, "saved.pt"),
            lambda i: child_env(**knobs), logs, ["1"])
     shutil.rmtree(os.path.join(base, "save"))
@@ -71,7 +77,7 @@ def one(k: int, width: int, repeats: int, scratch: str, server) -> dict:
     rounds = []
     for r in range(repeats):
         proxies = [FaultProxy(server.endpoint) for _ in range(k)]
-        logs = [os.path.join(scratch, f"k{k}-restore{r}-{i}.log") for i in range(k)]
+        logs = [os.path.join(scratch, f"{mode}-k{k}-restore{r}-{i}.log") for i in range(k)]
         target = os.path.join(base, f"restore{r}")
         try:
             launch(k, "restore", target, url, os.path.join(base, "restored.pt"),
@@ -82,14 +88,15 @@ def one(k: int, width: int, repeats: int, scratch: str, server) -> dict:
         nodes = []
         for i in range(k):
             text = open(logs[i]).read()
-            need, took = _NEED.search(text), _TOOK.search(text)  # rank 0 logs the (collective) restore's time
+            need, took = _SHARED.search(text) or _NEED.search(text), _TOOK.search(text)  # rank 0: the job's time
             if need is None or (i == 0 and took is None):
                 raise SystemExit(f"{logs[i]} lacks the need-only fetch or the restore line:\n{text[-4000:]}")
             nodes.append({
                 "s3_bytes": sum(n for _path, n in proxies[i].got),
                 "gets": len(proxies[i].got),
-                "ranges": int(need.group(1)),
-                "needed": int(need.group(3)) + manifest.files[layout.METADATA_NAME].size,
+                "needed": int(need.group(2 if need.re is _SHARED else 3))
+                + manifest.files[layout.METADATA_NAME].size,
+                "received": int(need.group(3)) if need.re is _SHARED else 0,
                 "restore_s": float(took.group(1)) if took else None,
             })
         rounds.append(nodes)
@@ -97,24 +104,29 @@ def one(k: int, width: int, repeats: int, scratch: str, server) -> dict:
     step_bytes = manifest.total_bytes
     first = rounds[0]
     return {
+        "mode": mode,
         "nodes": k,
         "step_bytes": step_bytes,
         "per_node": first,
         "s3_over_need": [n["s3_bytes"] / n["needed"] for n in first],
         "egress_over_step": sum(n["s3_bytes"] for n in first) / step_bytes,
         "gets_per_node": [n["gets"] for n in first],
+        "received_over_need": [n["received"] / n["needed"] for n in first],
         "restore_s": [nodes[0]["restore_s"] for nodes in rounds],
     }
 
 
 def table(results: list[dict]) -> list[str]:
-    lines = ["| nodes | step bytes | S3 bytes per node ÷ bytes its ranks read | total egress ÷ step bytes | GETs per node "
-             "| restore s (the job's, median [min–max]) |", "|---:|---:|---|---:|---|---|"]
+    lines = ["| state | nodes | step bytes | S3 bytes per node ÷ bytes its ranks read | received from nodes ÷ bytes "
+             "its ranks read | total egress ÷ step bytes | GETs per node | restore s (the job's, median [min–max]) |",
+             "|---|---:|---:|---|---|---:|---|---|"]
     for r in results:
         ratio = ", ".join(f"{x:.2f}" for x in r["s3_over_need"])
+        received = ", ".join(f"{x:.2f}" for x in r["received_over_need"])
         t = r["restore_s"]
-        lines.append(f"| {r['nodes']} | {r['step_bytes']} | {ratio} | {r['egress_over_step']:.2f} | "
-                     f"{', '.join(map(str, r['gets_per_node']))} | {statistics.median(t):.2f} [{min(t):.2f}–{max(t):.2f}] |")
+        lines.append(f"| {r['mode']} | {r['nodes']} | {r['step_bytes']} | {ratio} | {received} | "
+                     f"{r['egress_over_step']:.2f} | {', '.join(map(str, r['gets_per_node']))} | "
+                     f"{statistics.median(t):.2f} [{min(t):.2f}–{max(t):.2f}] |")
     return lines
 
 
@@ -123,6 +135,7 @@ def main() -> int:
     p.add_argument("--nodes", default="1,2,4")
     p.add_argument("--width", type=int, default=65536)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--modes", default="fsdp,ddp", help="fsdp (sharded state), ddp (replicated state)")
     p.add_argument("--dir", default=None)
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -135,7 +148,8 @@ def main() -> int:
     previous = apply_env(server)
     t0 = time.monotonic()
     try:
-        results = [one(k, args.width, args.repeats, scratch, server) for k in map(int, args.nodes.split(","))]
+        results = [one(k, args.width, args.repeats, scratch, server, mode)
+                   for mode in args.modes.split(",") for k in map(int, args.nodes.split(","))]
     finally:
         restore_env(previous)
         server.stop()
@@ -147,8 +161,9 @@ def main() -> int:
 
         result = common.new_result("need_only", 0, unit="ratio", ratio_label="bytes its ranks read")
         for r in results:
-            common.add_row(result, f"{r['nodes']} node(s): S3 bytes per node", r["s3_over_need"],
-                           group=f"{r['nodes']} node(s)", egress_over_step=r["egress_over_step"],
+            common.add_row(result, f"{r['mode']}, {r['nodes']} node(s): S3 bytes per node", r["s3_over_need"],
+                           group=f"{r['mode']}, {r['nodes']} node(s)", egress_over_step=r["egress_over_step"],
+                           received_over_need=r["received_over_need"],
                            gets_per_node=r["gets_per_node"], restore_s=r["restore_s"], step_bytes=r["step_bytes"])
         common.write_json(args.json, result)
         with open(args.json + ".raw", "w", encoding="utf-8") as f:

@@ -124,10 +124,11 @@ CASES = [
          "a retention pass, with this tree's code and with the code before the step index (cb4d758).",
          lambda a: ["--held", "1,50" if a.quick else "1,50,500"], sizes=None),
     Case("need_only", "Need-only restores from the remote: bytes per node", "bench_need_only.py",
-         "moto's S3 server; an FSDP2 model + AdamW saved by K simulated nodes x 1 rank (K = 1, 2, 4), restored "
-         "onto K empty disks, each node through its own byte-counting proxy: S3 bytes per node against the bytes "
-         "its ranks' load plans read (.metadata included), total egress against the step's bytes, GETs per node "
-         "and the restore time of the job (rank 0's log line: every rank's load is collective).",
+         "moto's S3 server; an FSDP2 model + AdamW (and, mode ddp, the same replicated on every rank) saved by K "
+         "simulated nodes x 1 rank (K = 1, 2, 4), restored onto K empty disks, each node through its own "
+         "byte-counting proxy: S3 bytes per node against the bytes its ranks' load plans read (.metadata "
+         "included), bytes received from other nodes (read once, shared), total egress against the step's bytes, "
+         "GETs per node and the restore time of the job (rank 0's log line: every rank's load is collective).",
          lambda a: ["--nodes", "1,2" if a.quick else "1,2,4", "--width", "65536" if a.quick else "1048576",
                     "--repeats", repeats(a, 1, 3)], sizes=None),
     Case("commit_requests", "Requests of a remote commit and a retention pass per node", "bench_commit_requests.py",

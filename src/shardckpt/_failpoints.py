@@ -65,7 +65,8 @@ POINTS = (
 # Also in the uploader: "upload.markers_checked" (the committer saw every node's
 # marker; it checks the objects' identities next, then writes the manifest).
 # Handing data over: "peer.chunk_read" (a chunk of a file about to be sent to
-# another node's rank during a restore).
+# another node's rank during a restore), "share.chunk_send" (a chunk of a shared
+# fetch about to be passed to another node, ``ranged.SparseStep.share``).
 
 # Inside the uploader process (``shardckpt.node.uploader``): the remote commit protocol.
 UPLOADER_POINTS = (

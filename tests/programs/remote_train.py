@@ -11,7 +11,9 @@ usage: remote_train.py save    BASE REMOTE OUT STEPS     local_dir = BASE/node<G
 
 Environment: RT_WIDTH (the model's width, default 24), RT_CHUNK (bytes per chunk checksum,
 default the library's), RT_LOAD_TWICE=1 (restore loads the step twice: the second load of
-the same step at the same world size reads what the first one fetched).
+the same step at the same world size reads what the first one fetched), RT_DDP=1 (the model
+and optimizer are replicated on every rank, as with DDP, instead of sharded by FSDP2),
+RT_REPLICA=W (the state also holds "replica", a module of width W held whole by every rank).
 
 OUT receives (rank 0) torch.save of the full model and optimizer tensors and
 the step, for bitwise comparison by the test.
@@ -36,6 +38,8 @@ def build():
 
     torch.manual_seed(0)
     net = common.TinyNet(width=int(os.environ.get("RT_WIDTH", "24")))
+    if os.environ.get("RT_DDP") == "1":
+        return net, torch.optim.AdamW(net.parameters(), lr=1e-2)
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
     for layer in (net.fc1, net.fc2, net.fc3):
         fully_shard(layer, mesh=mesh)
@@ -44,9 +48,20 @@ def build():
     return model, optim
 
 
-def dump(model, optim, step, out, rank):
+def replica():
+    """A module every rank holds whole (its saved values differ from the initial ones)."""
+    width = int(os.environ.get("RT_REPLICA", "0"))
+    if not width:
+        return None
+    torch.manual_seed(1)
+    return common.TinyNet(width=width)
+
+
+def dump(model, optim, step, out, rank, extra=None):
     flat = common.flat_tensors(get_model_state_dict(model))
     flat.update({"optim." + k: v for k, v in common.flat_tensors(get_optimizer_state_dict(model, optim)).items()})
+    if extra is not None:
+        flat.update({"replica." + k: v.detach().clone() for k, v in extra.state_dict().items()})
     if rank == 0:
         torch.save({"step": step, "tensors": flat}, out)
 
@@ -70,22 +85,30 @@ def main() -> None:
         preemption_signals=(),
     )
     state = {"model": model, "optimizer": optim}
+    extra = replica()
+    if extra is not None:
+        state["replica"] = extra
     if mode == "restore":
         step = ckpt.load(state)
         if os.environ.get("RT_LOAD_TWICE") == "1":
             assert ckpt.load(state) == step
-        dump(model, optim, step, out, rank)
+        dump(model, optim, step, out, rank, extra)
         ckpt.close()
         common.finish()
         return
     steps = int(sys.argv[5])
-    gen = torch.Generator().manual_seed(100 + rank)
+    # Replicated state stays alike on every rank: the same inputs everywhere.
+    gen = torch.Generator().manual_seed(100 + (0 if os.environ.get("RT_DDP") == "1" else rank))
     for step in range(1, steps + 1):
         model(torch.randn(4, 8, generator=gen)).pow(2).mean().backward()
         optim.step()
         optim.zero_grad()
+        if extra is not None:
+            with torch.no_grad():
+                for p in extra.parameters():
+                    p.add_(float(step))
         ckpt.save(state, step).wait()
-    dump(model, optim, steps, out, rank)
+    dump(model, optim, steps, out, rank, extra)
     if mode == "hang":
         # The next save stalls once its files are written, before its local commit: killed
         # there, it is a save abandoned after its files were uploaded early.

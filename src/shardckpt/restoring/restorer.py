@@ -631,23 +631,75 @@ class Restorer:
                 source = ranged.RemoteSource(store, step)
                 sparse = ranged.SparseStep.open(
                     self.root, survey.infos[step].version,
-                    lambda: remote_commit.remote_manifest(store, step, source.deadline), source,
+                    lambda: remote_commit.remote_manifest(store, step, source.deadline), source, metadata=False,
                 )
-                result = (None if sparse is None else sparse.dir, None)
+                result = (None if sparse is None else sparse.dir, None, sparse is not None and sparse.has_metadata())
             except CorruptCheckpointError as exc:
-                result = (None, ("corrupt", str(exc)))
+                result = (None, ("corrupt", str(exc)), False)
             except (RemoteError, OSError) as exc:
-                result = (None, ("remote", remote.redact(str(exc))))
+                result = (None, ("remote", remote.redact(str(exc))), False)
         gathered = self._groups.all_gather_ctl(result)
-        errors = [e for _d, e in gathered if e is not None]
+        errors = [e for _d, e, _m in gathered if e is not None]
         if errors:
             kind, message = next((e for e in errors if e[0] == "corrupt"), errors[0])
             raise (CorruptCheckpointError if kind == "corrupt" else RemoteError)(message)
+        self._share_metadata(step, sparse, [(r, g[2]) for r, g in enumerate(gathered)
+                                            if g[0] is not None and topo.copy_of(r)[0] == r])
         mine = gathered[topo.copy[0]][0]
         if mine is not None:
             self._sparse[step] = sparse if sparse is not None else ranged.SparseStep.attach(mine)
         whole = [r for r, m in enumerate(survey.missing) if step not in m or m[step]]
         return any(gathered[topo.copy_of(r)[0]][0] is None for r in whole)
+
+    def _share_metadata(self, step: int, sparse: "ranged.SparseStep | None", copies: list[tuple[int, bool]]) -> None:
+        """The step's ``.metadata`` into every new sparse copy, read from the remote once per job.
+
+        ``copies``: the committing rank of each sparse copy and whether it holds it already.
+        One copy fetches it when none does; then each holder passes it on, doubling the holders
+        each round (log2 of the copies rounds), point to point over ``ctl``. A received file
+        is checked against the manifest; one that fails is fetched from the remote instead.
+        """
+        holders = [r for r, ok in copies if ok]
+        order = holders + [r for r, ok in copies if not ok]
+        if len(order) == len(holders):
+            return  # every copy holds it (every rank computes the same)
+        me = _dist.rank()
+        error: tuple[str, str] | None = None
+        if me in order:
+            assert sparse is not None
+            path = os.path.join(sparse.dir, layout.METADATA_NAME)
+            size = sparse.manifest.files[layout.METADATA_NAME].size
+            source = ranged.RemoteSource(self._remote_store(), step)
+
+            def fetch() -> tuple[str, str] | None:
+                try:
+                    sparse._ensure_metadata(source)
+                    return None
+                except CorruptCheckpointError as exc:
+                    return ("corrupt", str(exc))
+                except (RemoteError, OSError) as exc:
+                    return ("remote", remote.redact(str(exc)))
+
+            if not holders and me == order[0]:
+                error = fetch()  # on failure it sends what it has: the receivers' check refuses it
+            have = max(1, len(holders))
+            while have < len(order):
+                for j in range(have, min(2 * have, len(order))):
+                    src, dst = order[j - have], order[j]
+                    if me == src:
+                        _send_file(path, size, dst, self._groups.ctl)
+                    elif me == dst:
+                        try:
+                            _receive_file(path, sparse.manifest.files[layout.METADATA_NAME], src, self._groups.ctl,
+                                          step)
+                        except CorruptCheckpointError as exc:
+                            log.warning("shardckpt: step %d: %s; fetching it from the remote instead", step, exc)
+                            error = fetch()
+                have *= 2
+        errors = [e for e in self._groups.all_gather_ctl(error) if e is not None]
+        if errors:
+            kind, message = next((e for e in errors if e[0] == "corrupt"), errors[0])
+            raise (CorruptCheckpointError if kind == "corrupt" else RemoteError)(message)
 
     def _exchange_with_peers(self, step: int, step_dir: str, survey: Survey) -> set[str]:
         """Node-local copies without a remote: each copy receives the files it lacks from another node.

@@ -331,7 +331,10 @@ class CheckedReader(TrustingReader):
         self.failures: list[tuple[str, str]] = []
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return dataclasses.replace(plan, storage_data={"skip": sorted(self._skip), "sparse": self._sparse is not None})
+        data: dict[str, Any] = {"skip": sorted(self._skip), "sparse": self._sparse is not None}
+        if self._sparse is not None:
+            data["held"] = self._sparse.held()  # chunks a shared fetch need not fetch again
+        return dataclasses.replace(plan, storage_data=data)
 
     def _needs(self, plans: list[LoadPlan]) -> dict[str, list[tuple[int, int]]]:
         """The byte ranges of each file that ``plans`` read."""
@@ -353,6 +356,7 @@ class CheckedReader(TrustingReader):
             if ranks:
                 fetch[min(ranks)] = self._needs([plans[r] for r in copy if r < len(plans)])
         barrier = any(p.get("sparse") for p in local)
+        shared = self._share_plan(fetch, local)
         assigned: list[list[str]] = [[] for _ in plans]
         if self._entries is not None:
             reads = [{self.storage_data[i.storage_index].relative_path for i in p.items} for p in plans]
@@ -370,16 +374,44 @@ class CheckedReader(TrustingReader):
                     assigned[r].append(name)
                     load[r] += self._entries[name].size  # type: ignore[index]
         return [
-            dataclasses.replace(p, storage_data={"check": sorted(a), "fetch": f, "barrier": barrier})
-            for p, a, f in zip(plans, assigned, fetch)
+            dataclasses.replace(p, storage_data={"check": sorted(a), "fetch": f, "barrier": barrier, "share": s})
+            for p, a, f, s in zip(plans, assigned, fetch, shared)
         ]
 
-    def _fetch_ranges(self, plan: LoadPlan, todo: Any, barrier: bool) -> None:
-        """The sparse copy's fetch (by the rank given ``todo``); every rank waits for it when any copy is sparse."""
+    def _share_plan(self, fetch: list[Any], local: list[dict[str, Any]]) -> list[Any]:
+        """Per rank: its part of the read-once plan (``ranged.share_plan``) when two or more sparse
+        copies fetch (else None): ``(plan, fetching rank per copy)``."""
+        from shardckpt.tiers import ranged
+
+        fetchers = [r for r, f in enumerate(fetch) if f is not None]
+        out: list[Any] = [None] * len(fetch)
+        files = self._sparse.manifest.files if self._sparse is not None else self._entries
+        if len(fetchers) < 2 or files is None or self._group is None:
+            return out
+        wants = []
+        for r in fetchers:
+            want: dict[str, set[int]] = {}
+            for name, intervals in fetch[r].items():
+                table = layout.chunk_table(files[name].chunks, files[name].size) if name in files else None
+                if table is not None:
+                    want[name] = set(ranged.chunk_runs(intervals, table[0], files[name].size))
+            wants.append(want)
+        holds = [{n: set(v) for n, v in (local[r].get("held") or {}).items()} for r in fetchers]
+        for r, part in zip(fetchers, ranged.share_plan(wants, holds, files)):
+            out[r] = (part, fetchers)
+        return out
+
+    def _fetch_ranges(self, plan: LoadPlan, todo: Any, barrier: bool, share: Any = None) -> None:
+        """The sparse copy's fetch (by the rank given ``todo``); every rank waits for it when any copy is sparse.
+
+        ``share``: several copies fetch; chunks more than one needs are read once and passed on."""
         error: BaseException | None = None
         if todo:
             try:
-                self._sparse.ensure(todo, self._source)
+                if share is not None:
+                    self._sparse.share(share[0], todo, self._source, self._group, share[1])
+                else:
+                    self._sparse.ensure(todo, self._source)
             except Exception as exc:  # noqa: BLE001 - raised after the other ranks were released
                 error = exc
         if barrier and self._group is not None and torch.distributed.is_initialized():
@@ -397,7 +429,7 @@ class CheckedReader(TrustingReader):
 
     def read_data(self, plan: LoadPlan, planner: Any) -> Any:
         data = plan.storage_data or {}
-        self._fetch_ranges(plan, data.get("fetch"), bool(data.get("barrier")))
+        self._fetch_ranges(plan, data.get("fetch"), bool(data.get("barrier")), data.get("share"))
         check = set(data.get("check", ()))
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:

@@ -23,6 +23,17 @@ node (a newer one replaces it); it is never read as a committed step.
 
 What is fetched comes from a :class:`Source`: the remote today (:class:`RemoteSource`);
 another node's copy can serve the same interface.
+
+Read once, share: when several nodes restore from sparse copies, bytes that more
+than one of them needs (a replicated model and optimizer, small records every rank
+reads) are read from the remote once per job. The coordinator of the read, which
+knows every copy's ranges, gives each needed chunk to exactly one copy
+(:func:`share_plan`: a copy already holding it, else one of the copies needing
+it, spread by bytes); each copy fetches its share (:meth:`SparseStep.ensure`),
+then the copies pass one another the chunks they need over the job's side
+process group (:meth:`SparseStep.share`). A received chunk is compared with its
+checksum before it is written; one that fails, or that its sender could not
+fetch, is fetched from the remote by the receiver itself.
 """
 
 from __future__ import annotations
@@ -33,8 +44,10 @@ import os
 import shutil
 import threading
 import time
+from collections import defaultdict
 from typing import Any, Callable, Iterable, Protocol
 
+from shardckpt import _failpoints
 from shardckpt.format import layout
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.tiers.remote import Deadline, Store, safe_url
@@ -44,6 +57,9 @@ log = logging.getLogger("shardckpt")
 SPARSE_PREFIX = ".ranges-"
 MANIFEST_COPY = "remote-manifest.json"
 HELD_NAME = "held.json"
+
+Chunks = dict[str, set[int]]
+"""Chunk indices per file of a step."""
 
 
 class Source(Protocol):
@@ -142,9 +158,11 @@ class SparseStep:
 
     @classmethod
     def open(
-        cls, root: str, version: str, manifest_of: Callable[[], "layout.Manifest | None"], source: Source
+        cls, root: str, version: str, manifest_of: Callable[[], "layout.Manifest | None"], source: Source,
+        *, metadata: bool = True,
     ) -> "SparseStep | None":
-        """The sparse copy of the step of ``version`` under ``root``, made or reused, with ``.metadata`` held.
+        """The sparse copy of the step of ``version`` under ``root``, made or reused, with ``.metadata`` held
+        (``metadata=False``: not fetched here, see :meth:`has_metadata`).
 
         ``manifest_of()`` reads the remote manifest (only when no copy of that version is here).
         Returns ``None`` when the step has no chunk table (it is fetched whole instead).
@@ -173,7 +191,8 @@ class SparseStep:
             os.makedirs(os.path.join(root, name), exist_ok=True)
             layout.atomic_write_text(os.path.join(root, name, MANIFEST_COPY), manifest.to_json())
         sparse = cls(os.path.join(root, name), manifest)
-        sparse._ensure_metadata(source)
+        if metadata:
+            sparse._ensure_metadata(source)
         return sparse
 
     @classmethod
@@ -186,16 +205,22 @@ class SparseStep:
             )
         return cls(directory, manifest)
 
-    def _ensure_metadata(self, source: Source) -> None:
+    def has_metadata(self) -> bool:
+        """Whether ``.metadata`` is here and matches the manifest (or the step lists none)."""
         entry = self.manifest.files.get(layout.METADATA_NAME)
         if entry is None:
+            return True
+        try:
+            path = os.path.join(self.dir, layout.METADATA_NAME)
+            return layout.checksum_file(path, like=entry.checksum) == (entry.size, entry.checksum)
+        except FileNotFoundError:
+            return False
+
+    def _ensure_metadata(self, source: Source) -> None:
+        entry = self.manifest.files.get(layout.METADATA_NAME)
+        if entry is None or self.has_metadata():
             return
         path = os.path.join(self.dir, layout.METADATA_NAME)
-        try:
-            if layout.checksum_file(path, like=entry.checksum) == (entry.size, entry.checksum):
-                return
-        except FileNotFoundError:
-            pass
         tmp = f"{path}.fetch"
         source.fetch_whole(layout.METADATA_NAME, tmp, entry)
         os.replace(tmp, path)
@@ -228,12 +253,16 @@ class SparseStep:
 
     # ---- fetching
 
-    def ensure(self, needs: dict[str, list[tuple[int, int]]], source: Source) -> None:
+    def ensure(
+        self, needs: dict[str, list[tuple[int, int]]], source: Source, *, verified: "Chunks | None" = None,
+        quiet: bool = False,
+    ) -> None:
         """Hold every chunk covering ``needs`` (``{file: [(start, end), ...]}``), each verified.
 
         Held chunks are checked from disk; the others are fetched from ``source`` in
         coalesced requests of at most ``source.request_bytes``, many in flight. A chunk failing its checksum is
-        fetched once more; failing again raises :class:`CorruptCheckpointError`.
+        fetched once more; failing again raises :class:`CorruptCheckpointError`. Chunks in ``verified``
+        were checked a moment ago (not read again); ``quiet``: no log line (a part of a larger fetch).
         """
         t0 = time.monotonic()
         held = self.held()
@@ -260,7 +289,9 @@ class SparseStep:
             wanted = chunk_runs(needs[name], chunk, entry.size)
             needed += _union_bytes(needs[name], entry.size)
             have = held.setdefault(name, set())
-            bad = [i for i in wanted if i in have and not self._disk_ok(path, i, chunk, entry.size, sums[i])]
+            fresh = (verified or {}).get(name, set())
+            bad = [i for i in wanted if i in have and i not in fresh
+                   and not self._disk_ok(path, i, chunk, entry.size, sums[i])]
             have.difference_update(bad)
             todo = [i for i in wanted if i not in have]
             for offset, length in coalesce(todo, chunk, entry.size, max_bytes):
@@ -278,11 +309,146 @@ class SparseStep:
                     finally:
                         os.close(fd)
             self._write_held(held)
-        if jobs:
+        if jobs and not quiet:
             log.info(
                 "shardckpt: step %d: fetched %d range(s), %d bytes, for the %d bytes this node's ranks read, into %s "
                 "in %.2f s", self.step, len(jobs), self.fetched_bytes, needed, self.dir, time.monotonic() - t0,
             )
+
+    # ---- read once, share
+
+    def share(self, mine: dict[str, Any], needs: dict[str, list[tuple[int, int]]], source: Source,
+              group: Any, ranks: list[int]) -> None:
+        """This copy's part of a shared fetch (:func:`share_plan`); on the fetching rank of each copy.
+
+        ``mine`` is this copy's entry of the plan: fetch its share from ``source``, send
+        the chunks other copies need (``ranks[j]`` fetches for copy ``j``), receive the
+        ones it needs, then hold every chunk of ``needs``: a chunk that did not arrive
+        intact is fetched from ``source`` here. Every copy sends all it was given to
+        send even when its own fetch failed (the receivers count on it); that error is
+        raised at the end.
+        """
+        t0 = time.monotonic()
+        error: BaseException | None = None
+        before = self.fetched_bytes
+        try:
+            self.ensure(self._intervals(mine["fetch"]), source, quiet=True)
+        except Exception as exc:  # noqa: BLE001 - raised once the chunks promised were sent
+            error = exc
+        share_bytes = self.fetched_bytes - before
+        received, sent, peers = self._exchange(mine, group, ranks)
+        fixed_before = self.fetched_bytes
+        verified = {n: set(v) for n, v in (mine["fetch"] if error is None else {}).items()}
+        for name, indices in received.items():
+            verified.setdefault(name, set()).update(indices)
+        self.ensure(needs, source, verified=verified, quiet=True)  # checks the rest, fetches what did not arrive
+        refetched = self.fetched_bytes - fixed_before
+        if error is not None:
+            raise error
+        got = sum(self._span(n, i) for n, idx in received.items() for i in idx)
+        log.info(
+            "shardckpt: step %d: read once, shared: fetched %d bytes (its share %d, again after a failed delivery %d) "
+            "for the %d bytes this node's ranks read, received %d bytes from %d node(s), sent %d bytes, into %s "
+            "in %.2f s", self.step, self.fetched_bytes - before, share_bytes, refetched,
+            sum(_union_bytes(v, self.manifest.files[n].size) for n, v in needs.items() if n in self.manifest.files),
+            got, peers, sent, self.dir, time.monotonic() - t0,
+        )
+
+    def _span(self, name: str, index: int) -> int:
+        entry = self.manifest.files[name]
+        chunk, _sums = layout.chunk_table(entry.chunks, entry.size)  # type: ignore[misc]
+        return min(entry.size, (index + 1) * chunk) - index * chunk
+
+    def _intervals(self, chunks: "Chunks") -> dict[str, list[tuple[int, int]]]:
+        out = {}
+        for name, indices in chunks.items():
+            entry = self.manifest.files[name]
+            chunk, _sums = layout.chunk_table(entry.chunks, entry.size)  # type: ignore[misc]
+            out[name] = [(i * chunk, min(entry.size, (i + 1) * chunk)) for i in sorted(indices)]
+        return out
+
+    def _exchange(self, mine: dict[str, Any], group: Any, ranks: list[int]) -> tuple["Chunks", int, int]:
+        """Send and receive the chunks of ``mine`` (one message per pair of copies, all in flight at
+        once); write those that pass their checksum. Returns (chunks received intact, bytes sent, peers)."""
+        import torch
+        import torch.distributed as dist
+
+        pending = []
+        sent = 0
+        built: dict[tuple, Any] = {}  # one buffer per set of chunks (with replicated state, every peer's)
+        for dst, chunks in sorted(mine["send"].items()):
+            key = tuple((name, tuple(sorted(chunks[name]))) for name in sorted(chunks))
+            if key not in built:
+                buf = bytearray()
+                for name, indices in key:
+                    path = os.path.join(self.dir, name)
+                    for i in indices:
+                        part = self._read_chunk(path, name, i)
+                        _failpoints.hit("share.chunk_send", part)
+                        buf += part
+                built[key] = torch.frombuffer(buf, dtype=torch.uint8) if buf else None
+            if built[key] is not None:
+                sent += built[key].numel()
+                pending.append(dist.isend(built[key], dst=ranks[dst], group=group))
+        incoming = []
+        for src, chunks in sorted(mine["recv"].items()):
+            order = [(name, i) for name in sorted(chunks) for i in sorted(chunks[name])]
+            size = sum(self._span(n, i) for n, i in order)
+            if size:
+                buf = torch.empty(size, dtype=torch.uint8)
+                pending.append(dist.irecv(buf, src=ranks[src], group=group))
+                incoming.append((src, order, buf))
+        for work in pending:
+            work.wait()
+        held = self.held()
+        good: Chunks = {}
+        for src, order, buf in incoming:
+            view = memoryview(buf.numpy()).cast("B")
+            at = 0
+            for name, i in order:
+                entry = self.manifest.files[name]
+                chunk, sums = layout.chunk_table(entry.chunks, entry.size)  # type: ignore[misc]
+                n = self._span(name, i)
+                data = view[at : at + n]
+                at += n
+                if layout.chunk_sum(data) != sums[i]:
+                    log.warning(
+                        "shardckpt: step %d: chunk %d of %s received from rank %d fails its checksum; fetching it "
+                        "from the remote instead", self.step, i, name, ranks[src],
+                    )
+                    continue
+                path = os.path.join(self.dir, name)
+                if not os.path.exists(path):
+                    with open(path, "wb") as f:
+                        f.truncate(entry.size)
+                fd = os.open(path, os.O_WRONLY)
+                try:
+                    os.pwrite(fd, data, i * chunk)
+                finally:
+                    os.close(fd)
+                held.setdefault(name, set()).add(i)
+                good.setdefault(name, set()).add(i)
+        for name in good:
+            fd = os.open(os.path.join(self.dir, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        if good:
+            self._write_held(held)
+        return good, sent, len(incoming)
+
+    def _read_chunk(self, path: str, name: str, index: int) -> bytearray:
+        """Chunk ``index`` of the sparse file (zeros where it cannot be read: the receiver refuses them)."""
+        entry = self.manifest.files[name]
+        chunk, _sums = layout.chunk_table(entry.chunks, entry.size)  # type: ignore[misc]
+        n = self._span(name, index)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                data = os.pread(f.fileno(), n, index * chunk)
+        except OSError:
+            data = b""
+        return bytearray(data) + bytes(n - len(data))
 
     def _disk_ok(self, path: str, index: int, chunk: int, size: int, expected: str) -> bool:
         start = index * chunk
@@ -348,3 +514,61 @@ def _read_manifest_copy(directory: str) -> layout.Manifest | None:
             return layout.Manifest.from_json(f.read(), path)
     except (FileNotFoundError, CorruptCheckpointError):
         return None
+
+
+def share_plan(wants: list[Chunks], holds: list[Chunks], files: dict[str, layout.FileEntry]) -> list[dict[str, Any]]:
+    """Who fetches which chunk and passes it to whom, for copies ``0..n-1`` of a step.
+
+    ``wants[c]``: the chunks copy ``c``'s ranks read; ``holds[c]``: those it already holds.
+    Each chunk some copy lacks is given to exactly one copy: one that holds it (nothing is
+    fetched), else one of the copies wanting it, chosen so that the bytes each copy fetches
+    are even (runs of consecutive chunks stay together: fewer, larger requests). Returns per
+    copy ``{"fetch": Chunks, "send": {copy: Chunks}, "recv": {copy: Chunks}}``.
+    """
+    n = len(wants)
+    plan: list[dict[str, Any]] = [{"fetch": {}, "send": {}, "recv": {}} for _ in range(n)]
+    load = [0] * n
+    groups: dict[tuple[int, ...], list[tuple[str, int, int]]] = defaultdict(list)
+
+    def span(name: str, i: int) -> int:
+        entry = files[name]
+        chunk, _sums = layout.chunk_table(entry.chunks, entry.size)  # type: ignore[misc]
+        return min(entry.size, (i + 1) * chunk) - i * chunk
+
+    def give(owner: int, name: str, i: int, lacking: list[int]) -> None:
+        plan[owner]["fetch"].setdefault(name, set()).add(i)
+        for c in lacking:
+            if c != owner:
+                plan[owner]["send"].setdefault(c, {}).setdefault(name, set()).add(i)
+                plan[c]["recv"].setdefault(owner, {}).setdefault(name, set()).add(i)
+
+    for name in sorted({f for w in wants for f in w}):
+        if name not in files:
+            continue
+        indices = sorted(set().union(*(w.get(name, set()) for w in wants)))
+        for i in indices:
+            needing = [c for c in range(n) if i in wants[c].get(name, ())]
+            lacking = [c for c in needing if i not in holds[c].get(name, ())]
+            if not lacking:
+                continue
+            holders = [c for c in range(n) if i in holds[c].get(name, ())]
+            if holders:
+                give(holders[0], name, i, lacking)
+            elif len(lacking) == 1:
+                give(lacking[0], name, i, lacking)
+                load[lacking[0]] += span(name, i)
+            else:
+                groups[tuple(lacking)].append((name, i, span(name, i)))
+    # Chunks several copies lack: filled in order, each copy up to the level that evens the loads.
+    for lacking, chunks in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        members = list(lacking)
+        level = (sum(load[c] for c in members) + sum(s for _n, _i, s in chunks)) / len(members)
+        members.sort(key=lambda c: load[c])
+        k = 0
+        for name, i, size in chunks:
+            while k < len(members) - 1 and load[members[k]] + size / 2 > level:
+                k += 1
+            owner = members[k]
+            give(owner, name, i, list(lacking))
+            load[owner] += size
+    return plan
