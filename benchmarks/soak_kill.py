@@ -144,9 +144,14 @@ def _lines(path: Path) -> int:
 
 
 def run_trials(trials: int, seed: int, work: Path, torchrun_every: int = 0, remote: bool = False,
-               progress: bool = False, nodes: int = 1, store: str = "file") -> dict:
+               progress: bool = False, nodes: int = 1, store: str = "file", cycle: str | None = None) -> dict:
+    """``cycle``: the order of the one-process trials' kinds, repeated: ``p`` the next kill point, ``r`` a
+    random kill (default ``pr``); with ``remote``, ``u`` the next uploader kill point, ``r`` random kills
+    of both, ``t`` the next trainer kill point (default ``urt``)."""
     if remote:
-        return run_remote_trials(trials, seed, work, progress, store)
+        return run_remote_trials(trials, seed, work, progress, store, cycle or "urt")
+    cycle = cycle or "pr"
+    turns = 0
     from shardckpt import _failpoints
 
     rng = random.Random(seed)
@@ -161,10 +166,11 @@ def run_trials(trials: int, seed: int, work: Path, torchrun_every: int = 0, remo
     for trial in range(trials):
         use_torchrun = torchrun_every and trial % torchrun_every == torchrun_every - 1
         # Kill points on even trials; 2-rank trials alternate between a kill point and a random kill.
-        at_point = (trial // torchrun_every) % 2 == 0 if use_torchrun else trial % 2 == 0
+        at_point = (trial // torchrun_every) % 2 == 0 if use_torchrun else cycle[trial % len(cycle)] == "p"
         if at_point:
             # Each sequence (1-rank kill-point trials, 2-rank ones) walks through every point.
-            turn = trial // (2 * torchrun_every) if use_torchrun else trial // 2
+            turn = trial // (2 * torchrun_every) if use_torchrun else turns
+            turns += 0 if use_torchrun else 1
             point = points[turn % len(points)]
             spec = f"{point}@{rng.randint(1, 4)}"
             kind = point
@@ -333,7 +339,8 @@ def _wait_uploader_gone(ckpt_dir: Path, timeout: float, settle: float = 1.5) -> 
     return False
 
 
-def run_remote_trials(trials: int, seed: int, work: Path, progress: bool = False, store: str = "file") -> dict:
+def run_remote_trials(trials: int, seed: int, work: Path, progress: bool = False, store: str = "file",
+                      cycle: str = "urt") -> dict:
     if store == "s3":
         from s3server import BUCKET, S3Server, apply_env, restore_env
 
@@ -341,16 +348,17 @@ def run_remote_trials(trials: int, seed: int, work: Path, progress: bool = False
         previous = apply_env(server)  # the trainers, their uploaders and the checker inherit it
         try:
             server.reset()
-            return _remote_trials(trials, seed, work, progress, f"s3://{BUCKET}/soak", lambda: server.reset())
+            return _remote_trials(trials, seed, work, progress, f"s3://{BUCKET}/soak", lambda: server.reset(), cycle)
         finally:
             restore_env(previous)
             server.stop()
     remote_dir = work / "remote"
     return _remote_trials(trials, seed, work, progress, f"file://{remote_dir}",
-                          lambda: shutil.rmtree(remote_dir, ignore_errors=True))
+                          lambda: shutil.rmtree(remote_dir, ignore_errors=True), cycle)
 
 
-def _remote_trials(trials: int, seed: int, work: Path, progress: bool, url: str, wipe_remote) -> dict:
+def _remote_trials(trials: int, seed: int, work: Path, progress: bool, url: str, wipe_remote,
+                   cycle: str = "urt") -> dict:
     from shardckpt import _failpoints
 
     rng = random.Random(seed)
@@ -365,12 +373,13 @@ def _remote_trials(trials: int, seed: int, work: Path, progress: bool, url: str,
     uploader_points = list(_failpoints.UPLOADER_POINTS)
     points_log = work / "failpoints.log"
     for trial in range(trials):
-        mode = (1, 2, 0)[trial % 3]  # uploader kill point, random kills, trainer kill point, ...
+        mode = "tur".index(cycle[trial % len(cycle)])  # 0 trainer kill point, 1 uploader kill point, 2 random kills
+        turn = sum(1 for t in range(trial) if cycle[t % len(cycle)] == cycle[trial % len(cycle)])
         if mode == 0:
-            point = trainer_points[(trial // 3) % len(trainer_points)]
+            point = trainer_points[turn % len(trainer_points)]
             spec, kind = f"{point}@{rng.randint(1, 4)}", point
         elif mode == 1:
-            point = uploader_points[(trial // 3) % len(uploader_points)]
+            point = uploader_points[turn % len(uploader_points)]
             spec, kind = f"{point}@{rng.randint(1, 3)}", point
         else:
             spec, kind = "", "random (trainer + uploader)"

@@ -26,7 +26,8 @@ def test_sigkill_at_every_kill_point_loses_nothing(tmp_path):
     import soak_kill
     from shardckpt import _failpoints
 
-    stats = soak_kill.run_trials(2 * len(_failpoints.POINTS), seed=1, work=tmp_path)
+    cycle = "p" * len(_failpoints.POINTS) + "r"
+    stats = soak_kill.run_trials(len(cycle), seed=1, work=tmp_path, cycle=cycle)
     assert stats["failures"] == []
     assert stats["lost_committed"] == 0
     reached = {k for k in stats["points"] if not k.endswith("(not reached)")}

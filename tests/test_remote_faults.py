@@ -386,9 +386,9 @@ def test_sigkill_of_trainer_and_uploader_loses_no_remote_step(tmp_path):
     import soak_kill
     from shardckpt import _failpoints
 
-    trials = 3 * len(_failpoints.UPLOADER_POINTS) - 2  # every uploader point once, in 10 trials
+    cycle = "u" * len(_failpoints.UPLOADER_POINTS) + "rt"  # every uploader point, random kills, a trainer point
     # A file:// remote here: the S3 protocol under the same kills is the next test (a few trials).
-    stats = soak_kill.run_trials(trials, seed=3, work=tmp_path, remote=True)
+    stats = soak_kill.run_trials(len(cycle), seed=3, work=tmp_path, remote=True, cycle=cycle)
     _check_soak(stats)
     reached = {k for k in stats["points"] if not k.endswith("(not reached)")}
     assert set(_failpoints.UPLOADER_POINTS) <= reached, stats["points"]
