@@ -219,7 +219,7 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
         os.kill(info["pid"], signal.SIGKILL)
 
         shutil.rmtree(base / "node2")
-        logs = run_nodes(2, 2, prog, "restore", base, out2, log_dir=tmp_path)
+        logs = run_nodes(2, 2, prog, "restore", base, out2, "--then-replace", log_dir=tmp_path)
         assert "using the replicas of other nodes' files" in "".join(logs), logs[0][-3000:]
         for r in range(4):
             o = json.loads((out2 / f"outcome.{r}.json").read_text())
@@ -228,6 +228,22 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
             assert (plan["saved_world_size"], plan["world_size"]) == (6, 4), plan
             assert (plan["saved_accum_steps"], plan["accum_steps"], plan["global_batch"]) == (2, 3, 24), plan
         assert_bitwise(out / "saved.pt", out2 / "restored.pt")
+
+        # SIGTERM: the emergency save (step 5: the ranks agree on the signal at the save after it
+        # arrived) returns (``preempted``) only once each node's files of it are committed in the other
+        # node's replica directory.
+        for g in range(2):
+            said = json.loads((out2 / f"sigterm.{g}.json").read_text())
+            assert said["step"] == 5 and said["preempted"] and said["replica_committed"], said
+            assert said["status"]["latest_peer"] == 5, said["status"]
+        # Node 1 replaced by one with an empty disk, at the same world size: its files of step 5 come
+        # from node 0's replica over the peer endpoint (no remote is configured), bitwise.
+        assert "fetched from the replica on" in logs[1], logs[1][-3000:]
+        for r in range(4):
+            o = json.loads((out2 / f"replaced.{r}.json").read_text())
+            assert o["restored"] == 5 and o["plan"]["saved_world_size"] == 4, o
+        assert_bitwise(out2 / "saved2.pt", out2 / "restored2.pt")
+        assert layout.committed_steps(str(base / "node1")) == [5]
     finally:
         _kill_daemons(base)
 

@@ -147,7 +147,8 @@ class Checkpointer:
 
     @property
     def preempted(self) -> bool:
-        """True once a preemption signal arrived and the save it triggered committed."""
+        """True once a preemption signal arrived and the save it triggered committed (with the peer tier
+        on: and this node's files of it are on the other nodes, or the notice, ``drain_timeout_s``, ran out)."""
         return self._preempted
 
     @property
@@ -264,11 +265,13 @@ class Checkpointer:
             finally:
                 self._pending = None
             if decision.preempt:
+                peer_s = self._peer.wait_durable(step, self._policy.notice_left()) if self._peer.on else None
                 self._preempted = True
                 (log.warning if _dist.rank() == 0 else log.debug)(
-                    "shardckpt: preemption (signal %s): step %d committed; exit the training loop now",
+                    "shardckpt: preemption (signal %s): step %d committed%s; exit the training loop now",
                     self._policy.signal,
                     step,
+                    "" if peer_s is None else f" and peer-durable ({peer_s:.1f} s later)",
                 )
         return handle
 
@@ -327,6 +330,7 @@ class Checkpointer:
         self._check_open()
         self.wait()
         self._ensure_ready()
+        self._peer.fetch_own(self._groups)
         restored = self._restorer.load(state, step, strict=strict, trust_pickles=trust_pickles, elastic=elastic)
         # When this run took its history over (rank 0's clock, the same in every rank's manifests):
         # a remote save of a step created before then is an orphan of an earlier run that this one
