@@ -315,3 +315,41 @@ def test_a_corrupt_replica_file_falls_through_to_the_remote_for_that_file_only(s
     assert "replaced 1 file(s)" in said and "(__0_0.distcp)" in said, said
     layout.verify_files(str(mine), manifest)  # the holder's step now holds the remote's good copy
     assert os.stat(mine / layout.METADATA_NAME).st_ino == metadata_inode  # the other file was not fetched
+
+
+def test_a_replacement_node_takes_its_replica_from_a_good_holder_of_the_same_version(endpoint, tmp_path):
+    """fetch_own_replica: each file is checked against the manifest (a rotten replica gives way to the
+    next holder); a replica is not brought back when a peer's own copy of that step is another save."""
+    owner, holder, addr = endpoint
+    step_dir = owner / layout.step_dirname(1)
+    manifest = layout.read_manifest(str(step_dir))
+    names = layout.copy_files(str(step_dir), manifest)[0]
+    second = tmp_path / "second"
+    second.mkdir()
+    peer.write_secret(str(second), SECRET.decode())
+    server = peer.serve(peer.PeerService(str(second), "second:0"), "127.0.0.1")
+    try:
+        clients = [("holder:0", peer.PeerClient(addr, SECRET)),
+                   ("second:0", peer.PeerClient(f"127.0.0.1:{server.server_address[1]}", SECRET))]
+        for _name, client in clients:
+            client.put_replica("owner:0", str(step_dir), manifest, names)
+        big = max(names, key=lambda n: manifest.files[n].size)
+        rotten = holder / peer.REPLICAS_DIR / "owner_0" / layout.step_dirname(1) / big
+        data = bytearray(rotten.read_bytes())
+        data[len(data) // 2] ^= 1
+        rotten.write_bytes(bytes(data))
+        fresh = tmp_path / "replacement"
+        fresh.mkdir()
+        assert peer.fetch_own_replica(str(fresh), "owner:0", clients) == (1, ["holder:0", "second:0"])
+        layout.verify_files(str(fresh / layout.step_dirname(1)), layout.read_manifest(str(fresh / layout.step_dirname(1))), names)
+        assert [p.name for p in fresh.iterdir()] == [layout.step_dirname(1)]  # no partial directory left
+        # The second holder's own step 1 is another save of that number: the replica is not taken.
+        with shardckpt.Checkpointer(local_dir=str(second), preemption_signals=()) as ckpt:
+            ckpt.save({"model": nn.Linear(16, 8)}, 1)
+        other = tmp_path / "replacement2"
+        other.mkdir()
+        assert peer.fetch_own_replica(str(other), "owner:0", clients) is None
+        assert layout.committed_steps(str(other)) == []
+    finally:
+        server.shutdown()
+        server.server_close()
