@@ -6,6 +6,7 @@ import hashlib
 import http.client
 import json
 import os
+import re
 import signal
 import time
 
@@ -184,8 +185,8 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
     out2.mkdir()
     host = socket.gethostname()
     try:
-        logs = run_nodes(3, 2, prog, "save", base, out, "--steps", "3", "--kill", check=False, log_dir=tmp_path)
-        assert all((out / f"killed.{r}").exists() for r in range(6)), "\n".join(logs)
+        saving = run_nodes(3, 2, prog, "save", base, out, "--steps", "3", "--kill", check=False, log_dir=tmp_path)
+        assert all((out / f"killed.{r}").exists() for r in range(6)), "\n".join(saving)
         # Every trainer is dead and nothing of step 3 was replicated (the daemons were paused before
         # its save); resumed now, the daemons replicate it on their own.
         assert not list(base.glob(f"node*/{peer.REPLICAS_DIR}/*/{layout.step_dirname(3)}"))
@@ -209,8 +210,13 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
         # `shardckpt status` shows the peer durability of the node's newest step and what it holds.
         wait_for(lambda: (peer.node_status(str(base / "node0")) or {}).get("latest_peer") == 3, 30, "status")
         assert cli.main(["status", str(base / "node0"), "--json"]) == 1  # 1: no remote here
-        shown = json.loads(capsys.readouterr().out)["peer"]
+        shown = json.loads(capsys.readouterr().out)
+        assert shown["latest_local"] == shown["latest_peer"] == 3, shown
+        shown = shown["peer"]
         assert shown["holders"] == [f"{host}:1"] and shown["holding"] == {peer.owner_dirname(f"{host}:2"): [2, 3]}
+        assert cli.main(["ls", str(base / "node0"), "--json"]) == 0  # the durability levels, a column
+        assert {r["step"]: r["tiers"] for r in json.loads(capsys.readouterr().out)["steps"]} == \
+            {2: ["local", "peer"], 3: ["local", "peer"]}
 
         # Node 2 is lost: its daemon and its disk. The survivors resume at 4 ranks, with no remote.
         import shutil
@@ -236,6 +242,10 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
             said = json.loads((out2 / f"sigterm.{g}.json").read_text())
             assert said["step"] == 5 and said["preempted"] and said["replica_committed"], said
             assert said["status"]["latest_peer"] == 5, said["status"]
+        # The save's log line gives each level once known: step 2's peer level by step 3's save,
+        # step 5's by close().
+        for step, said in ((2, saving[0]), (5, logs[0])):
+            assert re.search(rf"shardckpt: step {step}: local \d+\.\d s, peer \d+\.\d s$", said, re.M), said[-3000:]
         # Node 1 replaced by one with an empty disk, at the same world size: its files of step 5 come
         # from node 0's replica over the peer endpoint (no remote is configured), bitwise.
         assert "fetched from the replica on" in logs[1], logs[1][-3000:]

@@ -48,6 +48,7 @@ from .options import CheckpointConfig, OnRemoteUnavailable, SaveMode, UploaderMo
 from .policy import SavePolicy
 from .restore import Restorer
 from .stage import CopyFence, HostStager, split_bytes
+from .durability import DurabilityLog
 from .peer_tier import PeerTier
 from .uploader_client import UploaderClient
 
@@ -141,6 +142,8 @@ class Checkpointer:
             if self._uploads.active:
                 self._writer.file_done = self._file_done
         self._peer = PeerTier(self.config, self.root, registered=self._uploads is not None and self._uploads.active)
+        self._durability = DurabilityLog(self.root, peer_on=lambda: self._peer.on,
+                                         remote=self._uploads is not None and self._uploads.active)
         self._policy.install_signal_handlers()
 
     # ---------------------------------------------------------------- public
@@ -208,6 +211,8 @@ class Checkpointer:
         if not self._remote_checked:
             self._check_remote()
         self._policy.report_signal()
+        if _dist.rank() == 0:
+            self._durability.report()
         if self._uploads is not None:
             self._uploads.check_health()
         # Every path from here resolves one vote and starts one (policy.py), so
@@ -256,6 +261,8 @@ class Checkpointer:
         self._policy.record_blocked(blocked)
         future = self._executor.submit(self._writer.write_and_commit, job)
         future.started_at = t_start  # type: ignore[attr-defined]
+        future.step = step  # type: ignore[attr-defined]
+        future.started_wall = time.time() - (time.monotonic() - t_start)  # type: ignore[attr-defined]
         future.add_done_callback(self._record_outcome)
         handle = SaveHandle(step, future)
         self._pending = handle
@@ -432,6 +439,8 @@ class Checkpointer:
             finally:
                 try:
                     self._peer.close(None if timeout is None else max(0.0, timeout - (time.monotonic() - t0)))
+                    if _dist.rank() == 0:
+                        self._durability.report(final=True)
                 finally:
                     self._restorer.close()
 
@@ -667,12 +676,19 @@ class Checkpointer:
         exc = future.exception()
         if exc is None:
             self._policy.record_committed(time.monotonic() - getattr(future, "started_at", time.monotonic()))
+            self._durability_committed(future)
             if self._uploads is not None:
                 self._uploads.kick()
             return
         self._last_error = f"{type(exc).__name__}: {exc}"
         if _dist.rank() == 0:
             log.error("shardckpt: %s (raised by the next save() that saves, wait() or close())", exc)
+
+    def _durability_committed(self, future: concurrent.futures.Future) -> None:
+        """Rank 0 follows the peer and remote levels of the step just committed (``durability.py``)."""
+        if _dist.rank() == 0 and (self._peer.on or self._durability.remote) and hasattr(future, "step"):
+            started = getattr(future, "started_at", time.monotonic())
+            self._durability.committed(future.step, future.started_wall, time.monotonic() - started)
 
     def _wait_previous(self, step: int) -> None:
         """Wait for the save in flight; re-raise its failure (on every rank alike: the outcome was exchanged)."""

@@ -1049,6 +1049,18 @@ class PeerDaemon:
             log.warning("shardckpt: cannot write the peer status under %s: %s", self.root, exc)
 
 
+def replicated(root: str, step: int, manifest: layout.Manifest | None = None) -> dict[str, Any] | None:
+    """What this node's daemon recorded of sending its files of ``step``, for the version committed
+    here (``{"holders", "time", "seconds"}``); ``None`` when not replicated (or another save was)."""
+    info = read_json(os.path.join(state_dir(root), STATUS_NAME))
+    sent = (info.get("replicated") or {}).get(str(step))
+    if manifest is None:
+        manifest = _manifest_or_none(os.path.join(root, layout.step_dirname(step)))
+    if not sent or manifest is None or sent.get("version") != layout.version_of(manifest):
+        return None
+    return sent
+
+
 def node_status(root: str) -> dict[str, Any] | None:
     """What ``shardckpt status`` shows of the peer tier on this node (``None``: no daemon has run here)."""
     info = read_json(os.path.join(state_dir(root), STATUS_NAME))

@@ -168,15 +168,8 @@ class PeerTier:
 
     def durable(self, step: int) -> list[str]:
         """The nodes holding this node's files of ``step`` (of the version committed here now)."""
-        info = read_json(os.path.join(state_dir(self.root), peer.STATUS_NAME))
-        sent = (info.get("replicated") or {}).get(str(step))
-        try:
-            manifest = layout.read_manifest(os.path.join(self.root, layout.step_dirname(step)))
-        except Exception:  # noqa: BLE001 - an unreadable step is not durable anywhere
-            return []
-        if not sent or manifest is None or sent.get("version") != layout.version_of(manifest):
-            return []
-        return list(sent.get("holders") or [])
+        sent = peer.replicated(self.root, step)
+        return list(sent.get("holders") or []) if sent else []
 
     def wait_durable(self, step: int, limit: float) -> float | None:
         """Wait at most ``limit`` seconds until this node's files of ``step`` are on ``replicas`` other nodes.
