@@ -152,6 +152,12 @@ def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path
     bad = bytes([data[0] ^ 1]) + data[1:]
     path = f"/v1/replica/other/1/{tag}/f/{big}"
     assert _raw(addr, "PUT", path, bad, peer.auth_headers(SECRET, "PUT", path, hashlib.sha256(bad).hexdigest()))[0] == 422
+    # Bound by the manifest's checksum instead (what replication sends): the same bytes are refused,
+    # and so is a request signed for a checksum other than the manifest's.
+    bound = peer.manifest_digest(manifest.files[big])
+    assert _raw(addr, "PUT", path, bad, peer.auth_headers(SECRET, "PUT", path, bound))[0] == 422
+    other_sum = peer.MANIFEST_DIGEST + layout.checksum_bytes(bad, like=manifest.files[big].checksum)
+    assert _raw(addr, "PUT", path, bad, peer.auth_headers(SECRET, "PUT", path, other_sum))[0] in (401, "reset")
     assert _tree(holder) == before
     # Without a job secret (or with one others can read) the endpoint answers nobody.
     os.chmod(holder / ".shardckpt-remote" / peer.SECRET_NAME, 0o644)

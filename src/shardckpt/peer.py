@@ -26,8 +26,10 @@ step number are told apart by the manifest's version
 Every request is authenticated with the job's secret (created by rank 0 at
 the first save or load, handed to the daemon in a 0600 file): the header
 ``X-Shardckpt-Auth: <unix time>:<HMAC-SHA256(secret, method, path, body
-SHA-256, time)>``; the body's SHA-256 is sent in ``X-Shardckpt-Body-Sha256``
-and checked before a received file is kept. Files the daemon and the trainer
+digest, time)>``; the body digest is sent in ``X-Shardckpt-Body-Sha256``: the
+body's SHA-256, or for a replica file ``manifest:<its checksum in the
+replica's manifest>`` (that manifest came in a signed request, and the file is
+kept only when its bytes match it). Files the daemon and the trainer
 share, in ``<local_dir>/.shardckpt-remote/``: ``peer.secret`` (0600),
 ``peers.json`` (the job's nodes, written by the trainer), ``peer.json``
 (the daemon's address and what it replicated), ``peer.lock``, ``peer.log``.
@@ -75,6 +77,8 @@ MAX_SMALL_BODY = 16 << 20
 """Largest manifest or commit body accepted."""
 CHUNK = 1 << 20
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+MANIFEST_DIGEST = "manifest:"
+"""Prefix of a body digest that names the file's checksum in the replica's manifest (:func:`manifest_digest`)."""
 _TAG_RE = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 
 
@@ -204,6 +208,16 @@ def sign(secret: bytes, method: str, path: str, body_sha256: str, when: int) -> 
 def auth_headers(secret: bytes, method: str, path: str, body_sha256: str = EMPTY_SHA256) -> dict[str, str]:
     when = int(time.time())
     return {AUTH_HEADER: f"{when}:{sign(secret, method, path, body_sha256, when)}", BODY_HEADER: body_sha256}
+
+
+def manifest_digest(entry: layout.FileEntry) -> str:
+    """The body binding of a replica file's PUT: the owner's checksum of it, as its (signed) manifest says.
+
+    The manifest arrived in the signed ``begin`` request (bound by the SHA-256 of
+    its text), and the holder keeps a file only when its bytes match that
+    checksum: no SHA-256 pass over the file on either side (README, "Peer tier").
+    """
+    return MANIFEST_DIGEST + entry.checksum
 
 
 def placement(nodes: list[dict[str, Any]], owner: str, count: int) -> list[dict[str, Any]]:
@@ -343,22 +357,19 @@ class PeerClient:
         for name in names:
             if name in have:
                 continue
-            sent += self._put_file(f"{base}/f/{urllib.parse.quote(name, safe='')}", os.path.join(step_dir, name), throttle)
+            sent += self._put_file(f"{base}/f/{urllib.parse.quote(name, safe='')}", os.path.join(step_dir, name), throttle,
+                                   manifest_digest(manifest.files[name]))
         commit = json.dumps({"files": sorted(names)}).encode()
         status, _h, body = self._request("POST", base + "/commit", commit)
         self._ok("POST", base + "/commit", status, body)
         return sent
 
-    def _put_file(self, path: str, local: str, throttle: "_Throttle") -> int:
-        digest = hashlib.sha256()
-        with open(local, "rb") as f:
-            while chunk := f.read(CHUNK):
-                digest.update(chunk)
+    def _put_file(self, path: str, local: str, throttle: "_Throttle", digest: str) -> int:
         size = os.path.getsize(local)
         conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
         try:
             conn.putrequest("PUT", path)
-            for k, v in {**auth_headers(self.secret, "PUT", path, digest.hexdigest()),
+            for k, v in {**auth_headers(self.secret, "PUT", path, digest),
                          "Content-Length": str(size)}.items():
                 conn.putheader(k, v)
             conn.endheaders()
@@ -645,9 +656,12 @@ class PeerService:
             raise _Refused(404, f"{name} is not a file of step {step}")
         if length != entry.size:
             raise _Refused(413, f"{name} is {entry.size} bytes in the manifest, the request sends {length}")
+        bound = digest.startswith(MANIFEST_DIGEST)  # signed as the manifest's checksum of the file
+        if bound and not _same(manifest_digest(entry), digest):
+            raise _Refused(401, f"{name}: the request is signed for another checksum than the manifest's")
         tmp = os.path.join(partial, f".recv-{uuid.uuid4().hex[:8]}")
         checksum = layout.Checksum.like(entry.checksum)
-        body = hashlib.sha256()
+        body = None if bound else hashlib.sha256()
         try:
             with open(tmp, "xb") as f:
                 left = length
@@ -657,11 +671,12 @@ class PeerService:
                         raise _Refused(400, f"{name}: the body ended {left} bytes early")
                     left -= len(chunk)
                     checksum.update(chunk)
-                    body.update(chunk)
+                    if body is not None:
+                        body.update(chunk)
                     f.write(chunk)
                 f.flush()
                 os.fsync(f.fileno())
-            if not _same(body.hexdigest(), digest):
+            if body is not None and not _same(body.hexdigest(), digest):
                 raise _Refused(401, f"{name}: the body is not the one signed")
             if checksum.value() != entry.checksum:
                 raise _Refused(422, f"{name} fails its {entry.checksum.split(':')[0]} checksum; not kept")
