@@ -354,6 +354,13 @@ def test_a_replacement_node_takes_its_replica_from_a_good_holder_of_the_same_ver
         data = bytearray(rotten.read_bytes())
         data[len(data) // 2] ^= 1
         rotten.write_bytes(bytes(data))
+        # The holder's local retention keeps its own copy of the step it holds an owner's newest replica of.
+        from shardckpt.peer_tier import PeerTier
+
+        tier = PeerTier(shardckpt.CheckpointConfig(local_dir=str(holder)), str(holder), registered=True)
+        assert not tier.protects(1)  # the tier is off
+        tier.replicas = 1
+        assert tier.protects(1) and not tier.protects(2)
         fresh = tmp_path / "replacement"
         fresh.mkdir()
         assert peer.fetch_own_replica(str(fresh), "owner:0", clients) == (1, ["holder:0", "second:0"])

@@ -715,7 +715,10 @@ class Checkpointer:
 
     def _deletable(self, step: int) -> bool:
         """Local retention guard: with uploads on, only steps already committed remotely go,
-        unless the disk is about to fill (then loudly, naming the step)."""
+        unless the disk is about to fill (then loudly, naming the step). With the peer tier on, a
+        step this node holds another node's newest replica of stays too (``PeerTier.protects``)."""
+        if self._peer.protects(step):
+            return False
         if self.config.remote is None or self.config.uploader == UploaderMode.OFF:
             return True
         step_dir = os.path.join(self.root, layout.step_dirname(step))

@@ -191,6 +191,13 @@ class PeerTier:
             time.sleep(0.05)
         return time.monotonic() - t0
 
+    def protects(self, step: int) -> bool:
+        """Local retention keeps ``step`` while it is the newest replica this node holds of another node:
+        when that node is lost, its replica needs this node's own files of the same step beside it."""
+        if not self.on:
+            return False
+        return any(held and max(held) == step for held in peer.committed_replicas(self.root).values())
+
     def status(self) -> dict[str, Any]:
         """The ``Checkpointer.status()`` fields of the peer tier."""
         if not self.on:
