@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/soak_kill.py --trials 50 --nodes 2     # 2 nodes x 2 ranks, shared directory
     .venv/bin/python benchmarks/soak_kill.py --trials 200 --remote   # with the remote tier (file://)
     .venv/bin/python benchmarks/soak_kill.py --trials 50 --remote --store s3   # against moto's S3 server
+    .venv/bin/python benchmarks/soak_kill.py --trials 50 --peer    # the peer tier: 2 nodes, kill daemons too
 
 Each trial resumes the same checkpoint directory (as a job that is preempted
 again and again), runs until it is killed, then a fresh process loads the
@@ -17,6 +18,13 @@ non-zero on any failure.
 torchrun launchers on this machine, as in the multi-node tests) writing one
 shared directory; all four ranks are killed at a kill point (every rank
 that reaches it dies there) or at a random moment.
+
+``--peer``: every trial is 2 nodes x 2 ranks with node-local directories (the
+peer tier on), killed at a random moment: the trainers, one node's peer daemon
+and then the trainers, or the trainers and both daemons. Node 1 is then taken
+as lost: every step node 0 holds node 1's replica of must load, bitwise, from
+node 0's directory alone at world size 1, the newest of them no older than
+the newest step node 1's daemon reported replicated before the kill.
 
 ``--remote``: the trainer also uploads every committed step to a ``file://``
 remote (``--store s3``: an S3 bucket on moto's server, started here on
@@ -224,6 +232,21 @@ def run_trials(trials: int, seed: int, work: Path, torchrun_every: int = 0, remo
 REMOTE_KEEP_LAST = 2
 
 
+_LOAD_EACH = """
+def load_each(ckpt, steps):
+    out = {}
+    for step in steps:
+        model, optim, sampler = soak_train.build()
+        try:
+            got = ckpt.load({"model": model, "optimizer": optim, "sampler": sampler}, step=step)
+            out[step] = soak_train.digest(model, optim, sampler) if got == step else "wrong step %s" % got
+        except Exception as exc:
+            out[step] = "error: %s" % exc
+    return out
+"""
+"""The checker processes' loop: each step loaded by itself, its digest or the error (``soak_train``)."""
+
+
 def check_both(ckpt_dir: Path, url: str, scratch: Path, ref: dict[int, str]) -> dict:
     """One fresh process: every local committed step, then the remote alone (empty local_dir, uploader off)."""
     code = f"""
@@ -232,15 +255,9 @@ sys.path.insert(0, {str(PROGRAM.parent)!r})
 import soak_train, shardckpt
 from shardckpt import node_registry, remote, remote_commit, uploader
 
+{_LOAD_EACH}
 def load_all(ckpt, steps):
-    out = {{}}
-    for step in steps:
-        model, optim, sampler = soak_train.build()
-        try:
-            got = ckpt.load({{"model": model, "optimizer": optim, "sampler": sampler}}, step=step)
-            out[step] = soak_train.digest(model, optim, sampler) if got == step else "wrong step %s" % got
-        except Exception as exc:
-            out[step] = "error: %s" % exc
+    out = load_each(ckpt, steps)
     model, optim, sampler = soak_train.build()
     newest = ckpt.load({{"model": model, "optimizer": optim, "sampler": sampler}})
     ckpt.close()
@@ -503,16 +520,8 @@ def check_node_lost(holder: Path, steps: list[int], scratch: Path, ref: dict[int
 import sys, json
 sys.path.insert(0, {str(PROGRAM.parent)!r})
 import soak_train, shardckpt
-ckpt = shardckpt.Checkpointer(local_dir={str(copy)!r}, preemption_signals=())
-out = {{}}
-for step in {steps!r}:
-    model, optim, sampler = soak_train.build()
-    try:
-        got = ckpt.load({{"model": model, "optimizer": optim, "sampler": sampler}}, step=step)
-        out[step] = soak_train.digest(model, optim, sampler) if got == step else "wrong step %s" % got
-    except Exception as exc:
-        out[step] = "error: %s" % exc
-print(json.dumps(out))
+{_LOAD_EACH}
+print(json.dumps(load_each(shardckpt.Checkpointer(local_dir={str(copy)!r}, preemption_signals=()), {steps!r})))
 """
     proc = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=300)
     shutil.rmtree(copy, ignore_errors=True)
@@ -527,8 +536,9 @@ print(json.dumps(out))
 def run_peer_trials(trials: int, seed: int, work: Path, progress: bool = False) -> dict:
     """2 nodes x 2 ranks, node-local directories (the peer tier on); random SIGKILLs of the trainers, of a
     node's peer daemon during training, or of both at once. After each trial node 1 is taken as lost:
-    the newest step its daemon reported replicated (read just before the kill) must load, bitwise, from
-    node 0's directory alone, as must every step node 0 holds node 1's replica of."""
+    node 0's directory alone must load, bitwise, every step it holds node 1's replica of (of the same
+    save as its own copy), the newest of them no older than the newest step node 1's daemon reported
+    replicated just before the kill."""
     import socket
 
     from shardckpt import peer
@@ -565,8 +575,9 @@ def run_peer_trials(trials: int, seed: int, work: Path, progress: bool = False) 
         failures = []
         from shardckpt import layout
 
-        # (A step newer than node 0's newest was never committed on every node: not a step to lose.)
-        if durable is not None and durable not in steps and durable <= max(
+        # A newer step may have become peer-durable after the kill (a daemon left alive goes on);
+        # a step newer than node 0's newest was never committed on every node: not a step to lose.
+        if durable is not None and max(steps, default=-1) < durable <= max(
                 layout.committed_steps(str(base / "node0")), default=-1):
             stats["lost_committed"] += 1
             failures.append(f"step {durable}, reported peer-durable by node 1, is not loadable from node 0 "
