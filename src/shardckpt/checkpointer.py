@@ -211,8 +211,6 @@ class Checkpointer:
         if not self._remote_checked:
             self._check_remote()
         self._policy.report_signal()
-        if _dist.rank() == 0:
-            self._durability.report()
         if self._uploads is not None:
             self._uploads.check_health()
         # Every path from here resolves one vote and starts one (policy.py), so
@@ -266,6 +264,8 @@ class Checkpointer:
         future.add_done_callback(self._record_outcome)
         handle = SaveHandle(step, future)
         self._pending = handle
+        if _dist.rank() == 0:
+            self._durability.report()  # the earlier saves' levels learned since (while this one writes)
         if decision.preempt or self.config.mode == SaveMode.SYNC:
             try:
                 handle.wait()
