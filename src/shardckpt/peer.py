@@ -436,10 +436,11 @@ def fetch_own_replica(root: str, node: str, peers: list[tuple[str, PeerClient]])
         if len(offers[step]) != 1 or not held.get(step, set()) <= set(offers[step]):
             continue  # two saves of this number among the replicas, or a peer's own step is another save
         tried = []
-        for holder, client in next(iter(offers[step].values())):
+        version, holders = next(iter(offers[step].items()))
+        for holder, client in holders:
             tried.append(holder)
             try:
-                _fetch_step(root, step, node, client)
+                _fetch_step(root, step, node, client, version)
                 return step, tried
             except (PeerError, CorruptCheckpointError, OSError) as exc:
                 log.warning("shardckpt: node %s: step %d from the replica on node %s failed, trying the next "
@@ -448,11 +449,12 @@ def fetch_own_replica(root: str, node: str, peers: list[tuple[str, PeerClient]])
     return None
 
 
-def _fetch_step(root: str, step: int, node: str, client: PeerClient) -> None:
+def _fetch_step(root: str, step: int, node: str, client: PeerClient, version: str) -> None:
     text = client.get(step, layout.MANIFEST_NAME, owner=node).decode("utf-8", errors="replace")
     manifest = layout.Manifest.from_json(text, f"the replica of node {node} step {step} on {client.addr}")
-    if manifest.step != step:
-        raise CorruptCheckpointError(f"the replica of step {step} on {client.addr} holds a manifest of step {manifest.step}")
+    if manifest.step != step or layout.version_of(manifest) != version:
+        raise CorruptCheckpointError(f"the replica of step {step} on {client.addr} is no longer the save it listed "
+                                     f"({version}); not used")
     final = os.path.join(root, layout.step_dirname(step))
     partial = os.path.join(root, layout.partial_dirname(step, f"peer{uuid.uuid4().hex[:8]}"))
     os.makedirs(partial)
