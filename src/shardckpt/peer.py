@@ -944,6 +944,7 @@ class PeerDaemon:
         self.sent_bytes = 0
         self._retry_at = 0.0
         self._failures = 0
+        self._nodes_seen: str | None = None
         self._stop = threading.Event()
         self._lock_fd: int | None = None
         self._server: _Server | None = None
@@ -1009,6 +1010,9 @@ class PeerDaemon:
         self.service.keep_last = keep if isinstance(keep, int) and keep > 0 else None
         count = int(config.get("replicas") or 0)
         nodes = config.get("nodes") or []
+        seen = json.dumps(nodes, sort_keys=True)
+        if seen != self._nodes_seen:  # a restarted job (new addresses): retry at once, not after the backoff
+            self._nodes_seen, self._retry_at, self._failures = seen, 0.0, 0
         secret = self.service.secret()
         holders = placement(nodes, self.node, count)
         steps = layout.committed_steps(self.root)
