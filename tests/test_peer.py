@@ -376,3 +376,26 @@ def test_a_replacement_node_takes_its_replica_from_a_good_holder_of_the_same_ver
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_daemon_retries_at_once_when_the_job_comes_back_with_new_addresses(endpoint):
+    """A holder that died leaves its owner's daemon backing off; the restarted job's peers.json (the
+    holder's new address) ends the backoff: the next look replicates."""
+    from shardckpt.node_registry import state_dir
+
+    owner, holder, addr = endpoint
+    peer.write_secret(str(owner), SECRET.decode())
+    daemon = peer.PeerDaemon(str(owner), "owner:0", "127.0.0.1")
+
+    def peers(holder_addr):
+        nodes = [{"node": "owner:0", "addr": "127.0.0.1:1", "domain": None},
+                 {"node": "holder:0", "addr": holder_addr, "domain": None}]
+        layout.atomic_write_text(os.path.join(state_dir(str(owner)), peer.PEERS_NAME),
+                                 json.dumps({"nodes": nodes, "replicas": 1, "keep_last": 2}))
+
+    peers("127.0.0.1:1")  # nobody listens there
+    assert daemon.tick() and daemon.tick()  # failed, then waiting out its backoff
+    assert daemon._retry_at > time.monotonic() and 1 not in daemon.sent
+    peers(addr)
+    assert not daemon.tick() and daemon.sent[1].holders == ["holder:0"]
+    assert layout.committed_steps(str(holder / peer.REPLICAS_DIR / "owner_0")) == [1]
