@@ -21,7 +21,7 @@ and ``<!-- perf:end -->`` in FILE with a summary (``benchmarks/report.py``
 does the same from existing results without running anything).
 
 Cases (``--only``): blocked, durable, restore, remote_restore, remote_durable,
-training, elastic, history, need_only, commit_requests, restore_kinds (a fixed size: 1 GiB, ``--quick`` 128 MiB). ``--sizes`` (GiB) sizes the local-disk cases (default 1,4,8;
+training, elastic, history, need_only, commit_requests, peer, restore_kinds (a fixed size: 1 GiB, ``--quick`` 128 MiB). ``--sizes`` (GiB) sizes the local-disk cases (default 1,4,8;
 an 8 GiB state and its staging copy need about 17 GiB of RAM); the S3 cases
 use ``--remote-sizes`` (moto holds objects in RAM: 0.5 GiB at most).
 ``--quick`` runs small sizes and few repeats (minutes on 2 cores): a check
@@ -136,6 +136,13 @@ CASES = [
          "of each node's passes of one commit (upload, a waiting poll, the commit, the pass that sees it) and of "
          "a retention pass, against the exact formulas (the run fails when they differ).",
          lambda a: ["--nodes", "1,2" if a.quick else "1,2,4"], sizes=None),
+    Case("peer", "The peer tier: a replica transfer, and a restore after a node loss", "bench_peer.py",
+         "One process; a holder's peer endpoint on 127.0.0.1, moto's S3 server in its own process. Time to "
+         "peer-durable: `PeerClient.put_replica` of the step (signed HTTP, checked on the holder, fsynced, "
+         "manifest last) against a plain TCP copy of the same files on loopback, written and fsynced (floor), "
+         "and the cost of hashing the bytes with SHA-256 and xxh3. A replacement node's restore into an empty "
+         "`local_dir` from the holder's replica and from S3, against a restore from the node's own disk (floor).",
+         lambda a: ["--repeats", repeats(a, 2, 3)], sizes="remote", memory=4.0, disk=4.0),
     Case("restore_kinds", "Restore per state kind", "bench_restore.py",
          "One process, warm page cache, checksums verified: `Checkpointer.load` of the same bytes held as a "
          "module, an optimizer (Adam; the module a third of the bytes), a plain dict of tensors "

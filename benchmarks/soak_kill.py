@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/soak_kill.py --trials 50 --nodes 2     # 2 nodes x 2 ranks, shared directory
     .venv/bin/python benchmarks/soak_kill.py --trials 200 --remote   # with the remote tier (file://)
     .venv/bin/python benchmarks/soak_kill.py --trials 50 --remote --store s3   # against moto's S3 server
+    .venv/bin/python benchmarks/soak_kill.py --trials 50 --peer    # the peer tier: 2 nodes, kill daemons too
 
 Each trial resumes the same checkpoint directory (as a job that is preempted
 again and again), runs until it is killed, then a fresh process loads the
@@ -17,6 +18,13 @@ non-zero on any failure.
 torchrun launchers on this machine, as in the multi-node tests) writing one
 shared directory; all four ranks are killed at a kill point (every rank
 that reaches it dies there) or at a random moment.
+
+``--peer``: every trial is 2 nodes x 2 ranks with node-local directories (the
+peer tier on), killed at a random moment: the trainers, one node's peer daemon
+and then the trainers, or the trainers and both daemons. Node 1 is then taken
+as lost: every step node 0 holds node 1's replica of must load, bitwise, from
+node 0's directory alone at world size 1, the newest of them no older than
+the newest step node 1's daemon reported replicated before the kill.
 
 ``--remote``: the trainer also uploads every committed step to a ``file://``
 remote (``--store s3``: an S3 bucket on moto's server, started here on
@@ -230,6 +238,21 @@ def run_trials(trials: int, seed: int, work: Path, torchrun_every: int = 0, remo
 REMOTE_KEEP_LAST = 2
 
 
+_LOAD_EACH = """
+def load_each(ckpt, steps):
+    out = {}
+    for step in steps:
+        model, optim, sampler = soak_train.build()
+        try:
+            got = ckpt.load({"model": model, "optimizer": optim, "sampler": sampler}, step=step)
+            out[step] = soak_train.digest(model, optim, sampler) if got == step else "wrong step %s" % got
+        except Exception as exc:
+            out[step] = "error: %s" % exc
+    return out
+"""
+"""The checker processes' loop: each step loaded by itself, its digest or the error (``soak_train``)."""
+
+
 def check_both(ckpt_dir: Path, url: str, scratch: Path, ref: dict[int, str]) -> dict:
     """One fresh process: every local committed step, then the remote alone (empty local_dir, uploader off)."""
     code = f"""
@@ -239,15 +262,9 @@ import soak_train, shardckpt
 from shardckpt.node import node_registry, uploader
 from shardckpt.tiers import remote, remote_commit
 
+{_LOAD_EACH}
 def load_all(ckpt, steps):
-    out = {{}}
-    for step in steps:
-        model, optim, sampler = soak_train.build()
-        try:
-            got = ckpt.load({{"model": model, "optimizer": optim, "sampler": sampler}}, step=step)
-            out[step] = soak_train.digest(model, optim, sampler) if got == step else "wrong step %s" % got
-        except Exception as exc:
-            out[step] = "error: %s" % exc
+    out = load_each(ckpt, steps)
     model, optim, sampler = soak_train.build()
     newest = ckpt.load({{"model": model, "optimizer": optim, "sampler": sampler}})
     ckpt.close()
@@ -469,6 +486,131 @@ def _remote_trials(trials: int, seed: int, work: Path, progress: bool, url: str,
 
 
 
+# ---------------------------------------------------------------- peer tier
+
+
+def _peer_record(node_dir: Path) -> dict:
+    from shardckpt.tiers import peer
+    from shardckpt.node.node_registry import read_json, state_dir
+
+    return read_json(os.path.join(state_dir(str(node_dir)), peer.STATUS_NAME))
+
+
+def _kill_daemon(node_dir: Path) -> bool:
+    """SIGKILL the node's peer daemon when its status names a live process (checked by its start time)."""
+    from shardckpt.node.node_registry import pid_alive
+
+    info = _peer_record(node_dir)
+    pid = info.get("pid")
+    if info.get("state") != "running" or not isinstance(pid, int) or not pid_alive(pid, info.get("pid_start")):
+        return False
+    return _kill_pid(pid)
+
+
+def _peer_durable_on_holder(holder: Path, owner_dir: str) -> list[int]:
+    """Steps of the holder's own directory whose owner's files it holds as a committed replica of the same save."""
+    from shardckpt.format import layout
+    from shardckpt.tiers import peer
+
+    held = peer.committed_replicas(str(holder)).get(owner_dir, {})
+    out = []
+    for step, manifest in held.items():
+        mine = layout.read_manifest(str(holder / layout.step_dirname(step))) \
+            if (holder / layout.step_dirname(step)).is_dir() else None
+        if mine is not None and layout.version_of(mine) == layout.version_of(manifest):
+            out.append(step)
+    return sorted(out)
+
+
+def check_node_lost(holder: Path, steps: list[int], scratch: Path, ref: dict[int, str]) -> list[str]:
+    """Node 1 is lost: a fresh process loads each of ``steps`` from a copy of node 0's directory alone
+    (its own files and node 1's replica), at world size 1, and compares it with the reference."""
+    copy = scratch / "node0-copy"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(holder, copy, copy_function=os.link)
+    code = f"""
+import sys, json
+sys.path.insert(0, {str(PROGRAM.parent)!r})
+import soak_train, shardckpt
+{_LOAD_EACH}
+print(json.dumps(load_each(shardckpt.Checkpointer(local_dir={str(copy)!r}, preemption_signals=()), {steps!r})))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=300)
+    shutil.rmtree(copy, ignore_errors=True)
+    if proc.returncode != 0:
+        return [f"checker crashed: {proc.stderr[-1500:]}"]
+    import json
+
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    return [f"step {s}: {d} != reference {ref.get(int(s))}" for s, d in got.items() if d != ref.get(int(s))]
+
+
+def run_peer_trials(trials: int, seed: int, work: Path, progress: bool = False) -> dict:
+    """2 nodes x 2 ranks, node-local directories (the peer tier on); random SIGKILLs of the trainers, of a
+    node's peer daemon during training, or of both at once. After each trial node 1 is taken as lost:
+    node 0's directory alone must load, bitwise, every step it holds node 1's replica of (of the same
+    save as its own copy), the newest of them no older than the newest step node 1's daemon reported
+    replicated just before the kill."""
+    import socket
+
+    from shardckpt.tiers import peer
+
+    rng = random.Random(seed)
+    base = work / "peer"
+    node1_owner = peer.owner_dirname(f"{socket.gethostname()}:1")
+    ref = reference(work, "2x2")
+    stats = {"trials": 0, "failures": [], "points": {}, "max_step": 0, "lost_committed": 0, "daemon_kills": 0}
+    for trial in range(trials):
+        kind = rng.choice(["trainers", "a daemon, then the trainers", "trainers and both daemons"])
+        digests = work / "digests.txt"
+        procs = start("2x2", [str(PROGRAM), str(base), str(digests), str(TOTAL), "--sleep", "0.01", "--node-local"],
+                      env())
+        start_lines = _lines(digests)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and running(procs) and _lines(digests) <= start_lines + 2:
+            time.sleep(0.01)
+        pause = time.monotonic() + rng.uniform(0.0, 2.0)
+        while time.monotonic() < pause and running(procs):
+            time.sleep(0.005)
+        if kind == "a daemon, then the trainers":
+            stats["daemon_kills"] += _kill_daemon(base / f"node{rng.randint(0, 1)}")
+            time.sleep(rng.uniform(0.0, 1.0))
+        durable = max((int(s) for s in (_peer_record(base / "node1").get("replicated") or {})), default=None)
+        for proc in procs:
+            kill_job(proc)
+        if kind == "trainers and both daemons":
+            for g in (0, 1):
+                stats["daemon_kills"] += _kill_daemon(base / f"node{g}")
+        stats["points"][kind] = stats["points"].get(kind, 0) + 1
+        time.sleep(1.0)  # a daemon left alive finishes a replica it was sending
+        steps = _peer_durable_on_holder(base / "node0", node1_owner)
+        failures = []
+        from shardckpt.format import layout
+
+        # A newer step may have become peer-durable after the kill (a daemon left alive goes on);
+        # a step newer than node 0's newest was never committed on every node: not a step to lose.
+        if durable is not None and max(steps, default=-1) < durable <= max(
+                layout.committed_steps(str(base / "node0")), default=-1):
+            stats["lost_committed"] += 1
+            failures.append(f"step {durable}, reported peer-durable by node 1, is not loadable from node 0 "
+                            f"(it holds {steps})")
+        failures += check_node_lost(base / "node0", steps, work, ref)
+        stats["trials"] += 1
+        stats["max_step"] = max(stats["max_step"], max(steps, default=0))
+        for failure in failures:
+            stats["failures"].append(f"trial {trial} ({kind}): {failure}")
+        if progress:
+            print(f"trial {trial}: {kind}; node 1 peer-durable {durable}, node 0 holds its replicas of {steps}; "
+                  f"failures so far {len(stats['failures'])}", flush=True)
+        if max(steps, default=0) >= TOTAL - 5:
+            for g in (0, 1):
+                _kill_daemon(base / f"node{g}")
+            shutil.rmtree(base, ignore_errors=True)
+    for g in (0, 1):
+        _kill_daemon(base / f"node{g}")
+    return stats
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=200)
@@ -479,11 +621,13 @@ def main() -> None:
                         help="with --remote: a file:// directory, or an S3 bucket on moto's server (127.0.0.1)")
     parser.add_argument("--nodes", type=int, choices=[1, 2], default=1,
                         help="2: every trial is 2 nodes x 2 ranks on one shared directory")
+    parser.add_argument("--peer", action="store_true",
+                        help="2 nodes x 2 ranks, node-local directories: kill trainers and peer daemons, lose node 1")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="soak-kill-"))
     t0 = time.monotonic()
     try:
-        stats = run_trials(args.trials, args.seed, work, args.torchrun_every, remote=args.remote, progress=True,
+        stats = run_peer_trials(args.trials, args.seed, work, progress=True) if args.peer else run_trials(args.trials, args.seed, work, args.torchrun_every, remote=args.remote, progress=True,
                            nodes=args.nodes, store=args.store)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -492,6 +636,8 @@ def main() -> None:
     print(f"|{'-' * 36}|{'-' * 8}|")
     for name, count in sorted(stats["points"].items()):
         print(f"| {name:<34} | {count:>6} |")
+    if "daemon_kills" in stats:
+        print(f"peer daemon SIGKILLs: {stats['daemon_kills']}")
     if stats.get("remote"):
         print(f"remote store {stats['remote']}: newest remote step reached {stats['max_remote_step']}; "
               f"uploader SIGKILLs: {stats['uploader_kills']}")

@@ -6,6 +6,7 @@ import hashlib
 import http.client
 import json
 import os
+import re
 import signal
 import time
 
@@ -153,6 +154,12 @@ def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path
     bad = bytes([data[0] ^ 1]) + data[1:]
     path = f"/v1/replica/other/1/{tag}/f/{big}"
     assert _raw(addr, "PUT", path, bad, peer.auth_headers(SECRET, "PUT", path, hashlib.sha256(bad).hexdigest()))[0] == 422
+    # Bound by the manifest's checksum instead (what replication sends): the same bytes are refused,
+    # and so is a request signed for a checksum other than the manifest's.
+    bound = peer.manifest_digest(manifest.files[big])
+    assert _raw(addr, "PUT", path, bad, peer.auth_headers(SECRET, "PUT", path, bound))[0] == 422
+    other_sum = peer.MANIFEST_DIGEST + layout.checksum_bytes(bad, like=manifest.files[big].checksum)
+    assert _raw(addr, "PUT", path, bad, peer.auth_headers(SECRET, "PUT", path, other_sum))[0] in (401, "reset")
     assert _tree(holder) == before
     # Without a job secret (or with one others can read) the endpoint answers nobody.
     os.chmod(holder / ".shardckpt-remote" / peer.SECRET_NAME, 0o644)
@@ -186,8 +193,8 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
     out2.mkdir()
     host = socket.gethostname()
     try:
-        logs = run_nodes(3, 2, prog, "save", base, out, "--steps", "3", "--kill", check=False, log_dir=tmp_path)
-        assert all((out / f"killed.{r}").exists() for r in range(6)), "\n".join(logs)
+        saving = run_nodes(3, 2, prog, "save", base, out, "--steps", "3", "--kill", check=False, log_dir=tmp_path)
+        assert all((out / f"killed.{r}").exists() for r in range(6)), "\n".join(saving)
         # Every trainer is dead and nothing of step 3 was replicated (the daemons were paused before
         # its save); resumed now, the daemons replicate it on their own.
         assert not list(base.glob(f"node*/{peer.REPLICAS_DIR}/*/{layout.step_dirname(3)}"))
@@ -211,8 +218,13 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
         # `shardckpt status` shows the peer durability of the node's newest step and what it holds.
         wait_for(lambda: (peer.node_status(str(base / "node0")) or {}).get("latest_peer") == 3, 30, "status")
         assert cli.main(["status", str(base / "node0"), "--json"]) == 1  # 1: no remote here
-        shown = json.loads(capsys.readouterr().out)["peer"]
+        shown = json.loads(capsys.readouterr().out)
+        assert shown["latest_local"] == shown["latest_peer"] == 3, shown
+        shown = shown["peer"]
         assert shown["holders"] == [f"{host}:1"] and shown["holding"] == {peer.owner_dirname(f"{host}:2"): [2, 3]}
+        assert cli.main(["ls", str(base / "node0"), "--json"]) == 0  # the durability levels, a column
+        assert {r["step"]: r["tiers"] for r in json.loads(capsys.readouterr().out)["steps"]} == \
+            {2: ["local", "peer"], 3: ["local", "peer"]}
 
         # Node 2 is lost: its daemon and its disk. The survivors resume at 4 ranks, with no remote.
         import shutil
@@ -221,7 +233,7 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
         os.kill(info["pid"], signal.SIGKILL)
 
         shutil.rmtree(base / "node2")
-        logs = run_nodes(2, 2, prog, "restore", base, out2, log_dir=tmp_path)
+        logs = run_nodes(2, 2, prog, "restore", base, out2, "--then-replace", log_dir=tmp_path)
         assert "using the replicas of other nodes' files" in "".join(logs), logs[0][-3000:]
         for r in range(4):
             o = json.loads((out2 / f"outcome.{r}.json").read_text())
@@ -230,6 +242,26 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
             assert (plan["saved_world_size"], plan["world_size"]) == (6, 4), plan
             assert (plan["saved_accum_steps"], plan["accum_steps"], plan["global_batch"]) == (2, 3, 24), plan
         assert_bitwise(out / "saved.pt", out2 / "restored.pt")
+
+        # SIGTERM: the emergency save (step 5: the ranks agree on the signal at the save after it
+        # arrived) returns (``preempted``) only once each node's files of it are committed in the other
+        # node's replica directory.
+        for g in range(2):
+            said = json.loads((out2 / f"sigterm.{g}.json").read_text())
+            assert said["step"] == 5 and said["preempted"] and said["replica_committed"], said
+            assert said["status"]["latest_peer"] == 5, said["status"]
+        # The save's log line gives each level once known: step 2's peer level by step 3's save,
+        # step 5's by close().
+        for step, said in ((2, saving[0]), (5, logs[0])):
+            assert re.search(rf"shardckpt: step {step}: local \d+\.\d s, peer \d+\.\d s$", said, re.M), said[-3000:]
+        # Node 1 replaced by one with an empty disk, at the same world size: its files of step 5 come
+        # from node 0's replica over the peer endpoint (no remote is configured), bitwise.
+        assert "fetched from the replica on" in logs[1], logs[1][-3000:]
+        for r in range(4):
+            o = json.loads((out2 / f"replaced.{r}.json").read_text())
+            assert o["restored"] == 5 and o["plan"]["saved_world_size"] == 4, o
+        assert_bitwise(out2 / "saved2.pt", out2 / "restored2.pt")
+        assert layout.committed_steps(str(base / "node1")) == [5]
     finally:
         _kill_daemons(base)
 
@@ -302,3 +334,71 @@ def test_a_corrupt_replica_file_falls_through_to_the_remote_for_that_file_only(s
     assert "replaced 1 file(s)" in said and "(__0_0.distcp)" in said, said
     layout.verify_files(str(mine), manifest)  # the holder's step now holds the remote's good copy
     assert os.stat(mine / layout.METADATA_NAME).st_ino == metadata_inode  # the other file was not fetched
+
+
+def test_a_replacement_node_takes_its_replica_from_a_good_holder_of_the_same_version(endpoint, tmp_path):
+    """fetch_own_replica: each file is checked against the manifest (a rotten replica gives way to the
+    next holder); a replica is not brought back when a peer's own copy of that step is another save."""
+    owner, holder, addr = endpoint
+    step_dir = owner / layout.step_dirname(1)
+    manifest = layout.read_manifest(str(step_dir))
+    names = layout.copy_files(str(step_dir), manifest)[0]
+    second = tmp_path / "second"
+    second.mkdir()
+    peer.write_secret(str(second), SECRET.decode())
+    server = peer.serve(peer.PeerService(str(second), "second:0"), "127.0.0.1")
+    try:
+        clients = [("holder:0", peer.PeerClient(addr, SECRET)),
+                   ("second:0", peer.PeerClient(f"127.0.0.1:{server.server_address[1]}", SECRET))]
+        for _name, client in clients:
+            client.put_replica("owner:0", str(step_dir), manifest, names)
+        big = max(names, key=lambda n: manifest.files[n].size)
+        rotten = holder / peer.REPLICAS_DIR / "owner_0" / layout.step_dirname(1) / big
+        data = bytearray(rotten.read_bytes())
+        data[len(data) // 2] ^= 1
+        rotten.write_bytes(bytes(data))
+        # The holder's local retention keeps its own copy of the step it holds an owner's newest replica of.
+        from shardckpt.node.peer_tier import PeerTier
+
+        tier = PeerTier(shardckpt.CheckpointConfig(local_dir=str(holder)), str(holder), registered=True)
+        assert not tier.protects(1)  # the tier is off
+        tier.replicas = 1
+        assert tier.protects(1) and not tier.protects(2)
+        fresh = tmp_path / "replacement"
+        fresh.mkdir()
+        assert peer.fetch_own_replica(str(fresh), "owner:0", clients) == (1, ["holder:0", "second:0"])
+        layout.verify_files(str(fresh / layout.step_dirname(1)), layout.read_manifest(str(fresh / layout.step_dirname(1))), names)
+        assert [p.name for p in fresh.iterdir()] == [layout.step_dirname(1)]  # no partial directory left
+        # The second holder's own step 1 is another save of that number: the replica is not taken.
+        with shardckpt.Checkpointer(local_dir=str(second), preemption_signals=()) as ckpt:
+            ckpt.save({"model": nn.Linear(16, 8)}, 1)
+        other = tmp_path / "replacement2"
+        other.mkdir()
+        assert peer.fetch_own_replica(str(other), "owner:0", clients) is None
+        assert layout.committed_steps(str(other)) == []
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_daemon_retries_at_once_when_the_job_comes_back_with_new_addresses(endpoint):
+    """A holder that died leaves its owner's daemon backing off; the restarted job's peers.json (the
+    holder's new address) ends the backoff: the next look replicates."""
+    from shardckpt.node.node_registry import state_dir
+
+    owner, holder, addr = endpoint
+    peer.write_secret(str(owner), SECRET.decode())
+    daemon = peer.PeerDaemon(str(owner), "owner:0", "127.0.0.1")
+
+    def peers(holder_addr):
+        nodes = [{"node": "owner:0", "addr": "127.0.0.1:1", "domain": None},
+                 {"node": "holder:0", "addr": holder_addr, "domain": None}]
+        layout.atomic_write_text(os.path.join(state_dir(str(owner)), peer.PEERS_NAME),
+                                 json.dumps({"nodes": nodes, "replicas": 1, "keep_last": 2}))
+
+    peers("127.0.0.1:1")  # nobody listens there
+    assert daemon.tick() and daemon.tick()  # failed, then waiting out its backoff
+    assert daemon._retry_at > time.monotonic() and 1 not in daemon.sent
+    peers(addr)
+    assert not daemon.tick() and daemon.sent[1].holders == ["holder:0"]
+    assert layout.committed_steps(str(holder / peer.REPLICAS_DIR / "owner_0")) == [1]

@@ -492,7 +492,10 @@ def test_upload_check_refuses_an_object_recorded_with_another_checksum(s3):
 # ---------------------------------------------------------------- file:// and the CLI
 
 
-def test_file_remote_auto_uploader_and_cli_pull_push(tmp_path):
+def test_file_remote_auto_uploader_and_cli_pull_push(tmp_path, caplog):
+    import re
+
+    caplog.set_level("INFO", logger="shardckpt")
     local_dir = tmp_path / "local"
     mount = tmp_path / "nfs"
     url = f"file://{mount}"
@@ -505,6 +508,9 @@ def test_file_remote_auto_uploader_and_cli_pull_push(tmp_path):
     ckpt.close()
     st = ckpt.status()
     assert st["pending_upload_steps"] == [] and st["latest_remote"] == 2, st
+    # The save's durability levels, the remote one logged once known (here by close()).
+    levels = re.search(r"shardckpt: step 2: local (\d+\.\d) s, remote (\d+\.\d) s$", caplog.text, re.M)
+    assert levels and float(levels[2]) >= float(levels[1]), caplog.text
     assert (mount / layout.step_dirname(2) / layout.MANIFEST_NAME).exists()
     wait_uploader_exit(local_dir)
 

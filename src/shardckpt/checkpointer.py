@@ -50,6 +50,7 @@ from shardckpt.options import CheckpointConfig, OnRemoteUnavailable, SaveMode, U
 from shardckpt.saving.policy import SavePolicy
 from shardckpt.restoring.restorer import Restorer
 from shardckpt.saving.stage import CopyFence, HostStager, split_bytes
+from shardckpt.saving.durability import DurabilityLog
 from shardckpt.node.peer_tier import PeerTier
 from shardckpt.node.uploader_client import UploaderClient
 
@@ -143,13 +144,16 @@ class Checkpointer:
             if self._uploads.active:
                 self._writer.file_done = self._file_done
         self._peer = PeerTier(self.config, self.root, registered=self._uploads is not None and self._uploads.active)
+        self._durability = DurabilityLog(self.root, peer_on=lambda: self._peer.on,
+                                         remote=self._uploads is not None and self._uploads.active)
         self._policy.install_signal_handlers()
 
     # ---------------------------------------------------------------- public
 
     @property
     def preempted(self) -> bool:
-        """True once a preemption signal arrived and the save it triggered committed."""
+        """True once a preemption signal arrived and the save it triggered committed (with the peer tier
+        on: and this node's files of it are on the other nodes, or the notice, ``drain_timeout_s``, ran out)."""
         return self._preempted
 
     @property
@@ -257,20 +261,26 @@ class Checkpointer:
         self._policy.record_blocked(blocked)
         future = self._executor.submit(self._writer.write_and_commit, job)
         future.started_at = t_start  # type: ignore[attr-defined]
+        future.step = step  # type: ignore[attr-defined]
+        future.started_wall = time.time() - (time.monotonic() - t_start)  # type: ignore[attr-defined]
         future.add_done_callback(self._record_outcome)
         handle = SaveHandle(step, future)
         self._pending = handle
+        if _dist.rank() == 0:
+            self._durability.report()  # the earlier saves' levels learned since (while this one writes)
         if decision.preempt or self.config.mode == SaveMode.SYNC:
             try:
                 handle.wait()
             finally:
                 self._pending = None
             if decision.preempt:
+                peer_s = self._peer.wait_durable(step, self._policy.notice_left()) if self._peer.on else None
                 self._preempted = True
                 (log.warning if _dist.rank() == 0 else log.debug)(
-                    "shardckpt: preemption (signal %s): step %d committed; exit the training loop now",
+                    "shardckpt: preemption (signal %s): step %d committed%s; exit the training loop now",
                     self._policy.signal,
                     step,
+                    "" if peer_s is None else f" and peer-durable ({peer_s:.1f} s later)",
                 )
         return handle
 
@@ -329,6 +339,7 @@ class Checkpointer:
         self._check_open()
         self.wait()
         self._ensure_ready()
+        self._peer.fetch_own(self._groups)
         restored = self._restorer.load(state, step, strict=strict, trust_pickles=trust_pickles, elastic=elastic)
         # When this run took its history over (rank 0's clock, the same in every rank's manifests):
         # a remote save of a step created before then is an orphan of an earlier run that this one
@@ -430,6 +441,8 @@ class Checkpointer:
             finally:
                 try:
                     self._peer.close(None if timeout is None else max(0.0, timeout - (time.monotonic() - t0)))
+                    if _dist.rank() == 0:
+                        self._durability.report(final=True)
                 finally:
                     self._restorer.close()
 
@@ -665,12 +678,19 @@ class Checkpointer:
         exc = future.exception()
         if exc is None:
             self._policy.record_committed(time.monotonic() - getattr(future, "started_at", time.monotonic()))
+            self._durability_committed(future)
             if self._uploads is not None:
                 self._uploads.kick()
             return
         self._last_error = f"{type(exc).__name__}: {exc}"
         if _dist.rank() == 0:
             log.error("shardckpt: %s (raised by the next save() that saves, wait() or close())", exc)
+
+    def _durability_committed(self, future: concurrent.futures.Future) -> None:
+        """Rank 0 follows the peer and remote levels of the step just committed (``durability.py``)."""
+        if _dist.rank() == 0 and (self._peer.on or self._durability.remote) and hasattr(future, "step"):
+            started = getattr(future, "started_at", time.monotonic())
+            self._durability.committed(future.step, future.started_wall, time.monotonic() - started)
 
     def _wait_previous(self, step: int) -> None:
         """Wait for the save in flight; re-raise its failure (on every rank alike: the outcome was exchanged)."""
@@ -697,7 +717,10 @@ class Checkpointer:
 
     def _deletable(self, step: int) -> bool:
         """Local retention guard: with uploads on, only steps already committed remotely go,
-        unless the disk is about to fill (then loudly, naming the step)."""
+        unless the disk is about to fill (then loudly, naming the step). With the peer tier on, a
+        step this node holds another node's newest replica of stays too (``PeerTier.protects``)."""
+        if self._peer.protects(step):
+            return False
         if self.config.remote is None or self.config.uploader == UploaderMode.OFF:
             return True
         step_dir = os.path.join(self.root, layout.step_dirname(step))

@@ -353,6 +353,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
         tier.close()
 
 
+def _latest_peer(root: str, steps: list[int]) -> int | None:
+    """The newest local step whose files this node's peer daemon replicated (the same save)."""
+    from shardckpt.tiers import peer
+
+    return next((s for s in reversed(steps) if peer.replicated(root, s)), None)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from shardckpt.node import node_registry
     from shardckpt.tiers import peer, remote_commit
@@ -384,12 +391,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         "last_error_time": info.get("last_error_time"),
         "peer": peer.node_status(root),
     }
+    body["latest_peer"] = _latest_peer(root, steps)
     if args.json:
         _print_json(body)
         return OK if url else BAD
     if not url:
-        print(f"{root}: {len(steps)} committed step(s), newest {body['latest_local']}; no uploader has run here "
-              f"(no remote configured, or it never started)")
+        print(f"{root}: {len(steps)} committed step(s), newest {body['latest_local']}"
+              + (f" (peer-durable: {body['latest_peer']})" if body["peer"] else "")
+              + "; no uploader has run here (no remote configured, or it never started)")
         if body["peer"]:
             print(peer.status_line(body["peer"]))
         return BAD
@@ -397,7 +406,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     pid = f" (pid {running})" if running else ""
     print(f"{root} -> {url}")
     print(f"  uploader: {state}{pid}; last update {_when(info['updated']) + ' UTC' if info.get('updated') else 'never'}")
-    print(f"  newest step: local {body['latest_local']}, remote {latest_remote}"
+    print(f"  newest step: local {body['latest_local']}"
+          + (f", peer {body['latest_peer']}" if body["peer"] else "") + f", remote {latest_remote}"
           + (f" (lag {body['lag_steps']} steps)" if body["lag_steps"] else ""))
     print(f"  pending: {pending or 'nothing'}" + (f" ({fmt_bytes(body['pending_bytes'])})" if pending else ""))
     if body["peer"]:

@@ -1,7 +1,7 @@
 """The peer tier under torchrun: K launchers make K "nodes" with node-local directories DIR/node<g>.
 
 usage: peer_job.py save    DIR OUT [--steps N] [--kill]
-       peer_job.py restore DIR OUT
+       peer_job.py restore DIR OUT [--then-replace]
 
 save:    N saves of an FSDP2 model (peer tier on by default: >= 2 nodes, node-local
          directories); step N-1 is waited for until it is peer-durable, each rank
@@ -12,12 +12,21 @@ save:    N saves of an FSDP2 model (peer tier on by default: >= 2 nodes, node-lo
          resumes it once every trainer is dead.
 restore: load the newest step (world size and nodes may differ from the save);
          rank 0 writes OUT/restored.pt; every rank records the elastic plan.
+         With --then-replace (2 nodes): one more step, saved after a SIGTERM (the
+         emergency save); when ``preempted`` turns true each node's local rank 0
+         records whether its files of that step are committed in the other
+         node's replica directory (OUT/sigterm.<node>.json). Rank 0 writes the
+         state of that step to OUT/saved2.pt. Then node 1 is replaced: its daemon
+         ends, its local_dir is deleted, and a new Checkpointer on every rank loads
+         the newest step at the same world size (rank 0 writes OUT/restored2.pt,
+         every rank OUT/replaced.<rank>.json).
 """
 
 import argparse
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import time
 
@@ -35,14 +44,18 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--kill", action="store_true")
+    parser.add_argument("--then-replace", action="store_true")
     args = parser.parse_args()
     rank, world = common.init()
     local_dir = os.path.join(args.dir, f"node{os.environ['GROUP_RANK']}")
     model, optim = build()
     state = {"model": model, "optimizer": optim, "extra": {"rank_count": world}}
     gen = torch.Generator().manual_seed(100 + rank)
-    ckpt = shardckpt.Checkpointer(local_dir=local_dir, keep_last=2, preemption_signals=(), micro_batch_size=2,
-                                  grad_accum_steps=2, mode="sync")
+    def checkpointer(**kw):
+        return shardckpt.Checkpointer(local_dir=local_dir, keep_last=2, micro_batch_size=2, grad_accum_steps=2,
+                                      mode="sync", **kw)
+
+    ckpt = checkpointer(preemption_signals=() if not args.then_replace else (signal.SIGTERM,))
     outcome = {}
     if args.mode == "save":
         for step in range(1, args.steps + 1):
@@ -71,12 +84,50 @@ def main() -> None:
     else:
         outcome["restored"] = ckpt.load(state)
         outcome["plan"] = dataclasses.asdict(ckpt.last_plan)
-        ckpt.close()
+        if not args.then_replace:
+            ckpt.close()
         tensors = full_state(model, optim)
         if rank == 0:
             torch.save({"step": outcome["restored"], "tensors": tensors}, os.path.join(args.out, "restored.pt"))
         common.write_json(os.path.join(args.out, f"outcome.{rank}.json"), outcome)
+        if args.then_replace:
+            sigterm_then_replace(args, ckpt, checkpointer, state, model, optim, gen, outcome["restored"], local_dir)
     common.finish()
+
+
+def sigterm_then_replace(args, ckpt, checkpointer, state, model, optim, gen, step, local_dir) -> None:
+    rank, node = torch.distributed.get_rank(), int(os.environ["GROUP_RANK"])
+    other = os.path.join(args.dir, f"node{1 - node}", ".shardckpt-replicas")
+    os.kill(os.getpid(), signal.SIGTERM)  # the handler only sets a flag; the ranks agree on it at the next save
+    while not ckpt.preempted and step < 10:  # the save the ranks agreed on is the emergency one
+        step += 1
+        train_step(model, optim, gen)
+        tensors = full_state(model, optim)
+        if rank == 0:
+            torch.save({"step": step, "tensors": tensors}, os.path.join(args.out, "saved2.pt"))
+        ckpt.save(state, step)
+    held = [os.path.join(other, o, f"step_{step:010d}", "shardckpt.json") for o in os.listdir(other)] \
+        if os.path.isdir(other) else []
+    if int(os.environ["LOCAL_RANK"]) == 0:
+        common.write_json(os.path.join(args.out, f"sigterm.{node}.json"), {
+            "step": step, "preempted": ckpt.preempted, "replica_committed": any(os.path.exists(p) for p in held),
+            "status": ckpt.status(),
+        })
+    ckpt.close()
+    torch.distributed.barrier()
+    if node == 1 and int(os.environ["LOCAL_RANK"]) == 0:  # node 1 is replaced: a new disk, a new daemon
+        with open(os.path.join(local_dir, ".shardckpt-remote", "peer.json")) as f:
+            os.kill(json.load(f)["pid"], signal.SIGKILL)
+        shutil.rmtree(local_dir)
+    torch.distributed.barrier()
+    train_step(model, optim, gen)  # the live state moves on: only the load brings the saved one back
+    fresh = checkpointer(preemption_signals=())
+    outcome = {"restored": fresh.load(state), "plan": dataclasses.asdict(fresh.last_plan)}
+    fresh.close()
+    tensors = full_state(model, optim)
+    if rank == 0:
+        torch.save({"step": outcome["restored"], "tensors": tensors}, os.path.join(args.out, "restored2.pt"))
+    common.write_json(os.path.join(args.out, f"replaced.{rank}.json"), outcome)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Deterministic training that checkpoints every step, for crash-consistency trials.
 
 usage: soak_train.py CKPT_DIR DIGESTS_OUT TOTAL_STEPS [--no-save] [--sleep S]
-                     [--remote URL [--remote-keep-last N]]
+                     [--remote URL [--remote-keep-last N]] [--node-local]
 
 Runs single-process or under torchrun (data parallel, gradients averaged in rank order). After every optimizer step rank 0
 appends ``step digest`` to DIGESTS_OUT, where the digest covers the model,
@@ -82,6 +82,8 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--remote", default=None, help="remote tier URL (file:///..., s3://...)")
     parser.add_argument("--remote-keep-last", type=int, default=2)
+    parser.add_argument("--node-local", action="store_true",
+                        help="each node (GROUP_RANK) its own directory CKPT_DIR/node<N>: the peer tier is on")
     args = parser.parse_args()
     distributed = "WORLD_SIZE" in os.environ
     rank, world = 0, 1
@@ -98,7 +100,8 @@ def main() -> None:
     remote = {} if args.remote is None else {
         "remote": args.remote, "uploader": "auto", "remote_keep_last": args.remote_keep_last,
     }
-    ckpt = None if args.no_save else shardckpt.Checkpointer(local_dir=args.ckpt_dir, keep_last=3, **remote)
+    local_dir = os.path.join(args.ckpt_dir, f"node{os.environ.get('GROUP_RANK', '0')}") if args.node_local else args.ckpt_dir
+    ckpt = None if args.no_save else shardckpt.Checkpointer(local_dir=local_dir, keep_last=3, **remote)
     step = (ckpt.load(state) if ckpt else None) or 0
     out = open(args.digests, "a") if rank == 0 else None
     it = iter(sampler)

@@ -59,6 +59,7 @@ class PeerTier:
         """Replicas per step once :meth:`launch` decided (0: the tier is off)."""
         self.nodes: list[dict[str, Any]] = []
         self.committer = False
+        self.secret: bytes | None = None
         self._registered = registered
         self._trainer_file: str | None = None
 
@@ -87,6 +88,7 @@ class PeerTier:
         if not wanted:
             return
         secret = groups.broadcast_ctl(secrets.token_hex(32) if _dist.rank() == 0 else None)
+        self.secret = secret.encode("ascii")
         self.committer = topology.committer
         entry: dict[str, Any] | None = None
         error: str | None = None
@@ -131,6 +133,31 @@ class PeerTier:
                 )
         return {"node": node, "addr": info["addr"], "domain": domain}
 
+    def fetch_own(self, groups: _dist.SideGroups) -> None:
+        """Before a load's survey (collective over ``ctl``): a node whose directory lacks the newest step
+        that a peer holds a replica of its files of brings them back over the peer endpoint first (a
+        replacement node with an empty disk); the survey then finds the step complete on every node."""
+        if not self.on:
+            return
+        result: tuple[int, list[str]] | None = None
+        error: str | None = None
+        if self.committer:
+            me = _dist.node_id()
+            clients = [(n["node"], peer.PeerClient(n["addr"], self.secret or b"")) for n in self.nodes if n["node"] != me]
+            try:
+                result = peer.fetch_own_replica(self.root, me, clients)
+            except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange below
+                error = f"node {me}: {type(exc).__name__}: {exc}"
+        gathered = groups.all_gather_ctl((result, error))
+        if _dist.rank() == 0:
+            for fetched, err in gathered:
+                if err:
+                    log.warning("shardckpt: bringing back a node's files from its peers failed: %s", err)
+            done = [f for f, _e in gathered if f]
+            if done:
+                log.info("shardckpt: %d node(s) brought back their files of step(s) %s from peer replicas",
+                         len(done), sorted({f[0] for f in done}))
+
     def daemon_info(self) -> dict[str, Any] | None:
         """The running daemon's status (address, what it replicated), ``None`` when none runs."""
         info = read_json(os.path.join(state_dir(self.root), peer.STATUS_NAME))
@@ -143,15 +170,35 @@ class PeerTier:
 
     def durable(self, step: int) -> list[str]:
         """The nodes holding this node's files of ``step`` (of the version committed here now)."""
-        info = read_json(os.path.join(state_dir(self.root), peer.STATUS_NAME))
-        sent = (info.get("replicated") or {}).get(str(step))
-        try:
-            manifest = layout.read_manifest(os.path.join(self.root, layout.step_dirname(step)))
-        except Exception:  # noqa: BLE001 - an unreadable step is not durable anywhere
-            return []
-        if not sent or manifest is None or sent.get("version") != layout.version_of(manifest):
-            return []
-        return list(sent.get("holders") or [])
+        sent = peer.replicated(self.root, step)
+        return list(sent.get("holders") or []) if sent else []
+
+    def wait_durable(self, step: int, limit: float) -> float | None:
+        """Wait at most ``limit`` seconds until this node's files of ``step`` are on ``replicas`` other nodes.
+
+        Returns the seconds waited once they are, ``None`` when the tier is off, the
+        limit passed or the daemon is not running (a warning names the step and the daemon's log).
+        """
+        if not self.on:
+            return None
+        t0 = time.monotonic()
+        while len(self.durable(step)) < self.replicas:
+            if time.monotonic() - t0 >= limit or self.daemon_info() is None:
+                info = read_json(os.path.join(state_dir(self.root), peer.STATUS_NAME))
+                log.warning("shardckpt: step %d of %s is not replicated to %d other node(s) after %.1f s (the peer "
+                            "daemon %s; last error: %s; its log: %s)", step, self.root, self.replicas,
+                            time.monotonic() - t0, "is running" if self.daemon_info() else "is not running",
+                            info.get("last_error"), os.path.join(state_dir(self.root), "peer.log"))
+                return None
+            time.sleep(0.05)
+        return time.monotonic() - t0
+
+    def protects(self, step: int) -> bool:
+        """Local retention keeps ``step`` while it is the newest replica this node holds of another node:
+        when that node is lost, its replica needs this node's own files of the same step beside it."""
+        if not self.on:
+            return False
+        return any(held and max(held) == step for held in peer.committed_replicas(self.root).values())
 
     def status(self) -> dict[str, Any]:
         """The ``Checkpointer.status()`` fields of the peer tier."""

@@ -61,6 +61,8 @@ class SavePolicy:
         self.last_saved_step: int | None = None
         self.signal: int | None = None
         """The preemption signal received, if any (set by the handler)."""
+        self.signal_at: float | None = None
+        """``time.monotonic()`` when it arrived: the notice runs from then."""
         self._preempt_decided = False
         self._signal_reported = False
         self._previous_handlers: dict[int, Any] = {}
@@ -189,11 +191,17 @@ class SavePolicy:
             # Only a flag: logging takes locks, which a handler interrupting
             # the logging module itself would deadlock on. report_signal() logs.
             if self.signal is None:
+                self.signal_at = time.monotonic()
                 self.signal = signum
             if callable(previous):
                 previous(signum, frame)
 
         return handler
+
+    def notice_left(self) -> float:
+        """Seconds left of the preemption notice (``drain_timeout_s`` from the signal)."""
+        since = 0.0 if self.signal_at is None else time.monotonic() - self.signal_at
+        return max(0.0, self.config.drain_timeout_s - since)
 
     def report_signal(self) -> None:
         """Log, once, that a preemption signal arrived (called from ``save()``, not the handler)."""

@@ -158,7 +158,16 @@ class LocalTier(Tier):
         step_dirs.delete_step(self.root, step)
 
     def tiers(self, step: int, manifest: layout.Manifest) -> list[str]:
-        """``local``, plus ``remote`` once the uploader marked it committed there."""
+        """``local``, ``peer`` once this node's peer daemon replicated it, ``remote`` once the uploader
+        marked it committed there."""
+        from shardckpt.tiers import peer
+
+        found = self._local_remote(step, manifest)
+        if peer.replicated(self.root, step, manifest):
+            found.insert(1, "peer")
+        return found
+
+    def _local_remote(self, step: int, manifest: layout.Manifest) -> list[str]:
         try:
             with open(os.path.join(self.step_where(step), remote_commit.UPLOADED_NAME), encoding="utf-8") as f:
                 mark = json.load(f)

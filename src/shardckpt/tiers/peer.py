@@ -26,8 +26,10 @@ step number are told apart by the manifest's version
 Every request is authenticated with the job's secret (created by rank 0 at
 the first save or load, handed to the daemon in a 0600 file): the header
 ``X-Shardckpt-Auth: <unix time>:<HMAC-SHA256(secret, method, path, body
-SHA-256, time)>``; the body's SHA-256 is sent in ``X-Shardckpt-Body-Sha256``
-and checked before a received file is kept. Files the daemon and the trainer
+digest, time)>``; the body digest is sent in ``X-Shardckpt-Body-Sha256``: the
+body's SHA-256, or for a replica file ``manifest:<its checksum in the
+replica's manifest>`` (that manifest came in a signed request, and the file is
+kept only when its bytes match it). Files the daemon and the trainer
 share, in ``<local_dir>/.shardckpt-remote/``: ``peer.secret`` (0600),
 ``peers.json`` (the job's nodes, written by the trainer), ``peer.json``
 (the daemon's address and what it replicated), ``peer.lock``, ``peer.log``.
@@ -75,6 +77,8 @@ MAX_SMALL_BODY = 16 << 20
 """Largest manifest or commit body accepted."""
 CHUNK = 1 << 20
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+MANIFEST_DIGEST = "manifest:"
+"""Prefix of a body digest that names the file's checksum in the replica's manifest (:func:`manifest_digest`)."""
 _TAG_RE = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 
 
@@ -206,6 +210,16 @@ def auth_headers(secret: bytes, method: str, path: str, body_sha256: str = EMPTY
     return {AUTH_HEADER: f"{when}:{sign(secret, method, path, body_sha256, when)}", BODY_HEADER: body_sha256}
 
 
+def manifest_digest(entry: layout.FileEntry) -> str:
+    """The body binding of a replica file's PUT: the owner's checksum of it, as its (signed) manifest says.
+
+    The manifest arrived in the signed ``begin`` request (bound by the SHA-256 of
+    its text), and the holder keeps a file only when its bytes match that
+    checksum: no SHA-256 pass over the file on either side (README, "Peer tier").
+    """
+    return MANIFEST_DIGEST + entry.checksum
+
+
 def placement(nodes: list[dict[str, Any]], owner: str, count: int) -> list[dict[str, Any]]:
     """The nodes that hold ``owner``'s replicas: the next ``count`` on the ring, other failure domains first.
 
@@ -282,6 +296,13 @@ class PeerClient:
         self._ok("GET", path, status, body, (200, 206))
         return body
 
+    def held_files(self, step: int, *, owner: str | None = None) -> list[str]:
+        """The manifest files the peer holds of a committed step (its copy, or its replica of ``owner``)."""
+        path = self.file_path(step, "", owner)
+        status, _h, body = self._request("GET", path)
+        self._ok("GET", path, status, body)
+        return list(json.loads(body)["files"])
+
     def get_file(self, step: int, name: str, dest: str, entry: layout.FileEntry, *, owner: str | None = None) -> None:
         """Download a committed step's file to ``dest``, checked against ``entry`` on the way (tmp + rename).
 
@@ -336,22 +357,19 @@ class PeerClient:
         for name in names:
             if name in have:
                 continue
-            sent += self._put_file(f"{base}/f/{urllib.parse.quote(name, safe='')}", os.path.join(step_dir, name), throttle)
+            sent += self._put_file(f"{base}/f/{urllib.parse.quote(name, safe='')}", os.path.join(step_dir, name), throttle,
+                                   manifest_digest(manifest.files[name]))
         commit = json.dumps({"files": sorted(names)}).encode()
         status, _h, body = self._request("POST", base + "/commit", commit)
         self._ok("POST", base + "/commit", status, body)
         return sent
 
-    def _put_file(self, path: str, local: str, throttle: "_Throttle") -> int:
-        digest = hashlib.sha256()
-        with open(local, "rb") as f:
-            while chunk := f.read(CHUNK):
-                digest.update(chunk)
+    def _put_file(self, path: str, local: str, throttle: "_Throttle", digest: str) -> int:
         size = os.path.getsize(local)
         conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
         try:
             conn.putrequest("PUT", path)
-            for k, v in {**auth_headers(self.secret, "PUT", path, digest.hexdigest()),
+            for k, v in {**auth_headers(self.secret, "PUT", path, digest),
                          "Content-Length": str(size)}.items():
                 conn.putheader(k, v)
             conn.endheaders()
@@ -384,6 +402,80 @@ class _Throttle:
         ahead = self.sent / self.rate - (time.monotonic() - self.t0)
         if ahead > 0:
             time.sleep(ahead)
+
+
+def fetch_own_replica(root: str, node: str, peers: list[tuple[str, PeerClient]]) -> tuple[int, list[str]] | None:
+    """Bring back this node's files of its newest step from a peer holding its replica (a replacement node).
+
+    The peers' listings say which steps they hold of ``node`` (by version) and
+    which versions of each step they hold themselves. The step taken is the
+    newest replica of ``node`` that is newer than every step committed in
+    ``root`` and that no peer holds another version of (a replica of an
+    earlier save of that number is never brought back). Its manifest and
+    files are read from the holder (each file checked against the manifest on
+    the way) into a partial directory of ``root``, committed by renaming the
+    manifest into place last, then the directory; a holder that fails gives
+    way to the next. Returns ``(step, [holder nodes tried])`` or ``None``
+    when nothing is to be fetched.
+    """
+    mine = owner_dirname(node)
+    offers: dict[int, dict[str, list[tuple[str, PeerClient]]]] = {}
+    held: dict[int, set[str]] = {}
+    for name, client in peers:
+        try:
+            listing = client.list_steps()
+        except PeerError as exc:
+            log.warning("shardckpt: node %s cannot list the steps of peer %s: %s", node, name, exc)
+            continue
+        for s, version in (listing.get("local") or {}).items():
+            held.setdefault(int(s), set()).add(version)
+        for s, version in ((listing.get("replicas") or {}).get(mine) or {}).items():
+            offers.setdefault(int(s), {}).setdefault(version, []).append((name, client))
+    newest_here = max(layout.committed_steps(root), default=-1)
+    for step in sorted((s for s in offers if s > newest_here), reverse=True):
+        if len(offers[step]) != 1 or not held.get(step, set()) <= set(offers[step]):
+            continue  # two saves of this number among the replicas, or a peer's own step is another save
+        tried = []
+        version, holders = next(iter(offers[step].items()))
+        for holder, client in holders:
+            tried.append(holder)
+            try:
+                _fetch_step(root, step, node, client, version)
+                return step, tried
+            except (PeerError, CorruptCheckpointError, OSError) as exc:
+                log.warning("shardckpt: node %s: step %d from the replica on node %s failed, trying the next "
+                            "holder: %s", node, step, holder, exc)
+        return None
+    return None
+
+
+def _fetch_step(root: str, step: int, node: str, client: PeerClient, version: str) -> None:
+    text = client.get(step, layout.MANIFEST_NAME, owner=node).decode("utf-8", errors="replace")
+    manifest = layout.Manifest.from_json(text, f"the replica of node {node} step {step} on {client.addr}")
+    if manifest.step != step or layout.version_of(manifest) != version:
+        raise CorruptCheckpointError(f"the replica of step {step} on {client.addr} is no longer the save it listed "
+                                     f"({version}); not used")
+    final = os.path.join(root, layout.step_dirname(step))
+    partial = os.path.join(root, layout.partial_dirname(step, f"peer{uuid.uuid4().hex[:8]}"))
+    os.makedirs(partial)
+    try:
+        names = client.held_files(step, owner=node)
+        unknown = [n for n in names if n not in manifest.files or "/" in n]
+        if unknown:
+            raise CorruptCheckpointError(f"the replica of step {step} on {client.addr} holds files its manifest "
+                                         f"does not name: {unknown[:3]}")
+        for name in names:
+            client.get_file(step, name, os.path.join(partial, name), manifest.files[name], owner=node)
+        layout.atomic_write_text(os.path.join(partial, layout.MANIFEST_NAME), text)
+        layout.fsync_dir(partial)
+        if os.path.lexists(final):
+            raise OSError(f"{final} appeared while step {step} was fetched from {client.addr}; not replaced")
+        os.rename(partial, final)
+        layout.fsync_dir(root)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    log.info("shardckpt: node %s: step %d (%d file(s)) fetched from the replica on %s", node, step, len(names),
+             client.addr)
 
 
 # ------------------------------------------------------------ server
@@ -501,6 +593,14 @@ class PeerService:
             raise _Refused(400, f"owner {name!r} is not a node name")
         return name
 
+    def held_files(self, step_dir: str) -> list[str]:
+        """The files of a committed step's manifest present (as plain files) in its directory."""
+        manifest = _manifest_or_none(step_dir)
+        if manifest is None:
+            raise _Refused(404, "no committed step there")
+        return sorted(n for n in manifest.files if os.path.isfile(os.path.join(step_dir, n))
+                      and not os.path.islink(os.path.join(step_dir, n)))
+
     def open_file(self, step_dir: str, name: str) -> tuple[int, int]:
         """A committed step's file, named in its manifest: (fd, size)."""
         try:
@@ -558,9 +658,12 @@ class PeerService:
             raise _Refused(404, f"{name} is not a file of step {step}")
         if length != entry.size:
             raise _Refused(413, f"{name} is {entry.size} bytes in the manifest, the request sends {length}")
+        bound = digest.startswith(MANIFEST_DIGEST)  # signed as the manifest's checksum of the file
+        if bound and not _same(manifest_digest(entry), digest):
+            raise _Refused(401, f"{name}: the request is signed for another checksum than the manifest's")
         tmp = os.path.join(partial, f".recv-{uuid.uuid4().hex[:8]}")
         checksum = layout.Checksum.like(entry.checksum)
-        body = hashlib.sha256()
+        body = None if bound else hashlib.sha256()
         try:
             with open(tmp, "xb") as f:
                 left = length
@@ -570,11 +673,12 @@ class PeerService:
                         raise _Refused(400, f"{name}: the body ended {left} bytes early")
                     left -= len(chunk)
                     checksum.update(chunk)
-                    body.update(chunk)
+                    if body is not None:
+                        body.update(chunk)
                     f.write(chunk)
                 f.flush()
                 os.fsync(f.fileno())
-            if not _same(body.hexdigest(), digest):
+            if body is not None and not _same(body.hexdigest(), digest):
                 raise _Refused(401, f"{name}: the body is not the one signed")
             if checksum.value() != entry.checksum:
                 raise _Refused(422, f"{name} fails its {entry.checksum.split(':')[0]} checksum; not kept")
@@ -728,6 +832,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         step_dir, rest = self.service.step_dir_of(parts)
         if len(rest) != 1:
             raise _Refused(404, "no such resource")
+        if rest == [""]:
+            self._reply(200, json.dumps({"files": self.service.held_files(step_dir)}).encode())
+            return
         fd, size = self.service.open_file(step_dir, rest[0])
         try:
             self._send_range(fd, size)
@@ -837,6 +944,7 @@ class PeerDaemon:
         self.sent_bytes = 0
         self._retry_at = 0.0
         self._failures = 0
+        self._nodes_seen: str | None = None
         self._stop = threading.Event()
         self._lock_fd: int | None = None
         self._server: _Server | None = None
@@ -902,6 +1010,9 @@ class PeerDaemon:
         self.service.keep_last = keep if isinstance(keep, int) and keep > 0 else None
         count = int(config.get("replicas") or 0)
         nodes = config.get("nodes") or []
+        seen = json.dumps(nodes, sort_keys=True)
+        if seen != self._nodes_seen:  # a restarted job (new addresses): retry at once, not after the backoff
+            self._nodes_seen, self._retry_at, self._failures = seen, 0.0, 0
         secret = self.service.secret()
         holders = placement(nodes, self.node, count)
         steps = layout.committed_steps(self.root)
@@ -957,6 +1068,18 @@ class PeerDaemon:
             layout.atomic_write_text(path, json.dumps(body, indent=1))
         except OSError as exc:
             log.warning("shardckpt: cannot write the peer status under %s: %s", self.root, exc)
+
+
+def replicated(root: str, step: int, manifest: layout.Manifest | None = None) -> dict[str, Any] | None:
+    """What this node's daemon recorded of sending its files of ``step``, for the version committed
+    here (``{"holders", "time", "seconds"}``); ``None`` when not replicated (or another save was)."""
+    info = read_json(os.path.join(state_dir(root), STATUS_NAME))
+    sent = (info.get("replicated") or {}).get(str(step))
+    if manifest is None:
+        manifest = _manifest_or_none(os.path.join(root, layout.step_dirname(step)))
+    if not sent or manifest is None or sent.get("version") != layout.version_of(manifest):
+        return None
+    return sent
 
 
 def node_status(root: str) -> dict[str, Any] | None:
