@@ -623,7 +623,7 @@ class Restorer:
         """
         topo = self.topology
         empty = all(step not in survey.missing[r] and step not in survey.stale[r] for r in topo.copy)
-        result: tuple[str | None, tuple[str, str] | None] = (None, None)
+        result: tuple[str | None, tuple[str, str] | None, bool] = (None, None, False)
         sparse = None
         if empty and topo.committer:
             try:
