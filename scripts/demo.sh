@@ -85,6 +85,42 @@ grep -q "resuming from step" "$RUN/node-b.log" && grep -q "world size 2 -> 1" "$
     && grep -q "finished 60 steps" "$RUN/node-b.log"
 STEP=$(grep -o "resuming from step [0-9]*" "$RUN/node-b.log" | grep -o "[0-9]*$")
 
-echo "== 5. done"
 if [ -n "$SERVER" ]; then kill "$SERVER" 2>/dev/null || true; fi
-echo "== demo OK: 2 ranks preempted at step $STEP, node lost, 1 rank resumed from $REMOTE and finished 60 steps; everything in $RUN/"
+
+echo "== 5. the peer tier, no remote: 2 nodes (two torchrun launchers, node-local directories) train 10 steps;"
+echo "      each node's files of a step are replicated to the other node"
+PEER="$RUN/peer"
+mkdir -p "$PEER"
+BUCKET_REMOTE=$REMOTE
+unset REMOTE SHARDCKPT_REMOTE
+PEER_TRAIN=(examples/train_ddp.py --steps 10 --every 5 --uploader off --digests "$PEER/digests.txt")
+RDZV_PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+launch_node() {  # NODE_RANK NNODES LOG ARGS...
+    local node=$1 nnodes=$2 log=$3
+    shift 3
+    "$PY" -m torch.distributed.run --nnodes="$nnodes" --node-rank="$node" --nproc-per-node=1 \
+        --rdzv-backend=static --master-addr=127.0.0.1 --master-port="$RDZV_PORT" --max-restarts=0 \
+        "$@" --ckpt-dir "$PEER/node$node/ckpt" > "$log" 2>&1
+}
+launch_node 1 2 "$PEER/node1.log" "${PEER_TRAIN[@]}" &
+NODE1=$!
+launch_node 0 2 "$PEER/node0.log" "${PEER_TRAIN[@]}"
+wait "$NODE1"
+show "$PEER/node0.log" | grep -E "train_ddp|peer tier:|peer [0-9.]+ s$"
+echo "   node 0 holds: $(cd "$PEER/node0/ckpt" && ls -d step_* .shardckpt-replicas/*/step_* | tr '\n' ' ')"
+
+echo "== 6. node 1 is lost with its disk; the job continues on node 0 alone (world size 2 -> 1)"
+rm -rf "$PEER/node1"
+RDZV_PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+launch_node 0 1 "$PEER/node0-alone.log" "${PEER_TRAIN[@]}" --steps 15
+show "$PEER/node0-alone.log" | grep -E "train_ddp|replicas of other nodes|restored step|elastic plan"
+PSTEP=$(grep -o "resuming from step [0-9]*" "$PEER/node0-alone.log" | grep -o "[0-9]*$")
+grep -q "world size 2 -> 1" "$PEER/node0-alone.log" && grep -q "finished 15 steps" "$PEER/node0-alone.log"
+SAVED=$(grep "^finished $PSTEP " "$PEER/digests.txt" | head -1 | cut -d' ' -f3-)
+RESUMED=$(grep "^resumed $PSTEP " "$PEER/digests.txt" | cut -d' ' -f3-)
+[ -n "$SAVED" ] && [ "$SAVED" = "$RESUMED" ]
+echo "   resumed step $PSTEP from node 0's files and node 1's replica on node 0, no remote;"
+echo "   model, optimizer, scheduler and data position bitwise those of the 2-node job at step $PSTEP"
+
+echo "== demo OK: 2 ranks preempted at step $STEP, node lost, 1 rank resumed from $BUCKET_REMOTE and finished 60 steps;"
+echo "   2 nodes without a remote, node 1 lost, node 0 resumed step $PSTEP from its peer replica; everything in $RUN/"

@@ -8,6 +8,12 @@ finishing. Checked by state: the training state the 1-rank instance resumed
 with is the one the 2-rank job had when it was preempted (a digest of model,
 optimizer, scheduler state and data position that the example writes), and the
 bucket holds that step and the final one.
+
+Then the peer tier, with no remote: two launchers (`--nnodes 2 --node-rank i`)
+with node-local directories train 10 steps; node 1's directory is deleted; node
+0 alone (world size 1) resumes from its own files and node 1's replica, with the
+elastic plan, and finishes. Checked by state as well: the digests at the resume
+are those the 2-node job recorded when it finished.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from helpers import ROOT, child_env  # noqa: E402
 from s3server import stop_uploaders  # noqa: E402
 
 
-def test_demo_script_preempts_on_two_ranks_and_resumes_from_the_bucket_on_one(tmp_path):
+def test_demo_script_preempts_on_two_ranks_and_resumes_from_the_bucket_on_one_then_from_a_peer(tmp_path):
     run, digests = tmp_path / "demo-run", tmp_path / "digests.txt"
     # This environment's interpreter (its venv, set up already: setup.sh only checks it).
     env = child_env(SHARDCKPT_VENV=sys.prefix, DEMO_RUN=str(run), TRAIN_DIGESTS=str(digests))
@@ -54,3 +60,13 @@ def test_demo_script_preempts_on_two_ranks_and_resumes_from_the_bucket_on_one(tm
                            env=env, capture_output=True, text=True, timeout=120)
     rows = json.loads(final.stdout)["steps"]
     assert rows[-1]["step"] == 60 and rows[-1]["world_size"] == 1 and "remote" in rows[-1]["tiers"], rows[-1]
+
+    # The peer scene: node 1 lost, node 0 alone resumed the 2-node job's last step from node 1's replica.
+    scene = out.split("== 6.")[1]
+    assert "using the replicas of other nodes' files" in scene and "world size 2 -> 1" in scene, scene
+    assert "elastic plan for step 10" in scene and "accumulation 1 -> 2" in scene, scene
+    assert not (run / "peer" / "node1").exists()
+    peer_events = [line.split() for line in (run / "peer" / "digests.txt").read_text().splitlines()]
+    assert [e[:2] for e in peer_events] == [["finished", "10"], ["resumed", "10"], ["finished", "15"]], peer_events
+    assert peer_events[1][2:] == peer_events[0][2:], peer_events  # model, optimizer, scheduler, data: bitwise
+    assert "node 0 resumed step 10 from its peer replica" in out, out[-2000:]
