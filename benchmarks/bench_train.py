@@ -17,6 +17,16 @@ runs ``--steps`` steps of each variant, the order rotating:
 A round's time runs from a barrier to the end of the last step and of the
 last save (slowest rank). Reported: steps/s (median over rounds) and its
 ratio to the baseline: 1.0 means checkpointing costs nothing.
+
+The peer tier (case ``peer_training``): ``--nodes 2`` run as one plain process
+starts two torchrun launchers of this script (``--nnodes 2 --node-rank i``,
+1 rank each, static rendezvous on 127.0.0.1): two simulated nodes, each with
+its own directory. The variants are then the baseline and shardckpt.save every
+N with ``peer_replicas=0`` and with ``peer_replicas=1`` (each node's daemon
+sends its files of each committed step to the other node while the loop
+trains). After a replicating round, and outside its time, the newest step is
+waited for until it is peer-durable, so that no transfer spills into the next
+round.
 """
 
 from __future__ import annotations
@@ -24,6 +34,9 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any, Callable
@@ -49,8 +62,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--dir", default=None, help="where the scratch directory goes (default: the system's temp)")
     parser.add_argument("--json", help="write the result here (rank 0)")
+    parser.add_argument("--nodes", type=int, default=0,
+                        help="2: two simulated nodes, checkpointing with and without the peer tier (see above)")
     args = parser.parse_args()
     distributed = "WORLD_SIZE" in os.environ
+    if args.nodes and not distributed:
+        sys.exit(launch_nodes(args.nodes))
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
@@ -88,13 +105,32 @@ def main() -> None:
         dist.broadcast_object_list(box, src=0)
     root = box[0]
     side = dist.new_group(backend="gloo") if distributed else None
-    ckpt = shardckpt.Checkpointer(local_dir=os.path.join(root, "shardckpt"), keep_last=2, preemption_signals=())
+    node_dir = os.path.join(root, f"node{os.environ.get('GROUP_RANK', '0')}") if args.nodes else root
+    ckpt = shardckpt.Checkpointer(local_dir=os.path.join(node_dir, "shardckpt"), keep_last=2, preemption_signals=(),
+                                  **({"peer_replicas": 0} if args.nodes else {}))
     state = {"model": model, "optimizer": optim}
     counter = [0]
 
     def ours(step: int) -> Any:
         counter[0] += 1
         return ckpt.save(state, counter[0])
+
+    replicating = shardckpt.Checkpointer(local_dir=os.path.join(node_dir, "replicated"), keep_last=2,
+                                         preemption_signals=(), peer_replicas=1) if args.nodes else None
+
+    def replicated(step: int) -> Any:
+        counter[0] += 1
+        return replicating.save(state, counter[0])
+
+    def drain_replicated() -> None:
+        replicating.wait()
+
+    def settle_replicated() -> None:
+        """Outside the round's time: the newest step peer-durable before the next round starts."""
+        deadline = time.monotonic() + 120
+        while replicating.status().get("latest_peer") != counter[0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        barrier()
 
     pending: list[Any] = []
 
@@ -121,9 +157,12 @@ def main() -> None:
 
     variants: list[tuple[str, Callable[[int], Any] | None, Callable[[], None] | None]] = [
         ("no checkpointing (baseline)", None, None),
-        (f"shardckpt.save every {args.every}", ours, drain_ours),
-        (f"dcp.async_save every {args.every}", stock, drain_stock),
+        (f"shardckpt.save every {args.every}" + (", peer_replicas=0" if args.nodes else ""), ours, drain_ours),
     ]
+    if args.nodes:
+        variants.append((f"shardckpt.save every {args.every}, peer_replicas=1", replicated, drain_replicated))
+    else:
+        variants.append((f"dcp.async_save every {args.every}", stock, drain_stock))
 
     def run(save: Callable[[int], Any] | None, drain: Callable[[], None] | None) -> float:
         barrier()
@@ -144,12 +183,17 @@ def main() -> None:
         k = r % len(variants)
         for label, save, drain in variants[k:] + variants[:k]:
             rates[label].append(args.steps / run(save, drain))
+            if save is replicated:
+                settle_replicated()
         if rank == 0:
             print(f"  round {r + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.1f} steps/s" for k, v in rates.items()),
                   flush=True)
     ckpt.close()
+    if replicating is not None:
+        peer_durable = replicating.status().get("latest_peer")
+        replicating.close()
     if rank == 0:
-        result = common.new_result("training", state_bytes, unit="steps/s", better="higher",
+        result = common.new_result("peer_training" if args.nodes else "training", state_bytes, unit="steps/s", better="higher",
                                    ratio_label="no checkpointing", repeats=args.repeats, world_size=world,
                                    steps=args.steps, every=args.every, step_sleep=args.step_sleep)
         for i, (label, _, _) in enumerate(variants):
@@ -158,11 +202,29 @@ def main() -> None:
             f"{'DDP over ' + str(world) + ' ranks (gloo)' if distributed else 'one process'}, MLP {args.layers} x "
             f"{args.width}, batch {args.batch}, AdamW: {common.fmt_bytes(state_bytes)} of state per save; "
             f"a checkpoint every {args.every} steps")
+        if args.nodes:
+            result["notes"].append(
+                f"{args.nodes} simulated nodes (torchrun --nnodes {args.nodes} --node-rank i on 127.0.0.1, 1 rank "
+                f"each, a directory each); peer_replicas=1: each node's daemon replicates every committed step to "
+                f"the other node during the round (the newest step, {peer_durable}, peer-durable at the end)")
         common.emit(result, args.json)
         shutil.rmtree(root, ignore_errors=True)
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def launch_nodes(nodes: int) -> int:
+    """Run this script as ``nodes`` simulated nodes: one torchrun launcher each, 1 rank, static rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launchers = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
+                                   f"--node-rank={i}", "--nproc-per-node=1", "--rdzv-backend=static",
+                                   "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0",
+                                   os.path.abspath(__file__), *sys.argv[1:]]) for i in range(nodes)]
+    codes = [p.wait() for p in launchers]
+    return next((c for c in codes if c), 0)
 
 
 if __name__ == "__main__":

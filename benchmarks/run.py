@@ -21,7 +21,7 @@ and ``<!-- perf:end -->`` in FILE with a summary (``benchmarks/report.py``
 does the same from existing results without running anything).
 
 Cases (``--only``): blocked, durable, restore, remote_restore, remote_durable,
-training, elastic, history, need_only, commit_requests, peer, restore_kinds (a fixed size: 1 GiB, ``--quick`` 128 MiB). ``--sizes`` (GiB) sizes the local-disk cases (default 1,4,8;
+training, elastic, history, need_only, commit_requests, peer, peer_training, restore_kinds (a fixed size: 1 GiB, ``--quick`` 128 MiB). ``--sizes`` (GiB) sizes the local-disk cases (default 1,4,8;
 an 8 GiB state and its staging copy need about 17 GiB of RAM); the S3 cases
 use ``--remote-sizes`` (moto holds objects in RAM: 0.5 GiB at most).
 ``--quick`` runs small sizes and few repeats (minutes on 2 cores): a check
@@ -143,6 +143,13 @@ CASES = [
          "and the cost of hashing the bytes with SHA-256 and xxh3. A replacement node's restore into an empty "
          "`local_dir` from the holder's replica and from S3, against a restore from the node's own disk (floor).",
          lambda a: ["--repeats", repeats(a, 2, 3)], sizes="remote", memory=4.0, disk=4.0),
+    Case("peer_training", "Training while replicating to a peer", "bench_train.py",
+         "Steps/s of the training case's loop on 2 simulated nodes (two torchrun launchers, `--nnodes 2 "
+         "--node-rank i`, 1 rank and a directory each) checkpointing every N steps with `peer_replicas=0` and "
+         "with `peer_replicas=1` (each node's daemon sends every committed step to the other node), against the "
+         "same loop without checkpoints, in alternating rounds of one run.",
+         lambda a: ["--nodes", "2", "--every", str(a.every), "--steps", "40" if a.quick else "200",
+                    "--repeats", repeats(a, 2, 5)], sizes=None),
     Case("restore_kinds", "Restore per state kind", "bench_restore.py",
          "One process, warm page cache, checksums verified: `Checkpointer.load` of the same bytes held as a "
          "module, an optimizer (Adam; the module a third of the bytes), a plain dict of tensors "
