@@ -621,6 +621,36 @@ def test_files_upload_while_the_save_is_written_and_never_over_a_committed_step(
         ckpt.close()
 
 
+def test_a_partial_save_whose_writer_died_is_not_uploaded_early(tmp_path):
+    """The early pass uploads a partial save's published files only while the process that wrote
+    them runs: a save whose trainer died can never commit, and an uploader that outlives it (as it
+    is meant to) must not keep sending its files into the remote step."""
+    import subprocess
+
+    from shardckpt.tiers import early_upload
+
+    root, url = tmp_path / "local", f"file://{tmp_path / 'remote'}"
+    for step, pid in ((1, None), (2, os.getpid())):
+        partial = root / layout.partial_dirname(step, f"1-nonce{step}")
+        partial.mkdir(parents=True)
+        data = bytes([step]) * 4096
+        (partial / "__0_0.distcp").write_bytes(data)
+        early_upload.publish(str(partial), step=step, save_id=f"nonce{step}-1", rank=0, name="__0_0.distcp",
+                             size=len(data), checksum=layout.checksum_bytes(data))
+        if pid is None:  # rewrite the sidecar as a process that has exited wrote it
+            dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                                  text=True, check=True)
+            sidecar = partial / f"{early_upload.READY_PREFIX}__0_0.distcp.json"
+            body = json.loads(sidecar.read_text())
+            body["pid"] = int(dead.stdout)
+            sidecar.write_text(json.dumps(body))
+    store = remote.open_store(url, _opts())
+    sent = early_upload.EarlyUploads().run(store, str(root))
+    assert sent == 4096
+    assert not (tmp_path / "remote" / layout.step_dirname(1)).exists()
+    assert (tmp_path / "remote" / layout.step_dirname(2) / "__0_0.distcp").read_bytes() == bytes([2]) * 4096
+
+
 def wait_for_status(local_dir: Path, predicate, timeout: float = 60) -> dict:
     path = str(local_dir / node_registry.STATE_DIR / "status.json")
     wait_for(lambda: predicate(node_registry.read_json(path)), timeout, f"the uploader status of {local_dir}")

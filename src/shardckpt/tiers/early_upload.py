@@ -24,7 +24,9 @@ upload, and remembers what it sent. What keeps the remote commit protocol
 * ``.metadata`` (written last, by the committer) is never uploaded early;
   each node uploads only the files its own local directory holds.
 
-A save abandoned before its local commit (the trainer killed) leaves at most
+A save abandoned before its local commit (the trainer killed) is not
+uploaded any further (each sidecar names its writer's process; a partial save
+whose writer is gone is skipped). What it sent before leaves at most
 objects in ``step_<N>/`` without a manifest: nothing reads them (a remote
 step exists only through its manifest); the next save of that step number
 uploads over them (same file names), and the step's deletion by retention
@@ -39,6 +41,7 @@ import os
 from typing import Any, Mapping
 
 from shardckpt.format import layout
+from shardckpt.node.node_registry import pid_alive, proc_start
 from shardckpt.tiers.remote import Deadline, Store, join
 
 log = logging.getLogger("shardckpt")
@@ -51,8 +54,9 @@ def publish(partial: str, *, step: int, save_id: str, rank: int, name: str, size
     """Record in ``partial`` that shard file ``name`` is complete (size, checksum); False when not published."""
     if name == layout.METADATA_NAME or not name.startswith("__") or name.endswith(".tmp"):
         return False
+    pid = os.getpid()
     body = {"format": READY_FORMAT, "step": step, "save_id": save_id, "rank": rank, "name": name,
-            "size": size, "checksum": checksum}
+            "size": size, "checksum": checksum, "pid": pid, "pid_start": proc_start(pid)}
     try:
         layout.atomic_write_text(os.path.join(partial, f"{READY_PREFIX}{name}.json"), json.dumps(body, sort_keys=True))
     except OSError as exc:  # the upload after the commit sends it
@@ -98,6 +102,15 @@ def partial_saves(root: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
+def _writer_alive(sidecar: dict[str, Any]) -> bool:
+    """Whether the process that published ``sidecar`` still runs: a save whose writer died can
+    never commit, so its files are not uploaded (the next run removes the partial directory)."""
+    pid = sidecar.get("pid")
+    if not isinstance(pid, int):
+        return True  # published before writers recorded themselves
+    return pid_alive(pid, sidecar.get("pid_start"))
+
+
 class EarlyUploads:
     """The uploader's early pass and what it sent: ``{(step, save_id): {name: (size, checksum)}}``."""
 
@@ -123,10 +136,11 @@ class EarlyUploads:
             ready = ready_files(partial)
             if not ready:
                 continue
-            save_id = str(next(iter(ready.values())).get("save_id", ""))
+            first = next(iter(ready.values()))
+            save_id = str(first.get("save_id", ""))
             key = (step, save_id)
             live.add(key)
-            if key in self._refused:
+            if key in self._refused or not _writer_alive(first):
                 continue
             done = self.sent.setdefault(key, {})
             todo = sorted(n for n, b in ready.items()
