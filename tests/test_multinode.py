@@ -84,7 +84,10 @@ def test_node_local_directories_each_hold_their_ranks_and_restore_from_each_othe
 def test_one_rank_failing_anywhere_in_the_commit_gives_every_rank_the_same_outcome(tmp_path, layout_kind):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
-    run_two_nodes(2, PROG, "faults", ckpt, out, "--layout", layout_kind, log_dir=tmp_path)
+    # Without replicas: a node keeps its copy of a step another node's newest replica is of, which
+    # would make local retention here depend on how far replication got.
+    run_two_nodes(2, PROG, "faults", ckpt, out, "--layout", layout_kind, log_dir=tmp_path,
+                  env=child_env(SHARDCKPT_PEER_REPLICAS="0"))
     results = outcomes(out)
     assert all(r == results[0] for r in results), results  # one outcome per step, on every rank
     got = results[0]
