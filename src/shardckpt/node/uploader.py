@@ -16,6 +16,7 @@ import fcntl
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import threading
@@ -94,7 +95,13 @@ class Uploader:
         self.last_error_time: float | None = None
         self.uploaded_bytes = 0
         self._stop = threading.Event()
-        self._wake = threading.Event()
+        self._stop_requested = False
+        # Trainers wake the uploader with a signal. A signal handler that takes a lock (Event.set)
+        # deadlocks when it interrupts the main thread holding that lock (in Event.wait/clear), so
+        # the handler only writes a byte to a pipe, and the loop waits on the pipe.
+        self._kick_r, self._kick_w = os.pipe()
+        os.set_blocking(self._kick_r, False)
+        os.set_blocking(self._kick_w, False)
         self._lock_fd: int | None = None
         self._last_status: dict[str, Any] = {}
         self._last_status_time = 0.0
@@ -121,12 +128,26 @@ class Uploader:
             return True
 
     def stop(self, *_: Any) -> None:
-        self._stop.set()
-        self._wake.set()
+        self._stop_requested = True
+        self.wake()
 
     def wake(self, *_: Any) -> None:
         """A trainer committed a step (it sends ``KICK_SIGNAL``): look now rather than at the next poll."""
-        self._wake.set()
+        try:
+            os.write(self._kick_w, b"\0")
+        except OSError:  # the pipe is full: a wake-up is pending already
+            pass
+
+    def _sleep(self) -> None:
+        """Until the next poll, or a wake-up (whichever comes first)."""
+        select.select([self._kick_r], [], [], self.poll_s)
+        try:
+            while os.read(self._kick_r, 4096):
+                pass
+        except OSError:  # drained (non-blocking)
+            pass
+        if self._stop_requested:
+            self._stop.set()
 
     def run(self) -> int:
         if not self.acquire_lock():
@@ -140,6 +161,8 @@ class Uploader:
             self._write_status("exited")
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
+            for fd in (self._kick_r, self._kick_w):
+                os.close(fd)
 
     def _loop(self) -> int:
         try:
@@ -147,7 +170,7 @@ class Uploader:
             self.latest_remote = known[-1] if known else None
         except RemoteError as exc:
             self._record_error(None, exc)
-        while not self._stop.is_set():
+        while not (self._stop.is_set() or self._stop_requested):
             pending = self.tick()
             self._write_status("running", pending)
             now = time.monotonic()
@@ -177,8 +200,7 @@ class Uploader:
                         safe_url(self.store.url),
                     )
                     return 1
-            self._wake.wait(self.poll_s)
-            self._wake.clear()
+            self._sleep()
         return 0
 
     def tick(self) -> list[int]:
@@ -198,7 +220,7 @@ class Uploader:
                      if s in self.steps and self.steps[s].waits and now >= self.steps[s].next_try)
         polled = due[0][1] if due and now >= self._next_wait_poll else None
         for step in pending:
-            if self._stop.is_set():
+            if self._stop.is_set() or self._stop_requested:
                 break
             st = self.steps.setdefault(step, _StepState())
             if now < st.next_try or (st.waits and step != polled):
