@@ -382,6 +382,8 @@ def error_messages() -> dict[str, list[str]]:
             if not text:
                 continue
             text = " ".join(text.split())
+            if len(re.sub(r"\{[^}]*\}|\W", "", text)) < 3:
+                continue  # a message passed through (``ConfigError(str(exc))``): nothing to show
             if text not in found[node.func.id]:
                 found[node.func.id].append(text)
     return found
