@@ -4,12 +4,15 @@ Nothing here is copied by hand from the code: every ``CheckpointConfig``
 field (type, default, docstring), every ``SHARDCKPT_*`` variable the package
 reads, every command and option of the ``shardckpt`` CLI and every exception
 class with the messages the package raises it with are read from the
-installed package when the site is built. ``docs/hooks.py`` puts them into
-the pages (``<!-- gen:NAME -->`` markers) and ``tests/test_docs.py`` checks
-that nothing the code has is missing from the built site.
+package. Each part sits in its page between ``<!-- gen:NAME -->`` and
+``<!-- end:gen -->``, committed, so that the pages read the same on GitHub as
+on the site; ``docs/hooks.py`` fails the site's build while a part differs
+from what this module renders now, and ``tests/test_docs.py`` builds the site
+and checks that nothing the code has is missing from it.
 
-Run alone, it prints one part: ``python docs/gen_reference.py config``
-(``env``, ``cli``, ``errors``).
+    python docs/gen_reference.py --write    refresh every stale part in docs/
+    python docs/gen_reference.py --check    exit 1 when one is stale
+    python docs/gen_reference.py config     print one part (env, cli, errors, manifest, api)
 """
 
 from __future__ import annotations
@@ -93,7 +96,10 @@ def _default_text(field: dataclasses.Field) -> str:
     if field.default is not dataclasses.MISSING:
         value = field.default
     elif field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        value = field.default_factory()  # type: ignore[misc]
+        factory = field.default_factory  # type: ignore[misc]
+        if factory not in (dict, list, set, tuple):
+            return f"{factory.__module__}.{factory.__qualname__}()"  # e.g. time.time(): not a constant
+        value = factory()
     else:
         return "(required)"
     if isinstance(value, str) and hasattr(value, "value") and isinstance(getattr(value, "value"), str):
@@ -443,20 +449,130 @@ def render_manifest() -> str:
     return "\n".join(lines)
 
 
+# -------------------------------------------------------------- the API
+
+
+def _static_docstring(module: str, name: str) -> str:
+    """The docstring of ``name`` in ``module``, read from its source (no import: no torch)."""
+    path = PACKAGE_DIR.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    if not path.is_file():
+        path = path.with_suffix("") / "__init__.py"
+    tree = ast.parse(path.read_text(), str(path))
+    for node in tree.body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name == name:
+            return ast.get_docstring(node) or ""
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return ""
+    raise LookupError(f"shardckpt.{name}: no definition in {path.name}")
+
+
+def public_names() -> list[tuple[str, str, str]]:
+    """(name, kind, summary) of every name in ``shardckpt.__all__``."""
+    lazy = getattr(shardckpt, "_LAZY", {})
+    out = []
+    for name in shardckpt.__all__:
+        if name in lazy:
+            doc = _static_docstring(f"shardckpt.{lazy[name]}", name)
+            kind = "class" if name[:1].isupper() else "function"
+        else:
+            obj = vars(shardckpt)[name]
+            doc = inspect.getdoc(obj) or ""
+            if isinstance(obj, type):
+                kind = "exception" if issubclass(obj, BaseException) else "class"
+            else:
+                kind = "function"
+        out.append((name, kind, _rst_to_md(" ".join(doc.split("\n\n")[0].split()))))
+    order = {"class": 0, "function": 1, "exception": 2}
+    return sorted(out, key=lambda t: (order[t[1]], t[0].lower()))
+
+
+def render_api() -> str:
+    lines = ["| name | kind | what it is |", "|---|---|---|"]
+    for name, kind, summary in public_names():
+        lines.append(f"| [`shardckpt.{name}`](#{name.lower()}) | {kind} | {_md_cell(summary) or '—'} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------- the blocks in the pages
+#
+# A page holds each generated part between two markers, committed with it so
+# that the page reads the same on GitHub as on the site:
+#
+#     <!-- gen:config -->
+#     ...generated...
+#     <!-- end:gen -->
+#
+# `python docs/gen_reference.py --write` refreshes them; the site's build
+# (docs/hooks.py) fails while any of them differs from what the code gives.
+
+BLOCK = re.compile(r"(<!-- gen:([a-z-]+)(?::([A-Za-z_]+))? -->\n)(.*?)(<!-- end:gen -->)", re.S)
+
+RENDERERS = {
+    "config": render_config,
+    "env": render_env,
+    "cli": render_cli,
+    "errors": render_error_summary,
+    "manifest": render_manifest,
+    "api": render_api,
+}
+
+
+def render(kind: str, arg: str | None = None) -> str:
+    if kind == "error-messages":
+        if not arg or not isinstance(vars(shardckpt).get(arg), type):
+            raise LookupError(f"no shardckpt exception named {arg!r}")
+        return render_error_messages(arg)
+    if kind not in RENDERERS:
+        raise LookupError(f"unknown generated part {kind!r} (known: {', '.join(sorted(RENDERERS))}, error-messages)")
+    return RENDERERS[kind]()
+
+
+def refresh(text: str) -> str:
+    """``text`` with every generated block rendered afresh."""
+    return BLOCK.sub(lambda m: m.group(1) + "\n" + render(m.group(2), m.group(3)).strip("\n") + "\n\n" + m.group(5),
+                     text)
+
+
+def stale_blocks(text: str) -> list[str]:
+    """The names of the blocks of ``text`` that differ from what the code gives now."""
+    fresh = {m.start(): m.group(4) for m in BLOCK.finditer(refresh(text))}
+    stale = []
+    for (old, new) in zip(BLOCK.finditer(text), fresh.values()):
+        if old.group(4) != new:
+            stale.append(old.group(2) + (f":{old.group(3)}" if old.group(3) else ""))
+    return stale
+
+
+def pages() -> list[Path]:
+    docs = Path(__file__).resolve().parent
+    return sorted(p for p in docs.rglob("*.md") if BLOCK.search(p.read_text()))
+
+
 # ------------------------------------------------------------------ main
 
 
-PARTS = {"config": render_config, "env": render_env, "cli": render_cli, "errors": render_error_summary,
-         "manifest": render_manifest}
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or args[0] not in PARTS:
-        print(f"usage: python docs/gen_reference.py {{{'|'.join(PARTS)}}}", file=sys.stderr)
-        return 2
-    print(PARTS[args[0]]())
-    return 0
+    parser = argparse.ArgumentParser(description="Refresh or check the generated parts of docs/*.md.")
+    parser.add_argument("--write", action="store_true", help="rewrite the stale blocks in place")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a block is stale")
+    parser.add_argument("part", nargs="?", help="print one part instead: " + ", ".join(sorted(RENDERERS)))
+    args = parser.parse_args(argv)
+    if args.part:
+        print(render(args.part))
+        return 0
+    status = 0
+    for page in pages():
+        text = page.read_text()
+        stale = stale_blocks(text)
+        if not stale:
+            continue
+        if args.write:
+            page.write_text(refresh(text))
+            print(f"{page.relative_to(page.parents[1])}: refreshed {', '.join(stale)}")
+        else:
+            print(f"{page.relative_to(page.parents[1])}: stale {', '.join(stale)}")
+            status = 1
+    return status if args.check or not args.write else 0
 
 
 if __name__ == "__main__":

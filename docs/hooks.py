@@ -1,8 +1,11 @@
 """MkDocs hooks: the generated parts of the site (see gen_reference.py).
 
-* ``<!-- gen:config -->``, ``<!-- gen:env -->``, ``<!-- gen:cli -->``,
-  ``<!-- gen:errors -->`` and ``<!-- gen:error-messages:NAME -->`` in a page
-  are replaced by what ``gen_reference`` reads from the package.
+* The generated parts of the pages (``<!-- gen:NAME --> ... <!-- end:gen -->``,
+  committed so that the pages read the same on GitHub) must equal what
+  ``gen_reference`` renders from the package now: a stale one fails the
+  build, with the command that refreshes it.
+* ``::: shardckpt.Name`` (mkdocstrings) is pointed at the module that defines
+  the name today; the pages name public names only.
 * ``benchmarks/results.md`` and its plots are generated from
   ``benchmarks/results/`` (written by ``benchmarks/run.py``): the site shows
   the tables of the last measured run, never a copy of them.
@@ -38,9 +41,6 @@ OPTIONAL_PAGES = {
     "guides/lightning.md",
     "guides/torchtitan.md",
 }
-
-_MARKER = re.compile(r"<!-- gen:([a-z-]+)(?::([A-Za-z_]+))? -->")
-
 
 def _gen() -> Any:
     if str(DOCS) not in sys.path:
@@ -92,20 +92,19 @@ _DIRECTIVE = re.compile(r"^::: shardckpt\.([A-Za-z_][A-Za-z0-9_]*)[ \t]*$", re.M
 
 
 def _public_directives(markdown: str, where: str) -> str:
-    """``::: shardckpt.Name`` -> the module that defines it today, so that pages name public
-    names only and a name that moves between modules is still found (many are imported lazily)."""
+    """``::: shardckpt.Name``: only public names; an anchor ``#name`` before each (the API
+    table links to it); a lazily imported name pointed at the module that defines it today
+    (mkdocstrings reads the source and cannot follow the package's lazy ``__getattr__``)."""
     import shardckpt
+
+    lazy = getattr(shardckpt, "_LAZY", {})  # name -> submodule, imported on first use (with torch)
 
     def resolve(match: re.Match) -> str:
         name = match.group(1)
         if name not in shardckpt.__all__:
             raise PluginError(f"{where}: shardckpt.{name} is not a public name (shardckpt.__all__)")
-        lazy = getattr(shardckpt, "_LAZY", {})  # name -> submodule, imported on first use (with torch)
-        if name in lazy:
-            module = f"shardckpt.{lazy[name]}"
-        else:
-            module = getattr(getattr(shardckpt, name), "__module__", "shardckpt")
-        return f"::: {module}.{name}" if module != "shardckpt" else match.group(0)
+        target = f"shardckpt.{lazy[name]}.{name}" if name in lazy else f"shardckpt.{name}"
+        return f'<a id="{name.lower()}"></a>\n\n::: {target}'
 
     return _DIRECTIVE.sub(resolve, markdown)
 
@@ -113,39 +112,27 @@ def _public_directives(markdown: str, where: str) -> str:
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
     if "::: shardckpt." in markdown:
         markdown = _public_directives(markdown, page.file.src_uri)
+    where = page.file.src_uri
     if "<!-- gen:" not in markdown:
-        if page.file.src_uri == "operations/errors.md":
+        if where == "operations/errors.md":
             raise PluginError("operations/errors.md lost its generated parts")
         return markdown
     gen = _gen()
-    renderers = {
-        "config": gen.render_config,
-        "env": gen.render_env,
-        "cli": gen.render_cli,
-        "errors": gen.render_error_summary,
-        "manifest": gen.render_manifest,
-    }
-
-    def replace(match: re.Match) -> str:
-        kind, arg = match.group(1), match.group(2)
-        if kind == "error-messages":
-            if not arg or not hasattr(gen.shardckpt, arg):
-                raise PluginError(f"{page.file.src_uri}: no shardckpt exception named {arg!r}")
-            return gen.render_error_messages(arg)
-        if kind not in renderers:
-            raise PluginError(f"{page.file.src_uri}: unknown generated part {kind!r}")
-        try:
-            return renderers[kind]()
-        except LookupError as exc:
-            raise PluginError(f"{page.file.src_uri}: {exc}") from exc
-
-    out = _MARKER.sub(replace, markdown)
-    if page.file.src_uri == "operations/errors.md":
-        documented = set(re.findall(r"<!-- gen:error-messages:([A-Za-z_]+) -->", markdown))
+    try:
+        stale = gen.stale_blocks(markdown)
+    except LookupError as exc:
+        raise PluginError(f"{where}: {exc}") from exc
+    if stale:
+        raise PluginError(
+            f"{where}: the generated part(s) {', '.join(stale)} differ from what the code gives now. "
+            "Remedy: python docs/gen_reference.py --write (and commit the pages it rewrites)"
+        )
+    if where == "operations/errors.md":
+        documented = {m.group(3) for m in gen.BLOCK.finditer(markdown) if m.group(2) == "error-messages"}
         missing = [c.__name__ for c in gen.error_classes() if c.__name__ not in documented]
         if missing:
             raise PluginError(
                 f"operations/errors.md has no section for {', '.join(missing)}: add one "
-                "(cause, remedy, and a <!-- gen:error-messages:NAME --> marker)"
+                "(cause, remedy, and a <!-- gen:error-messages:NAME --> ... <!-- end:gen --> block)"
             )
-    return out
+    return markdown

@@ -4,6 +4,8 @@
   missing from the nav, an object mkdocstrings cannot find, a generated part
   that fails (a ``SHARDCKPT_*`` variable the code reads and nothing
   describes, an exception class without its section) fail it.
+* The generated parts are committed in the pages (they read the same on
+  GitHub) and a stale one fails the build.
 * The built reference holds every ``CheckpointConfig`` field with its
   default, every variable the package reads, every CLI command and option,
   every public exception, every public name.
@@ -91,6 +93,17 @@ def test_an_undocumented_variable_fails_the_generated_reference(monkeypatch: pyt
                         lambda: {"SHARDCKPT_LOG_LEVEL", "SHARDCKPT_SOMETHING_NEW"})
     with pytest.raises(LookupError, match="SHARDCKPT_SOMETHING_NEW"):
         gen_reference.variables()
+
+
+def test_a_stale_generated_part_fails_and_the_committed_ones_are_fresh() -> None:
+    page = ROOT / "docs" / "reference" / "configuration.md"
+    text = page.read_text()
+    for committed in gen_reference.pages():
+        assert gen_reference.stale_blocks(committed.read_text()) == [], (
+            f"{committed} is stale: python docs/gen_reference.py --write")
+    row = "| [`keep_last`](#keep_last) | `int | None` | `3` |"
+    assert row in text  # the committed page reads on GitHub as on the site
+    assert gen_reference.stale_blocks(text.replace(row, row.replace("`3`", "`4`"))) == ["config"]
 
 
 def _commands() -> dict[str, argparse.ArgumentParser]:
