@@ -168,7 +168,7 @@ def render_config() -> str:
         lines.append(f"| [`{f.name}`](#{f.name}) | {_code(f.type)} | {_code(f.default)} | {env} |")
     lines.append("")
     for f in config_fields():
-        lines.append(f"### `{f.name}` {{#{f.name}}}")
+        lines.append(f"## `{f.name}`")  # its anchor: #{f.name}, here and on GitHub
         lines.append("")
         meta = f"**Type** `{f.type}` · **default** `{f.default}`"
         if f.env:
@@ -322,7 +322,7 @@ def render_cli() -> str:
     lines += [f"| [`shardckpt {name}`](#shardckpt-{name}) | {_md_cell(helps.get(name, ''))} |" for name in commands]
     lines.append("")
     for name, sub in commands.items():
-        lines.append(f"### `shardckpt {name}` {{#shardckpt-{name}}}")
+        lines.append(f"### `shardckpt {name}`")  # its anchor: #shardckpt-{name}
         lines.append("")
         lines.append(_md_cell(sub.description or helps.get(name, "")))
         lines.append("")
