@@ -477,6 +477,8 @@ def public_names() -> list[tuple[str, str, str]]:
         else:
             obj = vars(shardckpt)[name]
             doc = inspect.getdoc(obj) or ""
+            if doc.startswith(name + "("):
+                doc = ""  # the signature a dataclass without a docstring is given, not a description
             if isinstance(obj, type):
                 kind = "exception" if issubclass(obj, BaseException) else "class"
             else:
