@@ -187,3 +187,16 @@ def test_the_quickstart_of_the_readme_runs_and_resumes(tmp_path: Path, site: Pat
         outputs.append(run.stdout)
     assert "resumed at step 0; committed steps: [15, 20]" in outputs[0]
     assert "resumed at step 20; committed steps: [35, 40]" in outputs[1]
+
+
+def test_the_readme_is_a_front_page_whose_links_all_lead_somewhere() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300, "README.md is a front page: move details into docs/"
+    links = re.findall(r"\]\(([^)\s]+)\)", readme)
+    local = [link.split("#")[0] for link in links if "://" not in link and not link.startswith("#")]
+    assert len(local) > 20
+    missing = sorted({link for link in local if not (ROOT / link).exists()})
+    assert not missing, f"README.md links to files that do not exist: {missing}"
+    # the three things a newcomer looks for are one click away
+    for page in ("docs/guides/fsdp2-s3-multinode.md", "docs/operations/errors.md", "docs/reference/configuration.md"):
+        assert f"]({page})" in readme, page
