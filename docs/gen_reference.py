@@ -120,7 +120,7 @@ def _default_text(field: dataclasses.Field) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def config_fields() -> list[Field]:
+def config_fields() -> tuple[Field, ...]:
     """Every field of ``shardckpt.CheckpointConfig``, in declaration order."""
     cls = shardckpt.CheckpointConfig
     docs = _attribute_docstrings(cls)
@@ -134,7 +134,7 @@ def config_fields() -> list[Field]:
             env=("SHARDCKPT_" + field.name.upper()) if field.name in env_names else None,
             doc=docs.get(field.name, ""),
         ))
-    return out
+    return tuple(out)
 
 
 def _env_fields() -> set[str]:
