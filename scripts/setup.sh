@@ -17,6 +17,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch first and pinned: letting pip choose pulls a multi-GB CUDA build.
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
 "$VENV/bin/python" -m pip install -q -c deploy/constraints.txt -e ".[test]"
+# tests/test_hf.py: transformers, accelerate, torchdata (torch stays pinned by the constraints)
+"$VENV/bin/python" -m pip install -q -c deploy/constraints.txt -e ".[hf]"
 "$VENV/bin/python" -m pip check
 echo "$WANT" > "$STAMP"
 echo "setup: $("$VENV/bin/python" -c 'import torch, shardckpt; print("torch", torch.__version__, "shardckpt", shardckpt.__version__)')"
