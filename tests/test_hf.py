@@ -65,8 +65,10 @@ def committed(path: Path) -> list[int]:
 
 
 def printed(output: str, rank: int, word: str) -> str:
-    line = next(x for x in output.splitlines() if x.startswith(f"rank {rank}: ") and word in x)
-    return line.split(word, 1)[1].split()[0]
+    for line in output.splitlines():
+        if line.startswith(f"rank {rank}: ") and word in line:
+            return line.split(word, 1)[1].split()[0]
+    raise AssertionError(f"no line 'rank {rank}: ... {word}' in the output:\n{output[-4000:]}")
 
 
 @pytest.fixture
@@ -158,7 +160,7 @@ def test_accelerate_loop_sigkill_resumes_bitwise_and_a_stateful_loader_continues
     steps = 14  # 12 steps per epoch at 2 ranks x 4: the job crosses an epoch
     ref = tmp_path / "ref"
     run_torchrun(2, ACCELERATE, "--ckpt", ref / "ckpt", "--steps", steps + 2, "--samples", ref / "samples",
-                 "--weights", ref / "weights.pt", env=env, timeout=180)
+                 "--weights", ref / "weights.pt", "--weights-step", steps, env=env, timeout=180)
     ckpt = tmp_path / "ckpt"
     args = ("--ckpt", ckpt, "--steps", steps)
     log1 = tmp_path / "first.log"

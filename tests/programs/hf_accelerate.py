@@ -5,7 +5,7 @@ and ``--workers`` worker processes; the model, optimizer and scheduler are
 prepared by accelerate; a counter is registered with
 ``register_for_checkpointing``. Each rank appends one line per micro-batch to
 ``--samples PREFIX.rank<r>.jsonl`` (step, sample ids, loss as float.hex) and
-rank 0 writes the final weights to ``--weights``.
+rank 0 writes the weights of step ``--weights-step`` (default: the last) to ``--weights``.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--samples", required=True)
     p.add_argument("--weights", default=None)
+    p.add_argument("--weights-step", type=int, default=None, help="the step whose weights --weights gets (default: last)")
     a = p.parse_args()
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=a.accum)
@@ -101,6 +102,8 @@ def main() -> None:
             step += 1
             counter.steps += 1
             ckpt.save(state, step)
+            if rank == 0 and a.weights and step == (a.weights_step or a.steps):
+                torch.save({"counter": counter.steps, "weights": accelerator.unwrap_model(model).state_dict()}, a.weights)
             if a.step_sleep:
                 time.sleep(a.step_sleep)
             if ckpt.preempted or step >= a.steps:
@@ -108,8 +111,6 @@ def main() -> None:
         if ckpt.preempted:
             break
     ckpt.close()
-    if rank == 0 and a.weights:
-        torch.save({"counter": counter.steps, "weights": accelerator.unwrap_model(model).state_dict()}, a.weights)
     accelerator.wait_for_everyone()
     print(f"rank {rank}: done step {step} counter {counter.steps}", flush=True)
 

@@ -686,6 +686,9 @@ class LoaderState(PerRank):
                 f"StatefulDataLoader a shardckpt.ResumableSampler, or resume with the saved world size and num_workers."
             )
         epoch, consumed, _ = position
+        # An iterator made before the load (state_dict() makes one, and its workers prefetch) read the sampler's
+        # old position: drop it, so that the next iter(loader) starts from the one set here.
+        self.loader.load_state_dict({})
         self.sampler.epoch = epoch
         self.sampler.set_consumed(min(consumed, self.sampler.dataset_len))
         if self.rank == 0:
