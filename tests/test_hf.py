@@ -129,6 +129,7 @@ def test_trainer_sigkill_resumes_bitwise_sigterm_commits_and_a_fresh_rank_resume
     assert printed(out2, 0, "preempted ") == printed(out2, 1, "preempted ") == "True", out2[-3000:]
     assert killed_at + 2 <= stopped < steps, out2[-3000:]
     assert printed(out2, 1, "global_step ") == str(stopped)  # both ranks stopped at the same step
+    assert printed(out2, 0, "model ") == "DistributedDataParallel"
     # Bitwise: every logged loss (those restored from the checkpoint's log history included) and the weights.
     got_losses = losses_by_step(run / "history.json")
     assert sorted(got_losses) == list(range(1, stopped + 1))

@@ -95,7 +95,8 @@ def main() -> None:
         trainer.samples_path = f"{a.samples}.rank{rank}.jsonl"
     trainer.train(resume_from_checkpoint=True)
     print(f"rank {rank}: resumed {trainer.resumed_step} preempted {trainer.preempted} "
-          f"global_step {trainer.state.global_step} accum {trainer.args.gradient_accumulation_steps}", flush=True)
+          f"global_step {trainer.state.global_step} accum {trainer.args.gradient_accumulation_steps} "
+          f"model {type(trainer.model_wrapped).__name__}", flush=True)
     if rank == 0:
         if a.history:
             with open(a.history, "w") as f:
