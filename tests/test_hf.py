@@ -285,3 +285,55 @@ def test_trainer_best_metric_retention_and_load_best_at_end_and_mapping_errors(t
     assert again.resumed_step == 6 and again.state.global_step == 7
     assert [row["step"] for row in again.state.log_history if "eval_score" in row] == [1, 2, 3, 4, 5, 6]
     again.checkpointer.close()
+
+
+def test_accelerator_state_holds_what_accelerate_prepared_and_a_loader_resumes_its_position(tmp_path, caplog):
+    import functools
+
+    from accelerate import Accelerator
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from shardckpt.integrations.hf import LoaderState, accelerator_state
+
+    class Registered:
+        def __init__(self) -> None:
+            self.value = 0
+
+        def state_dict(self):
+            return {"value": self.value}
+
+        def load_state_dict(self, state):
+            self.value = state["value"]
+
+    def parts():
+        accelerator = Accelerator(cpu=True)
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lambda i, k: k, k=1.0))
+        plain = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+        model, optimizer, scheduler, plain = accelerator.prepare(model, optimizer, scheduler, plain)
+        registered = Registered()
+        accelerator.register_for_checkpointing(registered)
+        loader = StatefulDataLoader(list(range(16)), batch_size=2, shuffle=True,
+                                    generator=torch.Generator().manual_seed(3))
+        return accelerator_state(accelerator, loader=loader), model, registered, loader
+
+    state, model, registered, loader = parts()
+    assert sorted(state) == ["custom_0", "loader", "model", "optimizer", "scheduler"]
+    assert type(state["optimizer"]) is torch.optim.AdamW and isinstance(state["loader"], LoaderState)
+    assert "1 prepared DataLoader(s) keep no position" in caplog.text  # the plain one is named, not saved
+    batches = iter(loader)
+    next(batches), next(batches)
+    registered.value = 5
+    ckpt = shardckpt.Checkpointer(local_dir=str(tmp_path / "ckpt"))
+    ckpt.save(state, 2)
+    ckpt.wait()
+    expected_next = next(batches).tolist()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+
+    state2, model2, registered2, loader2 = parts()
+    assert ckpt.load(state2) == 2  # the partial-based LambdaLR loads too
+    ckpt.close()
+    assert registered2.value == 5 and state2["loader"].exact
+    assert next(iter(loader2)).tolist() == expected_next  # the batch after the last one drawn before the save
+    assert all(torch.equal(model2.state_dict()[k], weights[k]) for k in weights)

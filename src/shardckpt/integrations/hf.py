@@ -708,6 +708,8 @@ class LoaderState(PerRank):
 
 
 def _is_stateful_loader(obj: Any) -> bool:
+    if getattr(obj, "use_stateful_dataloader", True) is False:
+        return False  # accelerate's DataLoaderShard over a plain DataLoader: its state_dict() is not a position
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)) and \
         hasattr(obj, "num_workers") and hasattr(obj, "dataset")
 
@@ -739,7 +741,15 @@ def accelerator_state(accelerator: Any, **extra: Any) -> dict[str, Any]:
         state["scaler"] = scaler
     for i, obj in enumerate(getattr(accelerator, "_custom_objects", [])):
         state[f"custom_{i}"] = obj
-    put("loader", [LoaderState(d) for d in getattr(accelerator, "_dataloaders", []) if _is_stateful_loader(d)])
+    loaders = list(getattr(accelerator, "_dataloaders", []))
+    put("loader", [LoaderState(d) for d in loaders if _is_stateful_loader(d)])
+    plain = len([d for d in loaders if not _is_stateful_loader(d)])
+    if plain and _rank0():
+        log.warning(
+            "shardckpt: %d prepared DataLoader(s) keep no position of their own and are not in the state; a resume "
+            "starts them from the beginning of the epoch. Remedy: Accelerator(dataloader_config=DataLoaderConfiguration("
+            "use_stateful_dataloader=True)), or a shardckpt.ResumableSampler in the state", plain,
+        )
     for key, value in extra.items():
         state[key] = LoaderState(value) if _is_stateful_loader(value) and not isinstance(value, LoaderState) else value
     return state
