@@ -250,17 +250,17 @@ class ShardckptTrainerMixin:
 
     def __init__(self, *args: Any, checkpointer: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if getattr(self, "is_deepspeed_enabled", False):
+            raise ConfigError(
+                "ShardckptTrainer does not checkpoint DeepSpeed engines (their ZeRO state is DeepSpeed's own "
+                "format). Remedy: FSDP2 through accelerate (fsdp_config with fsdp_version 2), or the stock Trainer."
+            )
         if checkpointer is None:
             checkpointer = shardckpt.Checkpointer(**_derived_options(self.args))
         elif not isinstance(checkpointer, shardckpt.Checkpointer):
             raise ConfigError(
                 f"checkpointer must be a shardckpt.Checkpointer, got {type(checkpointer).__name__}. Remedy: "
                 f"checkpointer=shardckpt.Checkpointer(local_dir=..., remote=...), or leave it out."
-            )
-        if getattr(self, "is_deepspeed_enabled", False):
-            raise ConfigError(
-                "ShardckptTrainer does not checkpoint DeepSpeed engines (their ZeRO state is DeepSpeed's own "
-                "format). Remedy: FSDP2 through accelerate (fsdp_config with fsdp_version 2), or the stock Trainer."
             )
         _check_mapping(self.args, checkpointer.config)
         self.checkpointer = checkpointer
