@@ -337,3 +337,24 @@ def test_accelerator_state_holds_what_accelerate_prepared_and_a_loader_resumes_i
     assert registered2.value == 5 and state2["loader"].exact
     assert next(iter(loader2)).tolist() == expected_next  # the batch after the last one drawn before the save
     assert all(torch.equal(model2.state_dict()[k], weights[k]) for k in weights)
+
+
+def test_trainer_saves_by_the_checkpointers_own_policy_and_stops_on_sigterm_with_the_step_committed(tmp_path):
+    from transformers import TrainerCallback
+
+    from shardckpt.integrations.hf import ShardckptTrainer
+
+    class Preempt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 4:
+                os.kill(os.getpid(), signal.SIGTERM)  # the spot notice, to this process
+
+    model, args, data = _trainer_parts(tmp_path, save_strategy="no", eval_strategy="no", save_total_limit=None,
+                                       metric_for_best_model=None, load_best_model_at_end=False, max_steps=9)
+    ckpt = shardckpt.Checkpointer(local_dir=str(tmp_path / "policy"), every_steps=3, keep_last=5)
+    trainer = ShardckptTrainer(model=model, args=args, train_dataset=data, checkpointer=ckpt, callbacks=[Preempt()])
+    trainer.train(resume_from_checkpoint=True)
+    assert trainer.preempted and trainer.state.global_step == 4  # stopped at the step the signal came in
+    assert committed(tmp_path / "policy") == [3, 4]  # every_steps=3, then the preemption save, committed
+    with pytest.raises(shardckpt.ConfigError, match="closed"):  # train() closed it: uploads drained
+        ckpt.save({}, 5)
