@@ -16,8 +16,9 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch first and pinned: letting pip choose pulls a multi-GB CUDA build.
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-# test: the suite's servers and tools; docs: MkDocs, which tests/test_docs.py runs
-"$VENV/bin/python" -m pip install -q -c deploy/constraints.txt -e ".[test,docs]"
+# test: the suite's servers and tools; docs: MkDocs, which tests/test_docs.py runs;
+# hf: transformers, accelerate, torchdata for tests/test_hf.py (torch stays pinned by the constraints)
+"$VENV/bin/python" -m pip install -q -c deploy/constraints.txt -e ".[test,docs,hf]"
 "$VENV/bin/python" -m pip check
 echo "$WANT" > "$STAMP"
 echo "setup: $("$VENV/bin/python" -c 'import torch, shardckpt; print("torch", torch.__version__, "shardckpt", shardckpt.__version__)')"
