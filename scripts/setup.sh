@@ -17,6 +17,16 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch first and pinned: letting pip choose pulls a multi-GB CUDA build.
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
 "$VENV/bin/python" -m pip install -q -c deploy/constraints.txt -e ".[test]"
+# torchtitan goes in without pip's resolver (below): out of the way of the check, reinstalled after it.
+"$VENV/bin/python" -m pip uninstall -q -y torchtitan >/dev/null 2>&1 || true
 "$VENV/bin/python" -m pip check
+# The "lightning" and "torchtitan" extras, for tests/test_lightning.py and tests/test_torchtitan.py.
+"$VENV/bin/python" -m pip install -q -c deploy/constraints.txt lightning torchdata
+# torchtitan 0.3.0 declares datasets<4.8, which needs fsspec<=2026.2 while s3fs 2026.9 needs fsspec 2026.9:
+# pip would fall back to torchtitan 0.2 (no BaseCheckpointManager). Installed without its dependencies, with
+# what its checkpointer, optimizer and dataloader components import (~5 MB beside it; its full trainer also
+# needs triton and a GPU: benchmarks/gpu_check.py --torchtitan).
+"$VENV/bin/python" -m pip install -q --no-deps -c deploy/constraints.txt torchtitan spmd_types tyro \
+    docstring-parser typeguard
 echo "$WANT" > "$STAMP"
 echo "setup: $("$VENV/bin/python" -c 'import torch, shardckpt; print("torch", torch.__version__, "shardckpt", shardckpt.__version__)')"
