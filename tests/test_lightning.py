@@ -3,9 +3,10 @@
 Per strategy: a 2-rank fit saving every 2 steps is SIGKILLed at step 5 (step 4
 committed); a crashed save of step 6 (DCP files, no commit record) is left
 beside it; a new job resumes with ``fit(ckpt_path="last")`` and must train
-steps 5.. bitwise as the killed job did. The resumed DDP job uploads to a moto
-S3 server; a 1-rank job with an empty disk then resumes its newest step from
-there.
+steps 5.. bitwise as the killed job did. The resumed FSDP2 job gets SIGTERM on
+every rank at step 7 (Lightning's signal handling stops the fit; step 7 is
+saved). The resumed DDP job uploads to a moto S3 server; a 1-rank job with an
+empty disk then resumes its newest step from there.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def kill_then_resume(out, strategy: str, env: dict, remote: str | None = None) -> dict:
+def kill_then_resume(out, strategy: str, env: dict, remote: str | None = None, sigterm_at: int | None = None) -> dict:
     ckpt = out / strategy
     log = out / f"{strategy}-killed.log"
     proc = start_torchrun(2, JOB, out, ckpt, strategy, f"{strategy}-killed", str(KILL_AT), env=env, log_path=log)
@@ -64,9 +65,12 @@ def kill_then_resume(out, strategy: str, env: dict, remote: str | None = None) -
     # A save of step 6 that crashed after DCP wrote its files and metadata, before the commit record.
     shutil.copytree(ckpt / layout.step_dirname(4), ckpt / layout.step_dirname(6))
     (ckpt / layout.step_dirname(6) / layout.MANIFEST_NAME).unlink()
-    args = [str(out), str(ckpt), strategy, f"{strategy}-resumed", "-"] + ([remote] if remote else [])
-    run_torchrun(2, JOB, *args, env=env, timeout=300)
-    return json.loads((out / f"{strategy}-resumed-result.json").read_text())
+    args = [str(out), str(ckpt), strategy, f"{strategy}-resumed", "-", remote or "-", "8",
+            "-" if sigterm_at is None else str(sigterm_at)]
+    job = run_torchrun(2, JOB, *args, env=env, timeout=300)
+    result = json.loads((out / f"{strategy}-resumed-result.json").read_text())
+    result["log"] = job.stdout
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +80,7 @@ def ddp(base, s3):
 
 @pytest.fixture(scope="module")
 def fsdp2(base):
-    return kill_then_resume(base, "fsdp2", child_env())
+    return kill_then_resume(base, "fsdp2", child_env(), sigterm_at=7)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
@@ -84,7 +88,6 @@ def test_sigkill_then_fit_last_resumes_bitwise(request, base, strategy):
     result = request.getfixturevalue(strategy)
     # "last" is the newest committed step (4), not the crashed step 6 beside it.
     assert result["restored_step"] == 4
-    assert result["global_step"] == 8
     # The LightningModule's own hooks: what on_save_checkpoint added came back to on_load_checkpoint.
     assert result["loaded_extra"] == {"saves": 2, "step": 4}
     restored_from = params(base, f"{strategy}-killed", 4)
@@ -95,9 +98,17 @@ def test_sigkill_then_fit_last_resumes_bitwise(request, base, strategy):
         assert same(params(base, f"{strategy}-killed", step), params(base, f"{strategy}-resumed", step)), step
 
 
+def test_sigterm_saves_the_step_when_lightning_stops_the_fit(base, fsdp2):
+    """SIGTERM on every rank at step 7 (not a multiple of every_n_train_steps=2): Lightning's own handler
+    stops the loop on all ranks together; the callback commits step 7 before the process exits."""
+    assert fsdp2["global_step"] == 7
+    assert (base / "fsdp2" / layout.step_dirname(7) / layout.MANIFEST_NAME).exists()
+    assert "SIGTERM: step 7 committed" in fsdp2["log"]
+
+
 def test_ddp_and_fsdp2_train_the_same_steps(base, ddp, fsdp2):
-    """Same model, data and seeds under both strategies: the resumed runs end where the other does."""
-    a, b = params(base, "ddp-resumed", 8), params(base, "fsdp2-resumed", 8)
+    """Same model, data and seeds under both strategies: the resumed runs reach the same weights."""
+    a, b = params(base, "ddp-resumed", 7), params(base, "fsdp2-resumed", 7)
     assert a.keys() == b.keys()
     assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)
 
@@ -107,8 +118,9 @@ def test_one_rank_resumes_the_two_rank_run_from_s3_with_the_elastic_plan(base, s
     assert f"lightning-ddp/{layout.step_dirname(8)}/{layout.MANIFEST_NAME}" in keys
     out = base
     run_torchrun(1, JOB, str(out), str(out / "one-rank-empty-disk"), "ddp", "one", "-",
-                 f"s3://{BUCKET}/lightning-ddp", env=child_env(**s3.env()), timeout=300)
+                 f"s3://{BUCKET}/lightning-ddp", "9", env=child_env(**s3.env()), timeout=300)
     result = json.loads((out / "one-result.json").read_text())
     assert result["restored_step"] == 8
     assert result["plan"] == [2, 1]  # saved at world size 2, restored at 1
-    assert same(params(out, "ddp-resumed", "end"), params(out, "one", "end"))
+    assert same(params(out, "ddp-resumed", 8), params(out, "one", "start"))
+    assert result["global_step"] == 9  # and it trains on

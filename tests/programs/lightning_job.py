@@ -1,6 +1,6 @@
 """A tiny Lightning fit with ShardckptCheckpoint (run under torchrun, CPU, gloo).
 
-``lightning_job.py OUT CKPT STRATEGY TAG [KILL_AT] [REMOTE]``
+``lightning_job.py OUT CKPT STRATEGY TAG [KILL_AT|-] [REMOTE|-] [MAX_STEPS] [SIGTERM_AT]``
 
 STRATEGY ``ddp`` or ``fsdp2`` (ModelParallelStrategy, fully_shard over the
 data-parallel mesh). Trains to global step 8 with ``fit(ckpt_path="last")``,
@@ -8,13 +8,16 @@ saving every 2 steps; writes the full parameters after every step
 (``OUT/TAG-params-N.pt``, rank 0) and at the end (``OUT/TAG-params-end.pt``), and what was restored
 (``OUT/TAG-result.json``). With KILL_AT, rank 0 waits for the save in flight
 to commit at that step, writes ``OUT/TAG-reached`` and sleeps (the test
-SIGKILLs the job). REMOTE: an s3:// URL for the remote tier.
+SIGKILLs the job). REMOTE: an s3:// URL for the remote tier. SIGTERM_AT:
+every rank sends itself SIGTERM at that step (a preemption notice); Lightning
+stops the loop and the callback saves that step before the process exits.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -97,19 +100,23 @@ class EpochShuffle(Sampler):
 
 
 class Recorder(L.Callback):
-    def __init__(self, out: str, tag: str, kill_at: int | None, ckpt: ShardckptCheckpoint) -> None:
+    def __init__(self, out: str, tag: str, kill_at: int | None, ckpt: ShardckptCheckpoint,
+                 sigterm_at: int | None = None) -> None:
         self.out, self.tag, self.kill_at, self.ckpt = out, tag, kill_at, ckpt
+        self.sigterm_at = sigterm_at
 
-    def on_fit_end(self, trainer, pl_module):
+    def on_train_start(self, trainer, pl_module):
         params = flat_tensors(pl_module.net.state_dict())
         if trainer.global_rank == 0:
-            torch.save(params, os.path.join(self.out, f"{self.tag}-params-end.pt"))
+            torch.save(params, os.path.join(self.out, f"{self.tag}-params-start.pt"))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         params = flat_tensors(pl_module.net.state_dict())  # collective with FSDP2: every rank
         step = trainer.global_step
         if trainer.global_rank == 0:
             torch.save(params, os.path.join(self.out, f"{self.tag}-params-{step}.pt"))
+        if step == self.sigterm_at:
+            os.kill(os.getpid(), signal.SIGTERM)
         if step == self.kill_at and trainer.global_rank == 0:
             self.ckpt.checkpointer.wait()  # the step saved before is committed, then the job is killed here
             open(os.path.join(self.out, f"{self.tag}-reached"), "w").close()
@@ -119,8 +126,13 @@ class Recorder(L.Callback):
 
 def main() -> None:
     out, ckpt_dir, strategy_name, tag = sys.argv[1:5]
-    kill_at = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] != "-" else None
-    remote = sys.argv[6] if len(sys.argv) > 6 else None
+    def arg(i):
+        return sys.argv[i] if len(sys.argv) > i and sys.argv[i] != "-" else None
+
+    kill_at = None if arg(5) is None else int(arg(5))
+    remote = arg(6)
+    max_steps = MAX_STEPS if arg(7) is None else int(arg(7))
+    sigterm_at = None if arg(8) is None else int(arg(8))
     world = int(os.environ["WORLD_SIZE"])
     if strategy_name == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
@@ -132,11 +144,17 @@ def main() -> None:
     torch.manual_seed(0)
     model = Tiny(fsdp=strategy_name == "fsdp2")
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_steps=MAX_STEPS,
-        callbacks=[ckpt, Recorder(out, tag, kill_at, ckpt)], logger=False, enable_progress_bar=False,
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=max_steps,
+        callbacks=[ckpt, Recorder(out, tag, kill_at, ckpt, sigterm_at)], logger=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False,
     )
-    trainer.fit(model, ckpt_path="last")
+    try:
+        trainer.fit(model, ckpt_path="last")  # Lightning's SIGTERMException is a SystemExit
+    finally:
+        write_result(out, tag, trainer, ckpt, model)
+
+
+def write_result(out, tag, trainer, ckpt, model) -> None:
     if trainer.global_rank == 0:
         plan = ckpt.last_plan
         with open(os.path.join(out, f"{tag}-result.json"), "w") as f:

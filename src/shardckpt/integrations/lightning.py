@@ -188,20 +188,17 @@ class ShardckptCheckpoint(ModelCheckpoint):
         pass
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self._ckpt is None:
-            return
         if isinstance(exception, SIGTERMException) and self.save_on_sigterm and trainer.global_step > 0:
             # Lightning raises it on every rank at the same batch boundary (after broadcasting rank 0's flag).
             self._save(trainer, wait=True)
-            log.warning("shardckpt: SIGTERM: step %d committed in %s", trainer.global_step,
-                        self.shardckpt_config.local_dir)
-        else:
-            try:
-                self._ckpt.wait()
-            except Exception as exc:  # noqa: BLE001 - the original exception is what the user must see
-                log.error("shardckpt: the save in flight failed as well: %s", exc)
+            if trainer.global_rank == 0:
+                log.warning("shardckpt: SIGTERM: step %d committed in %s; Lightning stops the fit now",
+                            trainer.global_step, self.shardckpt_config.local_dir)
+        # Any other exception: no wait here (other ranks may be gone). Committed steps are safe; a save
+        # that does not commit is never resumed.
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._last_saved = None
         if self._ckpt is not None:
             ckpt, self._ckpt = self._ckpt, None
             ckpt.close()
