@@ -4,7 +4,8 @@ Each submodule imports its framework when it is imported itself, never
 before: ``import shardckpt`` (and ``import shardckpt.integrations``) import
 no framework. ``shardckpt.integrations.hf`` (Hugging Face ``Trainer``,
 ``accelerate`` loops, torchdata's ``StatefulDataLoader``; ``pip install
-"shardckpt[hf]"``) is one of them.
+"shardckpt[hf]"``), ``shardckpt.integrations.lightning`` (``pip install "shardckpt[lightning]"``) and
+``shardckpt.integrations.torchtitan`` (``pip install "shardckpt[torchtitan]"``) are the ones there are.
 """
 
 from __future__ import annotations
