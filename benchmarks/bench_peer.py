@@ -108,7 +108,7 @@ def main() -> None:
     common.require_memory(3 * args.gib * common.GIB, f"a {args.gib} GiB state, moto's copy and a restore")
     from s3server import BUCKET, apply_env, restore_env, start_server
 
-    from shardckpt.tiers import remote
+    from shardckpt import stores
     from shardckpt.node import uploader
 
     model, state, nbytes = common.sized_state(args.gib)
@@ -131,7 +131,7 @@ def main() -> None:
         sink_dir = str(tmp / "sink")
         sink = RawSink(sink_dir)
         url = f"s3://{BUCKET}/benchpeer"
-        store = remote.open_store(url, shardckpt.CheckpointConfig(local_dir=owner).transfer_options())
+        store = stores.open_store(url, shardckpt.CheckpointConfig(local_dir=owner).transfer_options())
         assert uploader.Uploader(owner, store, node="owner:0", once=True, poll_s=0.05).run() == 0
         store.close()
         client.put_replica("owner:0", step_dir, manifest, names)  # the replica a replacement node reads

@@ -292,7 +292,7 @@ def test_a_corrupt_replica_file_falls_through_to_the_remote_for_that_file_only(s
     import shutil
 
     from s3server import BUCKET
-    from shardckpt.tiers import remote
+    from shardckpt import stores
     from shardckpt.node import uploader
 
     s3.reset()
@@ -301,7 +301,7 @@ def test_a_corrupt_replica_file_falls_through_to_the_remote_for_that_file_only(s
     model = nn.Linear(64, 64)
     with shardckpt.Checkpointer(local_dir=str(owner), preemption_signals=()) as ckpt:
         ckpt.save({"model": model}, 1)
-    store = remote.open_store(url, shardckpt.CheckpointConfig(local_dir=str(owner)).transfer_options())
+    store = stores.open_store(url, shardckpt.CheckpointConfig(local_dir=str(owner)).transfer_options())
     assert uploader.Uploader(str(owner), store, node="owner:0", once=True, poll_s=0.05).run() == 0
     step_dir = owner / layout.step_dirname(1)
     manifest = layout.read_manifest(str(step_dir))

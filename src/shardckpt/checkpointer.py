@@ -27,7 +27,6 @@ import concurrent.futures
 import logging
 import os
 import shutil
-import json
 import sys
 import time
 import uuid
@@ -36,7 +35,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardckpt import _dist, _failpoints, topology, values
-from shardckpt.tiers import early_upload, remote, remote_commit
+from shardckpt.restoring import step_peek as peek_mod
+from shardckpt.tiers.steps import LocalSteps, RemoteSteps
+from shardckpt._version import __version__
+from shardckpt.tiers import early_upload, remote_commit
+from shardckpt import stores
 from shardckpt.format import layout
 from shardckpt.format import lineage as lineage_mod
 from shardckpt.restoring import elastic as elastic_mod
@@ -46,7 +49,7 @@ from shardckpt.saving.commit import SaveJob, StepWriter
 from shardckpt.format.retention import FULL, LIGHT
 from shardckpt.errors import ConfigError, CorruptCheckpointError, RemoteError, SaveError
 from shardckpt.node.node_registry import state_dir
-from shardckpt.options import CheckpointConfig, OnRemoteUnavailable, SaveMode, UploaderMode
+from shardckpt.options import CheckpointConfig, OnRemoteUnavailable, SaveMode, UploaderMode, run_config_of
 from shardckpt.saving.policy import SavePolicy
 from shardckpt.restoring.restorer import Restorer
 from shardckpt.saving.stage import CopyFence, HostStager, split_bytes
@@ -104,7 +107,7 @@ class Checkpointer:
         # CheckpointConfig object is taken as it is (CheckpointConfig.from_env builds one by the rule).
         self.config = config if config is not None else CheckpointConfig.from_env(**kwargs)
         if self.config.remote is not None:
-            remote.check_remote_url(self.config.remote)
+            stores.check_remote_url(self.config.remote)
         self.root = os.path.abspath(self.config.local_dir)
         _check_writable(self.root)
         self._groups = _dist.SideGroups(self.config.collective_timeout_s)
@@ -365,13 +368,10 @@ class Checkpointer:
         loads are unaffected. Use it to build the model from its saved
         configuration, then ``load()`` into it.
         """
-        from shardckpt.restoring import step_peek as peek_mod
-        from shardckpt.tiers.location import LocalTier, RemoteTier
-
         self._check_open()
-        tiers: list[Any] = [LocalTier(self.root)]
+        tiers: list[Any] = [LocalSteps(self.root)]
         if self.config.remote is not None:
-            tiers.append(RemoteTier(self.config.remote, self.config.transfer_options()))
+            tiers.append(RemoteSteps(self.config.remote, self.config.transfer_options()))
         try:
             return peek_mod.peek_tiers(tiers, step, trust_pickles=trust_pickles)
         finally:
@@ -507,15 +507,15 @@ class Checkpointer:
         error = None
         foreign: tuple[str, float] | None = None
         if _dist.rank() == 0:
-            deadline = remote.Deadline(min(60.0, cfg.step_deadline_s))
+            deadline = stores.Deadline(min(60.0, cfg.step_deadline_s))
             try:
                 remote_commit.probe(self._restorer.store(), deadline, write=uploads)
                 if uploads and self._writer.lineage is None:
                     foreign = self._foreign_history(deadline)
             except (RemoteError, OSError, ConfigError, CorruptCheckpointError) as exc:
-                error = remote.redact(str(exc))
+                error = stores.redact(str(exc))
                 if isinstance(exc, CorruptCheckpointError):
-                    error = (f"the newest step on {remote.safe_url(cfg.remote)} cannot be read ({error}); this run "
+                    error = (f"the newest step on {stores.safe_url(cfg.remote)} cannot be read ({error}); this run "
                              f"loaded nothing and will not save over it. Remedy: load(state) first, a prefix of its own, "
                              f"or start_fresh=True.")
                 if isinstance(exc, (ConfigError, CorruptCheckpointError)):
@@ -524,7 +524,7 @@ class Checkpointer:
                 log.warning(
                     "shardckpt: remote retention keeps every step committed on %s (remote_keep_last=None); set "
                     "remote_keep_last (and remote_keep_every) to bound what the bucket holds, or clean it with "
-                    "`shardckpt gc`", remote.safe_url(cfg.remote),
+                    "`shardckpt gc`", stores.safe_url(cfg.remote),
                 )
         error, foreign = self._groups.broadcast_ctl((error, foreign))
         if foreign is not None and foreign[0] == "refused":
@@ -539,16 +539,16 @@ class Checkpointer:
             if _dist.rank() == 0:
                 log.warning(
                     "shardckpt: the remote %s does not work (on_remote_unavailable='warn': training goes on with "
-                    "local checkpoints only, uploads are retried): %s", remote.safe_url(cfg.remote), error,
+                    "local checkpoints only, uploads are retried): %s", stores.safe_url(cfg.remote), error,
                 )
             return
         raise RemoteError(
-            f"the remote {remote.safe_url(cfg.remote)} cannot be {'written' if uploads else 'listed'}, so no step "
+            f"the remote {stores.safe_url(cfg.remote)} cannot be {'written' if uploads else 'listed'}, so no step "
             f"would reach it: {error} Nothing was saved. Set on_remote_unavailable='warn' to train on with local "
             f"checkpoints only."
         )
 
-    def _foreign_history(self, deadline: remote.Deadline) -> tuple[str, float] | None:
+    def _foreign_history(self, deadline: stores.Deadline) -> tuple[str, float] | None:
         """First save of a run that loaded nothing: does the remote hold another history's steps?
 
         Saving into it would take that history over (and replace its steps of
@@ -556,7 +556,7 @@ class Checkpointer:
         ``start_fresh`` — then the new history is a branch of its own (returns
         its id and the remote's newest time, which the new saves come after).
         """
-        where = remote.safe_url(self.config.remote)
+        where = stores.safe_url(self.config.remote)
         if self.config.start_fresh:
             try:
                 dirs, newest = remote_commit.newest_committed(self._restorer.store(), deadline)
@@ -646,8 +646,6 @@ class Checkpointer:
     def _run_record(self) -> dict[str, Any]:
         """What was this checkpoint: the run's config, command line, world size, device, versions."""
         if self._run is None:
-            from shardckpt import __version__
-
             self._run = {
                 "config": run_config_of(self.config.run_config),
                 "argv": list(sys.argv),
@@ -736,7 +734,7 @@ class Checkpointer:
             "shardckpt: LOCAL DISK NEARLY FULL in %s (%s free, the next save needs ~%s): dropping local step %d, "
             "which is NOT yet committed on the remote %s. Remedy: check the uploader (status(), %s), "
             "free disk space or lower keep_last.",
-            self.root, fmt_bytes(free), fmt_bytes(needed), step, remote.safe_url(self.config.remote),
+            self.root, fmt_bytes(free), fmt_bytes(needed), step, stores.safe_url(self.config.remote),
             os.path.join(state_dir(self.root), "uploader.log"),
         )
         return True
@@ -782,29 +780,3 @@ def _metrics(metrics: dict[str, float] | None) -> dict[str, float]:
             raise ConfigError(f"metrics must map names to numbers, got {name!r}: {value!r}")
         out[str(name)] = float(value)
     return out
-
-
-def run_config_of(value: Any) -> Any:
-    """``run_config`` as recorded: a dict as JSON allows, or a YAML/JSON file's parsed content."""
-    if value is None:
-        return None
-    if isinstance(value, (str, os.PathLike)):
-        path = os.fspath(value)
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as exc:
-            raise ConfigError(f"run_config={path!r} cannot be read ({exc}). Remedy: pass a dict or a readable "
-                              f"YAML/JSON file") from exc
-        if path.endswith((".yaml", ".yml")):
-            try:
-                import yaml
-            except ImportError as exc:
-                raise ConfigError("run_config is a YAML file: pip install pyyaml, or pass a dict") from exc
-            value = yaml.safe_load(text)
-        else:
-            try:
-                value = json.loads(text)
-            except ValueError:
-                return {"file": path, "text": text}
-    return json.loads(json.dumps(value, default=str))

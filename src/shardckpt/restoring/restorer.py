@@ -22,7 +22,7 @@
     5. DCP read into the live module / optimizer state dicts and into rebuilt
        entries (plain values, stateful objects, this rank's RNG), stored
        tensors straight into the live tensors' memory, each file checksummed
-       by one rank of its copy while it is read (``dcp_reader.py``); one
+       by one rank of its copy while it is read (``dcp/reader.py``); one
        exchange: a file failing it is fetched again from the remote when the
        step is there and the step read again; every rank sees every failure
        (and with ``on_corrupt="fallback"`` every rank moves on to the next step)
@@ -44,7 +44,11 @@ import torch.distributed as dist
 
 from shardckpt import _dist
 from shardckpt.format import layout, retention, step_dirs
-from shardckpt.tiers import local, peer, ranged, remote, remote_commit
+from shardckpt.dcp import planner as dcp_planner
+from shardckpt.dcp import reader as dcp_reader
+from shardckpt.tiers import peer, ranged, remote_commit
+from shardckpt.tiers import steps as steps_mod
+from shardckpt import stores
 from shardckpt.restoring import elastic as elastic_mod
 from shardckpt.format import lineage as lineage_mod
 from shardckpt import state as state_mod
@@ -58,7 +62,7 @@ from shardckpt.errors import (
     RemoteError,
     StateMismatchError,
 )
-from shardckpt.options import CheckpointConfig, OnCorrupt
+from shardckpt.options import CheckpointConfig, OnCorrupt, run_config_of
 from shardckpt.topology import Topology
 
 log = logging.getLogger("shardckpt")
@@ -94,7 +98,7 @@ class Restorer:
         self.config = config
         self.root = root
         self._groups = groups
-        self._store: remote.Store | None = None
+        self._store: stores.Store | None = None
         self.topology = Topology.single()
         """Which ranks share this directory; set by the Checkpointer before the first load."""
         self.remote_committed: set[int] = set()
@@ -206,10 +210,10 @@ class Restorer:
         remote_report: tuple[dict[int, Any], dict[int, str], str | None] | None = None
         if self.config.remote is not None and _dist.rank() == 0:
             try:
-                listed, bad = remote_commit.remote_infos(self._remote_store(), remote.Deadline(self.config.step_deadline_s))
+                listed, bad = remote_commit.remote_infos(self._remote_store(), stores.Deadline(self.config.step_deadline_s))
                 remote_report = (listed, bad, None)
             except RemoteError as exc:
-                remote_report = ({}, {}, remote.redact(str(exc)))
+                remote_report = ({}, {}, stores.redact(str(exc)))
         early = self._early_check(step, infos, missing)
         payload = {
             "infos": {s: i.to_json() for s, i in infos.items()},
@@ -385,7 +389,7 @@ class Restorer:
             mine = have_local[_dist.rank()]
             where = self.root if not mine else f"the local_dir of {have_local.count(False)} rank(s)"
             raise RemoteError(
-                f"cannot list the remote {remote.safe_url(self.config.remote)} and {where} holds no "
+                f"cannot list the remote {stores.safe_url(self.config.remote)} and {where} holds no "
                 f"committed step, so nothing was loaded (starting fresh could discard a run that exists "
                 f"remotely). Cause: {error}"
             )
@@ -393,7 +397,7 @@ class Restorer:
             log.warning(
                 "shardckpt: cannot list the remote %s; using local steps only (a newer step committed "
                 "remotely would be missed): %s",
-                remote.safe_url(self.config.remote), error,
+                stores.safe_url(self.config.remote), error,
             )
 
     def _warn_config_changes(self, step: int, manifest: layout.Manifest) -> None:
@@ -408,8 +412,6 @@ class Restorer:
 
     def _config_changes(self, manifest: layout.Manifest) -> list[str]:
         """``key: saved -> current`` for each ``run_config`` entry that differs (empty when either is unknown)."""
-        from shardckpt.checkpointer import run_config_of
-
         saved = (manifest.run or {}).get("config")
         current = run_config_of(self.config.run_config)
         if saved is None or current is None or saved == current:
@@ -465,7 +467,7 @@ class Restorer:
         self._sparse.pop(step, None)
         if step in survey.remote_unreadable:
             raise CorruptCheckpointError(
-                f"step {step} is committed on the remote {remote.safe_url(self.config.remote)}, but it cannot be "
+                f"step {step} is committed on the remote {stores.safe_url(self.config.remote)}, but it cannot be "
                 f"used: {survey.remote_unreadable[step]}"
             )
         if step in survey.early:
@@ -560,23 +562,23 @@ class Restorer:
         error = None
         if self.topology.committer and names:
             try:
-                remote_commit.fetch_step(self._remote_store(), self.root, step, names=names)
+                steps_mod.fetch_step(self._remote_store(), self.root, step, names=names)
                 log.warning(
                     "shardckpt: step %d: replaced %d file(s) of %s that failed verification with the remote's "
                     "copy (%s)", step, len(names), step_dir, ", ".join(names[:5]),
                 )
             except (CorruptCheckpointError, RemoteError, OSError) as exc:
-                error = f"{errors[0]} The remote copy could not replace it: {remote.redact(str(exc))}"
+                error = f"{errors[0]} The remote copy could not replace it: {stores.redact(str(exc))}"
         left = [e for e in self._groups.all_gather_ctl(error) if e]
         return left
 
-    def store(self) -> remote.Store:
+    def store(self) -> stores.Store:
         """The remote store (opened on first use, closed by :meth:`close`)."""
         return self._remote_store()
 
-    def _remote_store(self) -> remote.Store:
+    def _remote_store(self) -> stores.Store:
         if self._store is None:
-            self._store = remote.open_store(self.config.remote, self.config.transfer_options())
+            self._store = stores.open_store(self.config.remote, self.config.transfer_options())
         return self._store
 
     def _fetch_missing(self, step: int, step_dir: str, stale: bool = False) -> set[str]:
@@ -597,13 +599,13 @@ class Restorer:
                     log.warning(
                         "shardckpt: step %d in %s is another save than the one committed on %s (a stale copy, e.g. "
                         "from before a rollback elsewhere): kept aside as %s; fetching the live one",
-                        step, step_dir, remote.safe_url(self.config.remote), kept,
+                        step, step_dir, stores.safe_url(self.config.remote), kept,
                     )
-                fetched = sorted(remote_commit.fetch_step(self._remote_store(), self.root, step))
+                fetched = sorted(steps_mod.fetch_step(self._remote_store(), self.root, step))
             except CorruptCheckpointError as exc:
                 error = ("corrupt", str(exc))
             except (RemoteError, OSError) as exc:
-                error = ("remote", remote.redact(str(exc)))
+                error = ("remote", stores.redact(str(exc)))
         gathered = self._groups.all_gather_ctl((error, fetched))
         errors = [g[0] for g in gathered if g[0] is not None]
         if errors:
@@ -628,7 +630,7 @@ class Restorer:
         if empty and topo.committer:
             try:
                 store = self._remote_store()
-                source = ranged.RemoteSource(store, step)
+                source = steps_mod.StepView.of_step(store, step)
                 sparse = ranged.SparseStep.open(
                     self.root, survey.infos[step].version,
                     lambda: remote_commit.remote_manifest(store, step, source.deadline), source, metadata=False,
@@ -637,7 +639,7 @@ class Restorer:
             except CorruptCheckpointError as exc:
                 result = (None, ("corrupt", str(exc)), False)
             except (RemoteError, OSError) as exc:
-                result = (None, ("remote", remote.redact(str(exc))), False)
+                result = (None, ("remote", stores.redact(str(exc))), False)
         gathered = self._groups.all_gather_ctl(result)
         errors = [e for _d, e, _m in gathered if e is not None]
         if errors:
@@ -669,7 +671,7 @@ class Restorer:
             assert sparse is not None
             path = os.path.join(sparse.dir, layout.METADATA_NAME)
             size = sparse.manifest.files[layout.METADATA_NAME].size
-            source = ranged.RemoteSource(self._remote_store(), step)
+            source = steps_mod.StepView.of_step(self._remote_store(), step)
 
             def fetch() -> tuple[str, str] | None:
                 try:
@@ -678,7 +680,7 @@ class Restorer:
                 except CorruptCheckpointError as exc:
                     return ("corrupt", str(exc))
                 except (RemoteError, OSError) as exc:
-                    return ("remote", remote.redact(str(exc)))
+                    return ("remote", stores.redact(str(exc)))
 
             if not holders and me == order[0]:
                 error = fetch()  # on failure it sends what it has: the receivers' check refuses it
@@ -810,7 +812,7 @@ class Restorer:
                 f"(see {os.path.join(step_dir, layout.MANIFEST_NAME)}). Remedy: point local_dir/remote at this "
                 f"run's checkpoints, or set run_id to {manifest.run_id!r} (or None) to continue that run."
             )
-        metadata = local.read_metadata(step_dir, step, trust_pickles=trust_pickles)
+        metadata = dcp_planner.read_metadata(step_dir, step, trust_pickles=trust_pickles)
         kinds_live = state_mod.classify(state)
         # Adopted stock DCP checkpoints record no kinds: take the live ones.
         saved_kinds = {
@@ -887,13 +889,13 @@ class Restorer:
         # Plain values and stateful objects are read into the caller's own tensors where
         # they match (as modules are): no second allocation, no copy afterwards.
         live = state_mod.LiveTensors(state, kinds_live, rebuild_keys)
-        planner = local.RestorePlanner(rebuild, allow_partial_load=True, trust_pickles=trust_pickles, into=live.find)
+        planner = dcp_planner.RestorePlanner(rebuild, allow_partial_load=True, trust_pickles=trust_pickles, into=live.find)
         sparse = self._sparse.get(step)
-        failures = local.dcp_read(
+        failures = dcp_reader.dcp_read(
             targets, step_dir, metadata, planner, self._groups.ctl, step=step,
             entries=manifest.files if self.config.verify_on_load else None,
             copies=[list(c) for c in self.topology.copies], checked=checked,
-            sparse=sparse, source=ranged.RemoteSource(self._remote_store(), step) if sparse is not None else None,
+            sparse=sparse, source=steps_mod.StepView.of_step(self._remote_store(), step) if sparse is not None else None,
         )
         # Every rank learns every checksum failure here, before anything is applied to the
         # live objects (applying may be collective: all ranks must take the same path).
