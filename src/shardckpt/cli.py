@@ -355,14 +355,15 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def _latest_peer(root: str, steps: list[int]) -> int | None:
     """The newest local step whose files this node's peer daemon replicated (the same save)."""
-    from shardckpt.tiers import peer
+    from shardckpt.node import peer_daemon
 
-    return next((s for s in reversed(steps) if peer.replicated(root, s)), None)
+    return next((s for s in reversed(steps) if peer_daemon.replicated(root, s)), None)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from shardckpt.node import node_registry
-    from shardckpt.tiers import peer, remote_commit
+    from shardckpt.node import peer_daemon
+    from shardckpt.tiers import remote_commit
 
     root = os.path.abspath(args.dir)
     if not os.path.isdir(root):
@@ -389,7 +390,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "failed_commits": {k: v for k, v in (info.get("failed_steps") or {}).items() if k.isdigit() and int(k) in pending},
         "last_error": info.get("last_error"),
         "last_error_time": info.get("last_error_time"),
-        "peer": peer.node_status(root),
+        "peer": peer_daemon.node_status(root),
     }
     body["latest_peer"] = _latest_peer(root, steps)
     if args.json:
@@ -400,7 +401,7 @@ def cmd_status(args: argparse.Namespace) -> int:
               + (f" (peer-durable: {body['latest_peer']})" if body["peer"] else "")
               + "; no uploader has run here (no remote configured, or it never started)")
         if body["peer"]:
-            print(peer.status_line(body["peer"]))
+            print(peer_daemon.status_line(body["peer"]))
         return BAD
     state = "running" if running is not None else (body["uploader"]["state"] or "not running")
     pid = f" (pid {running})" if running else ""
@@ -411,7 +412,7 @@ def cmd_status(args: argparse.Namespace) -> int:
           + (f" (lag {body['lag_steps']} steps)" if body["lag_steps"] else ""))
     print(f"  pending: {pending or 'nothing'}" + (f" ({fmt_bytes(body['pending_bytes'])})" if pending else ""))
     if body["peer"]:
-        print(peer.status_line(body["peer"]))
+        print(peer_daemon.status_line(body["peer"]))
     for step, why in sorted(body["waiting"].items()):
         print(f"  step {step} waits: {why}")
     if body["failed_commits"]:

@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from shardckpt import _dist
-from shardckpt.format import layout, retention, step_dirs
-from shardckpt.tiers import local, peer, ranged, remote, remote_commit
+from shardckpt.format import layout, replicas, retention, step_dirs
+from shardckpt.tiers import local, ranged, remote, remote_commit
 from shardckpt.restoring import elastic as elastic_mod
 from shardckpt.format import lineage as lineage_mod
 from shardckpt import state as state_mod
@@ -198,9 +198,9 @@ class Restorer:
         rank's copy of another save of that number is stale, and is treated as
         absent there (kept aside and replaced when the step is fetched).
         """
-        adopted = peer.adopt_replicas(self.root)
+        adopted = replicas.adopt_replicas(self.root)
         if adopted:
-            log.info("shardckpt: using the replicas of other nodes' files held in %s: %s", peer.replicas_root(self.root),
+            log.info("shardckpt: using the replicas of other nodes' files held in %s: %s", replicas.replicas_root(self.root),
                      ", ".join(f"step {s}: {len(n)} file(s)" for s, n in sorted(adopted.items())))
         infos, missing, unreadable = _scan(self.root)
         remote_report: tuple[dict[int, Any], dict[int, str], str | None] | None = None

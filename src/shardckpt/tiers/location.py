@@ -160,10 +160,10 @@ class LocalTier(Tier):
     def tiers(self, step: int, manifest: layout.Manifest) -> list[str]:
         """``local``, ``peer`` once this node's peer daemon replicated it, ``remote`` once the uploader
         marked it committed there."""
-        from shardckpt.tiers import peer
+        from shardckpt.node import peer_daemon
 
         found = self._local_remote(step, manifest)
-        if peer.replicated(self.root, step, manifest):
+        if peer_daemon.replicated(self.root, step, manifest):
             found.insert(1, "peer")
         return found
 
