@@ -41,7 +41,7 @@ from shardckpt.format import layout, lineage, retention
 from shardckpt._text import fmt_bytes
 from shardckpt.errors import ShardckptError
 from shardckpt.format import step_dirs
-from shardckpt.node import node_registry
+from shardckpt.node import node_registry, peer_daemon
 from shardckpt.node.uploader import (
     add_best_args,
     add_sync_args,
@@ -52,7 +52,7 @@ from shardckpt.node.uploader import (
     sync_from_args,
 )
 from shardckpt.stores import Deadline, TransferOptions, redact
-from shardckpt.tiers import peer, remote_commit, remote_index
+from shardckpt.tiers import remote_commit, remote_index
 from shardckpt.tiers import steps as steps_mod
 from shardckpt.tiers.steps import open_steps
 
@@ -346,7 +346,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def _latest_peer(root: str, steps: list[int]) -> int | None:
     """The newest local step whose files this node's peer daemon replicated (the same save)."""
-    return next((s for s in reversed(steps) if peer.replicated(root, s)), None)
+    return next((s for s in reversed(steps) if peer_daemon.replicated(root, s)), None)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -375,7 +375,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "failed_commits": {k: v for k, v in (info.get("failed_steps") or {}).items() if k.isdigit() and int(k) in pending},
         "last_error": info.get("last_error"),
         "last_error_time": info.get("last_error_time"),
-        "peer": peer.node_status(root),
+        "peer": peer_daemon.node_status(root),
     }
     body["latest_peer"] = _latest_peer(root, steps)
     if args.json:
@@ -386,7 +386,7 @@ def cmd_status(args: argparse.Namespace) -> int:
               + (f" (peer-durable: {body['latest_peer']})" if body["peer"] else "")
               + "; no uploader has run here (no remote configured, or it never started)")
         if body["peer"]:
-            print(peer.status_line(body["peer"]))
+            print(peer_daemon.status_line(body["peer"]))
         return BAD
     state = "running" if running is not None else (body["uploader"]["state"] or "not running")
     pid = f" (pid {running})" if running else ""
@@ -397,7 +397,7 @@ def cmd_status(args: argparse.Namespace) -> int:
           + (f" (lag {body['lag_steps']} steps)" if body["lag_steps"] else ""))
     print(f"  pending: {pending or 'nothing'}" + (f" ({fmt_bytes(body['pending_bytes'])})" if pending else ""))
     if body["peer"]:
-        print(peer.status_line(body["peer"]))
+        print(peer_daemon.status_line(body["peer"]))
     for step, why in sorted(body["waiting"].items()):
         print(f"  step {step} waits: {why}")
     if body["failed_commits"]:

@@ -43,10 +43,10 @@ import torch
 import torch.distributed as dist
 
 from shardckpt import _dist
-from shardckpt.format import layout, retention, step_dirs
+from shardckpt.format import layout, replicas, retention, step_dirs
 from shardckpt.dcp import planner as dcp_planner
 from shardckpt.dcp import reader as dcp_reader
-from shardckpt.tiers import peer, ranged, remote_commit
+from shardckpt.tiers import ranged, remote_commit
 from shardckpt.tiers import steps as steps_mod
 from shardckpt import stores
 from shardckpt.restoring import elastic as elastic_mod
@@ -202,9 +202,9 @@ class Restorer:
         rank's copy of another save of that number is stale, and is treated as
         absent there (kept aside and replaced when the step is fetched).
         """
-        adopted = peer.adopt_replicas(self.root)
+        adopted = replicas.adopt_replicas(self.root)
         if adopted:
-            log.info("shardckpt: using the replicas of other nodes' files held in %s: %s", peer.replicas_root(self.root),
+            log.info("shardckpt: using the replicas of other nodes' files held in %s: %s", replicas.replicas_root(self.root),
                      ", ".join(f"step {s}: {len(n)} file(s)" for s, n in sorted(adopted.items())))
         infos, missing, unreadable = _scan(self.root)
         remote_report: tuple[dict[int, Any], dict[int, str], str | None] | None = None

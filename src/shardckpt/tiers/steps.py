@@ -29,7 +29,7 @@ import uuid
 from typing import Any, Callable
 
 from shardckpt.format import layout, lineage, step_dirs
-from shardckpt.tiers import peer as peer_tier
+from shardckpt.node import peer_daemon
 from shardckpt.tiers import remote_commit
 from shardckpt.errors import CorruptCheckpointError, RemoteError, ShardckptError
 from shardckpt.stores import Deadline, LocalDirStore, join, Store, TransferOptions, open_store, safe_url, split_url
@@ -275,7 +275,7 @@ class LocalSteps(Steps):
         """``local``, ``peer`` once this node's peer daemon replicated it, ``remote`` once the uploader
         marked it committed there."""
         found = ["local"]
-        if peer_tier.replicated(self.root, step, manifest):
+        if peer_daemon.replicated(self.root, step, manifest):
             found.append("peer")
         try:
             with open(os.path.join(self.step_where(step), remote_commit.UPLOADED_NAME), encoding="utf-8") as f:
