@@ -306,10 +306,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from shardckpt.export import run_export
+    """``shardckpt export``: write the file and print one line saying what was written."""
+    from shardckpt.export import export_step  # imports torch: only for this command
 
-    args.fmt = args.format
-    return run_export(args)
+    result = export_step(
+        args.src, args.out, step=args.step, fmt=args.format, optimizer=args.optimizer, key=args.key,
+        trust_pickles=args.trust_pickles, endpoint_url=args.endpoint_url,
+    )
+    what = f"{result.tensors} tensors"
+    if result.optimizer_key is not None:
+        what += f" ({len(result.optimizer_keys)} of optimizer {result.optimizer_key!r})"
+    line = (f"exported step {result.step} of {redact(args.src)} (module {result.module_key!r}): {what}, "
+            f"{fmt_bytes(result.bytes)} {result.format} -> {result.path}")
+    if result.fetched_files is not None:
+        line += (f"; fetched {result.fetched_files} of {result.step_files} files "
+                 f"({fmt_bytes(result.fetched_bytes or 0)} of {fmt_bytes(result.step_bytes)})")
+    print(line)
+    return OK
 
 
 def cmd_gc(args: argparse.Namespace) -> int:

@@ -34,7 +34,6 @@ file under the key ``"optimizer"``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -687,24 +686,3 @@ def _check_written(path: str, fmt: str, plan: _Plan, step: int) -> None:
             f"the export of step {step} did not read back as written ({len(wrong)} tensor(s) differ in name, "
             f"shape or dtype, e.g. {wrong[0]!r}); the output was not replaced. Remedy: report this as a bug."
         )
-
-
-# ---------------------------------------------------------------- command line
-
-
-def run_export(args: argparse.Namespace) -> int:
-    """``shardckpt export``: write the file and print one line saying what was written."""
-    result = export_step(
-        args.src, args.out, step=args.step, fmt=args.fmt, optimizer=args.optimizer, key=args.key,
-        trust_pickles=args.trust_pickles, endpoint_url=args.endpoint_url,
-    )
-    what = f"{result.tensors} tensors"
-    if result.optimizer_key is not None:
-        what += f" ({len(result.optimizer_keys)} of optimizer {result.optimizer_key!r})"
-    line = (f"exported step {result.step} of {stores.safe_url(args.src)} (module {result.module_key!r}): {what}, "
-            f"{fmt_bytes(result.bytes)} {result.format} -> {result.path}")
-    if result.fetched_files is not None:
-        line += (f"; fetched {result.fetched_files} of {result.step_files} files "
-                 f"({fmt_bytes(result.fetched_bytes or 0)} of {fmt_bytes(result.step_bytes)})")
-    print(line)
-    return 0

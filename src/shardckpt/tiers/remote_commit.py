@@ -47,7 +47,6 @@ import dataclasses
 import json
 import logging
 import os
-import threading
 import time
 import uuid
 from typing import Any, Mapping
@@ -59,10 +58,18 @@ from shardckpt.format import lineage as lineage_mod
 from shardckpt.errors import CorruptCheckpointError, RemoteError
 from shardckpt.stores import Deadline, Store, join, safe_url
 from shardckpt.format.retention import RetentionPolicy, plan_deletions
+from shardckpt.tiers.upload_marks import (  # noqa: F401 - part of this module's API
+    UPLOADED_NAME,
+    for_upload,
+    is_uploaded,
+    local_bytes,
+    mark_uploaded,
+    pending_steps,
+    present_files,
+)
 
 log = logging.getLogger("shardckpt")
 
-UPLOADED_NAME = ".shardckpt-uploaded.json"
 NODES_DIR = "_nodes"
 MARKER_FORMAT = "shardckpt-node/1"
 COMMITTED = "committed"
@@ -73,137 +80,13 @@ GONE = "gone"
 
 # ------------------------------------------------------------ small helpers
 
-PROGRESS_S = 10.0
-"""Seconds between progress lines of one long upload or download."""
-
-
-class Progress:
-    """Logs ``<what>: x of y MiB (r MiB/s)`` every ``every_s`` while a transfer runs.
-
-    Used as a context manager around the transfer; the store calls :meth:`add`
-    as parts of files are confirmed. Short transfers (under ``every_s``) log
-    nothing here.
-    """
-
-    bar_factory: Any = None
-    """``(what, total) -> bar``: a progress bar with ``update(n)`` / ``close()`` that
-    replaces the log lines (the command line sets one on a terminal)."""
-
-    def __init__(self, what: str, total: int, every_s: float) -> None:
-        self.what, self.total, self.every_s = what, total, every_s
-        self._done = 0
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._started = time.monotonic()
-        self._thread: threading.Thread | None = None
-        self._bar: Any = None
-
-    def add(self, nbytes: int) -> None:
-        with self._lock:
-            self._done += nbytes
-            if self._bar is not None:
-                self._bar.update(nbytes)
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self._started
-
-    def _report(self) -> None:
-        while not self._stop.wait(self.every_s):
-            with self._lock:
-                done = self._done
-            log.info(
-                "shardckpt: %s: %.1f of %.1f MiB (%.1f MiB/s)",
-                self.what, done / 2**20, self.total / 2**20, done / 2**20 / max(1e-9, self.elapsed()),
-            )
-
-    def __enter__(self) -> "Progress":
-        self._started = time.monotonic()
-        factory = Progress.bar_factory
-        self._bar = factory(self.what, self.total) if factory is not None and self.total else None
-        if self._bar is None:
-            self._thread = threading.Thread(target=self._report, name="shardckpt-progress", daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+from shardckpt.stores.progress import PROGRESS_S, Progress  # noqa: E402,F401 - used here and by callers
 
 
 files_digest = layout.files_digest
 
 
 step_key = remote_index.step_key
-
-
-def present_files(step_dir: str, manifest: layout.Manifest) -> list[str]:
-    """Manifest files present in ``step_dir`` with their recorded size."""
-    missing = set(layout.missing_files(step_dir, manifest))
-    return sorted(n for n in manifest.files if n not in missing)
-
-
-def mark_uploaded(step_dir: str, url: str, manifest: layout.Manifest, superseded_by: int | None = None) -> None:
-    body = {"remote": safe_url(url), "files_digest": files_digest(manifest), "time": time.time()}
-    if superseded_by is not None:
-        body["superseded_by"] = superseded_by
-    try:
-        layout.atomic_write_text(os.path.join(step_dir, UPLOADED_NAME), json.dumps(body))
-    except FileNotFoundError:
-        pass  # the step was deleted meanwhile
-
-
-def is_uploaded(step_dir: str, url: str) -> bool:
-    """True when the local step carries a mark that *its content* is committed on ``url``.
-
-    The mark names the digest of the files that were committed: a step saved
-    again under the same number (a rollback, a restart) has other files, so
-    an old mark does not count for it.
-    """
-    try:
-        with open(os.path.join(step_dir, UPLOADED_NAME), encoding="utf-8") as f:
-            body = json.load(f)
-        manifest = layout.read_manifest(step_dir)
-    except (OSError, ValueError):
-        return False
-    if manifest is None or body.get("remote") != safe_url(url):
-        return False
-    return body.get("files_digest") == files_digest(manifest)
-
-
-def for_upload(step_dir: str) -> bool:
-    """False for a step its manifest keeps local (``remote_every`` skipped it)."""
-    try:
-        manifest = layout.read_manifest(step_dir)
-    except CorruptCheckpointError:
-        return True  # let the upload report it
-    return manifest is None or manifest.upload
-
-
-def pending_steps(root: str, url: str) -> list[int]:
-    """Committed local steps that are to be uploaded and are not committed on ``url`` yet."""
-    out = []
-    for step in layout.committed_steps(root):
-        step_dir = os.path.join(root, layout.step_dirname(step))
-        if not is_uploaded(step_dir, url) and for_upload(step_dir):
-            out.append(step)
-    return out
-
-
-def local_bytes(root: str, step: int) -> int:
-    step_dir = os.path.join(root, layout.step_dirname(step))
-    try:
-        manifest = layout.read_manifest(step_dir)
-    except CorruptCheckpointError:
-        return 0
-    if manifest is None:
-        return 0
-    return sum(manifest.files[n].size for n in present_files(step_dir, manifest))
-
-
 
 
 PROBE_PREFIX = ".shardckpt-probe"
