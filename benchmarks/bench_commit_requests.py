@@ -68,7 +68,8 @@ def child(nodes: list[int], scratch: str) -> dict:
     from remote_history import RequestLog
     from s3server import BUCKET
     from shardckpt.format import layout
-    from shardckpt.tiers import remote, remote_commit
+    from shardckpt.tiers import remote_commit
+    from shardckpt import stores
     from shardckpt.format.retention import KeepLast
 
     out: dict = {}
@@ -78,13 +79,13 @@ def child(nodes: list[int], scratch: str) -> dict:
         run_torchrun(k, PROGRAMS / "multinode.py", "save", base, saved, "--layout", "rank", "--steps", "2", timeout=600)
         url = f"s3://{BUCKET}/commit{k}"
         dirs = [os.path.join(base, f"rank{r}") for r in range(k)]
-        stores = [remote.open_store(url) for _ in dirs]
-        logs = [RequestLog(s) for s in stores]
+        opened = [stores.open_store(url) for _ in dirs]
+        logs = [RequestLog(s) for s in opened]
         counts: dict = {p: {"committer": None, "other": None} for p in PHASES}
 
         def run(node: int, step: int, policy=None, skip=None) -> tuple[remote_commit.PushResult, dict]:
             logs[node].clear()
-            result = remote_commit.push_step(stores[node], dirs[node], step, node=f"n{node}", policy=policy,
+            result = remote_commit.push_step(opened[node], dirs[node], step, node=f"n{node}", policy=policy,
                                              skip_upload_digest=skip)
             got = logs[node]
             return result, {"kinds": dict(got.kinds), "manifest_gets": got.manifest_gets, "bytes_in": got.bytes_in}
@@ -112,7 +113,7 @@ def child(nodes: list[int], scratch: str) -> dict:
         f = (len(manifest.files) - f0) // max(1, k - 1)
         out[str(k)] = {"counts": counts, "F": f, "F0": f0, "files": len(manifest.files),
                        "manifest_bytes": len(manifest.to_json().encode())}
-        for s in stores:
+        for s in opened:
             s.close()
     return out
 

@@ -42,7 +42,8 @@ def child(held: list[int], scratch: str) -> dict:
     import shardckpt
     from remote_history import RequestLog, clone_steps
     from s3server import BUCKET
-    from shardckpt.tiers import remote, remote_commit
+    from shardckpt.tiers import remote_commit
+    from shardckpt import stores
     from shardckpt.node import uploader
     from shardckpt.format.retention import KeepLast
 
@@ -53,10 +54,10 @@ def child(held: list[int], scratch: str) -> dict:
         ckpt = shardckpt.Checkpointer(local_dir=local, keep_last=None, preemption_signals=())
         ckpt.save({"model": torch.nn.Linear(64, 64)}, 1).wait()
         ckpt.close()
-        assert uploader.Uploader(local, remote.open_store(url), node="n0", once=True, poll_s=0.05).run() == 0
-        store = remote.open_store(url)
+        assert uploader.Uploader(local, stores.open_store(url), node="n0", once=True, poll_s=0.05).run() == 0
+        store = stores.open_store(url)
         clone_steps(store, 1, list(range(2, n + 1)))
-        deadline = remote.Deadline(300)
+        deadline = stores.Deadline(300)
         bring_index_up_to_date(store, deadline)
         log = RequestLog(store)
         row = {}

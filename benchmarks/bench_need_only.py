@@ -60,7 +60,8 @@ def one(k: int, width: int, repeats: int, scratch: str, server, mode: str = "fsd
     from helpers import child_env
     from s3server import BUCKET
     from shardckpt.format import layout
-    from shardckpt.tiers import remote, remote_commit
+    from shardckpt.tiers import remote_commit
+    from shardckpt import stores
 
     url = f"s3://{BUCKET}/needonly-{mode}{k}"
     base = os.path.join(scratch, f"{mode}-k{k}")
@@ -71,8 +72,8 @@ def one(k: int, width: int, repeats: int, scratch: str, server, mode: str = "fsd
     launch(k, "save", os.path.join(base, "save"), url, os.path.join(base, "saved.pt"),
            lambda i: child_env(**knobs), logs, ["1"])
     shutil.rmtree(os.path.join(base, "save"))
-    store = remote.open_store(url, remote.TransferOptions(endpoint_url=server.endpoint))
-    manifest = remote_commit.remote_manifest(store, 1, remote.Deadline(60))
+    store = stores.open_store(url, stores.TransferOptions(endpoint_url=server.endpoint))
+    manifest = remote_commit.remote_manifest(store, 1, stores.Deadline(60))
     store.close()
     rounds = []
     for r in range(repeats):

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_peer.py --gib 0.25 --repeats 3 [--dir DIR] [--json FILE]
 
-One process; the peer endpoint (``shardckpt.tiers.peer``) of a holder directory
+One process; the peer endpoint (``shardckpt.node.peer_service``) of a holder directory
 serves on 127.0.0.1 in a thread, moto's S3 server runs in its own process. A
 state of ``--gib`` fp32 is saved once by shardckpt (the owner node's step).
 
@@ -44,7 +44,9 @@ import torch
 import common  # noqa: E402  (puts src/ on sys.path)
 import shardckpt  # noqa: E402
 from shardckpt.format import layout
-from shardckpt.tiers import peer  # noqa: E402
+from shardckpt.format import replicas  # noqa: E402
+from shardckpt.node import peer_service  # noqa: E402
+from shardckpt.stores import peer_client  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
@@ -108,7 +110,7 @@ def main() -> None:
     common.require_memory(3 * args.gib * common.GIB, f"a {args.gib} GiB state, moto's copy and a restore")
     from s3server import BUCKET, apply_env, restore_env, start_server
 
-    from shardckpt.tiers import remote
+    from shardckpt import stores
     from shardckpt.node import uploader
 
     model, state, nbytes = common.sized_state(args.gib)
@@ -125,18 +127,18 @@ def main() -> None:
         manifest = layout.read_manifest(step_dir)
         names = layout.copy_files(step_dir, manifest)[0]
         os.makedirs(holder)
-        peer.write_secret(holder, SECRET.decode())
-        endpoint = peer.serve(peer.PeerService(holder, "holder:0"), "127.0.0.1")
-        client = peer.PeerClient(f"127.0.0.1:{endpoint.server_address[1]}", SECRET)
+        peer_service.write_secret(holder, SECRET.decode())
+        endpoint = peer_service.serve(peer_service.PeerService(holder, "holder:0"), "127.0.0.1")
+        client = peer_client.PeerClient(f"127.0.0.1:{endpoint.server_address[1]}", SECRET)
         sink_dir = str(tmp / "sink")
         sink = RawSink(sink_dir)
         url = f"s3://{BUCKET}/benchpeer"
-        store = remote.open_store(url, shardckpt.CheckpointConfig(local_dir=owner).transfer_options())
+        store = stores.open_store(url, shardckpt.CheckpointConfig(local_dir=owner).transfer_options())
         assert uploader.Uploader(owner, store, node="owner:0", once=True, poll_s=0.05).run() == 0
         store.close()
         client.put_replica("owner:0", step_dir, manifest, names)  # the replica a replacement node reads
         try:
-            fresh_replica = lambda: shutil.rmtree(os.path.join(peer.replicas_root(holder), "bench_0"),  # noqa: E731
+            fresh_replica = lambda: shutil.rmtree(os.path.join(replicas.replicas_root(holder), "bench_0"),  # noqa: E731
                                                   ignore_errors=True)
             rows = common.compare(result, [
                 common.Tool("raw socket copy (floor)", lambda: sink.send(step_dir, names),
@@ -167,7 +169,7 @@ def main() -> None:
                 common.fresh_dir(target)
 
             def from_peer() -> None:
-                if peer.fetch_own_replica(target, "owner:0", [("holder:0", client)]) is None:
+                if peer_client.fetch_own_replica(target, "owner:0", [("holder:0", client)]) is None:
                     raise RuntimeError("no replica was fetched")
                 with shardckpt.Checkpointer(local_dir=target, preemption_signals=()) as c:
                     c.load(state)

@@ -260,7 +260,8 @@ import sys, json
 sys.path.insert(0, {str(PROGRAM.parent)!r})
 import soak_train, shardckpt
 from shardckpt.node import node_registry, uploader
-from shardckpt.tiers import remote, remote_commit
+from shardckpt.tiers import remote_commit
+from shardckpt import stores
 
 {_LOAD_EACH}
 def load_all(ckpt, steps):
@@ -272,8 +273,8 @@ def load_all(ckpt, steps):
 
 ckpt = shardckpt.Checkpointer(local_dir={str(ckpt_dir)!r}, preemption_signals=())
 local, local_newest = load_all(ckpt, ckpt.steps())
-store = remote.open_store({url!r})
-listed = remote_commit.remote_steps(store, remote.Deadline(60))
+store = stores.open_store({url!r})
+listed = remote_commit.remote_steps(store, stores.Deadline(60))
 store.close()
 ckpt = shardckpt.Checkpointer(local_dir={str(scratch)!r}, remote={url!r}, uploader="off", preemption_signals=())
 rem, remote_newest = load_all(ckpt, listed)
@@ -490,10 +491,10 @@ def _remote_trials(trials: int, seed: int, work: Path, progress: bool, url: str,
 
 
 def _peer_record(node_dir: Path) -> dict:
-    from shardckpt.tiers import peer
+    from shardckpt.node import peer_daemon
     from shardckpt.node.node_registry import read_json, state_dir
 
-    return read_json(os.path.join(state_dir(str(node_dir)), peer.STATUS_NAME))
+    return read_json(os.path.join(state_dir(str(node_dir)), peer_daemon.STATUS_NAME))
 
 
 def _kill_daemon(node_dir: Path) -> bool:
@@ -509,10 +510,9 @@ def _kill_daemon(node_dir: Path) -> bool:
 
 def _peer_durable_on_holder(holder: Path, owner_dir: str) -> list[int]:
     """Steps of the holder's own directory whose owner's files it holds as a committed replica of the same save."""
-    from shardckpt.format import layout
-    from shardckpt.tiers import peer
+    from shardckpt.format import layout, replicas
 
-    held = peer.committed_replicas(str(holder)).get(owner_dir, {})
+    held = replicas.committed_replicas(str(holder)).get(owner_dir, {})
     out = []
     for step, manifest in held.items():
         mine = layout.read_manifest(str(holder / layout.step_dirname(step))) \
@@ -553,11 +553,11 @@ def run_peer_trials(trials: int, seed: int, work: Path, progress: bool = False) 
     replicated just before the kill."""
     import socket
 
-    from shardckpt.tiers import peer
+    from shardckpt.format import replicas
 
     rng = random.Random(seed)
     base = work / "peer"
-    node1_owner = peer.owner_dirname(f"{socket.gethostname()}:1")
+    node1_owner = replicas.owner_dirname(f"{socket.gethostname()}:1")
     ref = reference(work, "2x2")
     stats = {"trials": 0, "failures": [], "points": {}, "max_step": 0, "lost_committed": 0, "daemon_kills": 0}
     for trial in range(trials):

@@ -19,12 +19,13 @@ import uuid
 from typing import Any
 
 from shardckpt.format import layout
-from shardckpt.tiers import remote, remote_commit
+from shardckpt.tiers import remote_commit
+from shardckpt import stores
 
 
-def clone_steps(store: remote.Store, source: int, steps: list[int]) -> None:
+def clone_steps(store: stores.Store, source: int, steps: list[int]) -> None:
     """Commit copies of remote step ``source`` under ``steps`` (objects first, manifest last)."""
-    deadline = remote.Deadline(120)
+    deadline = stores.Deadline(120)
     manifest = remote_commit.remote_manifest(store, source, deadline)
     assert manifest is not None, f"step {source} is not committed on {store.url}"
     blobs = {n: store.get_bytes(remote_commit.step_key(source, n), deadline) for n in manifest.files}
@@ -42,7 +43,7 @@ def clone_steps(store: remote.Store, source: int, steps: list[int]) -> None:
 class RequestLog:
     """Counts requests by kind (LIST, GET, HEAD, PUT, DELETE) and, for GETs, by object name."""
 
-    def __init__(self, store: remote.Store) -> None:
+    def __init__(self, store: stores.Store) -> None:
         self._lock = threading.Lock()
         self.clear()
         events = store.client.meta.events

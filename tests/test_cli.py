@@ -24,7 +24,7 @@ from helpers import ROOT, child_env  # noqa: E402
 from s3server import BUCKET, reset_if_used, stop_uploaders  # noqa: E402
 from shardckpt import cli
 from shardckpt.format import layout
-from shardckpt.tiers import remote
+from shardckpt import stores
 from shardckpt.node import uploader  # noqa: E402
 
 LS_KEYS = {"step", "bytes", "files", "world_size", "created", "created_utc", "live", "abandoned", "branch",
@@ -62,7 +62,7 @@ def steps(s3, tmp_path):
     """Steps 1-3 of a small model, committed locally and on the S3 server."""
     local_dir, url = tmp_path / "ckpt", f"s3://{BUCKET}/cli"
     save_three_steps(local_dir)
-    assert uploader.Uploader(str(local_dir), remote.open_store(url), node="n0", once=True, poll_s=0.05).run() == 0
+    assert uploader.Uploader(str(local_dir), stores.open_store(url), node="n0", once=True, poll_s=0.05).run() == 0
     return local_dir, url
 
 

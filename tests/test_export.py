@@ -26,7 +26,8 @@ from helpers import PROGRAMS, run_torchrun  # noqa: E402
 from s3server import BUCKET  # noqa: E402
 from shardckpt import cli, export
 from shardckpt.format import layout
-from shardckpt.tiers import local, remote
+from shardckpt.dcp import planner as local
+from shardckpt import stores
 from shardckpt.node import uploader  # noqa: E402
 from shardckpt.errors import (  # noqa: E402
     CheckpointNotFoundError,
@@ -59,8 +60,8 @@ def flip(path: Path, at: int | None = None) -> None:
     path.write_bytes(bytes(data))
 
 
-def transfer() -> remote.TransferOptions:
-    return remote.TransferOptions(concurrency=4, request_timeout_s=5.0, max_attempts=3, backoff_base_s=0.02,
+def transfer() -> stores.TransferOptions:
+    return stores.TransferOptions(concurrency=4, request_timeout_s=5.0, max_attempts=3, backoff_base_s=0.02,
                                   backoff_max_s=0.2, step_deadline_s=60)
 
 
@@ -201,7 +202,7 @@ def test_export_from_s3_fetches_only_the_files_holding_the_module(s3, tmp_path, 
 def check_export_from_remote(remote_url, tmp_path, monkeypatch):
     local_dir = tmp_path / "local"
     saved = big_step(local_dir)
-    assert uploader.Uploader(str(local_dir), remote.open_store(remote_url, transfer()), node="n0", once=True,
+    assert uploader.Uploader(str(local_dir), stores.open_store(remote_url, transfer()), node="n0", once=True,
                              poll_s=0.05).run() == 0
     step_dir = local_dir / layout.step_dirname(2)
     manifest = layout.read_manifest(str(step_dir))
@@ -210,7 +211,7 @@ def check_export_from_remote(remote_url, tmp_path, monkeypatch):
     assert others, f"the 2 MiB tensor shares a file with the model: {sorted(manifest.files)}"
 
     fetched: list[str] = []
-    for cls in (remote.S3Store, remote.FsspecStore):
+    for cls in (stores.S3Store, stores.FsspecStore):
         def spy(self, key, path, *args, _real=cls.get_file, **kw):
             fetched.append(key.rsplit("/", 1)[-1])
             return _real(self, key, path, *args, **kw)
@@ -242,7 +243,7 @@ def check_export_from_remote(remote_url, tmp_path, monkeypatch):
 def test_a_corrupt_remote_object_fails_the_export_naming_it(tmp_path):
     local_dir, url = tmp_path / "local", f"file://{tmp_path}/remote"
     big_step(local_dir, steps=(1,))
-    assert uploader.Uploader(str(local_dir), remote.open_store(url, transfer()), node="n0", once=True,
+    assert uploader.Uploader(str(local_dir), stores.open_store(url, transfer()), node="n0", once=True,
                              poll_s=0.05).run() == 0
     name = sorted(model_files(local_dir / layout.step_dirname(1), 1, "model"))[0]
     flip(tmp_path / "remote" / layout.step_dirname(1) / name)

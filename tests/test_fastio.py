@@ -11,9 +11,11 @@ import torch.nn as nn
 
 import shardckpt
 from shardckpt.format import layout
-from shardckpt.tiers import local
+from shardckpt.dcp import planner as local
+from shardckpt.dcp import writer as dcp_writer
+from shardckpt.tiers import adopt as adopt_mod
 from helpers import flip_byte_in_tensor
-from shardckpt.tiers.dcp_reader import stored_tensor
+from shardckpt.dcp.reader import stored_tensor
 
 
 class Mixed(nn.Module):
@@ -156,7 +158,7 @@ def test_files_of_stock_dcp_save_are_read(tmp_path):
     saved = _state(0)
     stock = tmp_path / "stock"
     dcp.save({"model": saved["model"].state_dict()}, checkpoint_id=str(stock))
-    local.adopt(str(stock), str(tmp_path / "ckpt"), 3)
+    adopt_mod.adopt(str(stock), str(tmp_path / "ckpt"), 3)
     live = _state(1)
     with _ckpt(tmp_path / "ckpt", strict=False) as c:
         assert c.load({"model": live["model"]}) == 3
@@ -226,7 +228,7 @@ def test_save_takes_checksums_while_writing(tmp_path, monkeypatch):
 
 
 def test_a_stream_that_seeks_is_hashed_from_disk(tmp_path):
-    fs = local._HashingFileSystem()
+    fs = dcp_writer._HashingFileSystem()
     path = str(tmp_path / "f")
     with fs.create_stream(path, "wb") as stream:
         stream.write(b"hello world")

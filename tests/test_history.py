@@ -23,7 +23,8 @@ from helpers import PROGRAMS, ROOT, child_env, run_torchrun  # noqa: E402
 from s3server import BUCKET, reset_if_used, stop_uploaders  # noqa: E402
 from shardckpt import _failpoints, cli
 from shardckpt.format import layout
-from shardckpt.tiers import remote, remote_commit  # noqa: E402
+from shardckpt.tiers import remote_commit  # noqa: E402
+from shardckpt import stores  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -34,9 +35,9 @@ def fresh_bucket(request, tmp_path):
 
 
 def remote_steps(url: str) -> list[int]:
-    store = remote.open_store(url)
+    store = stores.open_store(url)
     try:
-        return remote_commit.remote_steps(store, remote.Deadline(60))
+        return remote_commit.remote_steps(store, stores.Deadline(60))
     finally:
         store.close()
 
@@ -95,7 +96,7 @@ def test_step_saved_again_while_it_uploads_is_never_mixed(s3, tmp_path):
     first = layout.read_manifest(str(local_dir / layout.step_dirname(1)))
     # Right after this node's files went up, the same step number is saved again (other content).
     _failpoints.arm("upload.files_sent", lambda: save_step(local_dir, 1, seed=2))
-    store = remote.open_store(url)
+    store = stores.open_store(url)
     try:
         result = remote_commit.push_step(store, str(local_dir), 1, node="n0", policy=None)
         second = layout.read_manifest(str(local_dir / layout.step_dirname(1)))

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import shardckpt
 from helpers import flip_byte_in_tensor
-from shardckpt.tiers import local
+from shardckpt.dcp import planner as local
 
 
 class Counter:

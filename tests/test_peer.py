@@ -17,7 +17,9 @@ import torch.nn as nn
 import shardckpt
 from shardckpt import cli
 from shardckpt.format import layout
-from shardckpt.tiers import peer
+from shardckpt.format import replicas
+from shardckpt.node import peer_daemon, peer_service
+from shardckpt.stores import peer_client
 
 SECRET = b"job-secret-" + b"x" * 53
 
@@ -55,10 +57,10 @@ def endpoint(tmp_path):
         ckpt.save({"model": nn.Linear(16, 8), "extra": {"epoch": 1}}, 1)
     holder = tmp_path / "holder"
     holder.mkdir()
-    secret_file = peer.write_secret(str(holder), SECRET.decode())
+    secret_file = peer_service.write_secret(str(holder), SECRET.decode())
     assert os.stat(secret_file).st_mode & 0o777 == 0o600
-    service = peer.PeerService(str(holder), "holder:0")
-    server = peer.serve(service, "127.0.0.1")
+    service = peer_service.PeerService(str(holder), "holder:0")
+    server = peer_service.serve(service, "127.0.0.1")
     addr = f"127.0.0.1:{server.server_address[1]}"
     yield owner, holder, addr
     server.shutdown()
@@ -70,11 +72,11 @@ def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path
     step_dir = owner / layout.step_dirname(1)
     manifest = layout.read_manifest(str(step_dir))
     names = sorted(manifest.files)
-    client = peer.PeerClient(addr, SECRET)
+    client = peer_client.PeerClient(addr, SECRET)
 
     # The job's own node: a replica is committed (manifest last), listed, read whole and by range.
     assert client.put_replica("owner:0", str(step_dir), manifest, names) == sum(e.size for e in manifest.files.values())
-    replica = holder / peer.REPLICAS_DIR / "owner_0" / layout.step_dirname(1)
+    replica = holder / replicas.REPLICAS_DIR / "owner_0" / layout.step_dirname(1)
     layout.verify_files(str(replica), layout.read_manifest(str(replica)))
     listed = client.list_steps()
     assert listed["replicas"] == {"owner_0": {"1": layout.version_of(manifest)}}, listed
@@ -87,7 +89,7 @@ def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path
     client.get_file(1, big, str(got), manifest.files[big], owner="owner:0")  # checked on the way
     assert got.read_bytes() == data
     wrong_entry = layout.FileEntry(manifest.files[big].size, layout.checksum_bytes(b"other"), 0)
-    with pytest.raises(peer.PeerError, match="not the manifest's"):
+    with pytest.raises(peer_client.PeerError, match="not the manifest's"):
         client.get_file(1, big, str(tmp_path / "refused"), wrong_entry, owner="owner:0")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("refused")]
     # peer_bandwidth: a replica of N bytes at R bytes/s takes at least N / R seconds to send.
@@ -98,50 +100,50 @@ def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path
     before = _tree(holder)
 
     # Nobody else gets in, and nothing they send changes the holder's disk.
-    wrong = peer.PeerClient(addr, b"another-job-secret-" + b"y" * 45)
+    wrong = peer_client.PeerClient(addr, b"another-job-secret-" + b"y" * 45)
     for call in (wrong.list_steps, lambda: wrong.get(1, big, owner="owner:0"),
                  lambda: wrong.put_replica("evil", str(step_dir), manifest, names)):
-        with pytest.raises(peer.PeerError, match="401"):
+        with pytest.raises(peer_client.PeerError, match="401"):
             call()
-    begin = f"/v1/replica/evil/1/{peer.version_tag(manifest)}/begin"
+    begin = f"/v1/replica/evil/1/{replicas.version_tag(manifest)}/begin"
     status, _ = _raw(addr, "POST", begin, manifest.to_json().encode())  # no signature at all
     assert status == 401
     status, _ = _raw(addr, "GET", "/v1/steps")
     assert status == 401
     now = str(int(time.time()))
-    assert _raw(addr, "GET", "/v1/steps", headers={peer.AUTH_HEADER: now + ":\xe9t\xe9", peer.BODY_HEADER: "\xff"})[0] == 401
+    assert _raw(addr, "GET", "/v1/steps", headers={peer_client.AUTH_HEADER: now + ":\xe9t\xe9", peer_client.BODY_HEADER: "\xff"})[0] == 401
     # A request signed for one body carrying another (a tampered replica file) is not kept.
-    sig = peer.auth_headers(SECRET, "POST", begin, hashlib.sha256(b"{}").hexdigest())
+    sig = peer_client.auth_headers(SECRET, "POST", begin, hashlib.sha256(b"{}").hexdigest())
     assert _raw(addr, "POST", begin, manifest.to_json().encode(), sig)[0] == 401
     # Paths out of the replica and step directories, signed with the right secret.
     for path in ("/v1/local/1/..%2F..%2Fholder%2F.shardckpt-remote%2Fpeer.secret",
                  "/v1/replica/../1/" + big, "/v1/replica/owner_0/1/..", "/v1/local/1/%2Fetc%2Fpasswd",
-                 f"/v1/replica/owner_0/1/{peer.version_tag(manifest)}/f/..%2F..%2Fx"):
+                 f"/v1/replica/owner_0/1/{replicas.version_tag(manifest)}/f/..%2F..%2Fx"):
         for method in ("GET", "PUT"):
-            status, body = _raw(addr, method, path, b"z", peer.auth_headers(SECRET, method, path,
+            status, body = _raw(addr, method, path, b"z", peer_client.auth_headers(SECRET, method, path,
                                                                              hashlib.sha256(b"z").hexdigest()))
             assert status in (400, 403, 404), (method, path, status, body)
     assert _tree(holder) == before
     # A file of the step swapped for a symbolic link to a file outside is not followed.
-    os.symlink(os.path.join(holder, ".shardckpt-remote", peer.SECRET_NAME), replica / "link")
+    os.symlink(os.path.join(holder, ".shardckpt-remote", peer_service.SECRET_NAME), replica / "link")
     os.replace(replica / "link", replica / big)
     before = _tree(holder)
-    with pytest.raises(peer.PeerError, match="403"):
+    with pytest.raises(peer_client.PeerError, match="403"):
         client.get(1, big, owner="owner:0")
     # Bodies larger than their bound: a replica file beyond its manifest size, a manifest beyond 16 MiB.
     client.put_replica("owner:0", str(step_dir), manifest, [])  # begins (and commits nothing new)
-    tag = peer.version_tag(manifest)
+    tag = replicas.version_tag(manifest)
     path = f"/v1/replica/other/1/{tag}/begin"
-    status, _ = _raw(addr, "POST", path, manifest.to_json().encode(), peer.auth_headers(
+    status, _ = _raw(addr, "POST", path, manifest.to_json().encode(), peer_client.auth_headers(
         SECRET, "POST", path, hashlib.sha256(manifest.to_json().encode()).hexdigest()))
     assert status == 200
     before = _tree(holder)
     body = data + b"!"
     path = f"/v1/replica/other/1/{tag}/f/{big}"
-    assert _raw(addr, "PUT", path, body, peer.auth_headers(SECRET, "PUT", path, hashlib.sha256(body).hexdigest()))[0] \
+    assert _raw(addr, "PUT", path, body, peer_client.auth_headers(SECRET, "PUT", path, hashlib.sha256(body).hexdigest()))[0] \
         in (413, "reset")
     path = f"/v1/replica/other/1/{tag}/begin"
-    headers = {**peer.auth_headers(SECRET, "POST", path), "Content-Length": str(peer.MAX_SMALL_BODY + 1)}
+    headers = {**peer_client.auth_headers(SECRET, "POST", path), "Content-Length": str(peer_service.MAX_SMALL_BODY + 1)}
     host, port = addr.rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     conn.putrequest("POST", path)
@@ -153,17 +155,17 @@ def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path
     # A file whose bytes do not match the owner's checksum (signed as it is) is not kept either.
     bad = bytes([data[0] ^ 1]) + data[1:]
     path = f"/v1/replica/other/1/{tag}/f/{big}"
-    assert _raw(addr, "PUT", path, bad, peer.auth_headers(SECRET, "PUT", path, hashlib.sha256(bad).hexdigest()))[0] == 422
+    assert _raw(addr, "PUT", path, bad, peer_client.auth_headers(SECRET, "PUT", path, hashlib.sha256(bad).hexdigest()))[0] == 422
     # Bound by the manifest's checksum instead (what replication sends): the same bytes are refused,
     # and so is a request signed for a checksum other than the manifest's.
-    bound = peer.manifest_digest(manifest.files[big])
-    assert _raw(addr, "PUT", path, bad, peer.auth_headers(SECRET, "PUT", path, bound))[0] == 422
-    other_sum = peer.MANIFEST_DIGEST + layout.checksum_bytes(bad, like=manifest.files[big].checksum)
-    assert _raw(addr, "PUT", path, bad, peer.auth_headers(SECRET, "PUT", path, other_sum))[0] in (401, "reset")
+    bound = peer_client.manifest_digest(manifest.files[big])
+    assert _raw(addr, "PUT", path, bad, peer_client.auth_headers(SECRET, "PUT", path, bound))[0] == 422
+    other_sum = peer_client.MANIFEST_DIGEST + layout.checksum_bytes(bad, like=manifest.files[big].checksum)
+    assert _raw(addr, "PUT", path, bad, peer_client.auth_headers(SECRET, "PUT", path, other_sum))[0] in (401, "reset")
     assert _tree(holder) == before
     # Without a job secret (or with one others can read) the endpoint answers nobody.
-    os.chmod(holder / ".shardckpt-remote" / peer.SECRET_NAME, 0o644)
-    with pytest.raises(peer.PeerError, match="503"):
+    os.chmod(holder / ".shardckpt-remote" / peer_service.SECRET_NAME, 0o644)
+    with pytest.raises(peer_client.PeerError, match="503"):
         client.list_steps()
 
 
@@ -172,7 +174,7 @@ def _kill_daemons(base, signum=signal.SIGKILL):
     from shardckpt.node.node_registry import pid_alive, read_json, state_dir
 
     for node in sorted(os.listdir(base)) if os.path.isdir(base) else []:
-        info = read_json(os.path.join(state_dir(os.path.join(base, node)), peer.STATUS_NAME))
+        info = read_json(os.path.join(state_dir(os.path.join(base, node)), peer_daemon.STATUS_NAME))
         pid = info.get("pid")
         if isinstance(pid, int) and info.get("state") == "running" and pid_alive(pid, info.get("pid_start")):
             os.kill(pid, signum)
@@ -197,7 +199,7 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
         assert all((out / f"killed.{r}").exists() for r in range(6)), "\n".join(saving)
         # Every trainer is dead and nothing of step 3 was replicated (the daemons were paused before
         # its save); resumed now, the daemons replicate it on their own.
-        assert not list(base.glob(f"node*/{peer.REPLICAS_DIR}/*/{layout.step_dirname(3)}"))
+        assert not list(base.glob(f"node*/{replicas.REPLICAS_DIR}/*/{layout.step_dirname(3)}"))
         _kill_daemons(base, signal.SIGCONT)
         for r in range(6):  # step 2 was peer-durable before step 3 (status() says so on every rank)
             status = json.loads((out / f"outcome.{r}.json").read_text())["status"]
@@ -205,7 +207,7 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
             assert len(status["peer"]["nodes"]) == 3, status
         for g in range(3):  # the ring: node g's files are held by node g+1
             owner_dir = base / f"node{g}" / layout.step_dirname(3)
-            replica = base / f"node{(g + 1) % 3}" / peer.REPLICAS_DIR / peer.owner_dirname(f"{host}:{g}")
+            replica = base / f"node{(g + 1) % 3}" / replicas.REPLICAS_DIR / replicas.owner_dirname(f"{host}:{g}")
             wait_for(lambda: (replica / layout.step_dirname(3) / layout.MANIFEST_NAME).exists(), 60,
                      f"node {g}'s step 3 replica on node {(g + 1) % 3}")
             manifest = layout.read_manifest(str(replica / layout.step_dirname(3)))
@@ -216,12 +218,12 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
             layout.verify_files(str(replica / layout.step_dirname(3)), manifest, held)
             assert layout.committed_steps(str(replica)) == [2, 3]  # keep_last=2 replicas per owner
         # `shardckpt status` shows the peer durability of the node's newest step and what it holds.
-        wait_for(lambda: (peer.node_status(str(base / "node0")) or {}).get("latest_peer") == 3, 30, "status")
+        wait_for(lambda: (peer_daemon.node_status(str(base / "node0")) or {}).get("latest_peer") == 3, 30, "status")
         assert cli.main(["status", str(base / "node0"), "--json"]) == 1  # 1: no remote here
         shown = json.loads(capsys.readouterr().out)
         assert shown["latest_local"] == shown["latest_peer"] == 3, shown
         shown = shown["peer"]
-        assert shown["holders"] == [f"{host}:1"] and shown["holding"] == {peer.owner_dirname(f"{host}:2"): [2, 3]}
+        assert shown["holders"] == [f"{host}:1"] and shown["holding"] == {replicas.owner_dirname(f"{host}:2"): [2, 3]}
         assert cli.main(["ls", str(base / "node0"), "--json"]) == 0  # the durability levels, a column
         assert {r["step"]: r["tiers"] for r in json.loads(capsys.readouterr().out)["steps"]} == \
             {2: ["local", "peer"], 3: ["local", "peer"]}
@@ -229,7 +231,7 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
         # Node 2 is lost: its daemon and its disk. The survivors resume at 4 ranks, with no remote.
         import shutil
 
-        info = json.loads((base / "node2" / ".shardckpt-remote" / peer.STATUS_NAME).read_text())
+        info = json.loads((base / "node2" / ".shardckpt-remote" / peer_daemon.STATUS_NAME).read_text())
         os.kill(info["pid"], signal.SIGKILL)
 
         shutil.rmtree(base / "node2")
@@ -269,14 +271,14 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
 def test_replicas_go_round_the_ring_and_off_the_owners_failure_domain():
     nodes = [{"node": f"n{i}", "addr": f"h{i}:1", "domain": d} for i, d in enumerate(["a", "a", "b", "b"])]
     plain = [dict(n, domain=None) for n in nodes]
-    assert [h["node"] for h in peer.placement(plain, "n0", 1)] == ["n1"]
-    assert [h["node"] for h in peer.placement(plain, "n3", 2)] == ["n0", "n1"]
+    assert [h["node"] for h in replicas.placement(plain, "n0", 1)] == ["n1"]
+    assert [h["node"] for h in replicas.placement(plain, "n3", 2)] == ["n0", "n1"]
     # n0 and n1 share rack a: n0's replica goes to the next node of another rack
-    assert [h["node"] for h in peer.placement(nodes, "n0", 1)] == ["n2"]
-    assert [h["node"] for h in peer.placement(nodes, "n2", 1)] == ["n0"]
+    assert [h["node"] for h in replicas.placement(nodes, "n0", 1)] == ["n2"]
+    assert [h["node"] for h in replicas.placement(nodes, "n2", 1)] == ["n0"]
     # more replicas than nodes outside the rack: its own rack fills the rest, never the owner itself
-    assert [h["node"] for h in peer.placement(nodes, "n0", 3)] == ["n2", "n3", "n1"]
-    assert peer.placement(nodes, "n0", 0) == [] and peer.placement(nodes, "elsewhere", 1) == []
+    assert [h["node"] for h in replicas.placement(nodes, "n0", 3)] == ["n2", "n3", "n1"]
+    assert replicas.placement(nodes, "n0", 0) == [] and replicas.placement(nodes, "elsewhere", 1) == []
     for bad in ({"peer_replicas": -1}, {"peer_replicas": True}, {"peer_bandwidth": 0}):
         with pytest.raises(shardckpt.ConfigError, match=next(iter(bad))):
             shardckpt.CheckpointConfig(local_dir="x", **bad)
@@ -292,7 +294,7 @@ def test_a_corrupt_replica_file_falls_through_to_the_remote_for_that_file_only(s
     import shutil
 
     from s3server import BUCKET
-    from shardckpt.tiers import remote
+    from shardckpt import stores
     from shardckpt.node import uploader
 
     s3.reset()
@@ -301,7 +303,7 @@ def test_a_corrupt_replica_file_falls_through_to_the_remote_for_that_file_only(s
     model = nn.Linear(64, 64)
     with shardckpt.Checkpointer(local_dir=str(owner), preemption_signals=()) as ckpt:
         ckpt.save({"model": model}, 1)
-    store = remote.open_store(url, shardckpt.CheckpointConfig(local_dir=str(owner)).transfer_options())
+    store = stores.open_store(url, shardckpt.CheckpointConfig(local_dir=str(owner)).transfer_options())
     assert uploader.Uploader(str(owner), store, node="owner:0", once=True, poll_s=0.05).run() == 0
     step_dir = owner / layout.step_dirname(1)
     manifest = layout.read_manifest(str(step_dir))
@@ -309,15 +311,15 @@ def test_a_corrupt_replica_file_falls_through_to_the_remote_for_that_file_only(s
     mine.mkdir(parents=True)
     for name in (layout.METADATA_NAME, layout.MANIFEST_NAME):  # the holder's copy: all but the shard file
         shutil.copy2(step_dir / name, mine / name)
-    peer.write_secret(str(holder), SECRET.decode())
-    server = peer.serve(peer.PeerService(str(holder), "holder:0"), "127.0.0.1")
+    peer_service.write_secret(str(holder), SECRET.decode())
+    server = peer_service.serve(peer_service.PeerService(str(holder), "holder:0"), "127.0.0.1")
     try:
-        peer.PeerClient(f"127.0.0.1:{server.server_address[1]}", SECRET).put_replica(
+        peer_client.PeerClient(f"127.0.0.1:{server.server_address[1]}", SECRET).put_replica(
             "owner:0", str(step_dir), manifest, ["__0_0.distcp"])
     finally:
         server.shutdown()
         server.server_close()
-    rotten = holder / peer.REPLICAS_DIR / "owner_0" / layout.step_dirname(1) / "__0_0.distcp"
+    rotten = holder / replicas.REPLICAS_DIR / "owner_0" / layout.step_dirname(1) / "__0_0.distcp"
     data = bytearray(rotten.read_bytes())
     data[len(data) // 2] ^= 0x20
     rotten.write_bytes(bytes(data))
@@ -345,15 +347,15 @@ def test_a_replacement_node_takes_its_replica_from_a_good_holder_of_the_same_ver
     names = layout.copy_files(str(step_dir), manifest)[0]
     second = tmp_path / "second"
     second.mkdir()
-    peer.write_secret(str(second), SECRET.decode())
-    server = peer.serve(peer.PeerService(str(second), "second:0"), "127.0.0.1")
+    peer_service.write_secret(str(second), SECRET.decode())
+    server = peer_service.serve(peer_service.PeerService(str(second), "second:0"), "127.0.0.1")
     try:
-        clients = [("holder:0", peer.PeerClient(addr, SECRET)),
-                   ("second:0", peer.PeerClient(f"127.0.0.1:{server.server_address[1]}", SECRET))]
+        clients = [("holder:0", peer_client.PeerClient(addr, SECRET)),
+                   ("second:0", peer_client.PeerClient(f"127.0.0.1:{server.server_address[1]}", SECRET))]
         for _name, client in clients:
             client.put_replica("owner:0", str(step_dir), manifest, names)
         big = max(names, key=lambda n: manifest.files[n].size)
-        rotten = holder / peer.REPLICAS_DIR / "owner_0" / layout.step_dirname(1) / big
+        rotten = holder / replicas.REPLICAS_DIR / "owner_0" / layout.step_dirname(1) / big
         data = bytearray(rotten.read_bytes())
         data[len(data) // 2] ^= 1
         rotten.write_bytes(bytes(data))
@@ -366,7 +368,7 @@ def test_a_replacement_node_takes_its_replica_from_a_good_holder_of_the_same_ver
         assert tier.protects(1) and not tier.protects(2)
         fresh = tmp_path / "replacement"
         fresh.mkdir()
-        assert peer.fetch_own_replica(str(fresh), "owner:0", clients) == (1, ["holder:0", "second:0"])
+        assert peer_client.fetch_own_replica(str(fresh), "owner:0", clients) == (1, ["holder:0", "second:0"])
         layout.verify_files(str(fresh / layout.step_dirname(1)), layout.read_manifest(str(fresh / layout.step_dirname(1))), names)
         assert [p.name for p in fresh.iterdir()] == [layout.step_dirname(1)]  # no partial directory left
         # The second holder's own step 1 is another save of that number: the replica is not taken.
@@ -374,7 +376,7 @@ def test_a_replacement_node_takes_its_replica_from_a_good_holder_of_the_same_ver
             ckpt.save({"model": nn.Linear(16, 8)}, 1)
         other = tmp_path / "replacement2"
         other.mkdir()
-        assert peer.fetch_own_replica(str(other), "owner:0", clients) is None
+        assert peer_client.fetch_own_replica(str(other), "owner:0", clients) is None
         assert layout.committed_steps(str(other)) == []
     finally:
         server.shutdown()
@@ -387,13 +389,13 @@ def test_a_daemon_retries_at_once_when_the_job_comes_back_with_new_addresses(end
     from shardckpt.node.node_registry import state_dir
 
     owner, holder, addr = endpoint
-    peer.write_secret(str(owner), SECRET.decode())
-    daemon = peer.PeerDaemon(str(owner), "owner:0", "127.0.0.1")
+    peer_service.write_secret(str(owner), SECRET.decode())
+    daemon = peer_daemon.PeerDaemon(str(owner), "owner:0", "127.0.0.1")
 
     def peers(holder_addr):
         nodes = [{"node": "owner:0", "addr": "127.0.0.1:1", "domain": None},
                  {"node": "holder:0", "addr": holder_addr, "domain": None}]
-        layout.atomic_write_text(os.path.join(state_dir(str(owner)), peer.PEERS_NAME),
+        layout.atomic_write_text(os.path.join(state_dir(str(owner)), peer_daemon.PEERS_NAME),
                                  json.dumps({"nodes": nodes, "replicas": 1, "keep_last": 2}))
 
     peers("127.0.0.1:1")  # nobody listens there
@@ -401,4 +403,4 @@ def test_a_daemon_retries_at_once_when_the_job_comes_back_with_new_addresses(end
     assert daemon._retry_at > time.monotonic() and 1 not in daemon.sent
     peers(addr)
     assert not daemon.tick() and daemon.sent[1].holders == ["holder:0"]
-    assert layout.committed_steps(str(holder / peer.REPLICAS_DIR / "owner_0")) == [1]
+    assert layout.committed_steps(str(holder / replicas.REPLICAS_DIR / "owner_0")) == [1]

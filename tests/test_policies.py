@@ -23,7 +23,8 @@ from helpers import PROGRAMS, child_env, run_torchrun  # noqa: E402
 from s3server import BUCKET, stop_uploaders  # noqa: E402
 from shardckpt import Checkpointer, cli
 from shardckpt.saving import policy
-from shardckpt.tiers import remote, remote_commit  # noqa: E402
+from shardckpt.tiers import remote_commit  # noqa: E402
+from shardckpt import stores  # noqa: E402
 from shardckpt.options import CheckpointConfig  # noqa: E402
 
 PROG = PROGRAMS / "policies.py"
@@ -43,9 +44,9 @@ def results(out, world=2):
 
 
 def remote_steps(url: str) -> list[int]:
-    store = remote.open_store(url)
+    store = stores.open_store(url)
     try:
-        return remote_commit.remote_steps(store, remote.Deadline(60))
+        return remote_commit.remote_steps(store, stores.Deadline(60))
     finally:
         store.close()
 

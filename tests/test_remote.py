@@ -28,7 +28,9 @@ from s3server import BUCKET, Server, reset_if_used, stop_uploaders  # noqa: E402
 from shardckpt import cli
 from shardckpt.format import layout
 from shardckpt.node import node_registry, uploader
-from shardckpt.tiers import ranged, remote, remote_commit  # noqa: E402
+from shardckpt.tiers import ranged, remote_commit  # noqa: E402
+from shardckpt.tiers import steps as steps_mod  # noqa: E402
+from shardckpt import stores  # noqa: E402
 from shardckpt.errors import CorruptCheckpointError, RemoteError  # noqa: E402
 
 PROG = PROGRAMS / "remote_train.py"
@@ -278,7 +280,7 @@ def test_uploader_commits_after_trainer_is_sigkilled(s3, tmp_path):
     early = [k for k in s3.keys(f"killed/{layout.step_dirname(4)}/") if k.rsplit("/", 1)[1].startswith("__")]
     assert {k.rsplit("/", 1)[1][:4] for k in early} == {"__0_", "__1_"}, early
     assert remote_manifests(s3, "killed") == [2, 3]
-    assert remote_commit.remote_steps(remote.open_store(url, _opts()), remote.Deadline(60)) == [2, 3]
+    assert remote_commit.remote_steps(stores.open_store(url, _opts()), stores.Deadline(60)) == [2, 3]
     for step in layout.committed_steps(str(local_dir)):
         assert remote_commit.is_uploaded(str(local_dir / layout.step_dirname(step)), url)
 
@@ -286,13 +288,13 @@ def test_uploader_commits_after_trainer_is_sigkilled(s3, tmp_path):
 # ---------------------------------------------------------------- faults
 
 
-def _opts(**kw) -> remote.TransferOptions:
+def _opts(**kw) -> stores.TransferOptions:
     base = dict(
         concurrency=4, part_size=5 * MiB, multipart_threshold=10 * MiB, request_timeout_s=1.0,
         connect_timeout_s=1.0, max_attempts=12, backoff_base_s=0.02, backoff_max_s=0.2, step_deadline_s=120,
     )
     base.update(kw)
-    return remote.TransferOptions(**base)
+    return stores.TransferOptions(**base)
 
 
 def test_uploads_survive_throttling_errors_resets_and_stalls(s3, tmp_path):
@@ -302,7 +304,7 @@ def test_uploads_survive_throttling_errors_resets_and_stalls(s3, tmp_path):
     proxy.set_mode("cycle", kinds=("503", "500", "reset", "stall"))
     try:
         url = f"s3://{BUCKET}/faults"
-        store = remote.open_store(url, _opts(endpoint_url=proxy.endpoint))
+        store = stores.open_store(url, _opts(endpoint_url=proxy.endpoint))
         up = uploader.Uploader(str(local_dir), store, node="n0", once=True, poll_s=0.05)
         assert up.run() == 0, up.last_error
     finally:
@@ -321,7 +323,7 @@ def test_persistent_failure_is_reported_never_half_committed_then_retried(s3, tm
     url = f"s3://{BUCKET}/down"
     try:
         proxy.set_mode("fail503")
-        store = remote.open_store(url, _opts(endpoint_url=proxy.endpoint, max_attempts=3))
+        store = stores.open_store(url, _opts(endpoint_url=proxy.endpoint, max_attempts=3))
         up = uploader.Uploader(str(local_dir), store, node="n0", once=True, poll_s=0.05)
         assert up.run() == 1
         error = up.last_error
@@ -343,7 +345,7 @@ def test_persistent_failure_is_reported_never_half_committed_then_retried(s3, tm
         ckpt.close()
 
         proxy.set_mode("pass")
-        up = uploader.Uploader(str(local_dir), remote.open_store(url, _opts(endpoint_url=proxy.endpoint)),
+        up = uploader.Uploader(str(local_dir), stores.open_store(url, _opts(endpoint_url=proxy.endpoint)),
                                    node="n0", once=True, poll_s=0.05)
         assert up.run() == 0
     finally:
@@ -373,7 +375,7 @@ def test_steps_waiting_for_a_missing_node_are_polled_with_backoff_and_reported_f
         return real(*args, **kw)
 
     monkeypatch.setattr(uploader, "push_step", counted)
-    up = uploader.Uploader(str(local_dir), remote.open_store(url, _opts()), node="n0", poll_s=0.05,
+    up = uploader.Uploader(str(local_dir), stores.open_store(url, _opts()), node="n0", poll_s=0.05,
                            commit_timeout_s=0.5)
     thread = threading.Thread(target=up.run)
     thread.start()
@@ -404,7 +406,7 @@ def test_bit_flip_in_remote_object_is_refused_or_falls_back(s3, tmp_path, caplog
     src = tmp_path / "src"
     saved = save_local_steps(src, [1, 2])
     url = f"s3://{BUCKET}/flip"
-    up = uploader.Uploader(str(src), remote.open_store(url, _opts()), node="n0", once=True, poll_s=0.05)
+    up = uploader.Uploader(str(src), stores.open_store(url, _opts()), node="n0", once=True, poll_s=0.05)
     assert up.run() == 0
     key = f"flip/{layout.step_dirname(2)}/__0_0.distcp"
     client = s3.client()
@@ -455,7 +457,7 @@ def test_chunk_sums_are_taken_while_writing_and_a_manifest_without_them_is_fetch
         assert layout.file_sums(str(step_dir / name)) == (entry.size, entry.checksum, entry.chunks), name
     assert len(layout.chunk_table(manifest.files["__0_0.distcp"].chunks, manifest.files["__0_0.distcp"].size)[1]) == 2
     url = f"s3://{BUCKET}/oldmanifest"
-    assert uploader.Uploader(str(src), remote.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
+    assert uploader.Uploader(str(src), stores.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
     # A manifest from before chunk sums: the step is fetched whole and committed locally, as before.
     key = f"oldmanifest/{layout.step_dirname(1)}/{layout.MANIFEST_NAME}"
     body = json.loads(s3.client().get_object(Bucket=BUCKET, Key=key)["Body"].read())
@@ -481,10 +483,10 @@ def test_upload_check_refuses_an_object_recorded_with_another_checksum(s3):
     data = b"shardckpt" * 1000
     other = "xxh64:0123456789abcdef"
     s3.client().put_object(Bucket=BUCKET, Key="recorded/obj", Body=data, Metadata={"checksum": other})
-    store = remote.open_store(f"s3://{BUCKET}/recorded", _opts())
+    store = stores.open_store(f"s3://{BUCKET}/recorded", _opts())
     try:
         with pytest.raises(RemoteError, match="its recorded checksum differs"):
-            store._verify_upload("obj", len(data), layout.checksum_bytes(data), "", remote.Deadline(30))
+            store._verify_upload("obj", len(data), layout.checksum_bytes(data), "", stores.Deadline(30))
     finally:
         store.close()
 
@@ -535,13 +537,13 @@ def test_file_remote_auto_uploader_and_cli_pull_push(tmp_path, caplog):
 
 def test_errors_never_carry_credentials_and_name_the_object(s3, tmp_path):
     url = "s3://no-such-bucket-xyz/run"
-    store = remote.open_store(url, _opts(max_attempts=2))
+    store = stores.open_store(url, _opts(max_attempts=2))
     with pytest.raises(RemoteError) as info:
-        remote_commit.remote_steps(store, remote.Deadline(30))
+        remote_commit.remote_steps(store, stores.Deadline(30))
     text = str(info.value)
     assert "NoSuchBucket" in text and "no-such-bucket-xyz" in text and "Remedy" in text
     assert s3.credentials["AWS_SECRET_ACCESS_KEY"] not in text
-    assert remote.redact("https://AKIA:s3cr3t@minio:9000/x") == "https://***@minio:9000/x"
+    assert stores.redact("https://AKIA:s3cr3t@minio:9000/x") == "https://***@minio:9000/x"
 
 
 def test_step_saved_again_replaces_its_remote_copy(s3, tmp_path):
@@ -549,13 +551,13 @@ def test_step_saved_again_replaces_its_remote_copy(s3, tmp_path):
     local_dir = tmp_path / "local"
     url = f"s3://{BUCKET}/again"
     save_local_steps(local_dir, [1])
-    assert uploader.Uploader(str(local_dir), remote.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
+    assert uploader.Uploader(str(local_dir), stores.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
     first = check_remote_step(s3, "again", 1)
     time.sleep(0.01)  # a later manifest timestamp
     save_local_steps(local_dir, [1])  # fresh random weights: different content
     local = layout.read_manifest(str(local_dir / layout.step_dirname(1)))
     assert remote_commit.files_digest(local) != remote_commit.files_digest(first)
-    assert uploader.Uploader(str(local_dir), remote.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
+    assert uploader.Uploader(str(local_dir), stores.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
     second = check_remote_step(s3, "again", 1)
     assert remote_commit.files_digest(second) == remote_commit.files_digest(local)
 
@@ -612,8 +614,8 @@ def test_files_upload_while_the_save_is_written_and_never_over_a_committed_step(
         ckpt.save({"model": model}, 1, force=True)
         assert seen["after_refusal"] == committed_etags
         local = layout.read_manifest(str(local_dir / layout.step_dirname(1)))
-        store = remote.open_store(url, _opts())
-        wait_for(lambda: getattr(remote_commit.committed_record(store, 1, remote.Deadline(10)), "files_digest", None)
+        store = stores.open_store(url, _opts())
+        wait_for(lambda: getattr(remote_commit.committed_record(store, 1, stores.Deadline(10)), "files_digest", None)
                  == remote_commit.files_digest(local), 60, "the second save of step 1 committed remotely")
         assert remote_commit.files_digest(check_remote_step(s3, "early", 1)) == remote_commit.files_digest(local)
     finally:
@@ -644,7 +646,7 @@ def test_a_partial_save_whose_writer_died_is_not_uploaded_early(tmp_path):
             body = json.loads(sidecar.read_text())
             body["pid"] = int(dead.stdout)
             sidecar.write_text(json.dumps(body))
-    store = remote.open_store(url, _opts())
+    store = stores.open_store(url, _opts())
     sent = early_upload.EarlyUploads().run(store, str(root))
     assert sent == 4096
     assert not (tmp_path / "remote" / layout.step_dirname(1)).exists()
@@ -665,7 +667,7 @@ def test_one_node_uploads_metadata_per_step_and_the_step_restores(s3, tmp_path):
     base, out = tmp_path / "nvme", tmp_path / "out"
     out.mkdir()
     run_torchrun(2, PROGRAMS / "multinode.py", "save", base, out, "--layout", "rank", "--steps", "2")
-    store = remote.open_store(f"s3://{BUCKET}/onemeta", _opts())
+    store = stores.open_store(f"s3://{BUCKET}/onemeta", _opts())
     put_keys: list[str] = []
     real_put = store.put_file
 
@@ -678,7 +680,7 @@ def test_one_node_uploads_metadata_per_step_and_the_step_restores(s3, tmp_path):
     push = remote_commit.push_step
     from remote_history import RequestLog
 
-    b_store = remote.open_store(f"s3://{BUCKET}/onemeta", _opts())  # node B's own client, counted
+    b_store = stores.open_store(f"s3://{BUCKET}/onemeta", _opts())  # node B's own client, counted
     b_log = RequestLog(b_store)
     assert push(b_store, b, 1, node="b", policy=None).state == remote_commit.WAITING
     assert push(store, a, 1, node="a", policy=None).state == remote_commit.COMMITTED
@@ -701,13 +703,13 @@ def test_one_node_uploads_metadata_per_step_and_the_step_restores(s3, tmp_path):
         assert sorted(markers) == ["ranks-0-0-1.json", "ranks-1-1-1.json"], markers
         assert layout.METADATA_NAME in markers["ranks-0-0-1.json"]["files"]
         assert layout.METADATA_NAME not in markers["ranks-1-1-1.json"]["files"]
-        fetched = remote_commit.fetch_step(store, str(tmp_path / f"fetched{step}"), step)  # each file verified
+        fetched = steps_mod.fetch_step(store, str(tmp_path / f"fetched{step}"), step)  # each file verified
         assert fetched == set(layout.read_manifest(os.path.join(a, layout.step_dirname(step))).files), fetched
     # A damaged remote .metadata is put back from the node that does not upload it.
     client.put_object(Bucket=BUCKET, Key=f"onemeta/{remote_commit.step_key(2, layout.METADATA_NAME)}", Body=b"x")
     result = push(store, b, 2, node="b", policy=None, verify_remote=True)
     assert result.state == remote_commit.COMMITTED and layout.METADATA_NAME in result.detail, result
-    remote_commit.fetch_step(store, str(tmp_path / "fetched2-again"), 2)
+    steps_mod.fetch_step(store, str(tmp_path / "fetched2-again"), 2)
     store.close()
 
 

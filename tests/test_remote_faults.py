@@ -420,16 +420,16 @@ def test_sigkill_during_s3_uploads_loses_no_remote_step(s3, tmp_path):
 @pytest.mark.parametrize("s3", ["moto"], indirect=True)
 def test_slow_upload_logs_progress_and_commits(s3, tmp_path, caplog):
     """An upload slowed by stalled requests reports its progress while it runs, then commits."""
-    from shardckpt.tiers import remote
+    from shardckpt import stores
 
     src = tmp_path / "src"
     with shardckpt.Checkpointer(local_dir=str(src), preemption_signals=()) as ckpt:
         ckpt.save({"model": _model(seed=4)}, 3)
     proxy = FaultProxy(s3.endpoint, stall_s=2.0, every=2)
     proxy.set_mode("cycle", kinds=("stall",))
-    options = remote.TransferOptions(endpoint_url=proxy.endpoint, request_timeout_s=0.5, backoff_max_s=0.1,
+    options = stores.TransferOptions(endpoint_url=proxy.endpoint, request_timeout_s=0.5, backoff_max_s=0.1,
                                      max_attempts=10, step_deadline_s=60)
-    store = remote.open_store(f"s3://{BUCKET}/progress", options)
+    store = stores.open_store(f"s3://{BUCKET}/progress", options)
     from shardckpt import _failpoints
 
     def progress_lines():

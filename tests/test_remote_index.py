@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from remote_history import RequestLog, clone_steps  # noqa: E402
 from s3server import BUCKET, reset_if_used  # noqa: E402
 from shardckpt.format import layout
-from shardckpt.tiers import remote, remote_commit, remote_index
+from shardckpt.tiers import remote_commit, remote_index
+from shardckpt import stores
 from shardckpt.node import uploader  # noqa: E402
 from shardckpt.format.retention import KeepLast  # noqa: E402
 from test_remote import _opts, save_local_steps  # noqa: E402
@@ -36,13 +37,13 @@ def index_steps(s3, prefix: str) -> list[int]:
     return sorted(int(s) for s in json.loads(body)["steps"])
 
 
-def one_real_step(tmp_path: Path, prefix: str) -> tuple[Path, remote.Store]:
+def one_real_step(tmp_path: Path, prefix: str) -> tuple[Path, stores.Store]:
     """Step 1 saved and committed by the uploader on ``prefix``; the local directory and a store."""
     url = f"s3://{BUCKET}/{prefix}"
     local_dir = tmp_path / "local"
     save_local_steps(local_dir, [1])
-    assert uploader.Uploader(str(local_dir), remote.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
-    return local_dir, remote.open_store(url, _opts())
+    assert uploader.Uploader(str(local_dir), stores.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
+    return local_dir, stores.open_store(url, _opts())
 
 
 @pytest.mark.parametrize("s3", ["moto"], indirect=True)
@@ -51,7 +52,7 @@ def test_newest_step_and_retention_read_o1_manifests_with_50_steps_held(s3, tmp_
     assert index_steps(s3, "held") == [1]  # the commit wrote its entry
     clone_steps(store, 1, list(range(2, HELD + 1)))  # committed, but not in the index
     log = RequestLog(store)
-    deadline = remote.Deadline(60)
+    deadline = stores.Deadline(60)
 
     # Committed steps missing from the index are found (their manifests read once); a reader does
     # not write the index, the committer's survey does.
@@ -95,7 +96,7 @@ def test_newest_step_and_retention_read_o1_manifests_with_50_steps_held(s3, tmp_
 def test_a_missing_stale_or_corrupt_index_is_repaired(s3, tmp_path):
     _local_dir, store = one_real_step(tmp_path, "stale")
     clone_steps(store, 1, [2, 3, 4, 5])
-    deadline = remote.Deadline(60)
+    deadline = stores.Deadline(60)
     client = s3.client()
     index_key = f"stale/{remote_index.INDEX_NAME}"
 
@@ -149,8 +150,8 @@ def test_an_older_step_committing_late_stays_retired_and_readers_never_write_the
     url = f"s3://{BUCKET}/late"
     local_dir = tmp_path / "local"
     save_local_steps(local_dir, [1, 2, 3])
-    store = remote.open_store(url, _opts())
-    deadline = remote.Deadline(60)
+    store = stores.open_store(url, _opts())
+    deadline = stores.Deadline(60)
 
     def push(step: int) -> str:
         return remote_commit.push_step(store, str(local_dir), step, node="n0", policy=KeepLast(2)).state

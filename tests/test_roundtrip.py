@@ -5,8 +5,8 @@ import json
 import pytest
 
 from helpers import PROGRAMS, run_torchrun
-from shardckpt.tiers import local
-from shardckpt.tiers.dcp_reader import stored_tensor
+from shardckpt.dcp import planner as local
+from shardckpt.dcp.reader import stored_tensor
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])

@@ -26,7 +26,9 @@ from helpers import PROGRAMS, ROOT, child_env, run_torchrun, run_two_nodes
 from s3server import BUCKET, reset_if_used, stop_uploaders
 from shardckpt import _failpoints, cli
 from shardckpt.format import layout, retention
-from shardckpt.tiers import remote, remote_commit
+from shardckpt.tiers import remote_commit
+from shardckpt.tiers import steps as steps_mod  # noqa: E402
+from shardckpt import stores
 
 PROG = PROGRAMS / "multinode.py"
 ONE_SERVER = pytest.mark.parametrize("s3", ["moto"], indirect=True)
@@ -186,7 +188,7 @@ def test_a_stale_local_copy_never_beats_the_live_version(s3, tmp_path, caplog, c
     with ckpt(tmp_path / "machine-c", remote=url, uploader="off") as c:
         check = Net()
         assert c.load({"model": check}, step=2) == 2 and check.value() == 20.0
-    remote2 = remote_commit.remote_manifest(remote.open_store(url), 2, remote.Deadline(30))
+    remote2 = remote_commit.remote_manifest(stores.open_store(url), 2, stores.Deadline(30))
     assert layout.version_of(local2) == layout.version_of(remote2)
     kept = [n for n in os.listdir(tmp_path / "machine-a") if n.startswith(layout.KEPT_PREFIX)]
     assert kept and kept[0].startswith(f"{layout.KEPT_PREFIX}{layout.step_dirname(2)}-"), kept
@@ -213,7 +215,7 @@ def test_a_step_saved_again_while_two_nodes_upload_it_is_never_committed_mixed(s
     # Two directory copies (one per rank, as two nodes have), steps 4 and 5; uploads by hand below.
     run_torchrun(2, PROG, "save", base, out, "--layout", "rank", "--steps", "5")
     url = f"s3://{BUCKET}/mixed"
-    store = remote.open_store(url)
+    store = stores.open_store(url)
     one = retention.policy_from(1, None)
     node_a, node_b = str(base / "rank0"), str(base / "rank1")  # A holds rank 0's file: it commits
     for step in (1, 2, 3, 4):
@@ -235,7 +237,7 @@ def test_a_step_saved_again_while_two_nodes_upload_it_is_never_committed_mixed(s
         _failpoints._SPEC.pop("upload.markers_checked", None)
     second = layout.read_manifest(os.path.join(node_a, layout.step_dirname(5)))
     assert layout.version_of(first) != layout.version_of(second)
-    deadline = remote.Deadline(30)
+    deadline = stores.Deadline(30)
     # A's pass did not commit its manifest over B's objects, and retention did not run on it:
     # the previous step is still there, whole.
     assert result.state == remote_commit.WAITING and "another save" in result.detail, result
@@ -247,7 +249,7 @@ def test_a_step_saved_again_while_two_nodes_upload_it_is_never_committed_mixed(s
     committed = remote_commit.remote_manifest(store, 5, deadline)
     assert layout.version_of(committed) == layout.version_of(second)
     fetched = tmp_path / "fetched"
-    remote_commit.fetch_step(store, str(fetched), 5)  # every file checked against the manifest
+    steps_mod.fetch_step(store, str(fetched), 5)  # every file checked against the manifest
     subprocess.run([sys.executable, str(PROGRAMS / "single_restore.py"), str(fetched), str(out2 / "restored.pt")],
                    env=child_env(), check=True, cwd=str(ROOT), timeout=120)
     saved, restored = torch.load(out2 / "saved.pt"), torch.load(out2 / "restored.pt")

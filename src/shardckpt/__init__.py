@@ -20,7 +20,7 @@ if _TYPE_CHECKING:  # pragma: no cover
     from shardckpt.restoring.elastic import ElasticPlan
     from shardckpt.restoring.step_peek import StepPeek
 
-__version__ = "0.1.0"
+from shardckpt._version import __version__  # noqa: E402
 
 # torch-free parts, imported at once; the rest (and torch with it) on first
 # use, so that `shardckpt ls` and friends start in well under a second.
@@ -136,6 +136,13 @@ _default: Any = None
 _default_lock = _threading.Lock()
 
 
+def _checkpointer_class() -> type:
+    """The facade's class, imported on first use (it imports torch; ``import shardckpt`` does not)."""
+    from shardckpt.checkpointer import Checkpointer
+
+    return Checkpointer
+
+
 def init(config: CheckpointConfig | None = None, **kwargs: Any) -> "Checkpointer":
     """Create (or replace) the default instance used by the module-level calls."""
     global _default
@@ -146,9 +153,7 @@ def init(config: CheckpointConfig | None = None, **kwargs: Any) -> "Checkpointer
             config = CheckpointConfig.from_env(**kwargs)
         elif kwargs:
             raise ConfigError("pass either a CheckpointConfig or keyword options, not both")
-        from shardckpt.checkpointer import Checkpointer
-
-        _default = Checkpointer(config)
+        _default = _checkpointer_class()(config)
         return _default
 
 
@@ -156,9 +161,7 @@ def _instance() -> "Checkpointer":
     global _default
     with _default_lock:
         if _default is None:
-            from shardckpt.checkpointer import Checkpointer
-
-            _default = Checkpointer(CheckpointConfig.from_env())
+            _default = _checkpointer_class()(CheckpointConfig.from_env())
         return _default
 
 

@@ -27,26 +27,28 @@ import concurrent.futures
 import logging
 import os
 import shutil
-import json
 import sys
 import time
-import uuid
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardckpt import _dist, _failpoints, topology, values
-from shardckpt.tiers import early_upload, remote, remote_commit
+from shardckpt.saving import preflight
+from shardckpt.restoring import step_peek as peek_mod
+from shardckpt.tiers.steps import LocalSteps, RemoteSteps
+from shardckpt._version import __version__
+from shardckpt.tiers import early_upload, remote_commit
+from shardckpt import stores
 from shardckpt.format import layout
-from shardckpt.format import lineage as lineage_mod
 from shardckpt.restoring import elastic as elastic_mod
 from shardckpt import state as state_mod
 from shardckpt._text import fmt_bytes
 from shardckpt.saving.commit import SaveJob, StepWriter
 from shardckpt.format.retention import FULL, LIGHT
-from shardckpt.errors import ConfigError, CorruptCheckpointError, RemoteError, SaveError
+from shardckpt.errors import ConfigError, SaveError
 from shardckpt.node.node_registry import state_dir
-from shardckpt.options import CheckpointConfig, OnRemoteUnavailable, SaveMode, UploaderMode
+from shardckpt.options import CheckpointConfig, SaveMode, UploaderMode, run_config_of
 from shardckpt.saving.policy import SavePolicy
 from shardckpt.restoring.restorer import Restorer
 from shardckpt.saving.stage import CopyFence, HostStager, split_bytes
@@ -104,9 +106,9 @@ class Checkpointer:
         # CheckpointConfig object is taken as it is (CheckpointConfig.from_env builds one by the rule).
         self.config = config if config is not None else CheckpointConfig.from_env(**kwargs)
         if self.config.remote is not None:
-            remote.check_remote_url(self.config.remote)
+            stores.check_remote_url(self.config.remote)
         self.root = os.path.abspath(self.config.local_dir)
-        _check_writable(self.root)
+        preflight.check_writable(self.root)
         self._groups = _dist.SideGroups(self.config.collective_timeout_s)
         self._checkin = _dist.CheckIn(self.config.save_agree_timeout_s)
         pin = self.config.pin_memory
@@ -144,6 +146,7 @@ class Checkpointer:
             if self._uploads.active:
                 self._writer.file_done = self._file_done
         self._peer = PeerTier(self.config, self.root, registered=self._uploads is not None and self._uploads.active)
+        self._restorer.sources.peer = self._peer  # source 3 of a restore: the peer daemons
         self._durability = DurabilityLog(self.root, peer_on=lambda: self._peer.on,
                                          remote=self._uploads is not None and self._uploads.active)
         self._policy.install_signal_handlers()
@@ -230,7 +233,7 @@ class Checkpointer:
             )
             captured = values.agree(captured, kinds, self._groups, step, self._warned_values)
             if self._saves == 0:
-                _note_missing_optimizer(state)
+                preflight.note_missing_optimizer(state)
             own_keys = {k for k, v in state.items() if isinstance(v, elastic_mod.PerRank)} | {state_mod.RESERVED_KEY}
             if not self._writer.space_ok(step, *split_bytes(captured, own_keys)):
                 return None
@@ -254,7 +257,7 @@ class Checkpointer:
         user_md = dict(self.config.metadata)
         user_md.update(metadata or {})
         job = SaveJob(step, staged, kinds, self._writer.partial_dir(step), user_md, t_start, blocked,
-                      kind=kind, metrics=_metrics(metrics), upload=self._upload_this(decision.preempt),
+                      kind=kind, metrics=preflight.metrics(metrics), upload=self._upload_this(decision.preempt),
                       frozen=self._frozen or {}, run=self._run_record(), fence=fence, lineage=lineage,
                       save_id=self._writer.save_id())
         self._saves += 1
@@ -339,7 +342,6 @@ class Checkpointer:
         self._check_open()
         self.wait()
         self._ensure_ready()
-        self._peer.fetch_own(self._groups)
         restored = self._restorer.load(state, step, strict=strict, trust_pickles=trust_pickles, elastic=elastic)
         # When this run took its history over (rank 0's clock, the same in every rank's manifests):
         # a remote save of a step created before then is an orphan of an earlier run that this one
@@ -365,13 +367,10 @@ class Checkpointer:
         loads are unaffected. Use it to build the model from its saved
         configuration, then ``load()`` into it.
         """
-        from shardckpt.restoring import step_peek as peek_mod
-        from shardckpt.tiers.location import LocalTier, RemoteTier
-
         self._check_open()
-        tiers: list[Any] = [LocalTier(self.root)]
+        tiers: list[Any] = [LocalSteps(self.root)]
         if self.config.remote is not None:
-            tiers.append(RemoteTier(self.config.remote, self.config.transfer_options()))
+            tiers.append(RemoteSteps(self.config.remote, self.config.transfer_options()))
         try:
             return peek_mod.peek_tiers(tiers, step, trust_pickles=trust_pickles)
         finally:
@@ -496,93 +495,13 @@ class Checkpointer:
         )
 
     def _check_remote(self) -> None:
-        """First save: rank 0 lists the remote (and probes a write when this job uploads); all ranks agree.
-
-        With ``on_remote_unavailable="error"`` (the default) a failure raises
-        :class:`RemoteError` on every rank, naming the remote and the remedy.
-        """
+        """First save: the remote works and holds no other history (``saving/preflight.py``); all ranks agree."""
         self._remote_checked = True
-        cfg = self.config
-        uploads = cfg.uploader != UploaderMode.OFF
-        error = None
-        foreign: tuple[str, float] | None = None
-        if _dist.rank() == 0:
-            deadline = remote.Deadline(min(60.0, cfg.step_deadline_s))
-            try:
-                remote_commit.probe(self._restorer.store(), deadline, write=uploads)
-                if uploads and self._writer.lineage is None:
-                    foreign = self._foreign_history(deadline)
-            except (RemoteError, OSError, ConfigError, CorruptCheckpointError) as exc:
-                error = remote.redact(str(exc))
-                if isinstance(exc, CorruptCheckpointError):
-                    error = (f"the newest step on {remote.safe_url(cfg.remote)} cannot be read ({error}); this run "
-                             f"loaded nothing and will not save over it. Remedy: load(state) first, a prefix of its own, "
-                             f"or start_fresh=True.")
-                if isinstance(exc, (ConfigError, CorruptCheckpointError)):
-                    foreign = ("refused", 0.0)
-            if uploads and cfg.remote_keep_last is None:
-                log.warning(
-                    "shardckpt: remote retention keeps every step committed on %s (remote_keep_last=None); set "
-                    "remote_keep_last (and remote_keep_every) to bound what the bucket holds, or clean it with "
-                    "`shardckpt gc`", remote.safe_url(cfg.remote),
-                )
-        error, foreign = self._groups.broadcast_ctl((error, foreign))
-        if foreign is not None and foreign[0] == "refused":
+        try:
+            preflight.check_remote(self.config, self._groups, self._restorer.store, self._writer)
+        except ConfigError:
             self._remote_checked = False  # every later save() is refused alike until it loads or starts fresh
-            raise ConfigError(error)
-        if foreign is not None:
-            # start_fresh: a new history beside the remote's, forked before all of its steps.
-            self._writer.continue_lineage(lineage_mod.Lineage().fork(lineage_mod.NO_STEP, foreign[0]), foreign[1])
-        if error is None:
-            return
-        if cfg.on_remote_unavailable == OnRemoteUnavailable.WARN:
-            if _dist.rank() == 0:
-                log.warning(
-                    "shardckpt: the remote %s does not work (on_remote_unavailable='warn': training goes on with "
-                    "local checkpoints only, uploads are retried): %s", remote.safe_url(cfg.remote), error,
-                )
-            return
-        raise RemoteError(
-            f"the remote {remote.safe_url(cfg.remote)} cannot be {'written' if uploads else 'listed'}, so no step "
-            f"would reach it: {error} Nothing was saved. Set on_remote_unavailable='warn' to train on with local "
-            f"checkpoints only."
-        )
-
-    def _foreign_history(self, deadline: remote.Deadline) -> tuple[str, float] | None:
-        """First save of a run that loaded nothing: does the remote hold another history's steps?
-
-        Saving into it would take that history over (and replace its steps of
-        the same numbers): refused with a :class:`ConfigError`, unless
-        ``start_fresh`` — then the new history is a branch of its own (returns
-        its id and the remote's newest time, which the new saves come after).
-        """
-        where = remote.safe_url(self.config.remote)
-        if self.config.start_fresh:
-            try:
-                dirs, newest = remote_commit.newest_committed(self._restorer.store(), deadline)
-            except CorruptCheckpointError:  # an unreadable newest step: the new saves come after now
-                log.warning("shardckpt: start_fresh=True: the newest step on %s cannot be read; a new history starts "
-                            "beside it", where)
-                return uuid.uuid4().hex[:10], time.time()
-            if newest is None:
-                return None
-        else:
-            dirs, newest = remote_commit.newest_committed(self._restorer.store(), deadline)
-            if newest is None:
-                return None
-            raise ConfigError(
-                f"the remote {where} already holds committed steps (the newest is step {newest.step}; step "
-                f"directories {dirs[0]}..{dirs[-1]}), but this run saves without having loaded any: its saves would "
-                f"take that history over and replace its steps of the same numbers. Nothing was saved. Remedy: call "
-                f"load(state) before the first save to continue that run; or point remote= at a prefix of its own; "
-                f"or set start_fresh=True (SHARDCKPT_START_FRESH=1) to start a new history there deliberately."
-            )
-        log.warning(
-            "shardckpt: start_fresh=True: %s holds steps up to %d of another history; this run starts a new one "
-            "beside it (those steps are no longer resumed by default; remote steps of the same numbers as new saves "
-            "are replaced)", where, newest.step,
-        )
-        return uuid.uuid4().hex[:10], newest.created
+            raise
 
     def _hook_writes(self, state: dict[str, Any]) -> None:
         """Once per object: the steps that would change saved tensors wait for the copies of a save.
@@ -646,8 +565,6 @@ class Checkpointer:
     def _run_record(self) -> dict[str, Any]:
         """What was this checkpoint: the run's config, command line, world size, device, versions."""
         if self._run is None:
-            from shardckpt import __version__
-
             self._run = {
                 "config": run_config_of(self.config.run_config),
                 "argv": list(sys.argv),
@@ -736,75 +653,7 @@ class Checkpointer:
             "shardckpt: LOCAL DISK NEARLY FULL in %s (%s free, the next save needs ~%s): dropping local step %d, "
             "which is NOT yet committed on the remote %s. Remedy: check the uploader (status(), %s), "
             "free disk space or lower keep_last.",
-            self.root, fmt_bytes(free), fmt_bytes(needed), step, remote.safe_url(self.config.remote),
+            self.root, fmt_bytes(free), fmt_bytes(needed), step, stores.safe_url(self.config.remote),
             os.path.join(state_dir(self.root), "uploader.log"),
         )
         return True
-
-
-def _note_missing_optimizer(state: dict[str, Any]) -> None:
-    """First save: a module with trainable parameters and no optimizer in the state is worth one line."""
-    if _dist.rank() != 0 or any(isinstance(v, torch.optim.Optimizer) for v in state.values()):
-        return
-    trainable = sorted(
-        k for k, v in state.items() if isinstance(v, torch.nn.Module) and any(p.requires_grad for p in v.parameters())
-    )
-    if trainable:
-        log.info(
-            "shardckpt: the state holds module(s) %s with trainable parameters but no optimizer: a resume restores "
-            "the weights only, the optimizer starts fresh. Add the optimizer to the state to resume training exactly",
-            ", ".join(repr(k) for k in trainable),
-        )
-
-
-def _check_writable(root: str) -> None:
-    """An unwritable local_dir is a configuration error now, not at the first save hours later."""
-    try:
-        os.makedirs(root, exist_ok=True)
-        probe = os.path.join(root, f".shardckpt-writable-{uuid.uuid4().hex}")
-        with open(probe, "wb") as f:
-            f.write(b"ok")
-        os.unlink(probe)
-    except OSError as exc:
-        raise ConfigError(
-            f"local_dir {root} is not a writable directory ({type(exc).__name__}: {exc}). Remedy: point "
-            f"local_dir at a directory this process can create and write (node-local NVMe or a shared "
-            f"filesystem)."
-        ) from exc
-
-
-def _metrics(metrics: dict[str, float] | None) -> dict[str, float]:
-    out = {}
-    for name, value in (metrics or {}).items():
-        if isinstance(value, torch.Tensor):
-            value = value.item()
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"metrics must map names to numbers, got {name!r}: {value!r}")
-        out[str(name)] = float(value)
-    return out
-
-
-def run_config_of(value: Any) -> Any:
-    """``run_config`` as recorded: a dict as JSON allows, or a YAML/JSON file's parsed content."""
-    if value is None:
-        return None
-    if isinstance(value, (str, os.PathLike)):
-        path = os.fspath(value)
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as exc:
-            raise ConfigError(f"run_config={path!r} cannot be read ({exc}). Remedy: pass a dict or a readable "
-                              f"YAML/JSON file") from exc
-        if path.endswith((".yaml", ".yml")):
-            try:
-                import yaml
-            except ImportError as exc:
-                raise ConfigError("run_config is a YAML file: pip install pyyaml, or pass a dict") from exc
-            value = yaml.safe_load(text)
-        else:
-            try:
-                value = json.loads(text)
-            except ValueError:
-                return {"file": path, "text": text}
-    return json.loads(json.dumps(value, default=str))

@@ -36,10 +36,25 @@ import socket
 import sys
 from typing import Any, Sequence
 
-from shardckpt import __version__
+from shardckpt._version import __version__
 from shardckpt.format import layout, lineage, retention
 from shardckpt._text import fmt_bytes
 from shardckpt.errors import ShardckptError
+from shardckpt.format import step_dirs
+from shardckpt.node import node_registry, peer_daemon
+from shardckpt.node.uploader import (
+    add_best_args,
+    add_sync_args,
+    add_transfer_args,
+    failure_text,
+    policy_from_args,
+    store_from_args,
+    sync_from_args,
+)
+from shardckpt.stores import Deadline, TransferOptions, redact
+from shardckpt.tiers import remote_commit, remote_index
+from shardckpt.tiers import steps as steps_mod
+from shardckpt.tiers.steps import open_steps
 
 OK, BAD, ERROR = 0, 1, 2
 
@@ -75,15 +90,11 @@ def _bar(total: int, what: str, enabled: bool) -> Any:
 
 
 def _transfer_options(args: argparse.Namespace) -> Any:
-    from shardckpt.tiers.remote import TransferOptions
-
     return TransferOptions(endpoint_url=getattr(args, "endpoint_url", None))
 
 
 def _open(args: argparse.Namespace) -> Any:
-    from shardckpt.tiers.location import open_tier
-
-    return open_tier(args.src, _transfer_options(args))
+    return open_steps(args.src, _transfer_options(args))
 
 
 def _committed(tier: Any) -> dict[int, layout.Manifest]:
@@ -153,8 +164,6 @@ def _step_row(step: int, manifest: layout.Manifest, abandoned: dict[int, str], t
 
 def _kept(tier: Any) -> list[tuple[int, str]]:
     """Earlier saves of step numbers set aside by later saves (local tiers only)."""
-    from shardckpt.format import step_dirs
-
     root = getattr(tier, "root", None)
     return step_dirs.kept_versions(root) if root else []
 
@@ -201,12 +210,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         step = _pick(tier, manifests, args.step)
         manifest = manifests[step]
         _live, abandoned = tier.live(manifests)
-        keys = _saved_keys(tier, step, args.trust_pickles) if args.keys else None
-        looked = None
-        if args.values:
-            from shardckpt.restoring.step_peek import read_step
+        keys = looked = None
+        if args.keys or args.values:
+            from shardckpt.restoring import step_peek  # imports torch: only for --keys / --values
 
-            looked = read_step(tier, manifest, trust_pickles=args.trust_pickles).to_json()
+            if args.keys:
+                keys = step_peek.saved_keys(tier, step, args.trust_pickles)
+            if args.values:
+                looked = step_peek.read_step(tier, manifest, trust_pickles=args.trust_pickles).to_json()
         if args.json:
             body = json.loads(manifest.to_json())
             body.update(source=tier.where, where=tier.step_where(step), abandoned=abandoned.get(step))
@@ -245,24 +256,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return OK
     finally:
         tier.close()
-
-
-def _saved_keys(tier: Any, step: int, trust_pickles: bool) -> list[dict[str, Any]]:
-    """Every saved item of the step with its shape and dtype (reads DCP's metadata: imports torch)."""
-    import pickle
-
-    from shardckpt.format.safe_pickle import safe_load_metadata
-
-    data = tier.metadata_bytes(step)
-    where = f"{tier.step_where(step)}/.metadata"
-    metadata = pickle.loads(data) if trust_pickles else safe_load_metadata(data, where)
-    out = []
-    for fqn, md in sorted(metadata.state_dict_metadata.items()):
-        size = getattr(md, "size", None)
-        dtype = getattr(getattr(md, "properties", None), "dtype", None)
-        out.append({"key": fqn, "shape": list(size) if size is not None else None,
-                    "dtype": str(dtype).replace("torch.", "") if dtype is not None else None})
-    return out
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -313,10 +306,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from shardckpt.export import run_export
+    """``shardckpt export``: write the file and print one line saying what was written."""
+    from shardckpt.export import export_step  # imports torch: only for this command
 
-    args.fmt = args.format
-    return run_export(args)
+    result = export_step(
+        args.src, args.out, step=args.step, fmt=args.format, optimizer=args.optimizer, key=args.key,
+        trust_pickles=args.trust_pickles, endpoint_url=args.endpoint_url,
+    )
+    what = f"{result.tensors} tensors"
+    if result.optimizer_key is not None:
+        what += f" ({len(result.optimizer_keys)} of optimizer {result.optimizer_key!r})"
+    line = (f"exported step {result.step} of {redact(args.src)} (module {result.module_key!r}): {what}, "
+            f"{fmt_bytes(result.bytes)} {result.format} -> {result.path}")
+    if result.fetched_files is not None:
+        line += (f"; fetched {result.fetched_files} of {result.step_files} files "
+                 f"({fmt_bytes(result.fetched_bytes or 0)} of {fmt_bytes(result.step_bytes)})")
+    print(line)
+    return OK
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -344,8 +350,6 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if not doomed:
             print(f"nothing to delete in {tier.where}")
         if not args.dry_run and not ("://" in args.src):
-            from shardckpt.format import step_dirs
-
             for name in step_dirs.clean_leftovers(tier.where, keep_nonce=None):
                 print(f"removed leftover {name}")
         return OK
@@ -355,15 +359,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def _latest_peer(root: str, steps: list[int]) -> int | None:
     """The newest local step whose files this node's peer daemon replicated (the same save)."""
-    from shardckpt.tiers import peer
-
-    return next((s for s in reversed(steps) if peer.replicated(root, s)), None)
+    return next((s for s in reversed(steps) if peer_daemon.replicated(root, s)), None)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from shardckpt.node import node_registry
-    from shardckpt.tiers import peer, remote_commit
-
     root = os.path.abspath(args.dir)
     if not os.path.isdir(root):
         raise ShardckptError(f"no checkpoint directory at {root}. Remedy: give the local_dir of a Checkpointer.")
@@ -389,7 +388,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "failed_commits": {k: v for k, v in (info.get("failed_steps") or {}).items() if k.isdigit() and int(k) in pending},
         "last_error": info.get("last_error"),
         "last_error_time": info.get("last_error_time"),
-        "peer": peer.node_status(root),
+        "peer": peer_daemon.node_status(root),
     }
     body["latest_peer"] = _latest_peer(root, steps)
     if args.json:
@@ -400,7 +399,7 @@ def cmd_status(args: argparse.Namespace) -> int:
               + (f" (peer-durable: {body['latest_peer']})" if body["peer"] else "")
               + "; no uploader has run here (no remote configured, or it never started)")
         if body["peer"]:
-            print(peer.status_line(body["peer"]))
+            print(peer_daemon.status_line(body["peer"]))
         return BAD
     state = "running" if running is not None else (body["uploader"]["state"] or "not running")
     pid = f" (pid {running})" if running else ""
@@ -411,12 +410,10 @@ def cmd_status(args: argparse.Namespace) -> int:
           + (f" (lag {body['lag_steps']} steps)" if body["lag_steps"] else ""))
     print(f"  pending: {pending or 'nothing'}" + (f" ({fmt_bytes(body['pending_bytes'])})" if pending else ""))
     if body["peer"]:
-        print(peer.status_line(body["peer"]))
+        print(peer_daemon.status_line(body["peer"]))
     for step, why in sorted(body["waiting"].items()):
         print(f"  step {step} waits: {why}")
     if body["failed_commits"]:
-        from shardckpt.node.uploader import failure_text
-
         for step, failed in sorted(body["failed_commits"].items(), key=lambda kv: int(kv[0])):
             print(f"  FAILED: {failure_text(int(step), failed, url)}")
     if body["last_error"]:
@@ -426,9 +423,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_adopt(args: argparse.Namespace) -> int:
-    from shardckpt.tiers import local
+    from shardckpt.tiers import adopt
 
-    final = local.adopt(args.source, args.into, args.step, trust_pickles=args.trust_pickles)
+    final = adopt.adopt(args.source, args.into, args.step, trust_pickles=args.trust_pickles)
     manifest = layout.read_manifest(final)
     print(f"adopted {args.source} as step {args.step}: {final} ({len(manifest.files)} files, "
           f"{fmt_bytes(manifest.total_bytes)}, world size {manifest.world_size})")
@@ -440,21 +437,14 @@ def cmd_adopt(args: argparse.Namespace) -> int:
 
 def _with_bars(enabled: bool) -> None:
     """Transfers of push / pull / sync show tqdm bars on a terminal (else their log lines)."""
-    from shardckpt.tiers import remote_commit
-
     remote_commit.Progress.bar_factory = (lambda what, total: _bar(total, what, True)) if enabled and sys.stderr.isatty() else None
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
-    from shardckpt.node.uploader import sync_from_args
-
     return sync_from_args(args)
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from shardckpt.tiers import remote_commit
-    from shardckpt.node.uploader import policy_from_args, store_from_args
-
     _with_bars(True)
     store = store_from_args(args)
     try:
@@ -487,10 +477,6 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from shardckpt.tiers import remote_commit, remote_index
-    from shardckpt.tiers.remote import Deadline
-    from shardckpt.node.uploader import store_from_args
-
     _with_bars(True)
     store = store_from_args(args)
     try:
@@ -503,7 +489,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
             step = live[-1]
         step_dir = os.path.join(args.local, layout.step_dirname(step))
         had = layout.read_manifest(step_dir) is not None
-        fetched = remote_commit.fetch_step(store, args.local, step, verify_local=True)
+        fetched = steps_mod.fetch_step(store, args.local, step, verify_local=True)
         if had:
             print(f"step {step} in {step_dir}: local files checked; fetched {len(fetched)} missing or failing "
                   f"file(s){': ' + ', '.join(sorted(fetched)) if fetched else ''}; all verified")
@@ -525,8 +511,6 @@ def _source_args(p: argparse.ArgumentParser, what: str = "checkpoint location") 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from shardckpt.node.uploader import add_best_args, add_sync_args, add_transfer_args
-
     parser = argparse.ArgumentParser(
         prog="shardckpt",
         description="Look at, verify, export, clean up and move shardckpt checkpoints, on a local directory or "
@@ -702,8 +686,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _report(exc: BaseException) -> int:
-    from shardckpt.tiers.remote import redact
-
     code = BAD if isinstance(exc, Problem) else ERROR
     text = redact(str(exc)) if isinstance(exc, ShardckptError) else redact(f"{type(exc).__name__}: {exc}")
     hint = "" if isinstance(exc, ShardckptError) else " (run with --debug for the traceback)"

@@ -30,6 +30,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import Sampler
 
+from shardckpt import _dist
 from shardckpt.errors import ConfigError
 
 
@@ -79,8 +80,6 @@ class ResumableSampler(Sampler[int]):
         seed: int = 0,
         accum_steps: int = 1,
     ) -> None:
-        from shardckpt import _dist
-
         self.dataset_len = int(dataset_len)
         self.batch_size = int(batch_size)
         self.rank = _dist.rank() if rank is None else int(rank)

@@ -55,3 +55,15 @@ class UntrustedCheckpointError(ShardckptError, ValueError):
 
 class RemoteError(ShardckptError, OSError):
     """The remote tier failed after retries (unreachable, denied, or missing)."""
+
+
+class ObjectNotFoundError(RemoteError, FileNotFoundError):
+    """A store holds no object under the key asked for (every store raises this one type)."""
+
+    retryable = False
+
+
+class ObjectRangeError(RemoteError):
+    """A byte range asked of a store reaches past the end of its object."""
+
+    retryable = False

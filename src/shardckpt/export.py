@@ -34,7 +34,6 @@ file under the key ``"optimizer"``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -54,7 +53,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from shardckpt.format import layout, lineage
-from shardckpt.tiers import local, remote, remote_commit, remote_index
+from shardckpt.dcp import planner as dcp_planner
+from shardckpt.tiers import remote_commit, remote_index
+from shardckpt.tiers import steps as steps_mod
+from shardckpt import stores
 from shardckpt import state as state_mod
 from shardckpt._text import fmt_bytes
 from shardckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, ShardckptError
@@ -167,7 +169,7 @@ def export_step(
     key: str | None = None,
     trust_pickles: bool = False,
     endpoint_url: str | None = None,
-    transfer: remote.TransferOptions | None = None,
+    transfer: stores.TransferOptions | None = None,
     progress: Callable[[int], None] | None = None,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
 ) -> ExportResult:
@@ -200,7 +202,7 @@ def export_step(
     try:
         if "://" not in src:
             return _export_local(src, step, job)
-        options = transfer or remote.TransferOptions()
+        options = transfer or stores.TransferOptions()
         if endpoint_url is not None:
             options = dataclasses.replace(options, endpoint_url=endpoint_url)
         return _export_remote(src, step, job, options)
@@ -209,8 +211,8 @@ def export_step(
     except OSError as exc:
         which = f"step {step}" if step is not None else "the newest step"
         raise ExportIOError(
-            f"export of {which} of {remote.safe_url(src)} to {out} failed: {remote.redact(str(exc))}. "
-            f"Remedy: check the free space and permissions of {out_dir} (and that {remote.safe_url(src)} is readable)."
+            f"export of {which} of {stores.safe_url(src)} to {out} failed: {stores.redact(str(exc))}. "
+            f"Remedy: check the free space and permissions of {out_dir} (and that {stores.safe_url(src)} is readable)."
         ) from exc
 
 
@@ -272,16 +274,18 @@ def _export_local(src: str, step: int | None, job: _Job) -> ExportResult:
         step_dir = src
         manifest = layout.read_manifest(step_dir)
         _choose_step({manifest.step: lineage.info_of(manifest)}, step, src)
+        view = steps_mod.StepView(stores.LocalDirStore(step_dir), manifest, prefix="")
     else:
         step = _choose_step(lineage.local_infos(src), step, src)
         step_dir = os.path.join(src, layout.step_dirname(step))
         manifest = layout.read_manifest(step_dir)
         if manifest is None:  # deleted since it was listed
             raise CheckpointNotFoundError(f"step {step} is no longer committed in {src}. Remedy: run the export again.")
+        view = steps_mod.StepView(stores.LocalDirStore(src), manifest)
 
     def verify(names: list[str]) -> None:
         try:
-            layout.verify_files(step_dir, manifest, names)
+            view.verify(names)
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(
                 f"cannot export step {manifest.step} from {src}: {exc} Or export another step with --step."
@@ -293,35 +297,30 @@ def _export_local(src: str, step: int | None, job: _Job) -> ExportResult:
     return result
 
 
-def _export_remote(src: str, step: int | None, job: _Job, options: remote.TransferOptions) -> ExportResult:
-    store = remote.open_store(src, options)
-    where = remote.safe_url(src)
+def _export_remote(src: str, step: int | None, job: _Job, options: stores.TransferOptions) -> ExportResult:
+    store = stores.open_store(src, options)
+    where = stores.safe_url(src)
     try:
-        deadline = remote.Deadline(options.step_deadline_s)
+        deadline = stores.Deadline(options.step_deadline_s)
         if step is None:
             infos, _unreadable = remote_index.survey(store, deadline)
             step = _choose_step(infos, None, where)
         manifest = remote_commit.remote_manifest(store, step, deadline)
         if manifest is None:
             raise _not_committed(step, where, remote_commit.remote_steps(store, deadline))
+        view = steps_mod.StepView(store, manifest)
         tmp = tempfile.mkdtemp(prefix=f".shardckpt-export-{step}-", dir=os.path.dirname(job.out))
         fetched: list[str] = []
         try:
             def fetch(names: list[str]) -> None:
                 total = sum(manifest.files[n].size for n in names)
                 what = f"fetching {len(names)} file(s) of step {step} from {where} for export"
-
-                def get(name: str, report: Callable[[int], None]) -> None:
-                    entry = manifest.files[name]
-                    key = remote_commit.step_key(step, name)
-                    store.get_file(key, os.path.join(tmp, name), entry.size, entry.checksum, deadline, report)
-
                 with remote_commit.Progress(what, total, remote_commit.PROGRESS_S) as bar:
                     def report(n: int) -> None:
                         bar.add(n)
                         job.progress(n)
 
-                    store.run_all([lambda n=n: get(n, report) for n in names], files=True)
+                    view.fetch_into(tmp, names, report)
                 fetched.extend(names)
 
             result = _export_dir(tmp, manifest, where, fetch, job)
@@ -366,7 +365,7 @@ class _Source:
                 f"Remedy: export another step with --step."
             )
         self.need([layout.METADATA_NAME])
-        self.metadata = local.read_metadata(step_dir, self.step, trust_pickles=trust)
+        self.metadata = dcp_planner.read_metadata(step_dir, self.step, trust_pickles=trust)
 
     def need(self, names: Iterable[str]) -> None:
         todo = sorted(set(names) - self._done)
@@ -510,11 +509,11 @@ def _read(step_dir: str, metadata: Metadata, items: list[_Item], trust: bool) ->
     for item in items:
         md = item.md
         target[item.fqn] = torch.empty(md.size, dtype=md.properties.dtype) if item.is_tensor else md
-    planner = local.RestorePlanner(lambda _path: False, allow_partial_load=False, trust_pickles=trust)
+    planner = dcp_planner.RestorePlanner(lambda _path: False, allow_partial_load=False, trust_pickles=trust)
     try:
-        _load_state_dict(target, storage_reader=local.TrustingReader(step_dir, metadata), planner=planner, no_dist=True)
+        _load_state_dict(target, storage_reader=dcp_planner.TrustingReader(step_dir, metadata), planner=planner, no_dist=True)
     except CheckpointException as exc:
-        raise local.unwrap_failure(exc, f"reading {step_dir}") from exc
+        raise dcp_planner.unwrap_failure(exc, f"reading {step_dir}") from exc
     return target
 
 
@@ -536,7 +535,7 @@ def _plain_values(items: list[_Item], values: dict[str, Any]) -> dict[str, Any]:
     """Non-tensor items as one nested structure (their saved paths), e.g. ``{"param_groups": [{...}]}``."""
     out: dict[str, Any] = {}
     for item in items:
-        local.set_element(out, item.path, values[item.fqn])
+        dcp_planner.set_element(out, item.path, values[item.fqn])
     return out
 
 
@@ -687,24 +686,3 @@ def _check_written(path: str, fmt: str, plan: _Plan, step: int) -> None:
             f"the export of step {step} did not read back as written ({len(wrong)} tensor(s) differ in name, "
             f"shape or dtype, e.g. {wrong[0]!r}); the output was not replaced. Remedy: report this as a bug."
         )
-
-
-# ---------------------------------------------------------------- command line
-
-
-def run_export(args: argparse.Namespace) -> int:
-    """``shardckpt export``: write the file and print one line saying what was written."""
-    result = export_step(
-        args.src, args.out, step=args.step, fmt=args.fmt, optimizer=args.optimizer, key=args.key,
-        trust_pickles=args.trust_pickles, endpoint_url=args.endpoint_url,
-    )
-    what = f"{result.tensors} tensors"
-    if result.optimizer_key is not None:
-        what += f" ({len(result.optimizer_keys)} of optimizer {result.optimizer_key!r})"
-    line = (f"exported step {result.step} of {remote.safe_url(args.src)} (module {result.module_key!r}): {what}, "
-            f"{fmt_bytes(result.bytes)} {result.format} -> {result.path}")
-    if result.fetched_files is not None:
-        line += (f"; fetched {result.fetched_files} of {result.step_files} files "
-                 f"({fmt_bytes(result.fetched_bytes or 0)} of {fmt_bytes(result.step_bytes)})")
-    print(line)
-    return 0

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import os
 import signal
 from typing import Any
 
 from shardckpt.errors import ConfigError
+from shardckpt.stores import TransferOptions
+
+MICRO_BATCH_KEY = "shardckpt.micro_batch_size"
+ACCUM_KEY = "shardckpt.grad_accum_steps"
+"""Manifest metadata keys of the batch shape a run saved with (read by the elastic plan)."""
 
 
 class SaveMode(str, enum.Enum):
@@ -380,8 +386,6 @@ class CheckpointConfig:
             ):
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.micro_batch_size is not None:
-            from shardckpt.restoring.elastic import record_shape
-
             self.metadata = dict(self.metadata)
             record_shape(self, self.micro_batch_size, self.grad_accum_steps)
 
@@ -404,9 +408,7 @@ class CheckpointConfig:
         return cls(**values)
 
     def transfer_options(self) -> Any:
-        """The remote tier's :class:`shardckpt.tiers.remote.TransferOptions` for this config."""
-        from shardckpt.tiers.remote import TransferOptions
-
+        """The remote tier's :class:`shardckpt.stores.network.TransferOptions` for this config."""
         return TransferOptions(
             endpoint_url=self.endpoint_url,
             concurrency=self.transfer_concurrency,
@@ -467,3 +469,43 @@ def _parse_signal(text: str) -> int:
     if not text.startswith("SIG"):
         text = "SIG" + text
     return int(getattr(signal, text))
+
+
+def run_config_of(value: Any) -> Any:
+    """``run_config`` as recorded: a dict as JSON allows, or a YAML/JSON file's parsed content."""
+    if value is None:
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        path = os.fspath(value)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise ConfigError(f"run_config={path!r} cannot be read ({exc}). Remedy: pass a dict or a readable "
+                              f"YAML/JSON file") from exc
+        if path.endswith((".yaml", ".yml")):
+            try:
+                import yaml
+            except ImportError as exc:
+                raise ConfigError("run_config is a YAML file: pip install pyyaml, or pass a dict") from exc
+            value = yaml.safe_load(text)
+        else:
+            try:
+                value = json.loads(text)
+            except ValueError:
+                return {"file": path, "text": text}
+    return json.loads(json.dumps(value, default=str))
+
+
+def record_shape(config: Any, micro_batch: int | None, accum_steps: int | None) -> None:
+    """Make later saves record (micro-batch, accumulation) in the manifest metadata."""
+    if micro_batch is None or config is None:
+        return
+    if hasattr(config, "micro_batch_size"):
+        config.micro_batch_size = micro_batch
+    if hasattr(config, "grad_accum_steps") and accum_steps is not None:
+        config.grad_accum_steps = accum_steps
+    metadata = getattr(config, "metadata", None)
+    if isinstance(metadata, dict):
+        metadata[MICRO_BATCH_KEY] = int(micro_batch)
+        metadata[ACCUM_KEY] = int(accum_steps or 1)

@@ -39,8 +39,7 @@ except ImportError:  # pragma: no cover - numpy ships with torch wheels' users
 log = logging.getLogger("shardckpt")
 
 RESERVED_KEY = "_shardckpt"
-MODULE, OPTIMIZER, STATEFUL, VALUE, RNG = "module", "optimizer", "stateful", "value", "rng"
-STOCK = "stock"  # a key of an adopted stock DCP checkpoint: kind unknown until loaded
+from shardckpt.values import MODULE, OPTIMIZER, RNG, STATEFUL, STOCK, VALUE  # noqa: E402,F401 - the kinds, part of this API
 
 
 def rng_key(rank: int) -> str:

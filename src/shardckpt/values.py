@@ -30,6 +30,10 @@ import torch
 from shardckpt import _dist
 from shardckpt.errors import ConfigError
 
+MODULE, OPTIMIZER, STATEFUL, VALUE, RNG = "module", "optimizer", "stateful", "value", "rng"
+"""The kinds of a state key (recorded in the manifest's ``keys`` table)."""
+STOCK = "stock"  # a key of an adopted stock DCP checkpoint: kind unknown until loaded
+
 log = logging.getLogger("shardckpt")
 
 _TAG = "#"
@@ -182,8 +186,6 @@ def agree(
     refused on any rank raises :class:`ConfigError` on every rank. ``warned``
     holds the keys already warned about (one warning per key and instance).
     """
-    from shardckpt.state import STATEFUL, VALUE
-
     out = dict(captured)
     error = None
     mine: dict[str, dict[str, tuple]] = {}

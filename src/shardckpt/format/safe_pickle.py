@@ -13,7 +13,7 @@ import pickle
 
 import torch
 
-from shardckpt.errors import UntrustedCheckpointError
+from shardckpt.errors import CorruptCheckpointError, UntrustedCheckpointError
 
 _ALLOWED: dict[str, set[str]] = {
     "torch.distributed.checkpoint.metadata": {
@@ -57,8 +57,6 @@ def safe_load_metadata(data: bytes, where: str):
             f"load with trust_pickles=True; otherwise delete it."
         ) from exc
     except Exception as exc:  # truncated or garbage bytes
-        from shardckpt.errors import CorruptCheckpointError
-
         raise CorruptCheckpointError(f"{where} is unreadable ({type(exc).__name__}: {exc})") from exc
     if not isinstance(metadata, Metadata):
         raise UntrustedCheckpointError(f"{where} does not hold DCP metadata (found {type(metadata).__name__})")

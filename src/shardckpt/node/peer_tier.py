@@ -4,7 +4,7 @@ At the first save or load (collective over the ``ctl`` side group, every
 rank alike): the ranks agree whether the tier is on (``peer_replicas``),
 rank 0 creates the job's secret and broadcasts it over the side group, the
 committer of each node's directory writes it into a 0600 file for its node's
-daemon (:mod:`shardckpt.tiers.peer`), starts the daemon when none runs and reads
+daemon (:mod:`shardckpt.node.peer_daemon`), starts the daemon when none runs and reads
 its address from the daemon's status file; the addresses are gathered and
 every node's committer writes them into ``peers.json``, which its daemon
 reads. ``close()`` waits, bounded, until the newest step is peer-durable.
@@ -20,8 +20,9 @@ import time
 from typing import Any
 
 from shardckpt import _dist
-from shardckpt.format import layout
-from shardckpt.tiers import peer
+from shardckpt.format import layout, replicas
+from shardckpt.node import peer_daemon, peer_service
+from shardckpt.stores import peer_client
 from shardckpt.node.node_registry import pid_alive, read_json, register_trainer, state_dir, unregister_trainer
 from shardckpt.options import CheckpointConfig
 from shardckpt.topology import Topology
@@ -105,7 +106,7 @@ class PeerTier:
                         len(errors), "; ".join(errors[:3]))
         self.replicas = min(wanted, max(0, len(self.nodes) - 1))
         if self.committer and entry is not None:
-            layout.atomic_write_text(os.path.join(state_dir(self.root), peer.PEERS_NAME), _json({
+            layout.atomic_write_text(os.path.join(state_dir(self.root), peer_daemon.PEERS_NAME), _json({
                 "nodes": self.nodes, "replicas": self.replicas, "bandwidth": self.config.peer_bandwidth,
                 "keep_last": self.config.keep_last, "written": time.time(),
             }))
@@ -115,19 +116,19 @@ class PeerTier:
 
     def _start(self, secret: str, node: str, domain: str | None) -> dict[str, Any]:
         os.makedirs(state_dir(self.root), exist_ok=True)
-        peer.write_secret(self.root, secret)
+        peer_service.write_secret(self.root, secret)
         if not self._registered:
             self._trainer_file = register_trainer(self.root)
         info = self.daemon_info()
         if info is None:
-            spawn_node_daemon(self.root, "tiers.peer:peer_main",
+            spawn_node_daemon(self.root, "node.peer_daemon:peer_main",
                               ["--local", self.root, "--node", node, "--host", node_host()], "peer.log")
             deadline = time.monotonic() + START_WAIT_S
             while info is None and time.monotonic() < deadline:
                 time.sleep(0.05)
                 info = self.daemon_info()
             if info is None:
-                raise peer.PeerError(
+                raise peer_client.PeerError(
                     f"the peer daemon of {self.root} did not report its address within {START_WAIT_S:.0f} s; "
                     f"see {os.path.join(state_dir(self.root), 'peer.log')}"
                 )
@@ -143,9 +144,9 @@ class PeerTier:
         error: str | None = None
         if self.committer:
             me = _dist.node_id()
-            clients = [(n["node"], peer.PeerClient(n["addr"], self.secret or b"")) for n in self.nodes if n["node"] != me]
+            clients = [(n["node"], peer_client.PeerClient(n["addr"], self.secret or b"")) for n in self.nodes if n["node"] != me]
             try:
-                result = peer.fetch_own_replica(self.root, me, clients)
+                result = peer_client.fetch_own_replica(self.root, me, clients)
             except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange below
                 error = f"node {me}: {type(exc).__name__}: {exc}"
         gathered = groups.all_gather_ctl((result, error))
@@ -160,7 +161,7 @@ class PeerTier:
 
     def daemon_info(self) -> dict[str, Any] | None:
         """The running daemon's status (address, what it replicated), ``None`` when none runs."""
-        info = read_json(os.path.join(state_dir(self.root), peer.STATUS_NAME))
+        info = read_json(os.path.join(state_dir(self.root), peer_daemon.STATUS_NAME))
         pid = info.get("pid")
         if info.get("state") != "running" or not info.get("addr") or not isinstance(pid, int):
             return None
@@ -170,7 +171,7 @@ class PeerTier:
 
     def durable(self, step: int) -> list[str]:
         """The nodes holding this node's files of ``step`` (of the version committed here now)."""
-        sent = peer.replicated(self.root, step)
+        sent = peer_daemon.replicated(self.root, step)
         return list(sent.get("holders") or []) if sent else []
 
     def wait_durable(self, step: int, limit: float) -> float | None:
@@ -184,7 +185,7 @@ class PeerTier:
         t0 = time.monotonic()
         while len(self.durable(step)) < self.replicas:
             if time.monotonic() - t0 >= limit or self.daemon_info() is None:
-                info = read_json(os.path.join(state_dir(self.root), peer.STATUS_NAME))
+                info = read_json(os.path.join(state_dir(self.root), peer_daemon.STATUS_NAME))
                 log.warning("shardckpt: step %d of %s is not replicated to %d other node(s) after %.1f s (the peer "
                             "daemon %s; last error: %s; its log: %s)", step, self.root, self.replicas,
                             time.monotonic() - t0, "is running" if self.daemon_info() else "is not running",
@@ -198,7 +199,7 @@ class PeerTier:
         when that node is lost, its replica needs this node's own files of the same step beside it."""
         if not self.on:
             return False
-        return any(held and max(held) == step for held in peer.committed_replicas(self.root).values())
+        return any(held and max(held) == step for held in replicas.committed_replicas(self.root).values())
 
     def status(self) -> dict[str, Any]:
         """The ``Checkpointer.status()`` fields of the peer tier."""
@@ -206,7 +207,7 @@ class PeerTier:
             return {"peer_replicas": 0}
         steps = layout.committed_steps(self.root)
         durable = [s for s in steps if len(self.durable(s)) >= self.replicas]
-        info = read_json(os.path.join(state_dir(self.root), peer.STATUS_NAME)) if self.committer else {}
+        info = read_json(os.path.join(state_dir(self.root), peer_daemon.STATUS_NAME)) if self.committer else {}
         return {
             "peer_replicas": self.replicas,
             "latest_peer": durable[-1] if durable else None,
@@ -231,7 +232,7 @@ class PeerTier:
             deadline = time.monotonic() + limit
             while len(self.durable(steps[-1])) < self.replicas:
                 if time.monotonic() >= deadline or self.daemon_info() is None:
-                    info = read_json(os.path.join(state_dir(self.root), peer.STATUS_NAME))
+                    info = read_json(os.path.join(state_dir(self.root), peer_daemon.STATUS_NAME))
                     log.warning(
                         "shardckpt: close(): step %d of %s is not yet replicated to %d other node(s) after %.0f s "
                         "(the peer daemon %s; last error: %s; its log: %s)", steps[-1], self.root, self.replicas,

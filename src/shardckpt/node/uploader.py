@@ -27,9 +27,10 @@ from shardckpt.format import layout
 from shardckpt.tiers.early_upload import EarlyUploads
 from shardckpt.node.node_registry import daemon_logging, lock_path, process_record, state_dir, trainers_alive
 from shardckpt.errors import RemoteError
-from shardckpt.tiers.remote import Deadline, Store, redact, safe_url
+from shardckpt.options import CheckpointConfig
+from shardckpt.stores import Deadline, Store, open_store, redact, safe_url
 from shardckpt.tiers.remote_commit import COMMITTED, SUPERSEDED, WAITING, local_bytes, missing_ranks, pending_steps, push_step, remote_steps
-from shardckpt.format.retention import RetentionPolicy
+from shardckpt.format.retention import RetentionPolicy, policy_from
 
 log = logging.getLogger("shardckpt")
 
@@ -466,9 +467,6 @@ def add_best_args(p: Any) -> None:
 
 
 def store_from_args(args: Any) -> Store:
-    from shardckpt.options import CheckpointConfig
-    from shardckpt.tiers.remote import open_store
-
     cfg = CheckpointConfig(
         local_dir=args.local,
         remote=args.remote,
@@ -485,8 +483,6 @@ def store_from_args(args: Any) -> Store:
 
 
 def policy_from_args(args: Any) -> RetentionPolicy | None:
-    from shardckpt.format.retention import policy_from
-
     if getattr(args, "keep_last", None) is None:
         return None
     return policy_from(args.keep_last, args.keep_every, keep_best=getattr(args, "keep_best", None),

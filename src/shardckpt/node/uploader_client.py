@@ -22,10 +22,11 @@ from typing import Any
 from shardckpt import _dist
 from shardckpt.format import layout
 from shardckpt.tiers import remote_commit
+from shardckpt.node.uploader import failure_text
 from shardckpt.node.node_registry import pid_alive, read_status, register_trainer, state_dir, unregister_trainer, uploader_running
 from shardckpt.options import CheckpointConfig, UploaderMode
 from shardckpt._text import fmt_bytes
-from shardckpt.tiers.remote import safe_url
+from shardckpt.stores import safe_url
 
 log = logging.getLogger("shardckpt")
 
@@ -180,8 +181,6 @@ class UploaderClient:
 
     def _warn_failed(self, info: dict[str, Any], pending: list[int]) -> None:
         """Once per step the uploader reports not committed within ``remote_commit_timeout_s``."""
-        from shardckpt.node.uploader import failure_text
-
         for key, failed in sorted((info.get("failed_steps") or {}).items()):
             if not key.isdigit() or int(key) not in pending or not isinstance(failed, dict):
                 continue
@@ -277,7 +276,7 @@ class UploaderClient:
         """Wait until this node's committed steps are committed remotely (bounded).
 
         Ends early when the uploader reports every pending step as failed for a
-        reason retries cannot fix (see ``remote.RemoteError.retryable``); the
+        reason retries cannot fix (see ``errors.RemoteError.retryable``); the
         report's ``ended`` says why the wait stopped.
         """
         url = self.url

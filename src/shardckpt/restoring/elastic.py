@@ -45,7 +45,10 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from shardckpt import _dist
+from shardckpt.data import ResumableSampler
 from shardckpt.errors import ConfigError
+from shardckpt.options import ACCUM_KEY, MICRO_BATCH_KEY, record_shape  # noqa: F401 - part of this module's API
 
 log = logging.getLogger("shardckpt")
 
@@ -61,8 +64,6 @@ __all__ = [
 ]
 
 # Manifest metadata keys recording the saved training shape.
-MICRO_BATCH_KEY = "shardckpt.micro_batch_size"
-ACCUM_KEY = "shardckpt.grad_accum_steps"
 
 
 class BatchPolicy(str, enum.Enum):
@@ -363,8 +364,6 @@ class PerRank:
 
     @property
     def rank(self) -> int:
-        from shardckpt import _dist
-
         return _dist.rank() if self._rank is None else self._rank
 
     def state_dict(self) -> dict[str, Any]:
@@ -393,8 +392,6 @@ class PerRank:
 
 
 def _samplers(state: Mapping[str, Any]) -> list[Any]:
-    from shardckpt.data import ResumableSampler
-
     return [v for v in state.values() if isinstance(v, ResumableSampler)]
 
 
@@ -486,17 +483,3 @@ def after_restore(
     if log_plan:
         (log.warning if not plan.exact else log.info)("shardckpt: %s", plan.summary())
     return plan
-
-
-def record_shape(config: Any, micro_batch: int | None, accum_steps: int | None) -> None:
-    """Make later saves record (micro-batch, accumulation) in the manifest metadata."""
-    if micro_batch is None or config is None:
-        return
-    if hasattr(config, "micro_batch_size"):
-        config.micro_batch_size = micro_batch
-    if hasattr(config, "grad_accum_steps") and accum_steps is not None:
-        config.grad_accum_steps = accum_steps
-    metadata = getattr(config, "metadata", None)
-    if isinstance(metadata, dict):
-        metadata[MICRO_BATCH_KEY] = int(micro_batch)
-        metadata[ACCUM_KEY] = int(accum_steps or 1)

@@ -28,7 +28,7 @@ from shardckpt import state as state_mod
 from shardckpt import values as values_mod
 from shardckpt.errors import CheckpointNotFoundError, UntrustedCheckpointError
 from shardckpt.format.safe_pickle import safe_load_metadata
-from shardckpt.tiers.location import LocalTier, Tier
+from shardckpt.tiers.steps import LocalSteps, Steps
 
 VALUE_TENSOR_LIMIT = 1 << 20
 """Tensors among the plain values up to this many bytes are read; larger ones are only described."""
@@ -74,16 +74,16 @@ def choose(manifests: dict[int, layout.Manifest], loadable: set[int]) -> int | N
     return max(pool, key=lambda s: (manifests[s].kind == "full", s))
 
 
-def peek_tiers(tiers: list[Tier], step: int | None, *, trust_pickles: bool = False) -> StepPeek | None:
+def peek_tiers(tiers: list[Steps], step: int | None, *, trust_pickles: bool = False) -> StepPeek | None:
     """Look at ``step`` (``None``: the default choice) on the first of ``tiers`` that holds it whole.
 
     Returns ``None`` when there is no step to resume (``step=None``); a step
     asked for that no tier holds raises :class:`CheckpointNotFoundError`.
     """
-    found: dict[int, tuple[layout.Manifest, Tier]] = {}
+    found: dict[int, tuple[layout.Manifest, Steps]] = {}
     for tier in tiers:
         for s, manifest in tier.manifests().items():
-            complete = not isinstance(tier, LocalTier) or not layout.absent_files(tier.step_where(s), manifest)
+            complete = not isinstance(tier, LocalSteps) or not layout.absent_files(tier.step_where(s), manifest)
             if complete and (s not in found or manifest.created > found[s][0].created):
                 found[s] = (manifest, tier)
     if step is None:
@@ -101,7 +101,7 @@ def peek_tiers(tiers: list[Tier], step: int | None, *, trust_pickles: bool = Fal
     return read_step(tier, manifest, trust_pickles=trust_pickles)
 
 
-def read_step(tier: Tier, manifest: layout.Manifest, *, trust_pickles: bool = False) -> StepPeek:
+def read_step(tier: Steps, manifest: layout.Manifest, *, trust_pickles: bool = False) -> StepPeek:
     """The :class:`StepPeek` of one committed step of ``tier`` (reads only what holds plain values)."""
     values, tensors = read_values(tier, manifest, trust_pickles=trust_pickles)
     run = dict(manifest.run or {})
@@ -113,7 +113,7 @@ def read_step(tier: Tier, manifest: layout.Manifest, *, trust_pickles: bool = Fa
 
 
 def read_values(
-    tier: Tier, manifest: layout.Manifest, *, trust_pickles: bool = False
+    tier: Steps, manifest: layout.Manifest, *, trust_pickles: bool = False
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """The plain values of a step, nested as saved, and the tensors among them left unread."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
@@ -171,3 +171,17 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     return value
+
+
+def saved_keys(tier: Steps, step: int, trust_pickles: bool) -> list[dict[str, Any]]:
+    """Every saved item of the step with its shape and dtype (from DCP's metadata; no tensor is read)."""
+    data = tier.metadata_bytes(step)
+    where = f"{tier.step_where(step)}/.metadata"
+    metadata = pickle.loads(data) if trust_pickles else safe_load_metadata(data, where)
+    out = []
+    for fqn, md in sorted(metadata.state_dict_metadata.items()):
+        size = getattr(md, "size", None)
+        dtype = getattr(getattr(md, "properties", None), "dtype", None)
+        out.append({"key": fqn, "shape": list(size) if size is not None else None,
+                    "dtype": str(dtype).replace("torch.", "") if dtype is not None else None})
+    return out

@@ -37,8 +37,9 @@ from typing import Any, Callable
 import torch
 
 from shardckpt import _dist, _failpoints
+from shardckpt._version import __version__
 from shardckpt.format import layout, retention, step_dirs
-from shardckpt.tiers import local
+from shardckpt.dcp import writer as dcp_writer
 from shardckpt.format import lineage as lineage_mod
 from shardckpt._text import fmt_bytes
 from shardckpt.errors import InsufficientSpaceError, SaveError
@@ -50,8 +51,6 @@ log = logging.getLogger("shardckpt")
 
 
 def _version() -> str:
-    from shardckpt import __version__
-
     return __version__
 
 
@@ -229,7 +228,7 @@ class StepWriter:
                 job.fence.synchronize()  # on a GPU the copies into the buffers may still run
             os.makedirs(partial, exist_ok=True)
             done = self.file_done
-            sums = local.dcp_write(
+            sums = dcp_writer.dcp_write(
                 job.staged, partial, process_group=self._groups.io, io_threads=self.config.io_threads, rank=rank,
                 on_file=(lambda name, size, digest: done(job, rank, name, size, digest)) if done else None,
             )

@@ -42,7 +42,7 @@ from typing import Any, Mapping
 
 from shardckpt.format import layout
 from shardckpt.node.node_registry import pid_alive, proc_start
-from shardckpt.tiers.remote import Deadline, Store, join
+from shardckpt.stores import Deadline, Store, join
 
 log = logging.getLogger("shardckpt")
 

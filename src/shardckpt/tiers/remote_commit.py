@@ -44,12 +44,9 @@ reports it and retries later with capped backoff. It is never half-committed.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import logging
 import os
-import shutil
-import threading
 import time
 import uuid
 from typing import Any, Mapping
@@ -59,12 +56,20 @@ from shardckpt.format import layout, step_dirs
 from shardckpt.tiers import remote_index
 from shardckpt.format import lineage as lineage_mod
 from shardckpt.errors import CorruptCheckpointError, RemoteError
-from shardckpt.tiers.remote import Deadline, Store, join, safe_url
+from shardckpt.stores import Deadline, Store, join, safe_url
 from shardckpt.format.retention import RetentionPolicy, plan_deletions
+from shardckpt.tiers.upload_marks import (  # noqa: F401 - part of this module's API
+    UPLOADED_NAME,
+    for_upload,
+    is_uploaded,
+    local_bytes,
+    mark_uploaded,
+    pending_steps,
+    present_files,
+)
 
 log = logging.getLogger("shardckpt")
 
-UPLOADED_NAME = ".shardckpt-uploaded.json"
 NODES_DIR = "_nodes"
 MARKER_FORMAT = "shardckpt-node/1"
 COMMITTED = "committed"
@@ -75,138 +80,13 @@ GONE = "gone"
 
 # ------------------------------------------------------------ small helpers
 
-PROGRESS_S = 10.0
-"""Seconds between progress lines of one long upload or download."""
-
-
-class Progress:
-    """Logs ``<what>: x of y MiB (r MiB/s)`` every ``every_s`` while a transfer runs.
-
-    Used as a context manager around the transfer; the store calls :meth:`add`
-    as parts of files are confirmed. Short transfers (under ``every_s``) log
-    nothing here.
-    """
-
-    bar_factory: Any = None
-    """``(what, total) -> bar``: a progress bar with ``update(n)`` / ``close()`` that
-    replaces the log lines (the command line sets one on a terminal)."""
-
-    def __init__(self, what: str, total: int, every_s: float) -> None:
-        self.what, self.total, self.every_s = what, total, every_s
-        self._done = 0
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._started = time.monotonic()
-        self._thread: threading.Thread | None = None
-        self._bar: Any = None
-
-    def add(self, nbytes: int) -> None:
-        with self._lock:
-            self._done += nbytes
-            if self._bar is not None:
-                self._bar.update(nbytes)
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self._started
-
-    def _report(self) -> None:
-        while not self._stop.wait(self.every_s):
-            with self._lock:
-                done = self._done
-            log.info(
-                "shardckpt: %s: %.1f of %.1f MiB (%.1f MiB/s)",
-                self.what, done / 2**20, self.total / 2**20, done / 2**20 / max(1e-9, self.elapsed()),
-            )
-
-    def __enter__(self) -> "Progress":
-        self._started = time.monotonic()
-        factory = Progress.bar_factory
-        self._bar = factory(self.what, self.total) if factory is not None and self.total else None
-        if self._bar is None:
-            self._thread = threading.Thread(target=self._report, name="shardckpt-progress", daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+from shardckpt.stores.progress import PROGRESS_S, Progress  # noqa: E402,F401 - used here and by callers
 
 
 files_digest = layout.files_digest
 
 
-def step_key(step: int, name: str = "") -> str:
-    return join(layout.step_dirname(step), name)
-
-
-def present_files(step_dir: str, manifest: layout.Manifest) -> list[str]:
-    """Manifest files present in ``step_dir`` with their recorded size."""
-    missing = set(layout.missing_files(step_dir, manifest))
-    return sorted(n for n in manifest.files if n not in missing)
-
-
-def mark_uploaded(step_dir: str, url: str, manifest: layout.Manifest, superseded_by: int | None = None) -> None:
-    body = {"remote": safe_url(url), "files_digest": files_digest(manifest), "time": time.time()}
-    if superseded_by is not None:
-        body["superseded_by"] = superseded_by
-    try:
-        layout.atomic_write_text(os.path.join(step_dir, UPLOADED_NAME), json.dumps(body))
-    except FileNotFoundError:
-        pass  # the step was deleted meanwhile
-
-
-def is_uploaded(step_dir: str, url: str) -> bool:
-    """True when the local step carries a mark that *its content* is committed on ``url``.
-
-    The mark names the digest of the files that were committed: a step saved
-    again under the same number (a rollback, a restart) has other files, so
-    an old mark does not count for it.
-    """
-    try:
-        with open(os.path.join(step_dir, UPLOADED_NAME), encoding="utf-8") as f:
-            body = json.load(f)
-        manifest = layout.read_manifest(step_dir)
-    except (OSError, ValueError):
-        return False
-    if manifest is None or body.get("remote") != safe_url(url):
-        return False
-    return body.get("files_digest") == files_digest(manifest)
-
-
-def for_upload(step_dir: str) -> bool:
-    """False for a step its manifest keeps local (``remote_every`` skipped it)."""
-    try:
-        manifest = layout.read_manifest(step_dir)
-    except CorruptCheckpointError:
-        return True  # let the upload report it
-    return manifest is None or manifest.upload
-
-
-def pending_steps(root: str, url: str) -> list[int]:
-    """Committed local steps that are to be uploaded and are not committed on ``url`` yet."""
-    out = []
-    for step in layout.committed_steps(root):
-        step_dir = os.path.join(root, layout.step_dirname(step))
-        if not is_uploaded(step_dir, url) and for_upload(step_dir):
-            out.append(step)
-    return out
-
-
-def local_bytes(root: str, step: int) -> int:
-    step_dir = os.path.join(root, layout.step_dirname(step))
-    try:
-        manifest = layout.read_manifest(step_dir)
-    except CorruptCheckpointError:
-        return 0
-    if manifest is None:
-        return 0
-    return sum(manifest.files[n].size for n in present_files(step_dir, manifest))
-
-
+step_key = remote_index.step_key
 
 
 PROBE_PREFIX = ".shardckpt-probe"
@@ -289,21 +169,7 @@ def remote_infos(store: Store, deadline: Deadline) -> tuple[dict[int, list[Any]]
     return {s: i.to_json() for s, i in infos.items()}, unreadable
 
 
-def remote_manifest(store: Store, step: int, deadline: Deadline) -> layout.Manifest | None:
-    key = step_key(step, layout.MANIFEST_NAME)
-    data = store.get_bytes(key, deadline)
-    if data is None:
-        return None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise CorruptCheckpointError(f"remote manifest {store.where(key)} is not UTF-8 text; the step cannot be trusted") from exc
-    manifest = layout.Manifest.from_json(text, store.where(key))
-    if manifest.step != step:
-        raise CorruptCheckpointError(
-            f"remote manifest {store.where(key)} describes step {manifest.step}, not {step}; the step cannot be trusted"
-        )
-    return manifest
+remote_manifest = remote_index.remote_manifest
 
 
 STEP_RECORD_NAME = "_committed.json"
@@ -784,114 +650,3 @@ def apply_remote_retention(
 
 
 # ------------------------------------------------------------ pull (restore side)
-
-
-def fetch_step(
-    store: Store,
-    root: str,
-    step: int,
-    *,
-    names: list[str] | None = None,
-    manifest: layout.Manifest | None = None,
-    progress_s: float = PROGRESS_S,
-    verify_local: bool = False,
-) -> set[str]:
-    """Bring the remote ``step`` into ``root``; return the names fetched (each verified).
-
-    When ``root`` already holds the committed step, only ``names`` (default:
-    the files missing locally, and with ``verify_local`` also those failing
-    their checksum) are fetched into it, each replacing the local file only
-    once it passed. Otherwise the step is fetched into a partial directory
-    and committed locally (manifest last) only after every file passed.
-    """
-    deadline = Deadline(store.options.step_deadline_s)
-    step_dir = os.path.join(root, layout.step_dirname(step))
-    local_manifest = layout.read_manifest(step_dir)
-    remote = manifest or remote_manifest(store, step, deadline)
-    if remote is None:
-        raise RemoteError(
-            f"step {step} is not committed on {safe_url(store.url)} (no manifest). "
-            f"Remedy: pick a committed step (shardckpt ls on the remote) or check the URL."
-        )
-    if local_manifest is not None:
-        if files_digest(local_manifest) != files_digest(remote):
-            raise CorruptCheckpointError(
-                f"step {step}: the local copy {step_dir} and the remote copy {store.where(layout.step_dirname(step))} "
-                f"differ; refusing to mix them. Remedy: delete the local step directory, or load another step."
-            )
-        if names is not None:
-            wanted = sorted(names)
-        else:
-            wanted = layout.missing_files(step_dir, local_manifest)
-            if verify_local:
-                wanted = sorted(set(wanted) | set(_failing_files(step_dir, local_manifest)))
-        target = step_dir
-    else:
-        wanted = sorted(remote.files)
-        os.makedirs(root, exist_ok=True)
-        target = os.path.join(root, layout.partial_dirname(step, "fetch-" + uuid.uuid4().hex[:8]))
-        os.makedirs(target)
-    total = sum(remote.files[n].size for n in wanted)
-    progress = Progress(f"fetching step {step} from {safe_url(store.url)}", total, progress_s)
-
-    def one(name: str) -> None:
-        entry = remote.files[name]
-        final = os.path.join(target, name)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        tmp = f"{final}.fetch-{uuid.uuid4().hex[:8]}"
-        try:
-            store.get_file(step_key(step, name), tmp, entry.size, entry.checksum, deadline, progress.add)
-            os.replace(tmp, final)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-
-    try:
-        with progress:
-            store.run_all([lambda n=n: one(n) for n in wanted], files=True)
-        if target != step_dir:
-            layout.atomic_write_text(os.path.join(target, layout.MANIFEST_NAME), remote.to_json())
-            mark_uploaded(target, store.url, remote)
-            _commit_fetched(root, target, step_dir)
-        else:
-            mark_uploaded(step_dir, store.url, remote)
-    except BaseException:
-        if target != step_dir:
-            shutil.rmtree(target, ignore_errors=True)
-        raise
-    took = progress.elapsed()
-    if wanted:
-        log.info(
-            "shardckpt: fetched %d file(s) of step %d from %s: %.1f MiB in %.2f s",
-            len(wanted), step, safe_url(store.url), total / 2**20, took,
-        )
-    return set(wanted)
-
-
-def _failing_files(step_dir: str, manifest: layout.Manifest) -> list[str]:
-    """Local files of the step that fail their size or checksum."""
-    bad = []
-    for name in manifest.files:
-        try:
-            layout.verify_files(step_dir, manifest, [name])
-        except CorruptCheckpointError:
-            bad.append(name)
-    return bad
-
-
-def _commit_fetched(root: str, partial: str, step_dir: str) -> None:
-    if os.path.isdir(step_dir):
-        if layout.read_manifest(step_dir) is not None:
-            shutil.rmtree(partial, ignore_errors=True)  # someone else committed it meanwhile
-            return
-        trash = os.path.join(root, f"{layout.TRASH_PREFIX}{os.path.basename(step_dir)}-{uuid.uuid4().hex[:8]}")
-        os.replace(step_dir, trash)
-        shutil.rmtree(trash, ignore_errors=True)
-    try:
-        os.replace(partial, step_dir)
-    except OSError as exc:
-        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST) and layout.read_manifest(step_dir) is not None:
-            shutil.rmtree(partial, ignore_errors=True)
-            return
-        raise
-    layout.fsync_dir(root)

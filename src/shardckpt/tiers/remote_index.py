@@ -39,7 +39,7 @@ from typing import Any, Mapping
 from shardckpt.format import layout
 from shardckpt.format import lineage as lineage_mod
 from shardckpt.errors import CorruptCheckpointError, RemoteError
-from shardckpt.tiers.remote import Deadline, Store
+from shardckpt.stores import Deadline, Store, join
 
 log = logging.getLogger("shardckpt")
 
@@ -111,8 +111,6 @@ def survey(
     written when it was missing or anything was repaired; any other caller
     leaves it as it is.
     """
-    from shardckpt.tiers.remote_commit import remote_manifest
-
     dirs = set(step_dirs(store, deadline))
     cached = read(store, deadline)
     stored = dict(cached or {})
@@ -155,3 +153,24 @@ def survey(
         except RemoteError as exc:
             log.warning("shardckpt: could not write the repaired step index %s: %s", store.where(INDEX_NAME), exc)
     return dict(sorted(infos.items())), unreadable
+
+
+def step_key(step: int, name: str = "") -> str:
+    return join(layout.step_dirname(step), name)
+
+
+def remote_manifest(store: Store, step: int, deadline: Deadline) -> layout.Manifest | None:
+    key = step_key(step, layout.MANIFEST_NAME)
+    data = store.get_bytes(key, deadline)
+    if data is None:
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CorruptCheckpointError(f"remote manifest {store.where(key)} is not UTF-8 text; the step cannot be trusted") from exc
+    manifest = layout.Manifest.from_json(text, store.where(key))
+    if manifest.step != step:
+        raise CorruptCheckpointError(
+            f"remote manifest {store.where(key)} describes step {manifest.step}, not {step}; the step cannot be trusted"
+        )
+    return manifest

@@ -40,13 +40,17 @@ import zipfile
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.futures import Future
 from torch.storage import _get_dtype_from_pickle_storage_type as _dtype_of_storage
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from shardckpt.format import chunks as chunks_mod
 from shardckpt.format import layout
-from shardckpt.tiers.local import TrustingReader
+from shardckpt.dcp.planner import RestorePlanner, TrustingReader, unwrap_failure
 from shardckpt.errors import CorruptCheckpointError
 
 try:
@@ -381,8 +385,6 @@ class CheckedReader(TrustingReader):
     def _share_plan(self, fetch: list[Any], local: list[dict[str, Any]]) -> list[Any]:
         """Per rank: its part of the read-once plan (``ranged.share_plan``) when two or more sparse
         copies fetch (else None): ``(plan, fetching rank per copy)``."""
-        from shardckpt.tiers import ranged
-
         fetchers = [r for r, f in enumerate(fetch) if f is not None]
         out: list[Any] = [None] * len(fetch)
         files = self._sparse.manifest.files if self._sparse is not None else self._entries
@@ -394,10 +396,10 @@ class CheckedReader(TrustingReader):
             for name, intervals in fetch[r].items():
                 table = layout.chunk_table(files[name].chunks, files[name].size) if name in files else None
                 if table is not None:
-                    want[name] = set(ranged.chunk_runs(intervals, table[0], files[name].size))
+                    want[name] = set(chunks_mod.chunk_runs(intervals, table[0], files[name].size))
             wants.append(want)
         holds = [{n: set(v) for n, v in (local[r].get("held") or {}).items()} for r in fetchers]
-        for r, part in zip(fetchers, ranged.share_plan(wants, holds, files)):
+        for r, part in zip(fetchers, chunks_mod.share_plan(wants, holds, files)):
             out[r] = (part, fetchers)
         return out
 
@@ -601,3 +603,35 @@ def _feed_range(f: Any, start: int, end: int, hasher: _Hasher) -> None:
         hasher.feed(data)
         pos += len(data)
 
+
+def dcp_read(
+    target: dict[str, Any],
+    step_dir: str,
+    metadata: Metadata,
+    planner: RestorePlanner,
+    process_group: Any,
+    *,
+    step: int,
+    entries: dict[str, layout.FileEntry] | None,
+    copies: list[list[int]],
+    checked: set[str] = frozenset(),  # type: ignore[assignment]
+    sparse: Any = None,
+    source: Any = None,
+) -> list[tuple[str, str]]:
+    """Read ``step_dir`` into ``target`` in place (:class:`CheckedReader`).
+
+    With ``entries`` (the manifest's files) every file not in ``checked`` is
+    checksummed by one rank of its copy while it is read; returns this rank's
+    ``(file, problem)`` pairs. ``target`` is taken as is: dcp.load would
+    replace the top-level dict, losing entries the planner rebuilds there.
+    ``sparse``: ``step_dir`` is a sparse copy (``ranged.SparseStep``) completed from
+    ``source`` with the ranges its ranks read.
+    """
+    reader = CheckedReader(step_dir, metadata, step=step, entries=entries, copies=copies, skip=checked,
+                           sparse=sparse, source=source, group=process_group)
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    try:
+        _load_state_dict(target, storage_reader=reader, planner=planner, process_group=process_group, no_dist=no_dist)
+    except CheckpointException as exc:
+        raise unwrap_failure(exc, f"reading {step_dir}") from exc
+    return reader.failures

@@ -1,0 +1,1 @@
+"""The DCP codec: the checked writer, the checked reader, the load planner. Knows no tier."""

@@ -1,0 +1,146 @@
+"""Replicas of other nodes' step files held in a node's ``local_dir`` (the peer tier's layout on disk).
+
+A replica on its holder::
+
+    <local_dir>/.shardckpt-replicas/<owner>/step_<N>/   the owner's files + its manifest
+    <local_dir>/.shardckpt-replicas/<owner>/.partial-step_<N>-<version>/   while it arrives
+
+It is written into the partial directory, every file checked against the
+owner's manifest while it arrives (size and checksum), and committed by
+renaming the manifest into place last, then the directory. Two saves of one
+step number are told apart by the manifest's version
+(:func:`shardckpt.format.layout.version_of`), never by the number.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import uuid
+from typing import Any
+
+from shardckpt.errors import CorruptCheckpointError
+from shardckpt.format import layout
+
+log = logging.getLogger("shardckpt")
+
+REPLICAS_DIR = ".shardckpt-replicas"
+
+
+def replicas_root(root: str) -> str:
+    return os.path.join(root, REPLICAS_DIR)
+
+
+def owner_dirname(node: str) -> str:
+    """A node's name as a directory name (``host:1`` -> ``host_1``)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", node)
+    return "_" + name if name.startswith(".") or not name else name
+
+
+def version_tag(manifest: layout.Manifest) -> str:
+    """The manifest's version as a path component."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", layout.version_of(manifest))[:100]
+
+
+def replica_dir(root: str, owner: str, step: int) -> str:
+    return os.path.join(replicas_root(root), owner_dirname(owner), layout.step_dirname(step))
+
+
+def committed_replicas(root: str) -> dict[str, dict[int, layout.Manifest]]:
+    """``{owner dir: {step: manifest}}`` of the committed replicas held here (unreadable ones skipped)."""
+    out: dict[str, dict[int, layout.Manifest]] = {}
+    base = replicas_root(root)
+    try:
+        owners = sorted(os.listdir(base))
+    except FileNotFoundError:
+        return out
+    for owner in owners:
+        if owner.startswith("."):
+            continue
+        for step in layout.committed_steps(os.path.join(base, owner)):
+            try:
+                manifest = layout.read_manifest(os.path.join(base, owner, layout.step_dirname(step)))
+            except CorruptCheckpointError:
+                continue
+            if manifest is not None:
+                out.setdefault(owner, {})[step] = manifest
+    return out
+
+
+def adopt_replicas(root: str) -> dict[int, list[str]]:
+    """Make the replica files held here count for restore: hard-link them into the local step directory.
+
+    Only into a committed local step of the same version (a replica of another
+    save of that number is left alone), only files the step directory lacks.
+    Each rank of a directory may run it at once: a link is made under a fresh
+    name and renamed into place. Returns ``{step: [names linked]}``.
+    """
+    out: dict[int, list[str]] = {}
+    for owner, steps in committed_replicas(root).items():
+        for step, manifest in steps.items():
+            step_dir = os.path.join(root, layout.step_dirname(step))
+            mine = manifest_or_none(step_dir)
+            if mine is None or layout.version_of(mine) != layout.version_of(manifest):
+                continue
+            held = os.path.join(replicas_root(root), owner, layout.step_dirname(step))
+            for name in layout.absent_files(step_dir, manifest):
+                source = os.path.join(held, name)
+                if "/" in name or file_size(source) != manifest.files[name].size:
+                    continue
+                tmp = os.path.join(step_dir, f".adopt-{uuid.uuid4().hex[:8]}")
+                try:
+                    os.link(source, tmp)
+                    os.replace(tmp, os.path.join(step_dir, name))
+                except OSError as exc:
+                    log.warning("shardckpt: step %d: cannot use the replica file %s of node %s: %s", step, source,
+                                owner, exc)
+                    continue
+                finally:
+                    if os.path.lexists(tmp):
+                        os.unlink(tmp)
+                out.setdefault(step, []).append(name)
+    return out
+
+
+def placement(nodes: list[dict[str, Any]], owner: str, count: int) -> list[dict[str, Any]]:
+    """The nodes that hold ``owner``'s replicas: the next ``count`` on the ring, other failure domains first.
+
+    When fewer than ``count`` nodes lie outside the owner's domain, nodes of its
+    domain fill the rest (a replica in the same rack still survives a lost node).
+    """
+    names = [n["node"] for n in nodes]
+    if owner not in names or count <= 0:
+        return []
+    i = names.index(owner)
+    ring = [nodes[(i + k) % len(nodes)] for k in range(1, len(nodes))]
+    domain = nodes[i].get("domain")
+    apart = [n for n in ring if not domain or n.get("domain") != domain]
+    near = [n for n in ring if n not in apart]
+    return (apart + near)[:count]
+
+
+def file_size(path: str) -> int | None:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return None
+
+
+def manifest_or_none(step_dir: str) -> layout.Manifest | None:
+    try:
+        return layout.read_manifest(step_dir)
+    except CorruptCheckpointError:
+        return None
+
+
+def remove_step(step_dir: str, parent: str) -> None:
+    """Delete a replica: its manifest first (an interrupted deletion leaves no step), then the rest."""
+    try:
+        os.unlink(os.path.join(step_dir, layout.MANIFEST_NAME))
+    except OSError:
+        pass
+    trash = os.path.join(parent, f"{layout.TRASH_PREFIX}{os.path.basename(step_dir)}-{uuid.uuid4().hex[:8]}")
+    os.rename(step_dir, trash)
+    shutil.rmtree(trash, ignore_errors=True)

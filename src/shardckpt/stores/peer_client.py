@@ -1,0 +1,299 @@
+"""The peer tier's HTTP client: reads of a peer's committed steps and replicas, writes of replicas.
+
+Every request is authenticated with the job's secret: the header
+``X-Shardckpt-Auth: <unix time>:<HMAC-SHA256(secret, method, path, body
+digest, time)>``; the body digest is sent in ``X-Shardckpt-Body-Sha256``: the
+body's SHA-256, or for a replica file ``manifest:<its checksum in the
+replica's manifest>`` (that manifest came in a signed request, and the file is
+kept only when its bytes match it). It imports no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import http.client
+import json
+import logging
+import os
+import shutil
+import time
+import urllib.parse
+import uuid
+from typing import Any
+
+from shardckpt.errors import CorruptCheckpointError, ShardckptError
+from shardckpt.format import layout
+from shardckpt.format.replicas import owner_dirname, version_tag
+
+log = logging.getLogger("shardckpt")
+
+AUTH_HEADER = "X-Shardckpt-Auth"
+BODY_HEADER = "X-Shardckpt-Body-Sha256"
+CHUNK = 1 << 20
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+MANIFEST_DIGEST = "manifest:"
+"""Prefix of a body digest that names the file's checksum in the replica's manifest (:func:`manifest_digest`)."""
+
+
+class PeerError(ShardckptError, OSError):
+    """A peer request failed (refused, unreachable, or the bytes did not match); in the ``OSError`` family
+    like the remote tier's errors."""
+
+
+def sign(secret: bytes, method: str, path: str, body_sha256: str, when: int) -> str:
+    message = f"{method}\n{path}\n{body_sha256}\n{when}".encode()
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def auth_headers(secret: bytes, method: str, path: str, body_sha256: str = EMPTY_SHA256) -> dict[str, str]:
+    when = int(time.time())
+    return {AUTH_HEADER: f"{when}:{sign(secret, method, path, body_sha256, when)}", BODY_HEADER: body_sha256}
+
+
+def manifest_digest(entry: layout.FileEntry) -> str:
+    """The body binding of a replica file's PUT: the owner's checksum of it, as its (signed) manifest says.
+
+    The manifest arrived in the signed ``begin`` request (bound by the SHA-256 of
+    its text), and the holder keeps a file only when its bytes match that
+    checksum: no SHA-256 pass over the file on either side (README, "Peer tier").
+    """
+    return MANIFEST_DIGEST + entry.checksum
+
+
+class PeerClient:
+    """One peer endpoint, with the small interface the remote store has: list, get (a range), put.
+
+    ``addr`` is ``host:port``. Every call opens one connection (bounded by
+    ``timeout_s``) and raises :class:`PeerError` when the peer refuses or
+    cannot be reached.
+    """
+
+    def __init__(self, addr: str, secret: bytes, *, timeout_s: float = 60.0) -> None:
+        host, _, port = addr.rpartition(":")
+        self.addr = addr
+        self.host, self.port = host, int(port)
+        self.secret = secret
+        self.timeout_s = timeout_s
+
+    def _request(self, method: str, path: str, body: bytes | None = None,
+                 headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+        digest = hashlib.sha256(body).hexdigest() if body is not None else EMPTY_SHA256
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        try:
+            conn.request(method, path, body=body, headers={**auth_headers(self.secret, method, path, digest),
+                                                           **(headers or {})})
+            resp = conn.getresponse()
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+        except (OSError, http.client.HTTPException) as exc:
+            raise PeerError(f"peer {self.addr}: {method} {path} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            conn.close()
+
+    def _ok(self, method: str, path: str, status: int, body: bytes, accept: tuple[int, ...] = (200,)) -> None:
+        if status not in accept:
+            raise PeerError(f"peer {self.addr}: {method} {path} answered {status}: {body[:300].decode(errors='replace')}")
+
+    def list_steps(self) -> dict[str, Any]:
+        """``{"node", "local": {step: version}, "replicas": {owner: {step: version}}}`` (steps as strings)."""
+        status, _h, body = self._request("GET", "/v1/steps")
+        self._ok("GET", "/v1/steps", status, body)
+        return json.loads(body)
+
+    @staticmethod
+    def file_path(step: int, name: str, owner: str | None = None) -> str:
+        quoted = urllib.parse.quote(name, safe="")
+        if owner is None:
+            return f"/v1/local/{step}/{quoted}"
+        return f"/v1/replica/{owner_dirname(owner)}/{step}/{quoted}"
+
+    def get(self, step: int, name: str, *, owner: str | None = None, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of a committed step's file (``owner``: from its replica of that node)."""
+        path = self.file_path(step, name, owner)
+        headers = {}
+        if start or end is not None:
+            headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        status, _h, body = self._request("GET", path, headers=headers)
+        self._ok("GET", path, status, body, (200, 206))
+        return body
+
+    def held_files(self, step: int, *, owner: str | None = None) -> list[str]:
+        """The manifest files the peer holds of a committed step (its copy, or its replica of ``owner``)."""
+        path = self.file_path(step, "", owner)
+        status, _h, body = self._request("GET", path)
+        self._ok("GET", path, status, body)
+        return list(json.loads(body)["files"])
+
+    def get_file(self, step: int, name: str, dest: str, entry: layout.FileEntry, *, owner: str | None = None) -> None:
+        """Download a committed step's file to ``dest``, checked against ``entry`` on the way (tmp + rename).
+
+        Raises :class:`PeerError` when the peer refuses or the bytes are not the manifest's; nothing is left at ``dest`` then.
+        """
+        path = self.file_path(step, name, owner)
+        tmp = f"{dest}.peer-{uuid.uuid4().hex[:8]}"
+        checksum = layout.Checksum.like(entry.checksum)
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        try:
+            conn.request("GET", path, headers=auth_headers(self.secret, "GET", path))
+            resp = conn.getresponse()
+            if resp.status != 200:
+                self._ok("GET", path, resp.status, resp.read())
+            size = 0
+            with open(tmp, "xb") as f:
+                while size <= entry.size and (chunk := resp.read(CHUNK)):
+                    size += len(chunk)
+                    checksum.update(chunk)
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            if size != entry.size or checksum.value() != entry.checksum:
+                raise PeerError(f"peer {self.addr}: step {step} file {name} is not the manifest's "
+                                f"({size} bytes, {entry.size} expected, or its checksum differs); not used")
+            os.replace(tmp, dest)
+        except PeerError:
+            raise
+        except (OSError, http.client.HTTPException) as exc:
+            raise PeerError(f"peer {self.addr}: GET {path} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            conn.close()
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def put_replica(self, owner: str, step_dir: str, manifest: layout.Manifest, names: list[str],
+                    bandwidth: int | None = None) -> int:
+        """Send ``names`` of ``step_dir`` as ``owner``'s replica; committed on the peer with the manifest last.
+
+        Files the peer already holds of this version are not sent again. Returns the bytes sent.
+        """
+        base = f"/v1/replica/{owner_dirname(owner)}/{manifest.step}/{version_tag(manifest)}"
+        text = manifest.to_json().encode()
+        status, _h, body = self._request("POST", base + "/begin", text)
+        self._ok("POST", base + "/begin", status, body)
+        answer = json.loads(body)
+        if answer.get("state") == "committed":
+            return 0
+        have = set(answer.get("have") or [])
+        sent = 0
+        throttle = _Throttle(bandwidth)
+        for name in names:
+            if name in have:
+                continue
+            sent += self._put_file(f"{base}/f/{urllib.parse.quote(name, safe='')}", os.path.join(step_dir, name), throttle,
+                                   manifest_digest(manifest.files[name]))
+        commit = json.dumps({"files": sorted(names)}).encode()
+        status, _h, body = self._request("POST", base + "/commit", commit)
+        self._ok("POST", base + "/commit", status, body)
+        return sent
+
+    def _put_file(self, path: str, local: str, throttle: "_Throttle", digest: str) -> int:
+        size = os.path.getsize(local)
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        try:
+            conn.putrequest("PUT", path)
+            for k, v in {**auth_headers(self.secret, "PUT", path, digest),
+                         "Content-Length": str(size)}.items():
+                conn.putheader(k, v)
+            conn.endheaders()
+            with open(local, "rb") as f:
+                while chunk := f.read(CHUNK):
+                    throttle.take(len(chunk))
+                    conn.send(chunk)
+            resp = conn.getresponse()
+            body = resp.read()
+        except (OSError, http.client.HTTPException) as exc:
+            raise PeerError(f"peer {self.addr}: PUT {path} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            conn.close()
+        self._ok("PUT", path, resp.status, body)
+        return size
+
+
+class _Throttle:
+    """At most ``rate`` bytes per second on average (``None``: unlimited)."""
+
+    def __init__(self, rate: int | None) -> None:
+        self.rate = rate
+        self.t0 = time.monotonic()
+        self.sent = 0
+
+    def take(self, n: int) -> None:
+        if not self.rate:
+            return
+        self.sent += n
+        ahead = self.sent / self.rate - (time.monotonic() - self.t0)
+        if ahead > 0:
+            time.sleep(ahead)
+
+
+def fetch_own_replica(root: str, node: str, peers: list[tuple[str, PeerClient]]) -> tuple[int, list[str]] | None:
+    """Bring back this node's files of its newest step from a peer holding its replica (a replacement node).
+
+    The peers' listings say which steps they hold of ``node`` (by version) and
+    which versions of each step they hold themselves. The step taken is the
+    newest replica of ``node`` that is newer than every step committed in
+    ``root`` and that no peer holds another version of (a replica of an
+    earlier save of that number is never brought back). Its manifest and
+    files are read from the holder (each file checked against the manifest on
+    the way) into a partial directory of ``root``, committed by renaming the
+    manifest into place last, then the directory; a holder that fails gives
+    way to the next. Returns ``(step, [holder nodes tried])`` or ``None``
+    when nothing is to be fetched.
+    """
+    mine = owner_dirname(node)
+    offers: dict[int, dict[str, list[tuple[str, PeerClient]]]] = {}
+    held: dict[int, set[str]] = {}
+    for name, client in peers:
+        try:
+            listing = client.list_steps()
+        except PeerError as exc:
+            log.warning("shardckpt: node %s cannot list the steps of peer %s: %s", node, name, exc)
+            continue
+        for s, version in (listing.get("local") or {}).items():
+            held.setdefault(int(s), set()).add(version)
+        for s, version in ((listing.get("replicas") or {}).get(mine) or {}).items():
+            offers.setdefault(int(s), {}).setdefault(version, []).append((name, client))
+    newest_here = max(layout.committed_steps(root), default=-1)
+    for step in sorted((s for s in offers if s > newest_here), reverse=True):
+        if len(offers[step]) != 1 or not held.get(step, set()) <= set(offers[step]):
+            continue  # two saves of this number among the replicas, or a peer's own step is another save
+        tried = []
+        version, holders = next(iter(offers[step].items()))
+        for holder, client in holders:
+            tried.append(holder)
+            try:
+                _fetch_step(root, step, node, client, version)
+                return step, tried
+            except (PeerError, CorruptCheckpointError, OSError) as exc:
+                log.warning("shardckpt: node %s: step %d from the replica on node %s failed, trying the next "
+                            "holder: %s", node, step, holder, exc)
+        return None
+    return None
+
+
+def _fetch_step(root: str, step: int, node: str, client: PeerClient, version: str) -> None:
+    text = client.get(step, layout.MANIFEST_NAME, owner=node).decode("utf-8", errors="replace")
+    manifest = layout.Manifest.from_json(text, f"the replica of node {node} step {step} on {client.addr}")
+    if manifest.step != step or layout.version_of(manifest) != version:
+        raise CorruptCheckpointError(f"the replica of step {step} on {client.addr} is no longer the save it listed "
+                                     f"({version}); not used")
+    final = os.path.join(root, layout.step_dirname(step))
+    partial = os.path.join(root, layout.partial_dirname(step, f"peer{uuid.uuid4().hex[:8]}"))
+    os.makedirs(partial)
+    try:
+        names = client.held_files(step, owner=node)
+        unknown = [n for n in names if n not in manifest.files or "/" in n]
+        if unknown:
+            raise CorruptCheckpointError(f"the replica of step {step} on {client.addr} holds files its manifest "
+                                         f"does not name: {unknown[:3]}")
+        for name in names:
+            client.get_file(step, name, os.path.join(partial, name), manifest.files[name], owner=node)
+        layout.atomic_write_text(os.path.join(partial, layout.MANIFEST_NAME), text)
+        layout.fsync_dir(partial)
+        if os.path.lexists(final):
+            raise OSError(f"{final} appeared while step {step} was fetched from {client.addr}; not replaced")
+        os.rename(partial, final)
+        layout.fsync_dir(root)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    log.info("shardckpt: node %s: step %d (%d file(s)) fetched from the replica on %s", node, step, len(names),
+             client.addr)

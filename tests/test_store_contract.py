@@ -1,0 +1,324 @@
+"""One contract, every store: the same cases over each implementation of ``stores.base.Store``.
+
+Stores under test: S3 through boto3 against moto's and rclone's S3 servers
+(real HTTP on 127.0.0.1, one server per module), any fsspec URL
+(``file://``), a local directory, a replica directory, and a running peer
+daemon (one daemon process for the whole module; it serves committed steps
+read-only, so its objects are seeded through the directory it serves, and the
+write cases check that it refuses writes and deletions and keeps the bytes).
+
+The cases: a missing object raises the one typed error everywhere, ranges at
+the edges of an object, a checksum (or size) mismatch on a verified fetch
+leaves nothing behind, deletion, and concurrent use from several threads.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from s3server import BUCKET, apply_env, restore_env, start_server
+from shardckpt import stores
+from shardckpt.errors import CorruptCheckpointError, ObjectNotFoundError, ObjectRangeError
+from shardckpt.format import layout
+from shardckpt.node import node_registry, peer_daemon, peer_service
+from shardckpt.stores.peer import PeerStore, PeerStoreReadOnly
+from shardckpt.stores.peer_client import PeerClient
+
+WRITABLE = ("moto", "rclone", "fsspec", "local", "replica")
+KINDS = WRITABLE + ("peer",)
+SECRET = "contract-secret-" + "z" * 48
+DEADLINE = stores.Deadline(120)
+S = {n: layout.step_dirname(n) for n in range(10)}
+"""Step directory names, as every tier spells them."""
+
+
+class _Servers:
+    """The module's S3 servers, each started on first use and stopped at the end."""
+
+    def __init__(self) -> None:
+        self.running: dict[str, object] = {}
+
+    def get(self, kind: str):
+        if kind not in self.running:
+            self.running[kind] = start_server(kind)
+        return self.running[kind]
+
+    def stop(self) -> None:
+        for server in self.running.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def servers():
+    found = _Servers()
+    try:
+        yield found
+    finally:
+        found.stop()
+
+
+class _PeerSeed:
+    """What the peer daemon serves: committed steps in its local_dir, written here (manifest last)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def reset(self) -> None:
+        for entry in self.root.iterdir():
+            if layout.parse_step_dirname(entry.name) is not None:
+                shutil.rmtree(entry)
+
+    def __call__(self, key: str, data: bytes) -> None:
+        step_name, _, name = key.partition("/")
+        step_dir = self.root / layout.step_dirname(layout.parse_step_dirname(step_name))
+        (step_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (step_dir / name).write_bytes(data)
+        files = {}
+        for path in sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != layout.MANIFEST_NAME):
+            body = path.read_bytes()
+            files[str(path.relative_to(step_dir))] = layout.FileEntry(len(body), layout.checksum_bytes(body), 0)
+        manifest = layout.Manifest(step=layout.parse_step_dirname(step_name), world_size=1, files=files,
+                                   save_id=uuid.uuid4().hex)
+        layout.atomic_write_text(str(step_dir / layout.MANIFEST_NAME), manifest.to_json())
+
+
+@pytest.fixture(scope="module")
+def peer_daemon_addr(tmp_path_factory):
+    """One peer daemon process for the module (the node daemon trainers start), serving a directory."""
+    root = tmp_path_factory.mktemp("peer-node")
+    peer_service.write_secret(str(root), SECRET)
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from shardckpt.node.peer_daemon import peer_main; "
+         "sys.exit(peer_main(sys.argv[1:]))", "--local", str(root), "--node", "contract:0", "--host", "127.0.0.1",
+         "--linger", "900"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    status = Path(node_registry.state_dir(str(root))) / peer_daemon.STATUS_NAME
+    try:
+        deadline = time.monotonic() + 60
+        addr = None
+        while addr is None:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the peer daemon exited: {proc.stderr.read().decode(errors='replace')[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the peer daemon did not report its address within 60 s")
+            body = json.loads(status.read_text()) if status.exists() else {}
+            addr = body.get("addr") if body.get("pid") == proc.pid else None
+            time.sleep(0.05)
+        yield addr, _PeerSeed(root)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+@pytest.fixture
+def peer_store(peer_daemon_addr):
+    addr, seed = peer_daemon_addr
+    seed.reset()
+    store = PeerStore(PeerClient(addr, SECRET.encode()))
+    store.seed = seed
+    return store
+
+
+def _options() -> stores.TransferOptions:
+    # A small ranged-download threshold makes get_file of the larger objects go through ranged GETs.
+    return stores.TransferOptions(
+        multipart_threshold=256 << 10, part_size=96 << 10, max_attempts=3, backoff_base_s=0.05, step_deadline_s=120
+    )
+
+
+@pytest.fixture(params=KINDS)
+def store(request, servers, tmp_path):
+    kind = request.param
+    if kind in ("moto", "rclone"):
+        server = servers.get(kind)
+        server.reset()
+        previous = apply_env(server)
+        opened = stores.open_store(f"s3://{BUCKET}/contract", _options())
+        try:
+            yield opened
+        finally:
+            opened.close()
+            restore_env(previous)
+        return
+    if kind == "fsspec":
+        opened = stores.open_store(f"file://{tmp_path}/fsspec-root", _options())
+    elif kind == "local":
+        opened = stores.LocalDirStore(str(tmp_path / "local-root"))
+    elif kind == "replica":
+        opened = stores.ReplicaDirStore(str(tmp_path / "replicas" / "node-b"), "node-b")
+    else:
+        opened = request.getfixturevalue("peer_store")
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+
+def _put(store, key: str, data: bytes, tmp_path) -> None:
+    """Store ``data`` under ``key`` (through the directory a read-only peer serves)."""
+    seed = getattr(store, "seed", None)
+    if seed is not None:
+        seed(key, data)
+        return
+    store.put_bytes(key, data, DEADLINE)
+
+
+def _writable(store) -> bool:
+    return getattr(store, "seed", None) is None
+
+
+def _blob(n: int, salt: int = 0) -> bytes:
+    return bytes((i * 131 + salt) % 251 for i in range(n))
+
+
+def test_an_object_reads_back_whole_and_listed(store, tmp_path):
+    data = _blob(300 << 10)
+    _put(store, f"{S[1]}/a.bin", data, tmp_path)
+    _put(store, f"{S[1]}/sub/b.bin", b"bee", tmp_path)
+    assert store.exists(f"{S[1]}/a.bin", DEADLINE)
+    assert store.get_bytes(f"{S[1]}/a.bin", DEADLINE) == data
+    assert store.list_sizes(S[1], DEADLINE) == {"a.bin": len(data), "sub/b.bin": 3}
+    assert S[1] in store.list_dirs("", DEADLINE)
+    checksum = layout.checksum_bytes(data)
+    assert store.read_checksum(f"{S[1]}/a.bin", checksum, DEADLINE) == (len(data), checksum)
+    dest = tmp_path / "fetched.bin"
+    seen = []
+    store.get_file(f"{S[1]}/a.bin", str(dest), len(data), checksum, DEADLINE, on_bytes=seen.append)
+    assert dest.read_bytes() == data
+    assert sum(seen) == len(data)
+
+
+def test_a_missing_object_is_the_same_typed_error_everywhere(store, tmp_path):
+    _put(store, f"{S[1]}/present.bin", b"here", tmp_path)
+    with pytest.raises(ObjectNotFoundError) as info:
+        store.get_range(f"{S[1]}/absent.bin", 0, 4, DEADLINE)
+    assert "absent.bin" in str(info.value)
+    assert isinstance(info.value, FileNotFoundError)
+    dest = tmp_path / "never.bin"
+    with pytest.raises(ObjectNotFoundError):
+        store.get_file(f"{S[1]}/absent.bin", str(dest), 4, layout.checksum_bytes(b"here"), DEADLINE)
+    assert not dest.exists()
+    with pytest.raises(ObjectNotFoundError):
+        store.get_range(f"{S[9]}/absent.bin", 0, 0, DEADLINE)  # even an empty range is refused
+    assert store.get_bytes(f"{S[1]}/absent.bin", DEADLINE) is None
+    assert store.read_checksum(f"{S[1]}/absent.bin", layout.checksum_bytes(b""), DEADLINE) is None
+    assert not store.exists(f"{S[1]}/absent.bin", DEADLINE)
+
+
+def test_ranges_at_the_edges_of_an_object(store, tmp_path):
+    data = _blob(1000, salt=7)
+    _put(store, f"{S[2]}/r.bin", data, tmp_path)
+    assert store.get_range(f"{S[2]}/r.bin", 0, 1000, DEADLINE) == data
+    assert store.get_range(f"{S[2]}/r.bin", 0, 1, DEADLINE) == data[:1]
+    assert store.get_range(f"{S[2]}/r.bin", 999, 1, DEADLINE) == data[999:]
+    assert store.get_range(f"{S[2]}/r.bin", 500, 0, DEADLINE) == b""
+    assert store.get_range(f"{S[2]}/r.bin", 123, 456, DEADLINE) == data[123:579]
+    for offset, length in ((999, 2), (1000, 1), (0, 1001)):
+        with pytest.raises(ObjectRangeError) as info:
+            store.get_range(f"{S[2]}/r.bin", offset, length, DEADLINE)
+        assert "1000 bytes" in str(info.value)
+
+
+def test_a_verified_fetch_refuses_a_checksum_or_size_mismatch_and_leaves_nothing(store, tmp_path):
+    for n in (10 << 10, 300 << 10):  # one request, and ranged parts on the network stores
+        data = _blob(n, salt=3)
+        key = f"{S[3]}/m{n}.bin"
+        _put(store, key, data, tmp_path)
+        dest = tmp_path / f"m{n}.bin"
+        wrong = layout.checksum_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+        with pytest.raises(CorruptCheckpointError):
+            store.get_file(key, str(dest), n, wrong, DEADLINE)
+        assert not dest.exists()
+        with pytest.raises(CorruptCheckpointError):
+            store.get_file(key, str(dest), n + 1, layout.checksum_bytes(data), DEADLINE)
+        assert not dest.exists()
+
+
+def test_put_file_refuses_bytes_that_differ_from_their_checksum(store, tmp_path):
+    src = tmp_path / "src.bin"
+    src.write_bytes(_blob(5000))
+    if not _writable(store):  # a peer takes replicas only whole (tests/test_peer.py): a single write is refused
+        with pytest.raises(PeerStoreReadOnly):
+            store.put_file(str(src), f"{S[4]}/x.bin", 5000, layout.checksum_bytes(src.read_bytes()), DEADLINE)
+        assert not store.exists(f"{S[4]}/x.bin", DEADLINE)
+        return
+    with pytest.raises(CorruptCheckpointError):
+        store.put_file(str(src), f"{S[4]}/x.bin", 5000, layout.checksum_bytes(b"something else"), DEADLINE)
+    assert not store.exists(f"{S[4]}/x.bin", DEADLINE)
+    store.put_file(str(src), f"{S[4]}/x.bin", 5000, layout.checksum_bytes(src.read_bytes()), DEADLINE)
+    assert store.get_bytes(f"{S[4]}/x.bin", DEADLINE) == src.read_bytes()
+
+
+def test_deletion(store, tmp_path):
+    if not _writable(store):  # the peer deletes nothing on request (its retention: tests/test_peer.py)
+        store.seed(f"{S[5]}/a.bin", b"kept")
+        with pytest.raises(PeerStoreReadOnly):
+            store.delete(f"{S[5]}/a.bin", DEADLINE)
+        with pytest.raises(PeerStoreReadOnly):
+            store.delete_prefix(S[5], DEADLINE)
+        assert store.get_bytes(f"{S[5]}/a.bin", DEADLINE) == b"kept"
+        return
+    for key in (f"{S[5]}/a.bin", f"{S[5]}/sub/b.bin", f"{S[6]}/c.bin"):
+        store.put_bytes(key, key.encode(), DEADLINE)
+    store.delete(f"{S[5]}/a.bin", DEADLINE)
+    assert not store.exists(f"{S[5]}/a.bin", DEADLINE)
+    with pytest.raises(ObjectNotFoundError):
+        store.get_range(f"{S[5]}/a.bin", 0, 1, DEADLINE)
+    store.delete(f"{S[5]}/a.bin", DEADLINE)  # absent: not an error
+    store.delete_prefix(S[5], DEADLINE)
+    assert store.list_sizes(S[5], DEADLINE) == {}
+    assert store.get_bytes(f"{S[6]}/c.bin", DEADLINE) == f"{S[6]}/c.bin".encode()
+
+
+def test_concurrent_use_from_several_threads(store, tmp_path):
+    blobs = {f"{S[7]}/f{i}.bin": _blob(20_000 + i, salt=i) for i in range(8)}
+    if _writable(store):
+        srcs = {}
+        for key, data in blobs.items():
+            srcs[key] = tmp_path / key.replace("/", "_")
+            srcs[key].write_bytes(data)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda k: store.put_file(str(srcs[k]), k, len(blobs[k]), layout.checksum_bytes(blobs[k]), DEADLINE), blobs))
+        # Writers racing on one key: the object is always one writer's bytes whole, never a mix.
+        versions = [_blob(50_000, salt=100 + i) for i in range(4)]
+        barrier = threading.Barrier(len(versions))
+
+        def race(data: bytes) -> None:
+            barrier.wait()
+            store.put_bytes(f"{S[7]}/same.bin", data, DEADLINE)
+
+        with concurrent.futures.ThreadPoolExecutor(len(versions)) as pool:
+            list(pool.map(race, versions))
+        assert store.get_bytes(f"{S[7]}/same.bin", DEADLINE) in versions
+    else:
+        for key, data in blobs.items():
+            _put(store, key, data, tmp_path)
+
+    def fetch(key: str) -> tuple[bytes, bytes]:
+        dest = tmp_path / ("got_" + key.replace("/", "_"))
+        store.get_file(key, str(dest), len(blobs[key]), layout.checksum_bytes(blobs[key]), DEADLINE)
+        return dest.read_bytes(), store.get_range(key, 100, 1000, DEADLINE)
+
+    keys = list(blobs) * 2
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(fetch, keys))
+    for key, (whole, part) in zip(keys, results):
+        assert whole == blobs[key] and part == blobs[key][100:1100]

@@ -1,0 +1,180 @@
+"""The package's layout stays true: the module graph, computed with ``ast``, obeys the layers.
+
+Rules (docs/concepts/architecture.md):
+
+* no import cycle between modules, imports made inside functions included;
+* at most five imports of the package's own modules made inside functions
+  (lazy imports of optional third-party packages are not counted);
+* no module over 700 lines;
+* ``format/`` and ``dcp/`` import no tier, store, daemon or higher layer;
+* ``stores/`` imports only ``format/``, ``errors`` and the leaf helpers;
+* nothing below the facade imports the facade (``checkpointer``, ``cli``,
+  ``export``) or the package root.
+
+No torch is imported: this reads source files only.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+
+PACKAGE = "shardckpt"
+ROOT = Path(__file__).resolve().parent.parent / "src" / PACKAGE
+MAX_LINES = 700
+MAX_INNER_IMPORTS = 5
+FACADE = {f"{PACKAGE}.checkpointer", f"{PACKAGE}.cli", f"{PACKAGE}.export", PACKAGE, f"{PACKAGE}.__main__"}
+LEAVES = {f"{PACKAGE}.errors", f"{PACKAGE}._failpoints", f"{PACKAGE}._text"}
+"""Modules that import nothing of the package: any layer may use them."""
+LOWER_LAYERS = ("format", "dcp", "stores", "tiers", "saving", "restoring", "state", "node")
+OVERSIZE_ALLOWED: set[str] = set()
+"""Modules allowed over the size limit, by name (none)."""
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _resolve(current: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = current.split(".")
+    if not is_package:
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+class _Imports(ast.NodeVisitor):
+    """The package modules a module imports, each with whether the import sits inside a function."""
+
+    def __init__(self, name: str, is_package: bool) -> None:
+        self.name, self.is_package = name, is_package
+        self.depth = 0
+        self.found: list[tuple[str, bool, int]] = []
+
+    def _add(self, target: str, line: int) -> None:
+        if target == PACKAGE or target.startswith(PACKAGE + "."):
+            while target not in MODULES and "." in target:
+                target = target.rsplit(".", 1)[0]
+            self.found.append((target, self.depth > 0, line))
+
+    def visit_FunctionDef(self, node: ast.AST) -> None:
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+    visit_Lambda = visit_FunctionDef
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self._add(alias.name, node.lineno)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        base = _resolve(self.name, self.is_package, node)
+        for alias in node.names:
+            full = f"{base}.{alias.name}"
+            self._add(full if full in MODULES else base, node.lineno)
+
+
+def _graph() -> dict[str, list[tuple[str, bool, int]]]:
+    out = {}
+    for name, path in MODULES.items():
+        visitor = _Imports(name, path.name == "__init__.py")
+        visitor.visit(ast.parse(path.read_text(), str(path)))
+        out[name] = [(t, inner, line) for t, inner, line in visitor.found if t != name]
+    return out
+
+
+GRAPH = _graph()
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w, _inner, _line in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[1] in LOWER_LAYERS else None
+
+
+def test_no_import_cycle_between_modules():
+    assert _cycles() == []
+
+
+def test_few_imports_of_the_package_inside_functions():
+    inner = sorted({f"{m}:{line}" for m, edges in GRAPH.items() for _t, is_inner, line in edges if is_inner})
+    assert len(inner) <= MAX_INNER_IMPORTS, "import statements inside functions:\n" + "\n".join(inner)
+
+
+def test_no_module_over_the_size_limit():
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert set(long) <= OVERSIZE_ALLOWED, long
+
+
+def test_format_and_dcp_import_no_tier():
+    bad = [f"{m} -> {t}" for m, edges in GRAPH.items() if _layer(m) in ("format", "dcp")
+           for t, _i, _l in edges if t not in LEAVES and _layer(t) not in ("format", "dcp")]
+    assert bad == []
+
+
+def test_stores_import_only_the_format_and_errors():
+    bad = [f"{m} -> {t}" for m, edges in GRAPH.items() if _layer(m) == "stores"
+           for t, _i, _l in edges if t not in LEAVES and _layer(t) not in ("format", "stores")]
+    assert bad == []
+
+
+def test_nothing_below_the_facade_imports_the_facade_or_the_package_root():
+    bad = [f"{m} -> {t}" for m, edges in GRAPH.items() if _layer(m) is not None
+           for t, _i, _l in edges if t in FACADE]
+    assert bad == []
+
+
+def test_the_graph_is_computed_from_the_sources():
+    # The checks above look at real edges: the restorer reaches the stores through the step view.
+    assert f"{PACKAGE}.stores.base" in MODULES and f"{PACKAGE}.restoring.sources" in MODULES
+    assert any(t == f"{PACKAGE}.tiers.steps" for t, _i, _l in GRAPH[f"{PACKAGE}.restoring.sources"])
+    assert len(MODULES) == len({os.path.realpath(p) for p in MODULES.values()})
