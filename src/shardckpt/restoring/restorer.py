@@ -810,7 +810,8 @@ class Restorer:
                 f"(see {os.path.join(step_dir, layout.MANIFEST_NAME)}). Remedy: point local_dir/remote at this "
                 f"run's checkpoints, or set run_id to {manifest.run_id!r} (or None) to continue that run."
             )
-        metadata = local.read_metadata(step_dir, step, trust_pickles=trust_pickles)
+        metadata = local.read_metadata(step_dir, step, trust_pickles=trust_pickles,
+                                       entry=manifest.files.get(layout.METADATA_NAME) if self.config.verify_on_load else None)
         kinds_live = state_mod.classify(state)
         # Adopted stock DCP checkpoints record no kinds: take the live ones.
         saved_kinds = {

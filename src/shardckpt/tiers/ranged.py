@@ -50,6 +50,7 @@ from typing import Any, Callable, Iterable, Protocol
 from shardckpt import _failpoints
 from shardckpt.format import layout
 from shardckpt.errors import CorruptCheckpointError
+from shardckpt.tiers.missing import read_committed
 from shardckpt.tiers.remote import Deadline, Store, safe_url
 
 log = logging.getLogger("shardckpt")
@@ -100,10 +101,14 @@ class RemoteSource:
         return self.store.where(self._key(name))
 
     def read(self, name: str, offset: int, length: int) -> bytes:
-        return self.store.get_range(self._key(name), offset, length, self.deadline)
+        key = self._key(name)
+        return read_committed(self.store, key, self.step, self.deadline,
+                              lambda: self.store.get_range(key, offset, length, self.deadline), end=offset + length)
 
     def fetch_whole(self, name: str, path: str, entry: layout.FileEntry) -> None:
-        self.store.get_file(self._key(name), path, entry.size, entry.checksum, self.deadline)
+        key = self._key(name)
+        read_committed(self.store, key, self.step, self.deadline,
+                       lambda: self.store.get_file(key, path, entry.size, entry.checksum, self.deadline), entry=entry)
 
 
 def sparse_dirname(step: int, version: str) -> str:
@@ -510,7 +515,7 @@ def _union_bytes(intervals: Iterable[tuple[int, int]], size: int) -> int:
 def _read_manifest_copy(directory: str) -> layout.Manifest | None:
     path = os.path.join(directory, MANIFEST_COPY)
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, "rb") as f:
             return layout.Manifest.from_json(f.read(), path)
     except (FileNotFoundError, CorruptCheckpointError):
         return None

@@ -59,6 +59,7 @@ from shardckpt.format import layout, step_dirs
 from shardckpt.tiers import remote_index
 from shardckpt.format import lineage as lineage_mod
 from shardckpt.errors import CorruptCheckpointError, RemoteError
+from shardckpt.tiers.missing import read_committed
 from shardckpt.tiers.remote import Deadline, Store, join, safe_url
 from shardckpt.format.retention import RetentionPolicy, plan_deletions
 
@@ -294,11 +295,7 @@ def remote_manifest(store: Store, step: int, deadline: Deadline) -> layout.Manif
     data = store.get_bytes(key, deadline)
     if data is None:
         return None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise CorruptCheckpointError(f"remote manifest {store.where(key)} is not UTF-8 text; the step cannot be trusted") from exc
-    manifest = layout.Manifest.from_json(text, store.where(key))
+    manifest = layout.Manifest.from_json(data, store.where(key))  # decoded and validated at the boundary
     if manifest.step != step:
         raise CorruptCheckpointError(
             f"remote manifest {store.where(key)} describes step {manifest.step}, not {step}; the step cannot be trusted"
@@ -415,11 +412,7 @@ def _read_local_manifest(step_dir: str) -> tuple[bytes, layout.Manifest] | None:
             data = f.read()
     except FileNotFoundError:
         return None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise CorruptCheckpointError(f"manifest {path} is not UTF-8 text; the step cannot be trusted") from exc
-    return data, layout.Manifest.from_json(text, path)
+    return data, layout.Manifest.from_json(data, path)
 
 
 def _saved_again(step_dir: str, digest: str) -> bool:
@@ -840,7 +833,8 @@ def fetch_step(
         os.makedirs(os.path.dirname(final), exist_ok=True)
         tmp = f"{final}.fetch-{uuid.uuid4().hex[:8]}"
         try:
-            store.get_file(step_key(step, name), tmp, entry.size, entry.checksum, deadline, progress.add)
+            read_committed(store, step_key(step, name), step, deadline, lambda: store.get_file(
+                step_key(step, name), tmp, entry.size, entry.checksum, deadline, progress.add), entry=entry)
             os.replace(tmp, final)
         finally:
             if os.path.exists(tmp):
