@@ -46,6 +46,7 @@ from shardckpt import _dist
 from shardckpt.format import layout, retention, step_dirs
 from shardckpt.tiers import local, peer, ranged, remote, remote_commit
 from shardckpt.restoring import elastic as elastic_mod
+from shardckpt.restoring import targets as targets_mod
 from shardckpt.format import lineage as lineage_mod
 from shardckpt import state as state_mod
 from shardckpt import _failpoints
@@ -826,6 +827,8 @@ class Restorer:
                     "load a full step for everything", step, ", ".join(lacking),
                 )
         targets = state_mod.live_targets(state, kinds_live)
+        meta = targets_mod.meta_entries(state, kinds_live, targets)
+        targets_mod.refuse_meta(self._groups.all_gather_ctl(meta), step, step_dir)
         frozen = self._check_frozen(state, step, manifest, targets) if manifest.frozen else {}
         rank = _dist.rank()
         rng_key = state_mod.rng_key(rank)
@@ -879,6 +882,8 @@ class Restorer:
             if kind in (state_mod.VALUE, state_mod.STATEFUL) and (k in kinds_live or kind == state_mod.VALUE)
         }
         has_rng = any(p[:3] == (state_mod.RESERVED_KEY, state_mod.RNG, rng_key) for p in saved_paths)
+        left = targets_mod.unrestored(top_saved, saved_kinds, kinds_live, set(targets) | rebuild_keys, state_mod.RESERVED_KEY)
+        targets_mod.refuse_unrestored(left, step, step_dir, os.path.join(step_dir, layout.MANIFEST_NAME), strict=strict)
 
         def rebuild(path: tuple) -> bool:
             if path[0] in rebuild_keys:
