@@ -46,6 +46,7 @@ from shardckpt import _dist
 from shardckpt.format import layout, retention, step_dirs
 from shardckpt.tiers import local, peer, ranged, remote, remote_commit
 from shardckpt.restoring import elastic as elastic_mod
+from shardckpt.restoring import run_config as run_config_mod
 from shardckpt.restoring import targets as targets_mod
 from shardckpt.format import lineage as lineage_mod
 from shardckpt import state as state_mod
@@ -404,20 +405,18 @@ class Restorer:
             return
         log.warning(
             "shardckpt: run_config differs from the one step %d was saved with (%d key(s)): %s", step, len(changed),
-            "; ".join(changed[:20]) + (f"; ... ({len(changed) - 20} more)" if len(changed) > 20 else ""),
+            "; ".join(changed[:20]) + (f"; ... ({len(changed) - 20} more)" if len(changed) > 20 else "")
+            + " (integer changes first; leave keys that differ on every run out with run_config_ignore=[...])",
         )
 
-    def _config_changes(self, manifest: layout.Manifest) -> list[str]:
-        """``key: saved -> current`` for each ``run_config`` entry that differs (empty when either is unknown)."""
+    def _config_changes(self, manifest: layout.Manifest, dims: tuple[set[int], set[int]] | None = None) -> list[str]:
+        """``key: saved -> current`` for each ``run_config`` entry that differs (empty when either is unknown),
+        those that can change shapes first, ``run_config_ignore`` left out (``run_config.py``)."""
         from shardckpt.checkpointer import run_config_of
 
-        saved = (manifest.run or {}).get("config")
-        current = run_config_of(self.config.run_config)
-        if saved is None or current is None or saved == current:
-            return []
-        old, new = _flatten(saved), _flatten(current)
-        return [f"{k}: {old.get(k, '(absent)')!r} -> {new.get(k, '(absent)')!r}"
-                for k in sorted(set(old) | set(new)) if old.get(k, _ABSENT) != new.get(k, _ABSENT)]
+        return run_config_mod.differences((manifest.run or {}).get("config"), run_config_of(self.config.run_config),
+                                          self.config.run_config_ignore, saved_dims=dims[0] if dims else (),
+                                          live_dims=dims[1] if dims else ())
 
     def _agree_lineage(self, survey: Survey, step: int | None) -> lineage_mod.Lineage:
         """The lineage of the next saves, decided on rank 0 (a new branch gets one id everywhere)."""
@@ -842,7 +841,7 @@ class Restorer:
         live_fqns = set(flat_live.keys())
         reshaped = _shape_mismatches(flat_live, metadata)
         if reshaped:
-            changed = self._config_changes(manifest)
+            changed = self._config_changes(manifest, run_config_mod.reshaped_dims(flat_live, metadata))
             raise StateMismatchError(
                 f"step {step} in {step_dir} holds tensors of other shapes than the state being loaded "
                 f"(a checkpoint of another model?): {'; '.join(reshaped[:10])}"
@@ -1105,19 +1104,3 @@ def _receive_file(path: str, entry: layout.FileEntry, src: int, group: Any, step
         if os.path.exists(tmp):
             os.unlink(tmp)
 
-
-_ABSENT = object()
-
-
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
-    if not isinstance(value, dict):
-        return {prefix or "(value)": value}
-    out: dict[str, Any] = {}
-    for key, item in value.items():
-        name = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(item, dict) and item:
-            out.update(_flatten(item, name))
-        else:
-            out[name] = item
-    return out
