@@ -355,7 +355,7 @@ def test_manifest_with_escaping_path_is_refused(tmp_path):
     path = tmp_path / layout.step_dirname(1) / layout.MANIFEST_NAME
     body = json.loads(path.read_text())
     body["files"]["../../etc/passwd"] = {"size": 1, "checksum": "xxh3-128:" + "0" * 32, "rank": 0}
-    path.write_text(json.dumps(manifest_schema.with_digest(body)))  # crafted: its digest recomputed
+    path.write_text(manifest_schema.seal(body))  # crafted: its digest recomputed
     with pytest.raises(shardckpt.CorruptCheckpointError, match="outside its step directory"):
         ckpt_for(tmp_path).load(make_state(1))
 

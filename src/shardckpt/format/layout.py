@@ -260,7 +260,7 @@ class Manifest:
         for entry in body["files"].values():
             if not entry["chunks"]:
                 del entry["chunks"]
-        return json.dumps(manifest_schema.with_digest(body), indent=1, sort_keys=True)
+        return manifest_schema.seal(body)
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str) -> "Manifest":
