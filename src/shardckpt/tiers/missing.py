@@ -5,8 +5,9 @@ its size. When a read of one fails, the store raises a :class:`RemoteError`
 (whose remedy is about reachability and credentials):
 :class:`ObjectNotFoundError` for an absent object,
 :class:`ObjectRangeError` for a range past the end of a truncated one,
-another for a failed transfer. One HEAD decides what it was: the object is
-gone or of another size than the manifest's (a
+another for a failed transfer. An absent object is damage at once (the
+store's contract says so); otherwise one HEAD decides what it was: the
+object is gone or of another size than the manifest's (a
 :class:`CorruptCheckpointError` naming the step, the object and the remedy,
 so ``on_corrupt="fallback"`` applies and a damaged step never reads as an
 unreachable remote), or the store failed (the original error). Used by the
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
-from shardckpt.errors import CorruptCheckpointError, RemoteError
+from shardckpt.errors import CorruptCheckpointError, ObjectNotFoundError, RemoteError
 from shardckpt.format import layout
 from shardckpt.stores import Deadline, Store
 
@@ -37,7 +38,7 @@ def read_committed(
     except RemoteError as exc:
         like = entry.checksum if entry is not None else f"{layout.CHECKSUM_ALGO}:"
         try:
-            held = store.recorded_checksum(key, like, deadline)
+            held = None if isinstance(exc, ObjectNotFoundError) else store.recorded_checksum(key, like, deadline)
         except RemoteError:
             raise exc from exc.__cause__
         if held is not None and (held[0] == entry.size if entry is not None else held[0] >= end):
