@@ -1,6 +1,9 @@
 """Train a few steps (DDP or FSDP2), save, restore into fresh objects, compare bitwise.
 
-usage: roundtrip.py MODE CKPT_DIR OUT_JSON     (MODE: ddp | fsdp2)
+usage: roundtrip.py MODE CKPT_DIR OUT_JSON [+ MODE CKPT_DIR OUT_JSON ...]     (MODE: ddp | fsdp2)
+
+Several round trips separated by "+" run one after the other in the same
+launch (one process group: one torchrun start instead of several).
 """
 
 import sys
@@ -32,8 +35,13 @@ def build(mode: str, seed: int):
 
 
 def main() -> None:
-    mode, ckpt_dir, out = sys.argv[1:4]
-    rank, world = common.init()
+    rank, _world = common.init()
+    for job in common.jobs(sys.argv[1:]):
+        roundtrip(rank, *job)
+    common.finish()
+
+
+def roundtrip(rank: int, mode: str, ckpt_dir: str, out: str) -> None:
     model, optim = build(mode, seed=0)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
     ckpt = shardckpt.Checkpointer(local_dir=ckpt_dir, keep_last=2)
@@ -73,7 +81,6 @@ def main() -> None:
     }
     if rank == 0:
         common.write_json(out, result)
-    common.finish()
 
 
 if __name__ == "__main__":
