@@ -577,3 +577,99 @@ def test_a_daemon_retries_at_once_when_the_job_comes_back_with_new_addresses(end
         assert not daemon.tick() and 3 not in daemon.sent
     daemon.linger_s = 0.0
     assert daemon._idle(False)
+
+
+def _start_daemon(root, node, fd_limit):
+    """A node's peer daemon in its own process (as a trainer starts it), at an open-file limit of ``fd_limit``."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
+
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    log_file = open(root / ".shardckpt-remote" / "peer.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from shardckpt.node.peer_daemon import peer_main; "
+                             "sys.exit(peer_main(sys.argv[1:]))", "--local", str(root), "--node", node,
+                             "--host", "127.0.0.1", "--poll", "0.2", "--linger", "2"],
+                            env={**os.environ, "PYTHONPATH": src}, stdout=log_file, stderr=subprocess.STDOUT,
+                            preexec_fn=limit)
+    log_file.close()
+    return proc
+
+
+def test_a_strangers_idle_connections_do_not_stop_replication_and_replicas_stay_private(tmp_path):
+    """Two daemons at a 256 open-file limit; a stranger opens 600 idle connections to each (a bounded
+    loop, 127.0.0.1 only) and keeps them open. The owner's next step still becomes peer-durable (the
+    endpoint caps connections and closes those that do not finish a handshake); the refusals are logged
+    at a bounded rate. Under umask 022 every replica file and folder and every key file is private."""
+    import socket
+    import threading
+
+    from helpers import wait_for
+    from shardckpt.node.node_registry import register_trainer, state_dir
+
+    scratch, owner, holder = tmp_path / "scratch", tmp_path / "owner", tmp_path / "holder"
+    with shardckpt.Checkpointer(local_dir=str(scratch), preemption_signals=()) as ckpt:
+        for step in (1, 2):
+            ckpt.save({"model": nn.Linear(64, 64)}, step)
+    old_umask = os.umask(0o022)
+    procs, flood = [], []
+    try:
+        ids = {}
+        for root, name in ((owner, "owner"), (holder, "holder")):
+            os.makedirs(state_dir(str(root)))
+            ids[name] = tls.node_identity(state_dir(str(root)), f"{name}:0")
+            register_trainer(str(root))  # this process stands for the node's trainer
+            procs.append(_start_daemon(root, f"{name}:0", 256))
+        os.rename(scratch / layout.step_dirname(1), owner / layout.step_dirname(1))
+        addrs = {}
+        for root, name in ((owner, "owner"), (holder, "holder")):
+            status = root / ".shardckpt-remote" / peer_daemon.STATUS_NAME
+            wait_for(lambda: status.exists() and json.loads(status.read_text()).get("addr"), 30, f"{name}'s daemon")
+            addrs[name] = json.loads(status.read_text())["addr"]
+        nodes = [{"node": f"{n}:0", "addr": addrs[n], "domain": None, "cert": ids[n].cert_pem} for n in addrs]
+        for root, name in ((owner, "owner"), (holder, "holder")):
+            layout.atomic_write_text(os.path.join(state_dir(str(root)), peer_daemon.PEERS_NAME), json.dumps(
+                {"nodes": nodes, "replicas": 1, "keep_last": 2, "tls": ids[name].to_json(), "written": "w1"}))
+        wait_for(lambda: peer_daemon.replicated(str(owner), 1), 60, "step 1 replicated")
+
+        # The stranger: 600 idle connections to each daemon, held open.
+        def connect(addr):
+            host, port = addr.rsplit(":", 1)
+            for _ in range(600):
+                try:
+                    flood.append(socket.create_connection((host, int(port)), timeout=5))
+                except OSError:
+                    pass
+
+        threads = [threading.Thread(target=connect, args=(a,)) for a in addrs.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(flood) >= 600, len(flood)
+        os.rename(scratch / layout.step_dirname(2), owner / layout.step_dirname(2))
+        wait_for(lambda: peer_daemon.replicated(str(owner), 2), 60, "step 2 peer-durable through the flood")
+        assert all(p.poll() is None for p in procs)  # neither daemon fell over
+        log_text = (holder / ".shardckpt-remote" / "peer.log").read_text()
+        assert "refused" in log_text and log_text.count("refused") <= 30, log_text[-3000:]
+
+        # Private on disk, whatever the umask: replicas (folders 0700, files 0600) and keys.
+        base = holder / replicas.REPLICAS_DIR
+        for here, dirs, files in os.walk(base):
+            assert os.stat(here).st_mode & 0o077 == 0, here
+            for name in files:
+                assert os.stat(os.path.join(here, name)).st_mode & 0o077 == 0, os.path.join(here, name)
+        assert layout.committed_steps(str(base / "owner_0")) == [1, 2]
+        for identity in ids.values():
+            assert os.stat(identity.key_path).st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old_umask)
+        for s in flood:
+            s.close()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
