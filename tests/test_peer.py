@@ -270,6 +270,14 @@ def test_a_holder_never_trades_a_newer_save_for_an_older_one_unless_the_owner_ro
     assert {p.name for p in replica.iterdir()} == set(names) | {layout.MANIFEST_NAME}
 
 
+def _end_daemon(info):
+    """SIGKILL a node's daemon (a lost node), unless it has already ended by itself (its job over)."""
+    from shardckpt.node.node_registry import pid_alive
+
+    if info.get("state") == "running" and pid_alive(info["pid"], info.get("pid_start")):
+        os.kill(info["pid"], signal.SIGKILL)
+
+
 def _kill_daemons(base, signum=signal.SIGKILL):
     """Signal (by default: end) the peer daemons the jobs under ``base`` started (they outlive their trainers by design)."""
     from shardckpt.node.node_registry import pid_alive, read_json, state_dir
@@ -333,7 +341,7 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
         import shutil
 
         info = json.loads((base / "node2" / ".shardckpt-remote" / peer_daemon.STATUS_NAME).read_text())
-        os.kill(info["pid"], signal.SIGKILL)
+        _end_daemon(info)
 
         shutil.rmtree(base / "node2")
         logs = run_nodes(2, 2, prog, "restore", base, out2, "--then-replace", log_dir=tmp_path)
@@ -389,6 +397,8 @@ def test_after_a_rollback_the_live_branch_is_replicated_and_survives_a_node_loss
         run_nodes(2, 1, prog, "save", base, out, log_dir=tmp_path)
         held = base / "node0" / replicas.REPLICAS_DIR / replicas.owner_dirname(f"{host}:1")
         mine = layout.read_manifest(str(base / "node1" / layout.step_dirname(12)))
+        assert layout.read_manifest(str(held / layout.step_dirname(12))) is not None, \
+            f"close() returned before node 1's step 12 was peer-durable: node 0 holds {layout.committed_steps(str(held))}"
         assert layout.version_of(layout.read_manifest(str(held / layout.step_dirname(12)))) == layout.version_of(mine)
         assert not (held / layout.step_dirname(30)).exists()  # the abandoned step is not what is kept
         for r in range(2):
@@ -397,13 +407,18 @@ def test_after_a_rollback_the_live_branch_is_replicated_and_survives_a_node_loss
         assert peer_daemon.node_status(str(base / "node1"))["latest_peer"] == 12
 
         info = json.loads((base / "node1" / ".shardckpt-remote" / peer_daemon.STATUS_NAME).read_text())
-        os.kill(info["pid"], signal.SIGKILL)
+        _end_daemon(info)
         shutil.rmtree(base / "node1")
         run_nodes(1, 1, prog, "alone", base, out2, log_dir=tmp_path)
         assert json.loads((out2 / "alone.json").read_text()) == {"restored": 12, "world": 1}
         assert_bitwise(out / "saved.pt", out2 / "restored.pt")
         peers = json.loads((base / "node0" / ".shardckpt-remote" / peer_daemon.PEERS_NAME).read_text())
         assert peers["nodes"] == [] and peers["replicas"] == 0  # node 0's daemon: no node left to send to
+        from helpers import wait_for
+
+        status = base / "node0" / ".shardckpt-remote" / peer_daemon.STATUS_NAME
+        wait_for(lambda: json.loads(status.read_text()).get("state") == "exited", 30,
+                 "node 0's daemon to end by itself, its job over")
     finally:
         _kill_daemons(base)
 
@@ -673,3 +688,72 @@ def test_a_strangers_idle_connections_do_not_stop_replication_and_replicas_stay_
             p.terminate()
         for p in procs:
             p.wait(timeout=30)
+
+
+def test_an_operators_ca_replaces_the_nodes_own_keys(endpoint, tmp_path, monkeypatch):
+    """peer_tls_ca/_cert/_key (SHARDCKPT_PEER_TLS_*): a peer is trusted when its certificate chains to the
+    operator's CA (no pinning through the rendezvous), a self-made key pair is not, and the three go
+    together (a clear error naming them otherwise)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    from shardckpt.node.peer_tier import PeerTier
+
+    owner, _holder, _addr, job = endpoint
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fleet CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(ca_key, hashes.SHA256()))
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    (pki / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+
+    def issue(name):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+                .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1)).sign(ca_key, hashes.SHA256()))
+        (pki / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        key_path = pki / f"{name}.key"
+        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+        key_path.chmod(0o600)
+        return tls.load_identity(str(pki / f"{name}.pem"), str(key_path), str(pki / "ca.pem"))
+
+    holder_id, owner_id = issue("holder"), issue("owner")
+    (tmp_path / "ca-holder").mkdir()
+    service = peer_service.PeerService(str(tmp_path / "ca-holder"), "holder:0", tls.server_context(holder_id, []),
+                                       {owner_id.fingerprint: "owner:0"})
+    server = peer_service.serve(service, "127.0.0.1")
+    addr = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        step_dir = owner / layout.step_dirname(1)
+        manifest = layout.read_manifest(str(step_dir))
+        names = layout.copy_files(str(step_dir), manifest)[0]
+        client = peer_client.PeerClient(addr, tls.client_context(owner_id, []))
+        assert client.put_replica("owner:0", str(step_dir), manifest, names) > 0
+        assert client.list_steps()["replicas"] == {"owner_0": {"1": layout.version_of(manifest)}}
+        # A node's own self-signed pair (what the job pins without a CA) is not the CA's: refused both ways.
+        mine = tls.client_context(job.ids["owner"], [holder_id.cert_pem])
+        with pytest.raises(peer_client.PeerError):
+            peer_client.PeerClient(addr, mine).list_steps()
+    finally:
+        server.shutdown()
+        server.server_close()
+    config = shardckpt.CheckpointConfig.from_env({"SHARDCKPT_PEER_TLS_CA": str(pki / "ca.pem"),
+                                                  "SHARDCKPT_PEER_TLS_CERT": owner_id.cert_path,
+                                                  "SHARDCKPT_PEER_TLS_KEY": owner_id.key_path}, local_dir=str(owner))
+    tier = PeerTier(config, str(owner), registered=True)
+    assert tier._identity("owner:0").ca_path == str(pki / "ca.pem")
+    half = shardckpt.CheckpointConfig(local_dir=str(owner), peer_tls_ca=str(pki / "ca.pem"))
+    with pytest.raises(tls.PeerTLSError, match="peer_tls_cert, peer_tls_key and peer_tls_ca"):
+        PeerTier(half, str(owner), registered=True)._identity("owner:0")
+    (pki / "owner.key").chmod(0o640)
+    with pytest.raises(tls.PeerTLSError, match="chmod 600"):
+        tier._identity("owner:0")

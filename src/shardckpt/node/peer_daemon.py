@@ -143,6 +143,8 @@ class PeerDaemon:
             self._alone_since = None
             return False
         self._alone_since = self._alone_since or now
+        if not self.peers().get("nodes"):  # the last launch here ran without the tier: no peer will come
+            return True
         quiet = min(now - self._alone_since, now - self.service.last_request)
         return quiet >= self.linger_s
 

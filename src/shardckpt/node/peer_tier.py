@@ -165,8 +165,10 @@ class PeerTier:
             self._trainer_file = register_trainer(self.root)
         info = self.daemon_info()
         if info is None:
+            linger = os.environ.get("SHARDCKPT_PEER_LINGER_S") or "60"
             spawn_node_daemon(self.root, "node.peer_daemon:peer_main",
-                              ["--local", self.root, "--node", node, "--host", node_host()], "peer.log")
+                              ["--local", self.root, "--node", node, "--host", node_host(), "--linger", linger],
+                              "peer.log")
             deadline = time.monotonic() + START_WAIT_S
             while info is None and time.monotonic() < deadline:
                 time.sleep(0.05)
