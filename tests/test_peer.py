@@ -757,3 +757,23 @@ def test_an_operators_ca_replaces_the_nodes_own_keys(endpoint, tmp_path, monkeyp
     (pki / "owner.key").chmod(0o640)
     with pytest.raises(tls.PeerTLSError, match="chmod 600"):
         tier._identity("owner:0")
+
+
+def test_a_node_keeps_its_copies_from_the_newest_step_complete_across_a_peers_loss(tmp_path):
+    """Retention on a holder: its own copy of every step from the newest one it holds both its own files
+    and the owner's replica of (of the same save) stays, so that a replica still on its way finds its
+    step here; older ones may go. Steps older than that complete one are not protected."""
+    from shardckpt.node.peer_tier import PeerTier
+
+    holder = tmp_path / "holder"
+    with shardckpt.Checkpointer(local_dir=str(holder), keep_last=10, preemption_signals=()) as ckpt:
+        for step in (1, 2, 3, 4):
+            ckpt.save({"model": nn.Linear(16, 8)}, step)
+    owner_dir = holder / replicas.REPLICAS_DIR / "owner_0"
+    owner_dir.mkdir(parents=True)
+    for step in (1, 2):  # the owner's replicas of steps 1 and 2 arrived; 3 and 4 are on their way
+        shutil.copytree(holder / layout.step_dirname(step), owner_dir / layout.step_dirname(step))
+    assert replicas.anchors(str(holder)) == {"owner_0": 2}
+    tier = PeerTier(shardckpt.CheckpointConfig(local_dir=str(holder)), str(holder), registered=True)
+    tier.replicas = 1
+    assert [s for s in (1, 2, 3, 4) if tier.protects(s)] == [2, 3, 4]

@@ -144,3 +144,22 @@ def remove_step(step_dir: str, parent: str) -> None:
     trash = os.path.join(parent, f"{layout.TRASH_PREFIX}{os.path.basename(step_dir)}-{uuid.uuid4().hex[:8]}")
     os.rename(step_dir, trash)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def anchors(root: str) -> dict[str, int]:
+    """Per owner held here: the newest step complete on this node across that owner's loss, i.e. the
+    newest step of which this node holds both its own committed copy and the owner's replica, of the
+    same save. Local retention keeps this node's copies of that step and of every newer one, and the
+    holder keeps that replica, until a newer step is complete in the same way: a node loss then costs
+    at most the steps not yet peer-durable."""
+    mine: dict[int, str] = {}
+    for step in layout.committed_steps(root):
+        manifest = manifest_or_none(os.path.join(root, layout.step_dirname(step)))
+        if manifest is not None:
+            mine[step] = layout.version_of(manifest)
+    out: dict[str, int] = {}
+    for owner, held in committed_replicas(root).items():
+        both = [s for s, m in held.items() if mine.get(s) == layout.version_of(m)]
+        if both:
+            out[owner] = max(both)
+    return out

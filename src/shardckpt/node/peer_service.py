@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format import layout, lineage
-from shardckpt.format.replicas import (committed_replicas, file_size, manifest_or_none, owner_dirname, remove_step,
+from shardckpt.format.replicas import (anchors, committed_replicas, file_size, manifest_or_none, owner_dirname, remove_step,
                                        replicas_root, version_tag)
 from shardckpt.stores.peer_client import CHUNK, LIVE_HEADER
 from shardckpt.stores.tls import fingerprint
@@ -292,8 +292,10 @@ class PeerService:
         live, abandoned = lineage.classify(held)
         if not self.keep_last or not live:
             return
+        anchor = anchors(self.root).get(os.path.basename(owner_dir))  # never the newest complete step
         for old in sorted(abandoned) + live[: max(0, len(live) - self.keep_last)]:
-            remove_step(os.path.join(owner_dir, layout.step_dirname(old)), owner_dir)
+            if old != anchor:
+                remove_step(os.path.join(owner_dir, layout.step_dirname(old)), owner_dir)
         for name in os.listdir(owner_dir):  # begun replicas older than every kept one
             if name.startswith(layout.PARTIAL_PREFIX):
                 step = layout.parse_step_dirname(name[len(layout.PARTIAL_PREFIX):].split("-", 1)[0])

@@ -246,15 +246,19 @@ class PeerTier:
 
     def protects(self, step: int) -> bool:
         """Local retention keeps ``step`` while it is the head of another node's live branch among the
-        replicas held here (the replica saved last, not the highest number): when that node is lost, its
-        replica needs this node's own files of the same step beside it."""
+        replicas held here (the replica saved last, not the highest number), or not older than the
+        newest step complete here across an owner's loss (:func:`replicas.anchors`): when that node is
+        lost, its replica needs this node's own files of the same step beside it."""
         if not self.on:
             return False
         for held in replicas.committed_replicas(self.root).values():
             top = lineage.head({s: lineage.info_of(m) for s, m in held.items()})
             if top is not None and top.step == step:
                 return True
-        return False
+        # ... and every step from the newest one complete here across an owner's loss (own copy and
+        # replica): a replica still on its way needs this node's copy beside it.
+        anchors = replicas.anchors(self.root)
+        return bool(anchors) and step >= min(anchors.values())
 
     def live_head(self) -> int | None:
         """This node's newest step of the live branch (the lineage's head), ``None`` when none."""
