@@ -22,7 +22,7 @@ import uuid
 from typing import Any
 
 from shardckpt.errors import CorruptCheckpointError
-from shardckpt.format import layout
+from shardckpt.format import layout, lineage
 
 log = logging.getLogger("shardckpt")
 
@@ -147,16 +147,14 @@ def remove_step(step_dir: str, parent: str) -> None:
 
 
 def anchors(root: str) -> dict[str, int]:
-    """Per owner held here: the newest step complete on this node across that owner's loss, i.e. the
-    newest step of which this node holds both its own committed copy and the owner's replica, of the
+    """Per owner held here: the newest live step complete on this node across that owner's loss, i.e. the
+    newest step of its live branch of which this node holds both its own committed copy and the owner's replica, of the
     same save. Local retention keeps this node's copies of that step and of every newer one, and the
     holder keeps that replica, until a newer step is complete in the same way: a node loss then costs
     at most the steps not yet peer-durable."""
-    mine: dict[int, str] = {}
-    for step in layout.committed_steps(root):
-        manifest = manifest_or_none(os.path.join(root, layout.step_dirname(step)))
-        if manifest is not None:
-            mine[step] = layout.version_of(manifest)
+    infos = lineage.local_infos(root)
+    live, _abandoned = lineage.classify(infos)  # the live branch only: never an abandoned step's number
+    mine = {s: infos[s].version for s in live}
     out: dict[str, int] = {}
     for owner, held in committed_replicas(root).items():
         both = [s for s, m in held.items() if mine.get(s) == layout.version_of(m)]
