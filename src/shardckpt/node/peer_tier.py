@@ -16,6 +16,7 @@ that its job is over for it: nothing more to replicate, no node to retry.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -312,6 +313,4 @@ class PeerTier:
 
 
 def _json(body: dict[str, Any]) -> str:
-    import json
-
     return json.dumps(body, indent=1)
