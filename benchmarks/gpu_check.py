@@ -13,7 +13,15 @@
 3. resume: bitwise equal parameters after a save/load mid-run with fp16
    autocast, GradScaler, dropout (CUDA RNG) and a LR schedule;
 4. fsdp2: FSDP2 over NCCL at world size 1: round trip bitwise, and the step
-   readable by stock ``dcp.load``.
+   readable by stock ``dcp.load``;
+5. torchtitan (when torchtitan >= 0.3 is installed): shardckpt's torchtitan
+   manager over torchtitan's containers with ``overlap_copies=True`` (a save
+   returns with the copies only enqueued): the optimizer step follows
+   ``maybe_wait_for_staging()`` at once, and every committed step must hold
+   the parameters as they were at its save, bitwise; the time a save blocks
+   against a training step. (torchtitan's own ``Trainer`` loop with its
+   llama3 debug model needs its tokenizer assets and ``datasets``; it is not
+   run here.)
 
 Prints one JSON object (and writes it to ``--out``) labelled with the GPU's
 name; exits 1 when a correctness check fails. Needs torch with CUDA.
@@ -183,6 +191,67 @@ def check_fsdp2(root: str) -> dict:
         dist.destroy_process_group()
 
 
+def check_torchtitan(root: str, device: str = "cuda", width: int = 4096, layers: int = 8, steps: int = 6) -> dict:
+    try:
+        from torchtitan.components.optimizer import LRSchedulersContainer
+        from torchtitan.components.optimizer.optimizer import default_adamw
+
+        from shardckpt.integrations.torchtitan import ShardckptCheckpointManager
+    except ImportError as exc:
+        return {"skipped": f"torchtitan >= 0.3 is not installed ({exc})"}
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
+        optimizers = default_adamw(lr=1e-4).build(model_parts=[model])
+        schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=steps)
+        return model, optimizers, schedulers
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    folder = os.path.join(root, "torchtitan")
+    config = ShardckptCheckpointManager.Config(enable=True, folder=folder, interval=1, keep_latest_k=0,
+                                               extra={"overlap_copies": device == "cuda", "preemption_signals": ()})
+    model, optimizers, schedulers = build()
+    manager = config.build(dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
+                           states={}, sd_adapter=None, base_folder="")
+    x = torch.randn(256, width, device=device)
+    at_save, blocked, step_s = {}, [], []
+    for step in range(1, steps + 1):
+        sync()
+        t0 = time.perf_counter()
+        optimizers.zero_grad()
+        model(x).square().mean().backward()
+        sync()
+        step_s.append(time.perf_counter() - t0)
+        manager.maybe_wait_for_staging()  # torchtitan's train_step: before the optimizer step
+        optimizers.step()
+        schedulers.step()
+        t0 = time.perf_counter()
+        manager.save(step)  # returns with the copies enqueued (overlap_copies)
+        blocked.append(time.perf_counter() - t0)
+        at_save[step] = [p.detach().clone() for p in model.parameters()]  # ordered before the next step's writes
+    manager.close()
+    fenced = True
+    for step in (steps, 2):
+        fresh, fresh_opt, fresh_sched = build()
+        loader = ShardckptCheckpointManager.Config(enable=True, folder=folder, keep_latest_k=0, load_step=step,
+                                                   extra={"preemption_signals": ()}).build(
+            dataloader=None, model_parts=[fresh], optimizers=fresh_opt, lr_schedulers=fresh_sched, states={},
+            sd_adapter=None, base_folder="")
+        loader.load(step=step)
+        loader.close()
+        fenced = fenced and all(torch.equal(a, b) for a, b in zip(at_save[step], fresh.parameters()))
+    return {
+        "fenced_bitwise": fenced,
+        "state_gib": round(3 * layers * width * width * 4 / 2**30, 2),  # fp32 parameters and two AdamW moments
+        "median_blocked_s": round(statistics.median(blocked[1:]), 4),
+        "median_fwd_bwd_s": round(statistics.median(step_s[1:]), 4),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=4.0, help="state size of the blocked/overlap check")
@@ -196,11 +265,13 @@ def main() -> None:
         result["blocked_and_overlap"] = check_blocked_and_overlap(args.gib, root, overlap=True)
         result["resume"] = check_resume(root)
         result["fsdp2"] = check_fsdp2(root)
+        result["torchtitan"] = check_torchtitan(root)
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-    ok = result["resume"]["bitwise_after_resume"] and all(result["fsdp2"].values())
+    ok = (result["resume"]["bitwise_after_resume"] and all(result["fsdp2"].values())
+          and result["torchtitan"].get("fenced_bitwise", True))
     sys.exit(0 if ok else 1)
 
 
