@@ -10,18 +10,18 @@ Group ``replica`` (time to peer-durable: what the owner's daemon spends on one
 step, a SIGTERM step included):
 
   raw socket copy (floor)   every file of the step over one plain TCP connection on loopback, written
-                            and fsynced on the receiving side (no hashing, no HTTP)
-  shardckpt replica         ``PeerClient.put_replica``: the signed HTTP PUTs (a SHA-256 of each body
-                            on both sides, the owner's xxh3 checksum checked on the holder), fsynced,
-                            committed manifest last
-  sha256 of the bytes       hashing alone, once (what the body signature costs each side)
+                            and fsynced on the receiving side (no hashing, no HTTP, no encryption)
+  raw TLS socket copy       the same over one mutual TLS 1.3 connection (the nodes' P-256 certificates,
+                            pinned): what the encryption alone costs
+  shardckpt replica (TLS)   ``PeerClient.put_replica``: HTTPS PUTs over mutual TLS 1.3 (the owner's
+                            xxh3 checksum checked on the holder), fsynced, committed manifest last
   xxh3 of the bytes         the manifest checksum alone, once
 
 Group ``restore`` (a node lost, its replacement restores at the same world size):
 
   local disk (floor)        ``Checkpointer(local_dir=owner).load``: the node kept its disk
   from a peer               an empty ``local_dir``: its files fetched from the holder's replica over
-                            the endpoint (``fetch_own_replica``, each file checked), then ``load``
+                            the endpoint (``fetch_own_replica``, TLS, each file checked), then ``load``
   from S3 (moto)            an empty ``local_dir`` restoring from ``remote=s3://...``
 
 Every restore loads into zeroed parameters and is compared with the saved state.
@@ -29,7 +29,6 @@ Every restore loads into zeroed parameters and is compared with the saved state.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import socket
@@ -46,31 +45,34 @@ import shardckpt  # noqa: E402
 from shardckpt.format import layout
 from shardckpt.format import replicas  # noqa: E402
 from shardckpt.node import peer_service  # noqa: E402
-from shardckpt.stores import peer_client  # noqa: E402
+from shardckpt.stores import peer_client, tls  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-SECRET = b"bench-" + b"s" * 58
 CHUNK = 1 << 20
 
 
 class RawSink:
-    """A plain TCP receiver on loopback: (name length, name, size, bytes)* per connection, each file fsynced."""
+    """A TCP (or TLS) receiver on loopback: (name length, name, size, bytes)* then a zero length per
+    connection, each file fsynced, answered by one byte."""
 
-    def __init__(self, dest: str) -> None:
+    def __init__(self, dest: str, server_ctx=None, client_ctx=None) -> None:
         self.dest = dest
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
+        self.server_ctx, self.client_ctx = server_ctx, client_ctx
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
         while True:
             try:
                 conn, _ = self.sock.accept()
+                if self.server_ctx is not None:
+                    conn = self.server_ctx.wrap_socket(conn, server_side=True)
             except OSError:
                 return
             with conn, conn.makefile("rb") as r:
-                while head := r.read(4):
+                while (head := r.read(4)) and struct.unpack("!I", head)[0]:  # a zero length ends the batch
                     name = r.read(struct.unpack("!I", head)[0]).decode()
                     left = struct.unpack("!Q", r.read(8))[0]
                     with open(os.path.join(self.dest, name), "wb") as f:
@@ -83,15 +85,19 @@ class RawSink:
                 conn.sendall(b"k")
 
     def send(self, step_dir: str, names: list[str]) -> None:
-        with socket.create_connection(("127.0.0.1", self.port)) as s:
+        s = socket.create_connection(("127.0.0.1", self.port))
+        if self.client_ctx is not None:
+            s = self.client_ctx.wrap_socket(s)
+        with s:
             for name in names:
                 path = os.path.join(step_dir, name)
                 s.sendall(struct.pack("!I", len(name)) + name.encode() + struct.pack("!Q", os.path.getsize(path)))
                 with open(path, "rb") as f:
                     while chunk := f.read(CHUNK):
                         s.sendall(chunk)
-            s.shutdown(socket.SHUT_WR)
-            assert s.recv(1) == b"k"
+            s.sendall(struct.pack("!I", 0))
+            if s.recv(1) != b"k":
+                raise RuntimeError("the sink did not confirm the files")
 
     def close(self) -> None:
         self.sock.close()
@@ -127,25 +133,35 @@ def main() -> None:
         manifest = layout.read_manifest(step_dir)
         names = layout.copy_files(step_dir, manifest)[0]
         os.makedirs(holder)
-        peer_service.write_secret(holder, SECRET.decode())
-        endpoint = peer_service.serve(peer_service.PeerService(holder, "holder:0"), "127.0.0.1")
-        client = peer_client.PeerClient(f"127.0.0.1:{endpoint.server_address[1]}", SECRET)
+        ids = {n: tls.node_identity(str(tmp / "keys" / n), f"{n}:0") for n in ("owner", "holder")}
+        certs = [i.cert_pem for i in ids.values()]
+        server_ctx = tls.server_context(ids["holder"], certs)
+        client_ctx = tls.client_context(ids["owner"], certs)
+        members = {ids["owner"].fingerprint: "bench:0", ids["holder"].fingerprint: "holder:0"}
+        service = peer_service.PeerService(holder, "holder:0", server_ctx, members)
+        endpoint = peer_service.serve(service, "127.0.0.1")
+        client = peer_client.PeerClient(f"127.0.0.1:{endpoint.server_address[1]}", client_ctx,
+                                        expect=ids["holder"].fingerprint)
         sink_dir = str(tmp / "sink")
         sink = RawSink(sink_dir)
+        tls_sink = RawSink(sink_dir, server_ctx, client_ctx)
         url = f"s3://{BUCKET}/benchpeer"
         store = stores.open_store(url, shardckpt.CheckpointConfig(local_dir=owner).transfer_options())
         assert uploader.Uploader(owner, store, node="owner:0", once=True, poll_s=0.05).run() == 0
         store.close()
-        client.put_replica("owner:0", step_dir, manifest, names)  # the replica a replacement node reads
+        service.members[ids["owner"].fingerprint] = "owner:0"  # the owner writes its replica, which a
+        client.put_replica("owner:0", step_dir, manifest, names)  # replacement node reads back below
+        service.members[ids["owner"].fingerprint] = "bench:0"  # then the timed transfers, as node bench:0
         try:
             fresh_replica = lambda: shutil.rmtree(os.path.join(replicas.replicas_root(holder), "bench_0"),  # noqa: E731
                                                   ignore_errors=True)
             rows = common.compare(result, [
                 common.Tool("raw socket copy (floor)", lambda: sink.send(step_dir, names),
                             before=lambda: common.fresh_dir(sink_dir), floor=True),
-                common.Tool("shardckpt replica", lambda: client.put_replica("bench:0", step_dir, manifest, names),
+                common.Tool("raw TLS socket copy", lambda: tls_sink.send(step_dir, names),
+                            before=lambda: common.fresh_dir(sink_dir)),
+                common.Tool("shardckpt replica (TLS)", lambda: client.put_replica("bench:0", step_dir, manifest, names),
                             before=fresh_replica),
-                common.Tool("sha256 of the bytes", lambda: hash_files(step_dir, names, hashlib.sha256)),
                 common.Tool("xxh3 of the bytes", lambda: hash_files(
                     step_dir, names, lambda: layout.Checksum.like(manifest.files[names[0]].checksum))),
             ], args.repeats, group="replica")
@@ -191,6 +207,7 @@ def main() -> None:
                 row["extra"]["s_per_gib"] = common.GIB / nbytes * statistics.median(row["values"])
         finally:
             sink.close()
+            tls_sink.close()
             endpoint.shutdown()
             endpoint.server_close()
             restore_env(previous)

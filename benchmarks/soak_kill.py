@@ -527,7 +527,8 @@ def check_node_lost(holder: Path, steps: list[int], scratch: Path, ref: dict[int
     (its own files and node 1's replica), at world size 1, and compares it with the reference."""
     copy = scratch / "node0-copy"
     shutil.rmtree(copy, ignore_errors=True)
-    shutil.copytree(holder, copy, copy_function=os.link)
+    # a daemon left alive may be deleting a replica meanwhile: its trash and partial folders are not needed
+    shutil.copytree(holder, copy, copy_function=os.link, ignore=shutil.ignore_patterns(".trash-*", ".partial-*"))
     code = f"""
 import sys, json
 sys.path.insert(0, {str(PROGRAM.parent)!r})

@@ -46,6 +46,10 @@ OTHER_VARIABLES: dict[str, str] = {
         "The address this node's peer daemon serves on. Default: the address that reaches `MASTER_ADDR`, "
         "else the host name's address."
     ),
+    "SHARDCKPT_PEER_LINGER_S": (
+        "Seconds a node's peer daemon keeps serving once no trainer of its node is left (other nodes may "
+        "still send their replicas). A launch without the peer tier ends it at once. Default: `60`."
+    ),
     "SHARDCKPT_FAILURE_DOMAIN": (
         "A label of the failure domain of this node (`rack-7`, a zone): the peer tier sends this node's "
         "replicas to nodes of other domains first. Default: none."

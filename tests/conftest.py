@@ -1,5 +1,8 @@
 import os
 import sys
+import time
+
+import pytest
 
 # Test programs and helpers import from here and from src/ without installation.
 sys.path.insert(0, os.path.dirname(__file__))
@@ -18,3 +21,42 @@ def pytest_terminal_summary(terminalreporter):
         for line in UNCHECKED:
             terminalreporter.write_line(line, yellow=True)
         terminalreporter.write_line("run as root (set SHARDCKPT_TEST_REQUIRE_MOUNT=1 to make these fail instead)")
+
+
+def _peer_daemons(base: str) -> list[tuple[int, str]]:
+    """(pid, local_dir) of the peer daemons running on a ``local_dir`` under ``base``."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if any(a.endswith(":peer_main") for a in argv) and "--local" in argv:
+            local = argv[argv.index("--local") + 1] if argv.index("--local") + 1 < len(argv) else ""
+            if os.path.abspath(local).startswith(base + os.sep):
+                found.append((int(pid), local))
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_daemon_left_behind(tmp_path_factory):
+    """The suite leaves no peer daemon running: a daemon learns that its job is over (its trainers gone,
+    nothing to deliver, a relaunch without the tier) and exits after its linger, short under test
+    (SHARDCKPT_PEER_LINGER_S). One still running at the end of the run fails it, and is ended."""
+    os.environ["SHARDCKPT_PEER_LINGER_S"] = "3"
+    base = str(tmp_path_factory.getbasetemp().resolve())
+    yield
+    deadline = time.monotonic() + 30
+    while _peer_daemons(base) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = _peer_daemons(base)
+    for pid, _local in left:
+        try:
+            os.kill(pid, 15)
+        except OSError:
+            pass
+    if left:
+        pytest.fail(f"peer daemon(s) still running after the test run, their job long over: {left}", pytrace=False)

@@ -8,8 +8,9 @@ shards at 8 and 3 ranks) to step 20, saving at step 10. From that step:
 * 3 ranks, scale_lr/sqrt (global batch 16 -> 6);
 * 1 process without a process group, keep-global-batch (accumulation 8),
   then again with scale_lr/linear;
-* 8 ranks from the 4-rank step 20 (4 -> 8), in the same launch as an 8-rank
-  DDP run saving at step 10, restored on 4 ranks.
+* 8 ranks from the 4-rank step 20 (4 -> 8);
+* an 8-rank DDP run (in the 8-rank FSDP2 run's launch) saving at step 10,
+  restored on 4 ranks (in the 4-rank run's launch).
 
 Every module and optimizer tensor after a restore must be bitwise equal to
 the saving run's full state at the saved step.
@@ -58,15 +59,29 @@ def _plain(*args: str) -> str:
     return proc.stdout
 
 
+def _by_job(log: str) -> dict[str, str]:
+    """A launch's output split by job (elastic_train.py prints ``== job TAG`` where each one starts)."""
+    parts = {}
+    for chunk in log.split("== job ")[1:]:
+        tag, _, rest = chunk.partition("\n")
+        parts[tag.strip()] = rest
+    return parts
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    # Five launches: jobs that run at the same world size share one (one process group, one start).
     out = tmp_path_factory.mktemp("elastic")
     fsdp, ddp = out / "ck_fsdp", out / "ck_ddp"
     logs = {}
-    logs["f8"] = run_torchrun(8, PROGRAM, out, fsdp, "--tag", "f8", "--save-at", 10).stdout
-    logs["f4"] = run_torchrun(
-        4, PROGRAM, out, fsdp, "--tag", "f4", "--load-step", 10, "--save-at", 20
-    ).stdout
+    logs.update(_by_job(run_torchrun(
+        8, PROGRAM, out, fsdp, "--tag", "f8", "--save-at", 10,
+        "+", out, ddp, "--kind", "ddp", "--tag", "d8", "--save-at", 10, "--total", 10, "--shape-in-config",
+    ).stdout))
+    logs.update(_by_job(run_torchrun(
+        4, PROGRAM, out, fsdp, "--tag", "f4", "--load-step", 10, "--save-at", 20,
+        "+", out, ddp, "--kind", "ddp", "--tag", "d4", "--load-step", 10, "--total", 10, "--shape-in-config",
+    ).stdout))
     logs["f3"] = run_torchrun(
         3, PROGRAM, out, fsdp, "--tag", "f3", "--load-step", 10, "--policy", "sqrt", "--total", 12
     ).stdout
@@ -75,14 +90,8 @@ def runs(tmp_path_factory):
         "+", out, fsdp, "--kind", "plain", "--tag", "p1lin", "--load-step", 10, "--policy", "linear",
         "--total", 10,
     )
-    logs["f8b+d8"] = run_torchrun(
-        8, PROGRAM, out, fsdp, "--tag", "f8b", "--load-step", 20,
-        "+", out, ddp, "--kind", "ddp", "--tag", "d8", "--save-at", 10, "--total", 10, "--shape-in-config",
-    ).stdout
-    logs["d4"] = run_torchrun(
-        4, PROGRAM, out, ddp, "--kind", "ddp", "--tag", "d4", "--load-step", 10, "--total", 10,
-        "--shape-in-config",
-    ).stdout
+    logs["f8b"] = run_torchrun(8, PROGRAM, out, fsdp, "--tag", "f8b", "--load-step", 20).stdout
+    assert {"f8", "d8", "f4", "d4"} <= logs.keys(), sorted(logs)
     return out, logs
 
 

@@ -7,6 +7,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import signal
 import time
 
@@ -19,9 +20,25 @@ from shardckpt import cli
 from shardckpt.format import layout
 from shardckpt.format import replicas
 from shardckpt.node import peer_daemon, peer_service
-from shardckpt.stores import peer_client
+from shardckpt.stores import peer_client, tls
 
-SECRET = b"job-secret-" + b"x" * 53
+class Job:
+    """The TLS identities of a few simulated nodes (each its own key pair) and what pins them."""
+
+    def __init__(self, base, names=("owner", "holder", "second")):
+        self.ids = {n: tls.node_identity(str(base / "keys" / n), f"{n}:0") for n in names}
+        self.certs = [i.cert_pem for i in self.ids.values()]
+        self.members = {i.fingerprint: f"{n}:0" for n, i in self.ids.items()}
+
+    def client(self, who, addr, expect=None):
+        ctx = tls.client_context(self.ids[who], self.certs)
+        return peer_client.PeerClient(addr, ctx, expect=self.ids[expect].fingerprint if expect else None)
+
+    def serve(self, who, root):
+        service = peer_service.PeerService(str(root), f"{who}:0", tls.server_context(self.ids[who], self.certs),
+                                           self.members)
+        server = peer_service.serve(service, "127.0.0.1")
+        return server, f"127.0.0.1:{server.server_address[1]}"
 
 
 def _tree(root):
@@ -35,9 +52,10 @@ def _tree(root):
     return out
 
 
-def _raw(addr, method, path, body=b"", headers=None):
+def _raw(addr, method, path, body=b"", headers=None, context=None):
+    """One request over TLS with ``context`` (a job member's, unless a test gives a stranger's)."""
     host, port = addr.rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn = http.client.HTTPSConnection(host, int(port), timeout=30, context=context)
     try:
         conn.request(method, path, body=body, headers=headers or {})
         resp = conn.getresponse()
@@ -57,22 +75,20 @@ def endpoint(tmp_path):
         ckpt.save({"model": nn.Linear(16, 8), "extra": {"epoch": 1}}, 1)
     holder = tmp_path / "holder"
     holder.mkdir()
-    secret_file = peer_service.write_secret(str(holder), SECRET.decode())
-    assert os.stat(secret_file).st_mode & 0o777 == 0o600
-    service = peer_service.PeerService(str(holder), "holder:0")
-    server = peer_service.serve(service, "127.0.0.1")
-    addr = f"127.0.0.1:{server.server_address[1]}"
-    yield owner, holder, addr
+    job = Job(tmp_path)
+    server, addr = job.serve("holder", holder)
+    yield owner, holder, addr, job
     server.shutdown()
     server.server_close()
 
 
 def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path):
-    owner, holder, addr = endpoint
+    owner, holder, addr, job = endpoint
     step_dir = owner / layout.step_dirname(1)
     manifest = layout.read_manifest(str(step_dir))
     names = sorted(manifest.files)
-    client = peer_client.PeerClient(addr, SECRET)
+    client = job.client("owner", addr, expect="holder")
+    member = tls.client_context(job.ids["owner"], job.certs)
 
     # The job's own node: a replica is committed (manifest last), listed, read whole and by range.
     assert client.put_replica("owner:0", str(step_dir), manifest, names) == sum(e.size for e in manifest.files.values())
@@ -95,78 +111,171 @@ def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path
     # peer_bandwidth: a replica of N bytes at R bytes/s takes at least N / R seconds to send.
     total, rate = sum(e.size for e in manifest.files.values()), 40_000
     t0 = time.monotonic()
-    assert client.put_replica("capped:0", str(step_dir), manifest, names, bandwidth=rate) == total
+    assert job.client("second", addr).put_replica("second:0", str(step_dir), manifest, names, bandwidth=rate) == total
     assert time.monotonic() - t0 >= 0.9 * total / rate
     before = _tree(holder)
 
-    # Nobody else gets in, and nothing they send changes the holder's disk.
-    wrong = peer_client.PeerClient(addr, b"another-job-secret-" + b"y" * 45)
+    # Nobody else gets in (a key pair the job did not pin, or no TLS at all), and nothing changes on disk.
+    stranger = Job(tmp_path / "stranger", names=("evil",))
+    wrong = peer_client.PeerClient(addr, tls.client_context(stranger.ids["evil"], job.certs))
     for call in (wrong.list_steps, lambda: wrong.get(1, big, owner="owner:0"),
-                 lambda: wrong.put_replica("evil", str(step_dir), manifest, names)):
-        with pytest.raises(peer_client.PeerError, match="401"):
+                 lambda: wrong.put_replica("evil:0", str(step_dir), manifest, names)):
+        with pytest.raises(peer_client.PeerError, match=f"peer {addr}: .*(SSL|TLS|reset|EOF)"):
             call()
-    begin = f"/v1/replica/evil/1/{replicas.version_tag(manifest)}/begin"
-    status, _ = _raw(addr, "POST", begin, manifest.to_json().encode())  # no signature at all
-    assert status == 401
-    status, _ = _raw(addr, "GET", "/v1/steps")
-    assert status == 401
-    now = str(int(time.time()))
-    assert _raw(addr, "GET", "/v1/steps", headers={peer_client.AUTH_HEADER: now + ":\xe9t\xe9", peer_client.BODY_HEADER: "\xff"})[0] == 401
-    # A request signed for one body carrying another (a tampered replica file) is not kept.
-    sig = peer_client.auth_headers(SECRET, "POST", begin, hashlib.sha256(b"{}").hexdigest())
-    assert _raw(addr, "POST", begin, manifest.to_json().encode(), sig)[0] == 401
-    # Paths out of the replica and step directories, signed with the right secret.
-    for path in ("/v1/local/1/..%2F..%2Fholder%2F.shardckpt-remote%2Fpeer.secret",
+    plain = http.client.HTTPConnection("127.0.0.1", int(addr.rsplit(":", 1)[1]), timeout=30)
+    with pytest.raises((OSError, http.client.HTTPException)):
+        plain.request("GET", "/v1/steps")
+        plain.getresponse().read()
+    plain.close()
+    # A job member writes its own replicas only: not another node's, not an owner named "..".
+    begin = f"/v1/replica/second_0/1/{replicas.version_tag(manifest)}/begin"
+    assert _raw(addr, "POST", begin, manifest.to_json().encode(), context=member)[0] == 403
+    for owner_name in ("..", "%2E%2E", ".", "owner_0%2F.."):
+        path = f"/v1/replica/{owner_name}/1/{replicas.version_tag(manifest)}/begin"
+        assert _raw(addr, "POST", path, manifest.to_json().encode(), context=member)[0] in (400, 403, 404)
+    assert not (tmp_path / "1").exists() and not (holder / "1").exists()
+    # Paths out of the replica and step directories, from a job member.
+    for path in ("/v1/local/1/..%2F..%2Fholder%2F.shardckpt-remote%2Fpeer-key.pem",
                  "/v1/replica/../1/" + big, "/v1/replica/owner_0/1/..", "/v1/local/1/%2Fetc%2Fpasswd",
                  f"/v1/replica/owner_0/1/{replicas.version_tag(manifest)}/f/..%2F..%2Fx"):
         for method in ("GET", "PUT"):
-            status, body = _raw(addr, method, path, b"z", peer_client.auth_headers(SECRET, method, path,
-                                                                             hashlib.sha256(b"z").hexdigest()))
+            status, body = _raw(addr, method, path, b"z", context=member)
             assert status in (400, 403, 404), (method, path, status, body)
     assert _tree(holder) == before
     # A file of the step swapped for a symbolic link to a file outside is not followed.
-    os.symlink(os.path.join(holder, ".shardckpt-remote", peer_service.SECRET_NAME), replica / "link")
+    secret_file = tmp_path / "private"
+    secret_file.write_text("x")
+    os.symlink(secret_file, replica / "link")
     os.replace(replica / "link", replica / big)
     before = _tree(holder)
     with pytest.raises(peer_client.PeerError, match="403"):
         client.get(1, big, owner="owner:0")
     # Bodies larger than their bound: a replica file beyond its manifest size, a manifest beyond 16 MiB.
-    client.put_replica("owner:0", str(step_dir), manifest, [])  # begins (and commits nothing new)
     tag = replicas.version_tag(manifest)
-    path = f"/v1/replica/other/1/{tag}/begin"
-    status, _ = _raw(addr, "POST", path, manifest.to_json().encode(), peer_client.auth_headers(
-        SECRET, "POST", path, hashlib.sha256(manifest.to_json().encode()).hexdigest()))
-    assert status == 200
+    path = f"/v1/replica/owner_0/7/{tag}/begin"
+    seven = layout.Manifest.from_json(manifest.to_json().replace('"step": 1', '"step": 7'), "x")
+    assert seven.step == 7
+    tag7 = replicas.version_tag(seven)
+    assert _raw(addr, "POST", f"/v1/replica/owner_0/7/{tag7}/begin", seven.to_json().encode(), context=member)[0] == 200
     before = _tree(holder)
     body = data + b"!"
-    path = f"/v1/replica/other/1/{tag}/f/{big}"
-    assert _raw(addr, "PUT", path, body, peer_client.auth_headers(SECRET, "PUT", path, hashlib.sha256(body).hexdigest()))[0] \
-        in (413, "reset")
-    path = f"/v1/replica/other/1/{tag}/begin"
-    headers = {**peer_client.auth_headers(SECRET, "POST", path), "Content-Length": str(peer_service.MAX_SMALL_BODY + 1)}
+    path = f"/v1/replica/owner_0/7/{tag7}/f/{big}"
+    assert _raw(addr, "PUT", path, body, context=member)[0] in (413, "reset")
+    path = f"/v1/replica/owner_0/7/{tag7}/begin"
     host, port = addr.rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn = http.client.HTTPSConnection(host, int(port), timeout=30, context=member)
     conn.putrequest("POST", path)
-    for k, v in headers.items():
-        conn.putheader(k, v)
+    conn.putheader("Content-Length", str(peer_service.MAX_SMALL_BODY + 1))
     conn.endheaders()
     assert conn.getresponse().status == 413
     conn.close()
-    # A file whose bytes do not match the owner's checksum (signed as it is) is not kept either.
+    # A file whose bytes do not match the owner's checksum is not kept.
     bad = bytes([data[0] ^ 1]) + data[1:]
-    path = f"/v1/replica/other/1/{tag}/f/{big}"
-    assert _raw(addr, "PUT", path, bad, peer_client.auth_headers(SECRET, "PUT", path, hashlib.sha256(bad).hexdigest()))[0] == 422
-    # Bound by the manifest's checksum instead (what replication sends): the same bytes are refused,
-    # and so is a request signed for a checksum other than the manifest's.
-    bound = peer_client.manifest_digest(manifest.files[big])
-    assert _raw(addr, "PUT", path, bad, peer_client.auth_headers(SECRET, "PUT", path, bound))[0] == 422
-    other_sum = peer_client.MANIFEST_DIGEST + layout.checksum_bytes(bad, like=manifest.files[big].checksum)
-    assert _raw(addr, "PUT", path, bad, peer_client.auth_headers(SECRET, "PUT", path, other_sum))[0] in (401, "reset")
+    path = f"/v1/replica/owner_0/7/{tag7}/f/{big}"
+    assert _raw(addr, "PUT", path, bad, context=member)[0] == 422
     assert _tree(holder) == before
-    # Without a job secret (or with one others can read) the endpoint answers nobody.
-    os.chmod(holder / ".shardckpt-remote" / peer_service.SECRET_NAME, 0o644)
-    with pytest.raises(peer_client.PeerError, match="503"):
-        client.list_steps()
+
+
+def test_answers_come_only_from_the_node_pinned_for_the_address(endpoint, tmp_path):
+    """Whatever answers at a holder's address (another job member, a TLS server with its own certificate,
+    a plain HTTP server bound to the port after the holder's daemon went) gives a replacement node
+    nothing: the connection is refused before any byte is read, and the next holder is used."""
+    import http.server
+    import socket
+    import ssl
+    import threading
+
+    owner, holder, addr, job = endpoint
+    step_dir = owner / layout.step_dirname(1)
+    manifest = layout.read_manifest(str(step_dir))
+    names = layout.copy_files(str(step_dir), manifest)[0]
+    job.client("owner", addr, expect="holder").put_replica("owner:0", str(step_dir), manifest, names)
+    # Another job member's endpoint at the address where the holder is expected: refused.
+    with pytest.raises(peer_client.PeerError, match="not the one of the node expected"):
+        job.client("owner", addr, expect="second").list_steps()
+
+    forged_root = tmp_path / "forged"
+    forged = Job(tmp_path / "forger", names=("forger",))
+    served = []
+
+    class Forged(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            served.append(self.path)
+            body = json.dumps({"node": "x", "local": {}, "replicas": {"owner_0": {"9": "id:forged"}}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    for mode in ("tls", "plain"):
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Forged)
+        if mode == "tls":
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(forged.ids["forger"].cert_path, forged.ids["forger"].key_path)
+            server.socket = ctx.wrap_socket(server.socket, server_side=True)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            fake = f"127.0.0.1:{server.server_address[1]}"
+            clients = [("holder:0", job.client("owner", fake, expect="holder")),
+                       ("second:0", job.client("owner", addr, expect="holder"))]
+            fresh = tmp_path / f"replacement-{mode}"
+            fresh.mkdir()
+            # The forged answer is never read; the real holder (second in the list) gives step 1, checked.
+            assert peer_client.fetch_own_replica(str(fresh), "owner:0", clients) == (1, ["second:0"])
+            layout.verify_files(str(fresh / layout.step_dirname(1)),
+                                layout.read_manifest(str(fresh / layout.step_dirname(1))), names)
+            with pytest.raises(peer_client.PeerError):
+                clients[0][1].list_steps()
+        finally:
+            server.shutdown()
+            server.server_close()
+    assert served == [] and not forged_root.exists()
+    del socket
+
+
+def test_a_holder_never_trades_a_newer_save_for_an_older_one_unless_the_owner_rolled_back(endpoint):
+    """Two saves of step 1 (same number, other save ids): the holder keeps the one saved last; a late or
+    replayed transfer of the older save is refused, never answered "committed"; when the owner's live
+    lineage abandons the newer save (a rollback), the older one is taken."""
+    import dataclasses
+
+    from shardckpt.format import lineage
+
+    owner, holder, addr, job = endpoint
+    client = job.client("owner", addr, expect="holder")
+    step_dir = owner / layout.step_dirname(1)
+    base = layout.read_manifest(str(step_dir))
+    names = layout.copy_files(str(step_dir), base)[0]
+    older = dataclasses.replace(base, save_id="aaaa-older", created=base.created, lineage={"branch": "", "forks": []})
+    newer = dataclasses.replace(base, save_id="bbbb-newer", created=base.created + 5,
+                                lineage={"branch": "b1", "forks": [[0, "b1"]]})
+    replica = holder / replicas.REPLICAS_DIR / "owner_0" / layout.step_dirname(1)
+    held = lambda: layout.version_of(layout.read_manifest(str(replica)))  # noqa: E731
+
+    client.put_replica("owner:0", str(step_dir), older, names)
+    assert held() == layout.version_of(older)
+    assert client.put_replica("owner:0", str(step_dir), newer, names) > 0  # another save: sent, not "held"
+    assert held() == layout.version_of(newer)
+    # The older save again (a replay, or a late retry), with or without the newer one's lineage: refused.
+    for live in (None, lineage.Lineage.from_json(newer.lineage).to_json()):
+        with pytest.raises(peer_client.PeerError, match="409"):
+            client.put_replica("owner:0", str(step_dir), older, names, live=live)
+        assert held() == layout.version_of(newer)
+    # The owner's live lineage leaves branch b1 (a rollback past it): the older save is its live one.
+    client.put_replica("owner:0", str(step_dir), older, names, live=lineage.Lineage().to_json())
+    assert held() == layout.version_of(older)
+    assert {p.name for p in replica.iterdir()} == set(names) | {layout.MANIFEST_NAME}
+
+
+def _end_daemon(info):
+    """SIGKILL a node's daemon (a lost node), unless it has already ended by itself (its job over)."""
+    from shardckpt.node.node_registry import pid_alive
+
+    if info.get("state") == "running" and pid_alive(info["pid"], info.get("pid_start")):
+        os.kill(info["pid"], signal.SIGKILL)
 
 
 def _kill_daemons(base, signum=signal.SIGKILL):
@@ -232,7 +341,7 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
         import shutil
 
         info = json.loads((base / "node2" / ".shardckpt-remote" / peer_daemon.STATUS_NAME).read_text())
-        os.kill(info["pid"], signal.SIGKILL)
+        _end_daemon(info)
 
         shutil.rmtree(base / "node2")
         logs = run_nodes(2, 2, prog, "restore", base, out2, "--then-replace", log_dir=tmp_path)
@@ -264,6 +373,52 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
             assert o["restored"] == 5 and o["plan"]["saved_world_size"] == 4, o
         assert_bitwise(out2 / "saved2.pt", out2 / "restored2.pt")
         assert layout.committed_steps(str(base / "node1")) == [5]
+    finally:
+        _kill_daemons(base)
+
+
+def test_after_a_rollback_the_live_branch_is_replicated_and_survives_a_node_loss(tmp_path):
+    """2 nodes x 1 rank save 10, 20, 30, roll back to 10 and save 11, 12 (30 is the highest number, 12 the
+    live head). close() returns once 12 is peer-durable; node 1 is then lost (daemon and disk) and node 0
+    alone resumes step 12 bitwise from its own files and node 1's replica. Node 0's daemon, told by that
+    launch that the tier is off, retries nobody and exits after its linger."""
+    import shutil
+    import socket
+
+    from helpers import PROGRAMS, run_nodes
+    from test_multinode import assert_bitwise
+
+    prog = PROGRAMS / "peer_rollback.py"
+    base, out, out2 = tmp_path / "nvme", tmp_path / "out", tmp_path / "out2"
+    out.mkdir()
+    out2.mkdir()
+    host = socket.gethostname()
+    try:
+        run_nodes(2, 1, prog, "save", base, out, log_dir=tmp_path)
+        held = base / "node0" / replicas.REPLICAS_DIR / replicas.owner_dirname(f"{host}:1")
+        mine = layout.read_manifest(str(base / "node1" / layout.step_dirname(12)))
+        assert layout.read_manifest(str(held / layout.step_dirname(12))) is not None, \
+            f"close() returned before node 1's step 12 was peer-durable: node 0 holds {layout.committed_steps(str(held))}"
+        assert layout.version_of(layout.read_manifest(str(held / layout.step_dirname(12)))) == layout.version_of(mine)
+        assert not (held / layout.step_dirname(30)).exists()  # the abandoned step is not what is kept
+        for r in range(2):
+            status = json.loads((out / f"outcome.{r}.json").read_text())["status"]
+            assert status["latest_peer"] == 12, status  # never the abandoned 30
+        assert peer_daemon.node_status(str(base / "node1"))["latest_peer"] == 12
+
+        info = json.loads((base / "node1" / ".shardckpt-remote" / peer_daemon.STATUS_NAME).read_text())
+        _end_daemon(info)
+        shutil.rmtree(base / "node1")
+        run_nodes(1, 1, prog, "alone", base, out2, log_dir=tmp_path)
+        assert json.loads((out2 / "alone.json").read_text()) == {"restored": 12, "world": 1}
+        assert_bitwise(out / "saved.pt", out2 / "restored.pt")
+        peers = json.loads((base / "node0" / ".shardckpt-remote" / peer_daemon.PEERS_NAME).read_text())
+        assert peers["nodes"] == [] and peers["replicas"] == 0  # node 0's daemon: no node left to send to
+        from helpers import wait_for
+
+        status = base / "node0" / ".shardckpt-remote" / peer_daemon.STATUS_NAME
+        wait_for(lambda: json.loads(status.read_text()).get("state") == "exited", 30,
+                 "node 0's daemon to end by itself, its job over")
     finally:
         _kill_daemons(base)
 
@@ -311,11 +466,10 @@ def test_a_corrupt_replica_file_falls_through_to_the_remote_for_that_file_only(s
     mine.mkdir(parents=True)
     for name in (layout.METADATA_NAME, layout.MANIFEST_NAME):  # the holder's copy: all but the shard file
         shutil.copy2(step_dir / name, mine / name)
-    peer_service.write_secret(str(holder), SECRET.decode())
-    server = peer_service.serve(peer_service.PeerService(str(holder), "holder:0"), "127.0.0.1")
+    job = Job(tmp_path)
+    server, addr = job.serve("holder", holder)
     try:
-        peer_client.PeerClient(f"127.0.0.1:{server.server_address[1]}", SECRET).put_replica(
-            "owner:0", str(step_dir), manifest, ["__0_0.distcp"])
+        job.client("owner", addr, expect="holder").put_replica("owner:0", str(step_dir), manifest, ["__0_0.distcp"])
     finally:
         server.shutdown()
         server.server_close()
@@ -341,17 +495,16 @@ def test_a_corrupt_replica_file_falls_through_to_the_remote_for_that_file_only(s
 def test_a_replacement_node_takes_its_replica_from_a_good_holder_of_the_same_version(endpoint, tmp_path):
     """fetch_own_replica: each file is checked against the manifest (a rotten replica gives way to the
     next holder); a replica is not brought back when a peer's own copy of that step is another save."""
-    owner, holder, addr = endpoint
+    owner, holder, addr, job = endpoint
     step_dir = owner / layout.step_dirname(1)
     manifest = layout.read_manifest(str(step_dir))
     names = layout.copy_files(str(step_dir), manifest)[0]
     second = tmp_path / "second"
     second.mkdir()
-    peer_service.write_secret(str(second), SECRET.decode())
-    server = peer_service.serve(peer_service.PeerService(str(second), "second:0"), "127.0.0.1")
+    server, second_addr = job.serve("second", second)
     try:
-        clients = [("holder:0", peer_client.PeerClient(addr, SECRET)),
-                   ("second:0", peer_client.PeerClient(f"127.0.0.1:{server.server_address[1]}", SECRET))]
+        clients = [("holder:0", job.client("owner", addr, expect="holder")),
+                   ("second:0", job.client("owner", second_addr, expect="second"))]
         for _name, client in clients:
             client.put_replica("owner:0", str(step_dir), manifest, names)
         big = max(names, key=lambda n: manifest.files[n].size)
@@ -385,22 +538,242 @@ def test_a_replacement_node_takes_its_replica_from_a_good_holder_of_the_same_ver
 
 def test_a_daemon_retries_at_once_when_the_job_comes_back_with_new_addresses(endpoint):
     """A holder that died leaves its owner's daemon backing off; the restarted job's peers.json (the
-    holder's new address) ends the backoff: the next look replicates."""
+    holder's new address) ends the backoff: the next look replicates. A key file that is missing or
+    readable by others stops replication with an error naming the file and the remedy; a relaunch
+    without the holder (the job shrank, the tier off) leaves the daemon nothing to retry."""
     from shardckpt.node.node_registry import state_dir
 
-    owner, holder, addr = endpoint
-    peer_service.write_secret(str(owner), SECRET.decode())
+    owner, holder, addr, job = endpoint
     daemon = peer_daemon.PeerDaemon(str(owner), "owner:0", "127.0.0.1")
+    me = job.ids["owner"]
 
-    def peers(holder_addr):
-        nodes = [{"node": "owner:0", "addr": "127.0.0.1:1", "domain": None},
-                 {"node": "holder:0", "addr": holder_addr, "domain": None}]
+    def peers(holder_addr, nodes=("owner", "holder"), replicas_=1):
+        listed = [{"node": f"{n}:0", "addr": holder_addr if n == "holder" else "127.0.0.1:1", "domain": None,
+                   "cert": job.ids[n].cert_pem} for n in nodes]
+        os.makedirs(state_dir(str(owner)), exist_ok=True)
         layout.atomic_write_text(os.path.join(state_dir(str(owner)), peer_daemon.PEERS_NAME),
-                                 json.dumps({"nodes": nodes, "replicas": 1, "keep_last": 2}))
+                                 json.dumps({"nodes": listed, "replicas": replicas_, "keep_last": 2,
+                                             "tls": me.to_json()}))
 
     peers("127.0.0.1:1")  # nobody listens there
     assert daemon.tick() and daemon.tick()  # failed, then waiting out its backoff
     assert daemon._retry_at > time.monotonic() and 1 not in daemon.sent
+    assert "127.0.0.1:1" in daemon.last_error
     peers(addr)
     assert not daemon.tick() and daemon.sent[1].holders == ["holder:0"]
+    assert daemon.last_error is None
     assert layout.committed_steps(str(holder / replicas.REPLICAS_DIR / "owner_0")) == [1]
+
+    # The key readable by others, then missing: no replication, and an error that says what to do.
+    with shardckpt.Checkpointer(local_dir=str(owner), preemption_signals=()) as ckpt:
+        ckpt.save({"model": nn.Linear(16, 8)}, 2)
+    # (that launch, one process without the tier, told the daemon it has no job to replicate to)
+    assert json.loads((owner / ".shardckpt-remote" / peer_daemon.PEERS_NAME).read_text())["nodes"] == []
+    assert not daemon.tick() and 2 not in daemon.sent
+    peers(addr)
+    os.chmod(me.key_path, 0o644)
+    assert not daemon.tick() and 2 not in daemon.sent
+    assert me.key_path in daemon.last_error and "chmod 600" in daemon.last_error, daemon.last_error
+    daemon._write_status("running")
+    assert me.key_path in peer_daemon.node_status(str(owner))["last_error"]
+    moved = me.key_path + ".away"
+    os.chmod(me.key_path, 0o600)
+    os.rename(me.key_path, moved)
+    assert not daemon.tick() and 2 not in daemon.sent
+    assert me.key_path in daemon.last_error and "missing" in daemon.last_error, daemon.last_error
+    os.rename(moved, me.key_path)
+    assert not daemon.tick() and daemon.sent[2].holders == ["holder:0"] and daemon.last_error is None
+
+    # The job shrank to this node alone (the tier off): nothing to send, nobody retried, the daemon may go.
+    with shardckpt.Checkpointer(local_dir=str(owner), preemption_signals=()) as ckpt:
+        ckpt.save({"model": nn.Linear(16, 8)}, 3)
+    for nodes, count in ((("owner",), 1), ((), 0)):
+        peers("127.0.0.1:1", nodes, count)
+        assert not daemon.tick() and 3 not in daemon.sent
+    daemon.linger_s = 0.0
+    assert daemon._idle(False)
+
+
+def _start_daemon(root, node, fd_limit):
+    """A node's peer daemon in its own process (as a trainer starts it), at an open-file limit of ``fd_limit``."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
+
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    log_file = open(root / ".shardckpt-remote" / "peer.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from shardckpt.node.peer_daemon import peer_main; "
+                             "sys.exit(peer_main(sys.argv[1:]))", "--local", str(root), "--node", node,
+                             "--host", "127.0.0.1", "--poll", "0.2", "--linger", "2"],
+                            env={**os.environ, "PYTHONPATH": src}, stdout=log_file, stderr=subprocess.STDOUT,
+                            preexec_fn=limit)
+    log_file.close()
+    return proc
+
+
+def test_a_strangers_idle_connections_do_not_stop_replication_and_replicas_stay_private(tmp_path):
+    """Two daemons at a 256 open-file limit; a stranger opens 600 idle connections to each (a bounded
+    loop, 127.0.0.1 only) and keeps them open. The owner's next step still becomes peer-durable (the
+    endpoint caps connections and closes those that do not finish a handshake); the refusals are logged
+    at a bounded rate. Under umask 022 every replica file and folder and every key file is private."""
+    import socket
+    import threading
+
+    from helpers import wait_for
+    from shardckpt.node.node_registry import register_trainer, state_dir
+
+    scratch, owner, holder = tmp_path / "scratch", tmp_path / "owner", tmp_path / "holder"
+    with shardckpt.Checkpointer(local_dir=str(scratch), preemption_signals=()) as ckpt:
+        for step in (1, 2):
+            ckpt.save({"model": nn.Linear(64, 64)}, step)
+    old_umask = os.umask(0o022)
+    procs, flood = [], []
+    try:
+        ids = {}
+        for root, name in ((owner, "owner"), (holder, "holder")):
+            os.makedirs(state_dir(str(root)))
+            ids[name] = tls.node_identity(state_dir(str(root)), f"{name}:0")
+            register_trainer(str(root))  # this process stands for the node's trainer
+            procs.append(_start_daemon(root, f"{name}:0", 256))
+        os.rename(scratch / layout.step_dirname(1), owner / layout.step_dirname(1))
+        addrs = {}
+        for root, name in ((owner, "owner"), (holder, "holder")):
+            status = root / ".shardckpt-remote" / peer_daemon.STATUS_NAME
+            wait_for(lambda: status.exists() and json.loads(status.read_text()).get("addr"), 30, f"{name}'s daemon")
+            addrs[name] = json.loads(status.read_text())["addr"]
+        nodes = [{"node": f"{n}:0", "addr": addrs[n], "domain": None, "cert": ids[n].cert_pem} for n in addrs]
+        for root, name in ((owner, "owner"), (holder, "holder")):
+            layout.atomic_write_text(os.path.join(state_dir(str(root)), peer_daemon.PEERS_NAME), json.dumps(
+                {"nodes": nodes, "replicas": 1, "keep_last": 2, "tls": ids[name].to_json(), "written": "w1"}))
+        wait_for(lambda: peer_daemon.replicated(str(owner), 1), 60, "step 1 replicated")
+
+        # The stranger: 600 idle connections to each daemon, held open.
+        def connect(addr):
+            host, port = addr.rsplit(":", 1)
+            for _ in range(600):
+                try:
+                    flood.append(socket.create_connection((host, int(port)), timeout=5))
+                except OSError:
+                    pass
+
+        threads = [threading.Thread(target=connect, args=(a,)) for a in addrs.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(flood) >= 600, len(flood)
+        os.rename(scratch / layout.step_dirname(2), owner / layout.step_dirname(2))
+        wait_for(lambda: peer_daemon.replicated(str(owner), 2), 60, "step 2 peer-durable through the flood")
+        assert all(p.poll() is None for p in procs)  # neither daemon fell over
+        log_text = (holder / ".shardckpt-remote" / "peer.log").read_text()
+        assert "refused" in log_text and log_text.count("refused") <= 30, log_text[-3000:]
+
+        # Private on disk, whatever the umask: replicas (folders 0700, files 0600) and keys.
+        base = holder / replicas.REPLICAS_DIR
+        for here, dirs, files in os.walk(base):
+            assert os.stat(here).st_mode & 0o077 == 0, here
+            for name in files:
+                assert os.stat(os.path.join(here, name)).st_mode & 0o077 == 0, os.path.join(here, name)
+        assert layout.committed_steps(str(base / "owner_0")) == [1, 2]
+        for identity in ids.values():
+            assert os.stat(identity.key_path).st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old_umask)
+        for s in flood:
+            s.close()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+
+
+def test_an_operators_ca_replaces_the_nodes_own_keys(endpoint, tmp_path, monkeypatch):
+    """peer_tls_ca/_cert/_key (SHARDCKPT_PEER_TLS_*): a peer is trusted when its certificate chains to the
+    operator's CA (no pinning through the rendezvous), a self-made key pair is not, and the three go
+    together (a clear error naming them otherwise)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    from shardckpt.node.peer_tier import PeerTier
+
+    owner, _holder, _addr, job = endpoint
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fleet CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(ca_key, hashes.SHA256()))
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    (pki / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+
+    def issue(name):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+                .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1)).sign(ca_key, hashes.SHA256()))
+        (pki / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        key_path = pki / f"{name}.key"
+        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+        key_path.chmod(0o600)
+        return tls.load_identity(str(pki / f"{name}.pem"), str(key_path), str(pki / "ca.pem"))
+
+    holder_id, owner_id = issue("holder"), issue("owner")
+    (tmp_path / "ca-holder").mkdir()
+    service = peer_service.PeerService(str(tmp_path / "ca-holder"), "holder:0", tls.server_context(holder_id, []),
+                                       {owner_id.fingerprint: "owner:0"})
+    server = peer_service.serve(service, "127.0.0.1")
+    addr = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        step_dir = owner / layout.step_dirname(1)
+        manifest = layout.read_manifest(str(step_dir))
+        names = layout.copy_files(str(step_dir), manifest)[0]
+        client = peer_client.PeerClient(addr, tls.client_context(owner_id, []))
+        assert client.put_replica("owner:0", str(step_dir), manifest, names) > 0
+        assert client.list_steps()["replicas"] == {"owner_0": {"1": layout.version_of(manifest)}}
+        # A node's own self-signed pair (what the job pins without a CA) is not the CA's: refused both ways.
+        mine = tls.client_context(job.ids["owner"], [holder_id.cert_pem])
+        with pytest.raises(peer_client.PeerError):
+            peer_client.PeerClient(addr, mine).list_steps()
+    finally:
+        server.shutdown()
+        server.server_close()
+    config = shardckpt.CheckpointConfig.from_env({"SHARDCKPT_PEER_TLS_CA": str(pki / "ca.pem"),
+                                                  "SHARDCKPT_PEER_TLS_CERT": owner_id.cert_path,
+                                                  "SHARDCKPT_PEER_TLS_KEY": owner_id.key_path}, local_dir=str(owner))
+    tier = PeerTier(config, str(owner), registered=True)
+    assert tier._identity("owner:0").ca_path == str(pki / "ca.pem")
+    half = shardckpt.CheckpointConfig(local_dir=str(owner), peer_tls_ca=str(pki / "ca.pem"))
+    with pytest.raises(tls.PeerTLSError, match="peer_tls_cert, peer_tls_key and peer_tls_ca"):
+        PeerTier(half, str(owner), registered=True)._identity("owner:0")
+    (pki / "owner.key").chmod(0o640)
+    with pytest.raises(tls.PeerTLSError, match="chmod 600"):
+        tier._identity("owner:0")
+
+
+def test_a_node_keeps_its_copies_from_the_newest_step_complete_across_a_peers_loss(tmp_path):
+    """Retention on a holder: its own copy of every step from the newest one it holds both its own files
+    and the owner's replica of (of the same save) stays, so that a replica still on its way finds its
+    step here; older ones may go. Steps older than that complete one are not protected."""
+    from shardckpt.node.peer_tier import PeerTier
+
+    holder = tmp_path / "holder"
+    with shardckpt.Checkpointer(local_dir=str(holder), keep_last=10, preemption_signals=()) as ckpt:
+        for step in (1, 2, 3, 4):
+            ckpt.save({"model": nn.Linear(16, 8)}, step)
+    owner_dir = holder / replicas.REPLICAS_DIR / "owner_0"
+    owner_dir.mkdir(parents=True)
+    for step in (1, 2):  # the owner's replicas of steps 1 and 2 arrived; 3 and 4 are on their way
+        shutil.copytree(holder / layout.step_dirname(step), owner_dir / layout.step_dirname(step))
+    assert replicas.anchors(str(holder)) == {"owner_0": 2}
+    tier = PeerTier(shardckpt.CheckpointConfig(local_dir=str(holder)), str(holder), registered=True)
+    tier.replicas = 1
+    assert [s for s in (1, 2, 3, 4) if tier.protects(s)] == [2, 3, 4]

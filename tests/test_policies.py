@@ -1,5 +1,7 @@
 """Checkpoint policies at 2 ranks (gloo under torchrun), on the local tier and the test S3 server.
 
+Two launches in all: the local-tier jobs share one, the S3 jobs another.
+
 Best-by-metric retention and load(step="best"); light and full steps, and a
 preemption save full where the schedule says light; the run config recorded
 and a changed one warned about; every_seconds, fixed and "auto", agreed
@@ -30,11 +32,19 @@ from shardckpt.options import CheckpointConfig  # noqa: E402
 PROG = PROGRAMS / "policies.py"
 
 
-@pytest.fixture
-def bucket(s3, tmp_path):
-    s3.reset()
-    yield s3
-    stop_uploaders(tmp_path, grace_s=30.0)
+@pytest.fixture(scope="module")
+def local_runs(tmp_path_factory):
+    """One 2-rank launch for the local-tier jobs: best-light-config, then trainable.
+
+    name -> (its checkpoint root, its OUT directory)."""
+    base = tmp_path_factory.mktemp("policies")
+    dirs = {name: (base / name / "ckpt", base / name / "out") for name in ("best-light-config", "trainable")}
+    args = []
+    for name, (root, out) in dirs.items():
+        out.mkdir(parents=True)
+        args += (["+"] if args else []) + [name, root, out]
+    run_torchrun(2, PROG, *args, timeout=300)
+    return dirs
 
 
 def results(out, world=2):
@@ -51,10 +61,8 @@ def remote_steps(url: str) -> list[int]:
         store.close()
 
 
-def test_best_light_full_and_run_config(tmp_path, capsys):
-    out = tmp_path / "out"
-    out.mkdir()
-    run_torchrun(2, PROG, "best-light-config", tmp_path / "ckpt", out, timeout=300)
+def test_best_light_full_and_run_config(local_runs, capsys):
+    root, out = local_runs["best-light-config"]
     got = results(out)
     # val_loss 5, 3, 4, 1, 6, 7 with keep_last=2, keep_best=1: steps 4, 5, 6 remain; the best is 4
     assert got["best_steps"] == [4, 5, 6]
@@ -67,13 +75,13 @@ def test_best_light_full_and_run_config(tmp_path, capsys):
     assert "run_config differs from the one step 4 was saved with (2 key(s)): extra: '(absent)' -> 1; lr: 0.1 -> 0.2" in warnings, warnings
     assert "step 8 is a light step (no optimizer state): optimizer keep(s) the state they have" in warnings
     # ls marks the best step and the kinds; inspect shows the run
-    assert cli.main(["ls", str(tmp_path / "ckpt" / "best"), "--json"]) == 0
+    assert cli.main(["ls", str(root / "best"), "--json"]) == 0
     rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)["steps"]}
     assert [s for s, r in rows.items() if r["best"]] == [4] and rows[4]["metrics"] == {"val_loss": 1.0}
-    assert cli.main(["ls", str(tmp_path / "ckpt" / "light")]) == 0
+    assert cli.main(["ls", str(root / "light")]) == 0
     listing = capsys.readouterr().out
     assert [line.split()[5] for line in listing.splitlines()[2:]] == ["full", "light", "full", "light"]
-    assert cli.main(["inspect", str(tmp_path / "ckpt" / "best"), "--step", "4"]) == 0
+    assert cli.main(["inspect", str(root / "best"), "--step", "4"]) == 0
     shown = capsys.readouterr().out
     assert 'run config: {"lr": 0.1, "model": {"width": 8}}' in shown and "on 2 x cpu" in shown
     assert "policies.py best-light-config" in shown
@@ -99,12 +107,29 @@ def test_best_light_full_and_run_config(tmp_path, capsys):
 ONE_SERVER = pytest.mark.parametrize("s3", ["moto"], indirect=True)
 
 
+@pytest.fixture(scope="module")
+def remote_runs(s3, tmp_path_factory):
+    """One 2-rank launch for the S3 jobs, each under its own prefix: best-remote, then remote-every.
+
+    name -> (its checkpoint root, its OUT directory, its remote URL)."""
+    s3.reset()
+    base = tmp_path_factory.mktemp("policies-s3")
+    runs = {name: (base / name / "ckpt", base / name / "out", f"s3://{BUCKET}/{prefix}")
+            for name, prefix in (("best-remote", "best"), ("remote-every", "every"))}
+    args = []
+    for name, (root, out, url) in runs.items():
+        out.mkdir(parents=True)
+        args += (["+"] if args else []) + [name, root, url, out]
+    try:
+        run_torchrun(2, PROG, *args, env=child_env(**s3.env()), timeout=300)
+    finally:
+        stop_uploaders(base, grace_s=30.0)
+    return runs
+
+
 @ONE_SERVER
-def test_best_by_metric_on_the_s3_server(bucket, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    url = f"s3://{BUCKET}/best"
-    run_torchrun(2, PROG, "best-remote", tmp_path / "ckpt", url, out, env=child_env(**bucket.env()), timeout=300)
+def test_best_by_metric_on_the_s3_server(remote_runs):
+    _, out, url = remote_runs["best-remote"]
     got = results(out)
     assert got["local_steps"] == [4, 5, 6]
     assert remote_steps(url) == [4, 5, 6]  # remote_keep_last=2 and keep_best=1 there too
@@ -112,27 +137,22 @@ def test_best_by_metric_on_the_s3_server(bucket, tmp_path):
 
 
 @ONE_SERVER
-def test_remote_every_uploads_every_third_step_and_the_preemption_save(bucket, tmp_path, capsys):
-    out = tmp_path / "out"
-    out.mkdir()
-    url = f"s3://{BUCKET}/every"
-    run_torchrun(2, PROG, "remote-every", tmp_path / "ckpt", url, out, env=child_env(**bucket.env()), timeout=300)
+def test_remote_every_uploads_every_third_step_and_the_preemption_save(remote_runs, capsys):
+    root, out, url = remote_runs["remote-every"]
     got = results(out)
     # rank 1's signal after save 4 is agreed by the vote started at save 5: save 6 is the preemption save
     assert got["saved"] == [1, 2, 3, 4, 5, 6] and got["preempted_at"] == 6
     # the first save, then every third (1, 4, 7, ...), and the preemption save 6 out of turn
     assert remote_steps(url) == [1, 4, 6]
     assert got["local_steps"] == [5, 6]  # keep_last=2: a step kept local only rotates out freely
-    assert cli.main(["ls", str(tmp_path / "ckpt" / "node")]) == 0
+    assert cli.main(["ls", str(root / "node")]) == 0
     listing = capsys.readouterr().out
     assert "not for upload (remote_every)" in next(line for line in listing.splitlines() if line.split()[0] == "5")
     assert "local+remote" in next(line for line in listing.splitlines() if line.split()[0] == "6")
 
 
-def test_trainable_only_saves_the_adapters_and_checks_the_base(tmp_path, caplog):
-    out = tmp_path / "out"
-    out.mkdir()
-    run_torchrun(2, PROG, "trainable", tmp_path / "ckpt", out, timeout=300)
+def test_trainable_only_saves_the_adapters_and_checks_the_base(local_runs, caplog):
+    root, out = local_runs["trainable"]
     got = results(out)
     assert got["sizes"]["adapters"] <= 0.05 * got["sizes"]["full"], got["sizes"]
     assert got["frozen_keys"] == sorted([f"base.{i}.{w}" for i in range(4) for w in ("weight", "bias")]
@@ -154,7 +174,7 @@ def test_trainable_only_saves_the_adapters_and_checks_the_base(tmp_path, caplog)
         optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         caplog.clear()
         with caplog.at_level("WARNING", logger="shardckpt"):
-            with Checkpointer(local_dir=str(tmp_path / "ckpt" / "adapters"), preemption_signals=()) as ckpt:
+            with Checkpointer(local_dir=str(root / "adapters"), preemption_signals=()) as ckpt:
                 assert ckpt.load({"model": model, "optimizer": optim}) == 2
         assert ("frozen base was left out" in caplog.text) == warned, caplog.text
         params = dict(model.named_parameters())

@@ -1,6 +1,12 @@
-"""DDP and FSDP2 at 2 ranks under torchrun: every tensor bitwise equal after restore."""
+"""DDP and FSDP2 at 2 ranks under torchrun: every tensor bitwise equal after restore.
+
+One launch runs both round trips (DDP, then FSDP2, each in its own directory);
+the corruption test damages a copy of the DDP checkpoint and loads it twice in
+one more launch (``on_corrupt="error"``, then ``"fallback"``).
+"""
 
 import json
+import shutil
 
 import pytest
 
@@ -8,12 +14,24 @@ from helpers import PROGRAMS, run_torchrun
 from shardckpt.dcp import planner as local
 from shardckpt.dcp.reader import stored_tensor
 
+MODES = ("ddp", "fsdp2")
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_roundtrip_bitwise(tmp_path, mode):
-    out = tmp_path / "result.json"
-    run_torchrun(2, PROGRAMS / "roundtrip.py", mode, tmp_path / "ckpt", out)
-    result = json.loads(out.read_text())
+
+@pytest.fixture(scope="module")
+def roundtrips(tmp_path_factory):
+    """mode -> (its checkpoint directory, its result), from one 2-rank launch."""
+    base = tmp_path_factory.mktemp("roundtrip")
+    args = []
+    for mode in MODES:
+        args += ["+"] if args else []
+        args += [mode, base / f"ckpt-{mode}", base / f"result-{mode}.json"]
+    run_torchrun(2, PROGRAMS / "roundtrip.py", *args)
+    return {mode: (base / f"ckpt-{mode}", json.loads((base / f"result-{mode}.json").read_text())) for mode in MODES}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_roundtrip_bitwise(roundtrips, mode):
+    ckpt_dir, result = roundtrips[mode]
     assert result["restored_step"] == 3
     # Three linear layers: weights and biases; AdamW keeps step, exp_avg, exp_avg_sq for each.
     assert result["model_tensors"] == 6
@@ -28,11 +46,11 @@ def test_roundtrip_bitwise(tmp_path, mode):
     for name in meta["params"]:
         assert f"model.{name}" in meta["message"] and f"optimizer.state.{name}.exp_avg" in meta["message"], name
     # keep_last=2: only the two newest steps remain, and no leftovers.
-    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    names = sorted(p.name for p in ckpt_dir.iterdir())
     assert names == ["step_0000000002", "step_0000000003"]
 
 
-def test_corruption_seen_by_one_rank_stops_or_falls_back_on_all(tmp_path):
+def test_corruption_seen_by_one_rank_stops_or_falls_back_on_all(roundtrips, tmp_path):
     # Ranks split the checksum work: each file is checked by one rank of the
     # copy (DDP: both ranks read every file; the coordinator gives each file
     # to one of them). A flipped bit inside a tensor's raw bytes in
@@ -42,7 +60,7 @@ def test_corruption_seen_by_one_rank_stops_or_falls_back_on_all(tmp_path):
     # the file once (two ranks checking it would report it twice: "(1
     # more)"), or both fall back; never load apart or wait on each other.
     ckpt_dir = tmp_path / "ckpt"
-    run_torchrun(2, PROGRAMS / "roundtrip.py", "ddp", ckpt_dir, tmp_path / "saved.json")
+    shutil.copytree(roundtrips["ddp"][0], ckpt_dir)  # the round trip's own directory stays intact
     step_dir = ckpt_dir / "step_0000000003"
     shard = step_dir / "__1_0.distcp"
     records = [i for i in local.read_metadata(str(step_dir), 3).storage_data.values() if i.relative_path == shard.name]
@@ -53,13 +71,14 @@ def test_corruption_seen_by_one_rank_stops_or_falls_back_on_all(tmp_path):
         f.seek(-1, 1)
         f.write(bytes([byte ^ 0x10]))
 
-    run_torchrun(2, PROGRAMS / "corrupt_load.py", "ddp", ckpt_dir, tmp_path / "raise", "error")
+    # One launch, two loads in turn: on_corrupt="error", then "fallback" (fresh objects each time).
+    run_torchrun(2, PROGRAMS / "corrupt_load.py", "ddp", ckpt_dir, tmp_path / "raise", "error",
+                 tmp_path / "fallback", "fallback")
     got = [json.loads((tmp_path / f"raise.{rank}.json").read_text()) for rank in (0, 1)]
     assert got[0] == got[1], got  # the same error on both ranks
     assert got[0].get("error") == "CorruptCheckpointError", got
     assert str(shard) in got[0]["message"] and "step 3" in got[0]["message"], got
     assert "more)" not in got[0]["message"], got  # one failure: one rank checked the file
 
-    run_torchrun(2, PROGRAMS / "corrupt_load.py", "ddp", ckpt_dir, tmp_path / "fallback", "fallback")
     for rank in (0, 1):
         assert json.loads((tmp_path / f"fallback.{rank}.json").read_text()) == {"restored": 2}

@@ -31,13 +31,13 @@ from s3server import BUCKET, apply_env, restore_env, start_server
 from shardckpt import stores
 from shardckpt.errors import CorruptCheckpointError, ObjectNotFoundError, ObjectRangeError
 from shardckpt.format import layout
-from shardckpt.node import node_registry, peer_daemon, peer_service
+from shardckpt.node import node_registry, peer_daemon
 from shardckpt.stores.peer import PeerStore, PeerStoreReadOnly
+from shardckpt.stores import tls
 from shardckpt.stores.peer_client import PeerClient
 
 WRITABLE = ("moto", "rclone", "fsspec", "local", "replica")
 KINDS = WRITABLE + ("peer",)
-SECRET = "contract-secret-" + "z" * 48
 DEADLINE = stores.Deadline(120)
 S = {n: layout.step_dirname(n) for n in range(10)}
 """Step directory names, as every tier spells them."""
@@ -97,7 +97,12 @@ class _PeerSeed:
 def peer_daemon_addr(tmp_path_factory):
     """One peer daemon process for the module (the node daemon trainers start), serving a directory."""
     root = tmp_path_factory.mktemp("peer-node")
-    peer_service.write_secret(str(root), SECRET)
+    # The daemon's own key pair (made in its state directory, as a trainer's first launch makes it) and one
+    # for this process, a member of the same job: both certificates are pinned through peers.json.
+    os.makedirs(node_registry.state_dir(str(root)), exist_ok=True)
+    served = tls.node_identity(node_registry.state_dir(str(root)), "contract:0")
+    member = tls.node_identity(str(tmp_path_factory.mktemp("peer-member-keys")), "member:0")
+    trainer = node_registry.register_trainer(str(root))  # this process stands for the node's trainer
     src = str(Path(__file__).resolve().parent.parent / "src")
     env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
@@ -118,8 +123,18 @@ def peer_daemon_addr(tmp_path_factory):
             body = json.loads(status.read_text()) if status.exists() else {}
             addr = body.get("addr") if body.get("pid") == proc.pid else None
             time.sleep(0.05)
-        yield addr, _PeerSeed(root)
+        nodes = [{"node": "contract:0", "addr": addr, "domain": None, "cert": served.cert_pem},
+                 {"node": "member:0", "addr": "127.0.0.1:9", "domain": None, "cert": member.cert_pem}]
+        layout.atomic_write_text(os.path.join(node_registry.state_dir(str(root)), peer_daemon.PEERS_NAME), json.dumps(
+            {"nodes": nodes, "replicas": 0, "keep_last": 2, "tls": served.to_json(), "written": "contract"}))
+        while (json.loads(status.read_text()) if status.exists() else {}).get("peers_loaded") != "contract":
+            if time.monotonic() > deadline:
+                raise RuntimeError("the peer daemon did not load peers.json within 60 s")
+            time.sleep(0.05)
+        context = tls.client_context(member, [served.cert_pem])
+        yield addr, _PeerSeed(root), context, served.fingerprint
     finally:
+        node_registry.unregister_trainer(trainer)
         proc.terminate()
         try:
             proc.wait(timeout=30)
@@ -130,9 +145,9 @@ def peer_daemon_addr(tmp_path_factory):
 
 @pytest.fixture
 def peer_store(peer_daemon_addr):
-    addr, seed = peer_daemon_addr
+    addr, seed, context, served = peer_daemon_addr
     seed.reset()
-    store = PeerStore(PeerClient(addr, SECRET.encode()))
+    store = PeerStore(PeerClient(addr, context, expect=served))
     store.seed = seed
     return store
 

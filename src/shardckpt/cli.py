@@ -358,8 +358,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _latest_peer(root: str, steps: list[int]) -> int | None:
-    """The newest local step whose files this node's peer daemon replicated (the same save)."""
-    return next((s for s in reversed(steps) if peer_daemon.replicated(root, s)), None)
+    """The newest step of the live branch whose files this node's peer daemon replicated (the same save)."""
+    return peer_daemon.latest_replicated(root)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -298,6 +298,18 @@ class CheckpointConfig:
     peer_bandwidth: int | None = None
     """Cap of the replication traffic each node sends, in bytes per second (``None``: unlimited)."""
 
+    peer_tls_ca: str | None = None
+    """Path of an operator's CA certificate (PEM) for the peer tier's mutual TLS
+    (``SHARDCKPT_PEER_TLS_CA``). With ``peer_tls_cert`` and ``peer_tls_key``, a peer is trusted
+    when its certificate chains to this CA, and no node makes its own key. ``None`` (default):
+    each node makes its own key pair on its first launch and the job pins the nodes' certificates."""
+
+    peer_tls_cert: str | None = None
+    """Path of this node's certificate (PEM) issued by ``peer_tls_ca`` (``SHARDCKPT_PEER_TLS_CERT``)."""
+
+    peer_tls_key: str | None = None
+    """Path of this node's private key (PEM, unencrypted, mode 0600) (``SHARDCKPT_PEER_TLS_KEY``)."""
+
     micro_batch_size: int | None = None
     """Per-rank micro-batch of this run. When set, every manifest records it (and
     ``grad_accum_steps``) so that an elastic restore at another world size can

@@ -14,6 +14,20 @@ import torch.nn as nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
 
 
+def jobs(argv: list[str]) -> list[list[str]]:
+    """The argument lists of the jobs in ``argv``, separated by "+": a program runs them one after the
+    other in one launch (one process group, one torchrun start instead of several)."""
+    out, current = [], []
+    for token in argv:
+        if token == "+":
+            out.append(current)
+            current = []
+        else:
+            current.append(token)
+    out.append(current)
+    return out
+
+
 def init() -> tuple[int, int]:
     dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size()

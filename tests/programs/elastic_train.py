@@ -108,19 +108,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main() -> None:
     # Several jobs can run one after the other in the same launch, separated
     # by "+" (one process group: fewer 8-rank launches on a small machine).
-    jobs, current = [], []
-    for token in sys.argv[1:]:
-        if token == "+":
-            jobs.append(current)
-            current = []
-        else:
-            current.append(token)
-    jobs.append(current)
-    parsed = [parse(job) for job in jobs]
+    parsed = [parse(job) for job in common.jobs(sys.argv[1:])]
     distributed = parsed[0].kind != "plain"
     if distributed:
         common.init()
     for args in parsed:
+        if not distributed or dist.get_rank() == 0:
+            print(f"== job {args.tag}", flush=True)  # where this job's lines start in the launch's log
         run(args, distributed)
     if distributed:
         common.finish()

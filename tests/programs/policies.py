@@ -5,6 +5,7 @@ usage: policies.py best-light-config DIR OUT
        policies.py best-remote DIR REMOTE OUT
        policies.py remote-every DIR REMOTE OUT
        policies.py trainable DIR OUT
+       policies.py MODE ARGS... + MODE ARGS...   (several jobs in turn in one launch)
 
 Every rank writes OUT/result.<rank>.json; rank 0's shardckpt warnings also go
 to OUT/warnings.log, its info lines to OUT/info.log. ``trainable`` also has
@@ -288,28 +289,37 @@ def trainable(root, out, rank):
 
 
 def main() -> None:
-    mode = sys.argv[1]
-    rank, world = common.init()
-    out = sys.argv[-1]
+    rank, _world = common.init()
+    for job in common.jobs(sys.argv[1:]):
+        run(job, rank)
+    common.finish()
+
+
+def run(argv: list[str], rank: int) -> None:
+    mode, out = argv[0], argv[-1]
+    handlers = []
     if rank == 0:
         handler = logging.FileHandler(os.path.join(out, "warnings.log"))
         handler.setLevel(logging.WARNING)
-        logging.getLogger("shardckpt").addHandler(handler)
         info = logging.FileHandler(os.path.join(out, "info.log"))
         info.setLevel(logging.INFO)
-        logging.getLogger("shardckpt").addHandler(info)
+        handlers = [handler, info]
+        for h in handlers:
+            logging.getLogger("shardckpt").addHandler(h)
         logging.getLogger("shardckpt").setLevel(logging.INFO)
     if mode == "best-light-config":
-        result = best_light_config(sys.argv[2], out, rank)
+        result = best_light_config(argv[1], out, rank)
     elif mode == "best-remote":
-        result = best_remote(sys.argv[2], sys.argv[3], out, rank)
+        result = best_remote(argv[1], argv[2], out, rank)
     elif mode == "remote-every":
-        result = remote_every(sys.argv[2], sys.argv[3], out, rank)
+        result = remote_every(argv[1], argv[2], out, rank)
     else:
-        result = trainable(sys.argv[2], out, rank)
+        result = trainable(argv[1], out, rank)
+    for h in handlers:  # the next job's lines go to its own OUT
+        logging.getLogger("shardckpt").removeHandler(h)
+        h.close()
     with open(os.path.join(out, f"result.{rank}.json"), "w") as f:
         json.dump(result, f)
-    common.finish()
 
 
 if __name__ == "__main__":

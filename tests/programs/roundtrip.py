@@ -2,7 +2,10 @@
 
 Before that restore, a load into the model built on the meta device must be refused.
 
-usage: roundtrip.py MODE CKPT_DIR OUT_JSON     (MODE: ddp | fsdp2)
+usage: roundtrip.py MODE CKPT_DIR OUT_JSON [+ MODE CKPT_DIR OUT_JSON ...]     (MODE: ddp | fsdp2)
+
+Several round trips separated by "+" run one after the other in the same
+launch (one process group: one torchrun start instead of several).
 """
 
 import sys
@@ -60,8 +63,13 @@ def meta_attempt(mode: str, ckpt_dir: str) -> dict:
 
 
 def main() -> None:
-    mode, ckpt_dir, out = sys.argv[1:4]
-    rank, world = common.init()
+    rank, _world = common.init()
+    for job in common.jobs(sys.argv[1:]):
+        roundtrip(rank, *job)
+    common.finish()
+
+
+def roundtrip(rank: int, mode: str, ckpt_dir: str, out: str) -> None:
     model, optim = build(mode, seed=0)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
     ckpt = shardckpt.Checkpointer(local_dir=ckpt_dir, keep_last=2)
@@ -104,7 +112,6 @@ def main() -> None:
     }
     if rank == 0:
         common.write_json(out, result)
-    common.finish()
 
 
 if __name__ == "__main__":

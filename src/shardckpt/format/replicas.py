@@ -22,7 +22,7 @@ import uuid
 from typing import Any
 
 from shardckpt.errors import CorruptCheckpointError
-from shardckpt.format import layout
+from shardckpt.format import layout, lineage
 
 log = logging.getLogger("shardckpt")
 
@@ -144,3 +144,20 @@ def remove_step(step_dir: str, parent: str) -> None:
     trash = os.path.join(parent, f"{layout.TRASH_PREFIX}{os.path.basename(step_dir)}-{uuid.uuid4().hex[:8]}")
     os.rename(step_dir, trash)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def anchors(root: str) -> dict[str, int]:
+    """Per owner held here: the newest live step complete on this node across that owner's loss, i.e. the
+    newest step of its live branch of which this node holds both its own committed copy and the owner's replica, of the
+    same save. Local retention keeps this node's copies of that step and of every newer one, and the
+    holder keeps that replica, until a newer step is complete in the same way: a node loss then costs
+    at most the steps not yet peer-durable."""
+    infos = lineage.local_infos(root)
+    live, _abandoned = lineage.classify(infos)  # the live branch only: never an abandoned step's number
+    mine = {s: infos[s].version for s in live}
+    out: dict[str, int] = {}
+    for owner, held in committed_replicas(root).items():
+        both = [s for s, m in held.items() if mine.get(s) == layout.version_of(m)]
+        if both:
+            out[owner] = max(both)
+    return out

@@ -9,10 +9,15 @@ outliving the trainer, does two things:
   nodes, off the owner's ``SHARDCKPT_FAILURE_DOMAIN``), at most
   ``peer_bandwidth`` bytes/s.
 
-Files the daemon and the trainer share, in ``<local_dir>/.shardckpt-remote/``:
-``peer.secret`` (0600), ``peers.json`` (the job's nodes, written by the
-trainer), ``peer.json`` (the daemon's address and what it replicated),
-``peer.lock``, ``peer.log``. It imports no torch.
+What it replicates is this node's live branch: the head of its lineage
+(:mod:`shardckpt.format.lineage`), never the highest step number, so a
+rollback's new steps are replicated and an abandoned one is not.
+
+Files the daemon and the trainer share, in ``<local_dir>/.shardckpt-remote/``
+(mode 0700): ``peer-key.pem`` (this node's private key, 0600, never sent),
+``peer-cert.pem``, ``peers.json`` (the job's nodes with their certificates,
+written by the trainer), ``peer.json`` (the daemon's address and what it
+replicated), ``peer.lock``, ``peer.log``. It imports no torch.
 """
 
 from __future__ import annotations
@@ -25,14 +30,16 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import threading
 import time
 from typing import Any
 
-from shardckpt.format import layout
+from shardckpt.format import layout, lineage
 from shardckpt.format.replicas import committed_replicas, manifest_or_none, placement
 from shardckpt.node.node_registry import daemon_logging, process_record, read_json, state_dir, trainers_alive
 from shardckpt.node.peer_service import PeerService, PeerHTTPServer, serve
+from shardckpt.stores import tls
 from shardckpt.stores.peer_client import PeerClient, PeerError
 
 log = logging.getLogger("shardckpt")
@@ -75,6 +82,13 @@ class PeerDaemon:
         self._lock_fd: int | None = None
         self._server: PeerHTTPServer | None = None
         self._alone_since: float | None = None
+        self._failing_since: float | None = None
+        self._tls_seen: Any = None
+        self._client_ctx: ssl.SSLContext | None = None
+        self._members: dict[str, str] = {}
+        self._tls_failed = False
+        self._peers_loaded: Any = None
+        """The ``written`` stamp of the peers.json whose certificates the endpoint serves with now."""
 
     def stop(self, *_: Any) -> None:
         self._stop.set()
@@ -90,6 +104,7 @@ class PeerDaemon:
             return 0
         self._lock_fd = fd
         try:
+            self._load_tls(self.peers())
             self._server = serve(self.service, self.host)
             log.info("shardckpt: peer daemon (pid %d, node %s) serves %s on %s", os.getpid(), self.node,
                      self.root, self.addr)
@@ -118,19 +133,68 @@ class PeerDaemon:
         return f"{self.host}:{self._server.server_address[1]}"
 
     def _idle(self, pending: bool) -> bool:
+        """Exit time: no trainer of this node is left, and for ``linger_s`` nothing came to serve and either
+        nothing was left to send or every try to send it failed (a holder gone with its job)."""
         now = time.monotonic()
-        if pending or trainers_alive(self.root):
+        if trainers_alive(self.root):
+            self._alone_since = None
+            return False
+        if pending and self._failing_since is None:
             self._alone_since = None
             return False
         self._alone_since = self._alone_since or now
+        if not self.peers().get("nodes"):  # the last launch here ran without the tier: no peer will come
+            return True
         quiet = min(now - self._alone_since, now - self.service.last_request)
         return quiet >= self.linger_s
 
     def peers(self) -> dict[str, Any]:
         return read_json(os.path.join(state_dir(self.root), PEERS_NAME))
 
+    def _load_tls(self, config: dict[str, Any]) -> bool:
+        """(Re)build the TLS contexts when the job's certificates or this node's key files change.
+
+        A key or certificate that cannot be used becomes ``last_error`` (naming the file and the remedy);
+        returns whether the contexts are usable."""
+        paths = config.get("tls") or {}
+        cert = paths.get("cert") or os.path.join(state_dir(self.root), tls.CERT_NAME)
+        key = paths.get("key") or os.path.join(state_dir(self.root), tls.KEY_NAME)
+        ca = paths.get("ca")
+        nodes = config.get("nodes") or []
+        seen = (cert, key, ca, json.dumps(nodes, sort_keys=True), _stamp(cert), _stamp(key), _stamp(ca))
+        if seen == self._tls_seen:
+            return self._client_ctx is not None
+        self._tls_seen = seen
+        try:
+            identity = tls.load_identity(cert, key, ca)
+            trusted = [n["cert"] for n in nodes if n.get("cert")]
+            members = {tls.fingerprint(n["cert"]): n["node"] for n in nodes if n.get("cert")}
+            server_ctx = tls.server_context(identity, trusted)
+            self._client_ctx = tls.client_context(identity, trusted)
+        except (tls.PeerTLSError, ValueError, KeyError, TypeError) as exc:
+            self._client_ctx = None
+            self.service.context = None
+            self.last_error, self._tls_failed = f"node {self.node}: {exc}", True
+            log.error("shardckpt: the peer daemon of %s cannot use its TLS identity: %s", self.root, exc)
+            return False
+        self._members = members
+        self.service.configure(server_ctx, members)
+        if self._tls_failed:
+            self.last_error, self._tls_failed = None, False
+        return True
+
+    def live_head(self) -> tuple[int, layout.Manifest] | None:
+        """This node's newest step of its live branch (the lineage's head), never the highest number alone."""
+        infos = lineage.local_infos(self.root)
+        live, _abandoned = lineage.classify(infos)
+        if not live:
+            return None
+        step = live[-1]
+        manifest = manifest_or_none(os.path.join(self.root, layout.step_dirname(step)))
+        return (step, manifest) if manifest is not None else None
+
     def tick(self) -> bool:
-        """Replicate the newest committed step where it is not yet; True while something is left to do."""
+        """Replicate the live head step where it is not yet; True while something is left to do."""
         config = self.peers()
         keep = config.get("keep_last")
         self.service.keep_last = keep if isinstance(keep, int) and keep > 0 else None
@@ -138,42 +202,47 @@ class PeerDaemon:
         nodes = config.get("nodes") or []
         seen = json.dumps(nodes, sort_keys=True)
         if seen != self._nodes_seen:  # a restarted job (new addresses): retry at once, not after the backoff
-            self._nodes_seen, self._retry_at, self._failures = seen, 0.0, 0
-        secret = self.service.secret()
-        holders = placement(nodes, self.node, count)
-        steps = layout.committed_steps(self.root)
-        if not holders or not steps or secret is None:
+            self._nodes_seen, self._retry_at, self._failures, self._failing_since = seen, 0.0, 0, None
+        holders = placement(nodes, self.node, count)  # none when this node left the job or the tier is off
+        if nodes and not self._load_tls(config):
             return False
-        step = steps[-1]
+        self._peers_loaded = config.get("written")
+        found = self.live_head() if holders else None
+        if found is None:
+            self._failing_since = None
+            return False
+        step, manifest = found
         step_dir = os.path.join(self.root, layout.step_dirname(step))
-        manifest = manifest_or_none(step_dir)
-        if manifest is None:
-            return False
         version = layout.version_of(manifest)
         done = self.sent.get(step)
         if done is not None and done.version == version and {h["node"] for h in holders} <= set(done.holders):
             return False
         if time.monotonic() < self._retry_at:
             return True
+        live = lineage.info_of(manifest).lineage.to_json()
         names, _elsewhere = layout.copy_files(step_dir, manifest)
         t0 = time.monotonic()
         reached: list[str] = []
         for holder in holders:
             try:
-                self.sent_bytes += PeerClient(holder["addr"], secret).put_replica(
-                    self.node, step_dir, manifest, names, config.get("bandwidth"))
+                expect = tls.fingerprint(holder["cert"]) if holder.get("cert") else None
+                client = PeerClient(holder["addr"], self._client_ctx, expect=expect)
+                self.sent_bytes += client.put_replica(self.node, step_dir, manifest, names, config.get("bandwidth"),
+                                                      live=live)
                 reached.append(holder["node"])
             except (PeerError, OSError, ValueError) as exc:
                 self.last_error = f"step {step} to node {holder['node']} ({holder['addr']}): {exc}"
         if len(reached) < len(holders):
             self._failures += 1
+            self._failing_since = self._failing_since or time.monotonic()
             self._retry_at = time.monotonic() + min(30.0, 0.5 * 2 ** self._failures)
             log.warning("shardckpt: step %d is not yet replicated to every peer (retry in %.1f s): %s", step,
                         self._retry_at - time.monotonic(), self.last_error)
             return True
         self._failures = 0
+        self._failing_since = None
         self.last_error = None
-        self.sent = {s: v for s, v in self.sent.items() if s in steps[-4:]}
+        self.sent = {s: v for s, v in self.sent.items() if s in lineage.classify(lineage.local_infos(self.root))[0][-4:]}
         self.sent[step] = _Sent(version, reached, time.time(), round(time.monotonic() - t0, 3))
         log.info("shardckpt: step %d peer-durable: replicated to %s in %.2f s", step, ", ".join(reached),
                  time.monotonic() - t0)
@@ -186,6 +255,7 @@ class PeerDaemon:
             "replicated": {str(s): dataclasses.asdict(v) for s, v in sorted(self.sent.items())},
             "sent_bytes": self.sent_bytes,
             "last_error": self.last_error,
+            "peers_loaded": self._peers_loaded,
         }
         path = os.path.join(state_dir(self.root), STATUS_NAME)
         if read_json(path) == body:
@@ -208,13 +278,19 @@ def replicated(root: str, step: int, manifest: layout.Manifest | None = None) ->
     return sent
 
 
+def latest_replicated(root: str) -> int | None:
+    """The newest step of this node's live branch whose files (of the save committed here) are replicated."""
+    live, _abandoned = lineage.classify(lineage.local_infos(root))
+    return next((s for s in reversed(live) if replicated(root, s)), None)
+
+
 def node_status(root: str) -> dict[str, Any] | None:
     """What ``shardckpt status`` shows of the peer tier on this node (``None``: no daemon has run here)."""
     info = read_json(os.path.join(state_dir(root), STATUS_NAME))
     if not info:
         return None
     replicated = info.get("replicated") or {}
-    newest = max((int(s) for s in replicated if s.isdigit()), default=None)
+    newest = latest_replicated(root)
     return {
         "state": info.get("state"),
         "addr": info.get("addr"),
@@ -230,6 +306,14 @@ def status_line(body: dict[str, Any]) -> str:
     return (f"  peer: daemon {body['state']} on {body['addr']}; newest step replicated: {body['latest_peer']}"
             f"{' to ' + ', '.join(body['holders']) if body['holders'] else ''}; holding replicas of {holding}"
             + (f"; last error: {body['last_error']}" if body["last_error"] else ""))
+
+
+def _stamp(path: str | None) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path) if path else None
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_mode) if st else None
 
 
 def peer_main(argv: list[str]) -> int:

@@ -2,22 +2,30 @@
 
 Reads of committed steps' files (whole or a byte ``Range``) from the local
 directory or from the replica directory, a listing of both, and writes of
-replicas (:mod:`shardckpt.format.replicas`). Every request must be signed with
-the job's secret (:mod:`shardckpt.stores.peer_client`), which the trainer
-hands to the daemon in ``<local_dir>/.shardckpt-remote/peer.secret`` (0600).
-It imports no torch.
+replicas (:mod:`shardckpt.format.replicas`), over mutual TLS 1.3 only
+(:mod:`shardckpt.stores.tls`): a client must present the certificate of one
+of the job's nodes, and may write only its own node's replicas.
+
+Facing a network, the server is bounded: at most :data:`MAX_CONNECTIONS`
+connections at once and :data:`MAX_PER_ADDRESS` from one address (others are
+closed as they are accepted), :data:`HANDSHAKE_S` seconds to finish the TLS
+handshake and as many to send a request's headers (a watchdog shuts a
+connection down at its deadline), and refusals logged at a bounded rate. It
+imports no torch.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import errno
 import http.server
 import json
 import logging
 import os
 import re
 import shutil
+import socket
+import socketserver
+import ssl
 import stat
 import threading
 import time
@@ -26,66 +34,31 @@ import uuid
 from typing import Any, Callable
 
 from shardckpt.errors import CorruptCheckpointError
-from shardckpt.format import layout
-from shardckpt.format.replicas import (committed_replicas, file_size, manifest_or_none, owner_dirname, remove_step,
+from shardckpt.format import layout, lineage
+from shardckpt.format.replicas import (anchors, committed_replicas, file_size, manifest_or_none, owner_dirname, remove_step,
                                        replicas_root, version_tag)
-from shardckpt.node.node_registry import state_dir
-from shardckpt.stores.peer_client import AUTH_HEADER, BODY_HEADER, CHUNK, MANIFEST_DIGEST, manifest_digest, sign
+from shardckpt.stores.peer_client import CHUNK, LIVE_HEADER
+from shardckpt.stores.tls import fingerprint
 
 log = logging.getLogger("shardckpt")
 
-SECRET_NAME = "peer.secret"
-CLOCK_SKEW_S = 300
-"""A signed request older (or newer) than this is refused: a captured request cannot be replayed later."""
 MAX_SMALL_BODY = 16 << 20
 """Largest manifest or commit body accepted."""
+MAX_CONNECTIONS = 64
+"""Connections served at once; more are closed as soon as they are accepted."""
+MAX_PER_ADDRESS = 16
+"""Connections served at once from one client address."""
+HANDSHAKE_S = 5.0
+"""Seconds a connection has to finish its TLS handshake, and then to send each request's line and headers."""
+REFUSAL_LOG_EVERY_S = 10.0
+"""At most one log line of refused connections per this many seconds (the rest are counted in it)."""
 _TAG_RE = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
-
-
-def write_secret(root: str, secret: str) -> str:
-    """Hand the job's secret to this node's daemon: a file only this user can read (never argv or env)."""
-    directory = state_dir(root)
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, SECRET_NAME)
-    tmp = f"{path}.{uuid.uuid4().hex[:8]}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, secret.encode("ascii"))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    return path
-
-
-def read_secret(root: str) -> bytes | None:
-    """The job's secret, or ``None`` when absent or readable by others than this user (then refused)."""
-    path = os.path.join(state_dir(root), SECRET_NAME)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        info = os.fstat(fd)
-        if info.st_uid != os.getuid() or info.st_mode & 0o077:
-            log.error("shardckpt: %s is readable by other users; the peer endpoint refuses every request. "
-                      "Remedy: chmod 600 %s (a trainer writes it so at its first save or load)", path, path)
-            return None
-        secret = os.read(fd, 4096).strip()
-    finally:
-        os.close(fd)
-    return secret or None
 
 
 class _Refused(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
-
-
-def _same(a: str, b: str) -> bool:
-    """Constant-time comparison of two header values (any characters a client may send)."""
-    return hmac.compare_digest(a.encode("utf-8", "surrogateescape"), b.encode("utf-8", "surrogateescape"))
 
 
 def _safe_name(name: str) -> str:
@@ -116,45 +89,32 @@ def _open_inside(base: str, name: str) -> int:
 class PeerService:
     """What the endpoint serves and accepts for one ``local_dir`` (used by the HTTP handler)."""
 
-    def __init__(self, root: str, node: str) -> None:
+    def __init__(self, root: str, node: str, context: ssl.SSLContext | None = None,
+                 members: dict[str, str] | None = None) -> None:
         self.root = os.path.abspath(root)
         self.node = node
-        self._secret: tuple[Any, bytes | None] = (None, None)
+        self.context = context
+        """The server TLS context (:func:`shardckpt.stores.tls.server_context`); ``None``: no connection is served."""
+        self.members: dict[str, str] = dict(members or {})
+        """``{certificate fingerprint: node}`` of the job's nodes: who may write which owner's replicas."""
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
         self.last_request = time.monotonic()
         self.keep_last: int | None = None
         """Replicas kept per owner (the trainer's keep_last, from peers.json)."""
 
-    def secret(self) -> bytes | None:
-        path = os.path.join(state_dir(self.root), SECRET_NAME)
-        try:
-            st = os.stat(path)
-        except OSError:
-            return None
-        key = (st.st_ino, st.st_ctime_ns, st.st_mode)  # a new secret, or its mode changed: read again
-        if key != self._secret[0]:
-            self._secret = (key, read_secret(self.root))
-        return self._secret[1]
+    def configure(self, context: ssl.SSLContext, members: dict[str, str]) -> None:
+        """Serve new connections with ``context`` (a relaunch's certificates); connections open go on."""
+        self.context, self.members = context, dict(members)
 
     def owner_lock(self, owner: str) -> threading.Lock:
         with self._locks_lock:
             return self._locks.setdefault(owner, threading.Lock())
 
-    def authenticate(self, method: str, path: str, headers: Any) -> str:
-        """Check the request's signature; returns the body digest it signed."""
-        secret = self.secret()
-        if secret is None:
-            raise _Refused(503, "this node has no job secret yet")
-        auth, digest = headers.get(AUTH_HEADER), headers.get(BODY_HEADER)
-        if not auth or not digest or ":" not in auth:
-            raise _Refused(401, "unauthenticated request")
-        when, _, mac = auth.partition(":")
-        if not when.isdigit() or abs(time.time() - int(when)) > CLOCK_SKEW_S:
-            raise _Refused(401, "request signature expired")
-        if not _same(mac, sign(secret, method, path, digest, int(when))):
-            raise _Refused(401, "bad request signature")
-        return digest
+    def member(self, cert_der: bytes | None) -> str | None:
+        """The job node that presented ``cert_der`` (``None``: a certificate the context trusts, e.g. an
+        operator CA's, that no node of this launch announced)."""
+        return self.members.get(fingerprint(cert_der)) if cert_der else None
 
     # ---- reads
 
@@ -218,7 +178,9 @@ class PeerService:
         return os.path.join(replicas_root(self.root), self._owner(owner),
                             f"{layout.PARTIAL_PREFIX}{layout.step_dirname(step)}-{tag}")
 
-    def begin(self, owner: str, step: int, tag: str, body: bytes) -> dict[str, Any]:
+    def begin(self, owner: str, step: int, tag: str, body: bytes, live: lineage.Lineage | None = None) -> dict[str, Any]:
+        """Begin ``owner``'s replica of a save of ``step`` (its manifest in ``body``); ``live``: the owner's
+        live lineage, sent along (see :meth:`replaces`)."""
         manifest = layout.Manifest.from_json(body.decode("utf-8", errors="replace"), f"replica of {owner} step {step}")
         if manifest.step != step or version_tag(manifest) != tag:
             raise _Refused(400, f"the manifest is of step {manifest.step} version {version_tag(manifest)}, "
@@ -228,12 +190,33 @@ class PeerService:
             held = manifest_or_none(final)
             if held is not None and version_tag(held) == tag:
                 return {"state": "committed"}
+            self.replaces(owner, held, manifest, live)
             partial = self.partial_of(owner, step, tag)
-            os.makedirs(partial, exist_ok=True)
+            _private_dirs(self.root, partial)
             pending = os.path.join(partial, layout.MANIFEST_NAME + ".pending")
             layout.atomic_write_text(pending, manifest.to_json())
+            os.chmod(pending, 0o600)
+            if live is not None:
+                layout.atomic_write_text(os.path.join(partial, ".live"), json.dumps(live.to_json()))
+                os.chmod(os.path.join(partial, ".live"), 0o600)
             have = [n for n, e in manifest.files.items() if file_size(os.path.join(partial, n)) == e.size]
         return {"state": "begun", "have": sorted(have)}
+
+    @staticmethod
+    def replaces(owner: str, held: layout.Manifest | None, incoming: layout.Manifest,
+                 live: lineage.Lineage | None) -> None:
+        """Refuse a save of a step number older than the one held, unless the owner's live lineage says
+        the held one was abandoned and the incoming one is live (a rollback): a replayed or late transfer
+        never replaces a newer save."""
+        if held is None or incoming.created >= held.created:
+            return
+        step = incoming.step
+        if live is not None and lineage.excluded_by(live, step, lineage.Lineage.from_json(incoming.lineage)) is None \
+                and lineage.excluded_by(live, step, lineage.Lineage.from_json(held.lineage)) is not None:
+            return
+        raise _Refused(409, f"node {owner} step {step}: this save ({layout.version_of(incoming)}) is older than the "
+                            f"replica held ({layout.version_of(held)}) and the owner's live lineage does not "
+                            f"abandon the held one; not replaced")
 
     def pending_manifest(self, partial: str) -> layout.Manifest:
         path = os.path.join(partial, layout.MANIFEST_NAME + ".pending")
@@ -243,9 +226,9 @@ class PeerService:
         except FileNotFoundError:
             raise _Refused(409, "no replica of that version is begun here") from None
 
-    def receive(self, owner: str, step: int, tag: str, name: str, length: int, digest: str,
+    def receive(self, owner: str, step: int, tag: str, name: str, length: int,
                 read: Callable[[int], bytes]) -> None:
-        """Write one file of a begun replica: exactly its manifest size, its checksum and signed digest checked."""
+        """Write one file of a begun replica: exactly its manifest size, kept only when its checksum matches."""
         name = _safe_name(name)
         partial = self.partial_of(owner, step, tag)
         manifest = self.pending_manifest(partial)
@@ -254,14 +237,12 @@ class PeerService:
             raise _Refused(404, f"{name} is not a file of step {step}")
         if length != entry.size:
             raise _Refused(413, f"{name} is {entry.size} bytes in the manifest, the request sends {length}")
-        bound = digest.startswith(MANIFEST_DIGEST)  # signed as the manifest's checksum of the file
-        if bound and not _same(manifest_digest(entry), digest):
-            raise _Refused(401, f"{name}: the request is signed for another checksum than the manifest's")
         tmp = os.path.join(partial, f".recv-{uuid.uuid4().hex[:8]}")
         checksum = layout.Checksum.like(entry.checksum)
-        body = None if bound else hashlib.sha256()
         try:
-            with open(tmp, "xb") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "wb") as f:
                 left = length
                 while left:
                     chunk = read(min(CHUNK, left))
@@ -269,13 +250,9 @@ class PeerService:
                         raise _Refused(400, f"{name}: the body ended {left} bytes early")
                     left -= len(chunk)
                     checksum.update(chunk)
-                    if body is not None:
-                        body.update(chunk)
                     f.write(chunk)
                 f.flush()
                 os.fsync(f.fileno())
-            if body is not None and not _same(body.hexdigest(), digest):
-                raise _Refused(401, f"{name}: the body is not the one signed")
             if checksum.value() != entry.checksum:
                 raise _Refused(422, f"{name} fails its {entry.checksum.split(':')[0]} checksum; not kept")
             os.replace(tmp, os.path.join(partial, name))
@@ -292,10 +269,14 @@ class PeerService:
                 entry = manifest.files.get(_safe_name(name))
                 if entry is None or file_size(os.path.join(partial, name)) != entry.size:
                     raise _Refused(409, f"{name} of step {step} has not arrived; nothing committed")
-            os.replace(os.path.join(partial, layout.MANIFEST_NAME + ".pending"), os.path.join(partial, layout.MANIFEST_NAME))
-            layout.fsync_dir(partial)
             owner_dir = os.path.dirname(partial)
             final = os.path.join(owner_dir, layout.step_dirname(step))
+            live = _read_live(partial)
+            self.replaces(owner, manifest_or_none(final), manifest, live)  # another save committed meanwhile
+            if live is not None:
+                os.unlink(os.path.join(partial, ".live"))
+            os.replace(os.path.join(partial, layout.MANIFEST_NAME + ".pending"), os.path.join(partial, layout.MANIFEST_NAME))
+            layout.fsync_dir(partial)
             if os.path.lexists(final):  # another save of this step number: replaced by this one
                 remove_step(final, owner_dir)
             os.rename(partial, final)
@@ -304,17 +285,58 @@ class PeerService:
             self._retain(owner_dir)
 
     def _retain(self, owner_dir: str) -> None:
-        """``keep_last`` replicas per owner; the newest one is never deleted."""
-        if not self.keep_last:
+        """Per owner: the newest ``keep_last`` replicas of the owner's live branch (its lineage's head:
+        the replica saved last); replicas of steps the owner abandoned are dropped and never count.
+        The head is never deleted."""
+        held = {s: lineage.info_of(m) for s, m in _owner_replicas(owner_dir).items()}
+        live, abandoned = lineage.classify(held)
+        if not self.keep_last or not live:
             return
-        steps = layout.committed_steps(owner_dir)
-        for old in steps[: max(0, len(steps) - self.keep_last)]:
-            remove_step(os.path.join(owner_dir, layout.step_dirname(old)), owner_dir)
+        anchor = anchors(self.root).get(os.path.basename(owner_dir))  # never the newest complete step
+        for old in sorted(abandoned) + live[: max(0, len(live) - self.keep_last)]:
+            if old != anchor:
+                remove_step(os.path.join(owner_dir, layout.step_dirname(old)), owner_dir)
         for name in os.listdir(owner_dir):  # begun replicas older than every kept one
             if name.startswith(layout.PARTIAL_PREFIX):
                 step = layout.parse_step_dirname(name[len(layout.PARTIAL_PREFIX):].split("-", 1)[0])
-                if step is not None and steps and step < steps[-1]:
+                if step is not None and step < live[0]:
                     shutil.rmtree(os.path.join(owner_dir, name), ignore_errors=True)
+
+
+def _owner_replicas(owner_dir: str) -> dict[int, layout.Manifest]:
+    out = {}
+    for step in layout.committed_steps(owner_dir):
+        manifest = manifest_or_none(os.path.join(owner_dir, layout.step_dirname(step)))
+        if manifest is not None:
+            out[step] = manifest
+    return out
+
+
+def _read_live(partial: str) -> lineage.Lineage | None:
+    try:
+        with open(os.path.join(partial, ".live"), encoding="utf-8") as f:
+            return lineage.Lineage.from_json(json.load(f))
+    except (OSError, ValueError):
+        return None
+
+
+def _private_dirs(root: str, path: str) -> None:
+    """Make ``path`` and the replica directories above it (below ``root``), each mode 0700 whatever the umask."""
+    top = replicas_root(root)
+    chain = []
+    here = path
+    while len(here) >= len(top):
+        chain.append(here)
+        if here == top:
+            break
+        here = os.path.dirname(here)
+    for directory in reversed(chain):
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:
+            pass
+        if stat.S_IMODE(os.lstat(directory).st_mode) != 0o700:
+            os.chmod(directory, 0o700)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -323,6 +345,25 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     timeout = 60.0
     """Seconds a connection may stay silent (a client that stops sending does not hold a thread forever)."""
     service: PeerService
+    server: "PeerHTTPServer"
+
+    def handle_one_request(self) -> None:
+        # The request line and headers must arrive within HANDSHAKE_S (the watchdog's deadline).
+        self.server.watch(self.connection, HANDSHAKE_S)
+        self._body_taken = False
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        self.server.unwatch(self.connection)
+        return ok
+
+    @property
+    def peer_node(self) -> str | None:
+        try:
+            return self.service.member(self.connection.getpeercert(binary_form=True))
+        except (ValueError, OSError):
+            return None
 
     def log_message(self, fmt: str, *args: Any) -> None:
         log.debug("shardckpt: peer %s: " + fmt, self.address_string(), *args)
@@ -339,24 +380,37 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _refuse(self, exc: _Refused) -> None:
-        # The body (if any) is left unread: the connection closes after the answer.
+        # A large body is left unread (the connection closes after the answer); a small one is read
+        # first, so that the client gets the answer rather than a reset.
         self.close_connection = True
+        raw = self.headers.get("Content-Length", "") if self.headers is not None else ""
+        if not getattr(self, "_body_taken", True) and raw.isdigit() and int(raw) <= 65536:
+            self._body_taken = True
+            try:
+                self.rfile.read(int(raw))
+            except OSError:
+                pass
         if exc.status in (401, 403):
-            log.warning("shardckpt: peer endpoint refused %s %s from %s: %s", self.command, self.path[:200],
-                        self.client_address[0], exc)
+            self.server.refusals.note(f"{self.command} {self.path[:200]} from {self.client_address[0]}: {exc}")
         try:
             self._reply(exc.status, json.dumps({"error": str(exc)}).encode(), headers={"Connection": "close"})
         except OSError:
             pass  # the client went away (or the answer had begun): nothing more to tell it
 
-    def _route(self) -> tuple[list[str], str]:
+    def _route(self) -> list[str]:
         url = urllib.parse.urlsplit(self.path)
         if url.query or not url.path.startswith("/v1/"):
             raise _Refused(404, "no such resource")
         parts = [urllib.parse.unquote(p) for p in url.path[len("/v1/"):].split("/")]
-        digest = self.service.authenticate(self.command, self.path, self.headers)
         self.service.last_request = time.monotonic()
-        return parts, digest
+        return parts
+
+    def _writer(self, owner: str) -> None:
+        """Only a node writes its own replicas (its certificate names it; a stranger never got this far)."""
+        node = self.peer_node
+        if node is None or owner != owner_dirname(node):
+            raise _Refused(403, f"replicas of {owner!r} are written by that node only; the client is "
+                                f"{'node ' + node if node else 'no node of this launch'}")
 
     def _length(self, limit: int) -> int:
         if self.headers.get("Transfer-Encoding"):
@@ -368,11 +422,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             raise _Refused(413, f"body of {raw} bytes is larger than {limit}")
         return int(raw)
 
-    def _small_body(self, digest: str) -> bytes:
-        body = self.rfile.read(self._length(MAX_SMALL_BODY))
-        if not _same(hashlib.sha256(body).hexdigest(), digest):
-            raise _Refused(401, "the body is not the one signed")
-        return body
+    def _small_body(self) -> bytes:
+        length = self._length(MAX_SMALL_BODY)
+        self._body_taken = True
+        return self.rfile.read(length)
 
     def _guarded(self, serve: Callable[[], None]) -> None:
         """Run one request; a refusal or a failure on this side becomes an answer, never a dropped connection."""
@@ -396,7 +449,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._guarded(self._put)
 
     def _get(self) -> None:
-        parts, _digest = self._route()
+        parts = self._route()
         if parts == ["steps"]:
             self._reply(200, json.dumps(self.service.listing()).encode())
             return
@@ -439,13 +492,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             offset += len(chunk)
 
     def _post(self) -> None:
-        parts, digest = self._route()
+        parts = self._route()
         if len(parts) != 5 or parts[0] != "replica" or not parts[2].isdigit() or parts[4] not in ("begin", "commit"):
             raise _Refused(404, "no such resource")
         owner, step, tag = parts[1], int(parts[2]), parts[3]
-        body = self._small_body(digest)
+        body = self._small_body()  # read first (bounded): the refusal below then reaches the client
+        self._writer(owner)
         if parts[4] == "begin":
-            answer = self.service.begin(owner, step, tag, body)
+            live = self.headers.get(LIVE_HEADER)
+            try:
+                claimed = lineage.Lineage.from_json(json.loads(live)) if live else None
+            except (ValueError, TypeError):
+                raise _Refused(400, f"{LIVE_HEADER} is not a lineage") from None
+            answer = self.service.begin(owner, step, tag, body, claimed)
         else:
             try:
                 names = json.loads(body)["files"]
@@ -458,11 +517,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._reply(200, json.dumps(answer).encode())
 
     def _put(self) -> None:
-        parts, digest = self._route()
+        parts = self._route()
         if len(parts) != 6 or parts[0] != "replica" or not parts[2].isdigit() or parts[4] != "f":
             raise _Refused(404, "no such resource")
+        self._writer(parts[1])
         length = self._length(1 << 62)
-        self.service.receive(parts[1], int(parts[2]), parts[3], parts[5], length, digest, self.rfile.read)
+
+        def read(n: int) -> bytes:
+            self._body_taken = True
+            return self.rfile.read(n)
+
+        self.service.receive(parts[1], int(parts[2]), parts[3], parts[5], length, read)
         self._reply(200, b"{}")
 
     def do_DELETE(self) -> None:  # noqa: N802
@@ -471,14 +536,136 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     do_HEAD = do_PATCH = do_OPTIONS = do_DELETE  # noqa: N815
 
 
-class PeerHTTPServer(http.server.ThreadingHTTPServer):
+class _Refusals:
+    """Refused connections and requests, logged at most once per :data:`REFUSAL_LOG_EVERY_S` (with a count)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 0.0
+        self._quiet = 0
+        self.total = 0
+
+    def note(self, what: str) -> None:
+        with self._lock:
+            self.total += 1
+            now = time.monotonic()
+            if now < self._next:
+                self._quiet += 1
+                return
+            quiet, self._quiet, self._next = self._quiet, 0, now + REFUSAL_LOG_EVERY_S
+        log.warning("shardckpt: peer endpoint refused %s%s", what,
+                    f" (and {quiet} more refusal(s) in the last {REFUSAL_LOG_EVERY_S:.0f} s)" if quiet else "")
+
+
+class PeerHTTPServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    """The endpoint's server: mutual TLS on every connection, and bounded (see the module's docstring)."""
+
     daemon_threads = True
-    request_queue_size = 64
+    request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], handler: type[_Handler], service: PeerService) -> None:
+        self.service = service
+        self.refusals = _Refusals()
+        self._lock = threading.Lock()
+        self._open: dict[str, int] = {}
+        self._deadlines: dict[int, tuple[float, socket.socket]] = {}
+        self._closed = threading.Event()
+        super().__init__(address, handler)
+        threading.Thread(target=self._watchdog, name="shardckpt-peer-deadlines", daemon=True).start()
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        try:
+            return super().get_request()
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                self.refusals.note(f"a connection: out of file descriptors ({exc.strerror})")
+                time.sleep(0.1)  # not a busy loop while the descriptors are out
+            raise
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        address = client_address[0] if isinstance(client_address, tuple) else str(client_address)
+        with self._lock:
+            total = sum(self._open.values())
+            if total >= MAX_CONNECTIONS or self._open.get(address, 0) >= MAX_PER_ADDRESS:
+                refused = True
+            else:
+                refused = False
+                self._open[address] = self._open.get(address, 0) + 1
+        if refused:
+            self.refusals.note(f"a connection from {address}: {total} open (at most {MAX_CONNECTIONS}, "
+                               f"{MAX_PER_ADDRESS} per address)")
+        return not refused
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            address = client_address[0] if isinstance(client_address, tuple) else str(client_address)
+            with self._lock:
+                self._open[address] -= 1
+                if not self._open[address]:
+                    del self._open[address]
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        context = self.service.context
+        if context is None:
+            self.refusals.note(f"a connection from {client_address[0]}: this node has no TLS identity yet")
+            return
+        try:
+            conn = context.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
+        except (OSError, ValueError) as exc:
+            self.refusals.note(f"a connection from {client_address[0]}: {exc}")
+            return
+        self.watch(conn, HANDSHAKE_S)
+        try:
+            conn.settimeout(HANDSHAKE_S)
+            conn.do_handshake()
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            self.refusals.note(f"a TLS handshake from {client_address[0]} (not a job peer, or too slow): {exc}")
+            self.unwatch(conn)
+            conn.close()
+            return
+        try:
+            self.RequestHandlerClass(conn, client_address, self)
+        finally:
+            self.unwatch(conn)
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def watch(self, sock: socket.socket, seconds: float) -> None:
+        """Shut ``sock`` down unless :meth:`unwatch` comes within ``seconds``."""
+        with self._lock:
+            self._deadlines[sock.fileno()] = (time.monotonic() + seconds, sock)
+
+    def unwatch(self, sock: socket.socket) -> None:
+        with self._lock:
+            for fd, (_t, held) in list(self._deadlines.items()):
+                if held is sock:
+                    del self._deadlines[fd]
+
+    def _watchdog(self) -> None:
+        while not self._closed.wait(0.25):
+            now = time.monotonic()
+            with self._lock:
+                late = [(fd, s) for fd, (t, s) in self._deadlines.items() if t <= now]
+                for fd, _s in late:
+                    del self._deadlines[fd]
+            for _fd, sock in late:
+                try:
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)  # wakes the thread blocked on it
+                except OSError:
+                    pass
+
+    def server_close(self) -> None:
+        self._closed.set()
+        super().server_close()
 
 
 def serve(service: PeerService, host: str, port: int = 0) -> PeerHTTPServer:
     """Start the endpoint for ``service`` on ``host`` (a free port unless given), in a daemon thread."""
     handler = type("PeerHandler", (_Handler,), {"service": service})
-    server = PeerHTTPServer((host, port), handler)
+    server = PeerHTTPServer((host, port), handler, service)
     threading.Thread(target=server.serve_forever, name="shardckpt-peer-http", daemon=True).start()
     return server

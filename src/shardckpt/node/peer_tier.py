@@ -1,28 +1,33 @@
-"""The trainer's side of the peer tier: the job's secret, the node daemon, the nodes' addresses.
+"""The trainer's side of the peer tier: the node's TLS identity, the node daemon, the nodes' addresses.
 
 At the first save or load (collective over the ``ctl`` side group, every
-rank alike): the ranks agree whether the tier is on (``peer_replicas``),
-rank 0 creates the job's secret and broadcasts it over the side group, the
-committer of each node's directory writes it into a 0600 file for its node's
-daemon (:mod:`shardckpt.node.peer_daemon`), starts the daemon when none runs and reads
-its address from the daemon's status file; the addresses are gathered and
-every node's committer writes them into ``peers.json``, which its daemon
-reads. ``close()`` waits, bounded, until the newest step is peer-durable.
+rank alike): the ranks agree whether the tier is on (``peer_replicas``); the
+committer of each node's directory makes (first launch) or loads its node's
+key and certificate (:mod:`shardckpt.stores.tls`; an operator's by path
+instead when ``peer_tls_*`` are set), starts the node's daemon
+(:mod:`shardckpt.node.peer_daemon`) when none runs and reads its address
+from the daemon's status file; the addresses and the certificates (public;
+a key never leaves its node) are gathered and every node's committer writes
+them into ``peers.json``, which its daemon reads and pins. ``close()`` waits,
+bounded, until the head of the live branch is peer-durable. A launch with
+the tier off (one node left, ``peer_replicas=0``) tells the node's daemon
+that its job is over for it: nothing more to replicate, no node to retry.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import secrets
 import socket
+import ssl
 import time
 from typing import Any
 
 from shardckpt import _dist
-from shardckpt.format import layout, replicas
-from shardckpt.node import peer_daemon, peer_service
-from shardckpt.stores import peer_client
+from shardckpt.format import layout, lineage, replicas
+from shardckpt.node import peer_daemon
+from shardckpt.stores import peer_client, tls
 from shardckpt.node.node_registry import pid_alive, read_json, register_trainer, state_dir, unregister_trainer
 from shardckpt.options import CheckpointConfig
 from shardckpt.topology import Topology
@@ -60,7 +65,8 @@ class PeerTier:
         """Replicas per step once :meth:`launch` decided (0: the tier is off)."""
         self.nodes: list[dict[str, Any]] = []
         self.committer = False
-        self.secret: bytes | None = None
+        self.identity: tls.Identity | None = None
+        self.client_context: ssl.SSLContext | None = None
         self._registered = registered
         self._trainer_file: str | None = None
 
@@ -71,6 +77,7 @@ class PeerTier:
     def launch(self, topology: Topology, groups: _dist.SideGroups) -> None:
         """Decide, start and connect the tier (collective over ``ctl``; every rank calls it at the same point)."""
         if not _dist.is_dist():
+            self._retire()
             return
         me = (_dist.node_id(), topology.committer, os.environ.get("SHARDCKPT_FAILURE_DOMAIN") or None)
         everyone = groups.all_gather_ctl(me)
@@ -87,17 +94,18 @@ class PeerTier:
                             topology.describe())
             wanted = 0
         if not wanted:
+            if topology.committer:
+                self._retire()
             return
-        secret = groups.broadcast_ctl(secrets.token_hex(32) if _dist.rank() == 0 else None)
-        self.secret = secret.encode("ascii")
         self.committer = topology.committer
         entry: dict[str, Any] | None = None
         error: str | None = None
         if self.committer:
             try:
-                entry = self._start(secret, me[0], me[2])
+                entry = self._start(me[0], me[2])
             except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange below
                 error = f"node {me[0]}: {type(exc).__name__}: {exc}"
+                log.error("shardckpt: the peer tier of %s cannot start on this node: %s", self.root, exc)
         gathered = groups.all_gather_ctl((entry, error))
         self.nodes = [e for e, _err in gathered if e is not None]
         errors = [err for _e, err in gathered if err]
@@ -105,24 +113,63 @@ class PeerTier:
             log.warning("shardckpt: the peer tier runs without %d node(s) whose daemon did not start: %s",
                         len(errors), "; ".join(errors[:3]))
         self.replicas = min(wanted, max(0, len(self.nodes) - 1))
-        if self.committer and entry is not None:
+        if self.committer and entry is not None and self.identity is not None:
+            try:
+                self.client_context = tls.client_context(self.identity, [n["cert"] for n in self.nodes])
+            except tls.PeerTLSError as exc:
+                log.error("shardckpt: the peer tier of %s: %s", self.root, exc)
+            written = f"{time.time():.6f}-{os.getpid()}"
             layout.atomic_write_text(os.path.join(state_dir(self.root), peer_daemon.PEERS_NAME), _json({
                 "nodes": self.nodes, "replicas": self.replicas, "bandwidth": self.config.peer_bandwidth,
-                "keep_last": self.config.keep_last, "written": time.time(),
+                "keep_last": self.config.keep_last, "tls": self.identity.to_json(), "written": written,
             }))
+            self._await_daemon(written)
+        groups.all_gather_ctl(None)  # every node's endpoint trusts this launch's certificates from here on
         if _dist.rank() == 0:
             log.info("shardckpt: peer tier: %d replica(s) of each node's files across %d node(s)", self.replicas,
                      len(self.nodes))
 
-    def _start(self, secret: str, node: str, domain: str | None) -> dict[str, Any]:
+    def _await_daemon(self, written: str) -> None:
+        """Wait (bounded) until this node's daemon serves with the certificates just written for it."""
+        deadline = time.monotonic() + START_WAIT_S
+        while time.monotonic() < deadline:
+            info = self.daemon_info()
+            if info is None or info.get("peers_loaded") == written:
+                return
+            time.sleep(0.05)
+        log.warning("shardckpt: the peer daemon of %s did not take this launch's certificates within %.0f s "
+                    "(last error: %s)", self.root, START_WAIT_S, (self.daemon_info() or {}).get("last_error"))
+
+    def _retire(self) -> None:
+        """This launch runs without the tier: a daemon left by an earlier launch of this directory learns
+        that there is no job to replicate to (it stops retrying, and exits after its linger)."""
+        path = os.path.join(state_dir(self.root), peer_daemon.PEERS_NAME)
+        if os.path.exists(path) and (read_json(path).get("nodes") or read_json(path).get("replicas")):
+            layout.atomic_write_text(path, _json({"nodes": [], "replicas": 0, "written": time.time()}))
+            log.info("shardckpt: the peer tier is off in this launch; the peer daemon of %s stops replicating",
+                     self.root)
+
+    def _identity(self, node: str) -> tls.Identity:
+        paths = (self.config.peer_tls_cert, self.config.peer_tls_key, self.config.peer_tls_ca)
+        if any(paths):
+            cert, key, ca = paths
+            if not cert or not key or not ca:
+                raise tls.PeerTLSError("peer_tls_cert, peer_tls_key and peer_tls_ca (SHARDCKPT_PEER_TLS_CERT / _KEY "
+                                       "/ _CA) go together: give all three, or none to let each node make its own")
+            return tls.load_identity(cert, key, ca)
+        return tls.node_identity(state_dir(self.root), node)
+
+    def _start(self, node: str, domain: str | None) -> dict[str, Any]:
         os.makedirs(state_dir(self.root), exist_ok=True)
-        peer_service.write_secret(self.root, secret)
+        self.identity = self._identity(node)
         if not self._registered:
             self._trainer_file = register_trainer(self.root)
         info = self.daemon_info()
         if info is None:
+            linger = os.environ.get("SHARDCKPT_PEER_LINGER_S") or "60"
             spawn_node_daemon(self.root, "node.peer_daemon:peer_main",
-                              ["--local", self.root, "--node", node, "--host", node_host()], "peer.log")
+                              ["--local", self.root, "--node", node, "--host", node_host(), "--linger", linger],
+                              "peer.log")
             deadline = time.monotonic() + START_WAIT_S
             while info is None and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -132,7 +179,7 @@ class PeerTier:
                     f"the peer daemon of {self.root} did not report its address within {START_WAIT_S:.0f} s; "
                     f"see {os.path.join(state_dir(self.root), 'peer.log')}"
                 )
-        return {"node": node, "addr": info["addr"], "domain": domain}
+        return {"node": node, "addr": info["addr"], "domain": domain, "cert": self.identity.cert_pem}
 
     def fetch_own(self, groups: _dist.SideGroups) -> None:
         """Before a load's survey (collective over ``ctl``): a node whose directory lacks the newest step
@@ -144,8 +191,12 @@ class PeerTier:
         error: str | None = None
         if self.committer:
             me = _dist.node_id()
-            clients = [(n["node"], peer_client.PeerClient(n["addr"], self.secret or b"")) for n in self.nodes if n["node"] != me]
             try:
+                if self.client_context is None:
+                    raise tls.PeerTLSError(f"the peer tier of {self.root} has no usable TLS identity on this node")
+                clients = [(n["node"], peer_client.PeerClient(n["addr"], self.client_context,
+                                                              expect=tls.fingerprint(n["cert"])))
+                           for n in self.nodes if n["node"] != me]
                 result = peer_client.fetch_own_replica(self.root, me, clients)
             except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange below
                 error = f"node {me}: {type(exc).__name__}: {exc}"
@@ -195,17 +246,31 @@ class PeerTier:
         return time.monotonic() - t0
 
     def protects(self, step: int) -> bool:
-        """Local retention keeps ``step`` while it is the newest replica this node holds of another node:
-        when that node is lost, its replica needs this node's own files of the same step beside it."""
+        """Local retention keeps ``step`` while it is the head of another node's live branch among the
+        replicas held here (the replica saved last, not the highest number), or not older than the
+        newest step complete here across an owner's loss (:func:`replicas.anchors`): when that node is
+        lost, its replica needs this node's own files of the same step beside it."""
         if not self.on:
             return False
-        return any(held and max(held) == step for held in replicas.committed_replicas(self.root).values())
+        for held in replicas.committed_replicas(self.root).values():
+            top = lineage.head({s: lineage.info_of(m) for s, m in held.items()})
+            if top is not None and top.step == step:
+                return True
+        # ... and every step from the newest one complete here across an owner's loss (own copy and
+        # replica): a replica still on its way needs this node's copy beside it.
+        anchors = replicas.anchors(self.root)
+        return bool(anchors) and step >= min(anchors.values())
+
+    def live_head(self) -> int | None:
+        """This node's newest step of the live branch (the lineage's head), ``None`` when none."""
+        live, _abandoned = lineage.classify(lineage.local_infos(self.root))
+        return live[-1] if live else None
 
     def status(self) -> dict[str, Any]:
         """The ``Checkpointer.status()`` fields of the peer tier."""
         if not self.on:
             return {"peer_replicas": 0}
-        steps = layout.committed_steps(self.root)
+        steps, _abandoned = lineage.classify(lineage.local_infos(self.root))
         durable = [s for s in steps if len(self.durable(s)) >= self.replicas]
         info = read_json(os.path.join(state_dir(self.root), peer_daemon.STATUS_NAME)) if self.committer else {}
         return {
@@ -225,9 +290,10 @@ class PeerTier:
         try:
             if not self.on or not self.committer:
                 return
-            steps = layout.committed_steps(self.root)
-            if not steps:
+            head = self.live_head()
+            if head is None:
                 return
+            steps = [head]
             limit = self.config.drain_timeout_s if timeout is None else min(timeout, self.config.drain_timeout_s)
             deadline = time.monotonic() + limit
             while len(self.durable(steps[-1])) < self.replicas:
@@ -247,6 +313,4 @@ class PeerTier:
 
 
 def _json(body: dict[str, Any]) -> str:
-    import json
-
     return json.dumps(body, indent=1)

@@ -1,22 +1,20 @@
-"""The peer tier's HTTP client: reads of a peer's committed steps and replicas, writes of replicas.
+"""The peer tier's HTTPS client: reads of a peer's committed steps and replicas, writes of replicas.
 
-Every request is authenticated with the job's secret: the header
-``X-Shardckpt-Auth: <unix time>:<HMAC-SHA256(secret, method, path, body
-digest, time)>``; the body digest is sent in ``X-Shardckpt-Body-Sha256``: the
-body's SHA-256, or for a replica file ``manifest:<its checksum in the
-replica's manifest>`` (that manifest came in a signed request, and the file is
-kept only when its bytes match it). It imports no torch.
+Every connection is mutual TLS 1.3 (:mod:`shardckpt.stores.tls`): the client
+presents its node's certificate, and accepts only a server presenting the
+certificate pinned for the node it meant to reach (``expect``), so an answer
+comes from that node or not at all. Every file it installs is still checked
+against the owner's manifest. It imports no torch.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import http.client
 import json
 import logging
 import os
 import shutil
+import ssl
 import time
 import urllib.parse
 import uuid
@@ -25,15 +23,14 @@ from typing import Any
 from shardckpt.errors import CorruptCheckpointError, ShardckptError
 from shardckpt.format import layout
 from shardckpt.format.replicas import owner_dirname, version_tag
+from shardckpt.stores.tls import fingerprint
 
 log = logging.getLogger("shardckpt")
 
-AUTH_HEADER = "X-Shardckpt-Auth"
-BODY_HEADER = "X-Shardckpt-Body-Sha256"
 CHUNK = 1 << 20
-EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
-MANIFEST_DIGEST = "manifest:"
-"""Prefix of a body digest that names the file's checksum in the replica's manifest (:func:`manifest_digest`)."""
+LIVE_HEADER = "X-Shardckpt-Live-Lineage"
+"""On a replica's ``begin``: the owner's live lineage (JSON), which says whether an older save of a step
+number may replace a newer one on the holder (a rollback) or not (a replay)."""
 
 
 class PeerError(ShardckptError, OSError):
@@ -41,48 +38,49 @@ class PeerError(ShardckptError, OSError):
     like the remote tier's errors."""
 
 
-def sign(secret: bytes, method: str, path: str, body_sha256: str, when: int) -> str:
-    message = f"{method}\n{path}\n{body_sha256}\n{when}".encode()
-    return hmac.new(secret, message, hashlib.sha256).hexdigest()
-
-
-def auth_headers(secret: bytes, method: str, path: str, body_sha256: str = EMPTY_SHA256) -> dict[str, str]:
-    when = int(time.time())
-    return {AUTH_HEADER: f"{when}:{sign(secret, method, path, body_sha256, when)}", BODY_HEADER: body_sha256}
-
-
-def manifest_digest(entry: layout.FileEntry) -> str:
-    """The body binding of a replica file's PUT: the owner's checksum of it, as its (signed) manifest says.
-
-    The manifest arrived in the signed ``begin`` request (bound by the SHA-256 of
-    its text), and the holder keeps a file only when its bytes match that
-    checksum: no SHA-256 pass over the file on either side (README, "Peer tier").
-    """
-    return MANIFEST_DIGEST + entry.checksum
-
-
 class PeerClient:
     """One peer endpoint, with the small interface the remote store has: list, get (a range), put.
 
-    ``addr`` is ``host:port``. Every call opens one connection (bounded by
-    ``timeout_s``) and raises :class:`PeerError` when the peer refuses or
-    cannot be reached.
+    ``addr`` is ``host:port``; ``context`` a client context of
+    :mod:`shardckpt.stores.tls`; ``expect`` the SHA-256 fingerprint of the
+    certificate the node at ``addr`` must present (``None``: any certificate the
+    context trusts, e.g. an operator's CA). Every call opens one connection
+    (bounded by ``timeout_s``) and raises :class:`PeerError` when the peer
+    refuses, cannot be reached, or is not the node expected.
     """
 
-    def __init__(self, addr: str, secret: bytes, *, timeout_s: float = 60.0) -> None:
+    def __init__(self, addr: str, context: ssl.SSLContext, *, expect: str | None = None,
+                 timeout_s: float = 60.0) -> None:
         host, _, port = addr.rpartition(":")
         self.addr = addr
         self.host, self.port = host, int(port)
-        self.secret = secret
+        self.context = context
+        self.expect = expect
         self.timeout_s = timeout_s
+
+    def _connect(self) -> http.client.HTTPSConnection:
+        """An open connection to the peer, its certificate checked against the one pinned for it."""
+        conn = http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout_s, context=self.context)
+        try:
+            conn.connect()
+            presented = conn.sock.getpeercert(binary_form=True) if conn.sock is not None else None
+            if self.expect is not None and (presented is None or fingerprint(presented) != self.expect):
+                raise PeerError(f"peer {self.addr} presented a certificate that is not the one of the node expected "
+                                f"there (another job member, or a stale address); nothing read from it")
+        except PeerError:
+            conn.close()
+            raise
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise PeerError(f"peer {self.addr}: no TLS connection (refused, not a job peer, or unreachable): "
+                            f"{type(exc).__name__}: {exc}") from exc
+        return conn
 
     def _request(self, method: str, path: str, body: bytes | None = None,
                  headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-        digest = hashlib.sha256(body).hexdigest() if body is not None else EMPTY_SHA256
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        conn = self._connect()
         try:
-            conn.request(method, path, body=body, headers={**auth_headers(self.secret, method, path, digest),
-                                                           **(headers or {})})
+            conn.request(method, path, body=body, headers=headers or {})
             resp = conn.getresponse()
             return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
         except (OSError, http.client.HTTPException) as exc:
@@ -132,9 +130,9 @@ class PeerClient:
         path = self.file_path(step, name, owner)
         tmp = f"{dest}.peer-{uuid.uuid4().hex[:8]}"
         checksum = layout.Checksum.like(entry.checksum)
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        conn = self._connect()
         try:
-            conn.request("GET", path, headers=auth_headers(self.secret, "GET", path))
+            conn.request("GET", path)
             resp = conn.getresponse()
             if resp.status != 200:
                 self._ok("GET", path, resp.status, resp.read())
@@ -160,14 +158,17 @@ class PeerClient:
                 os.unlink(tmp)
 
     def put_replica(self, owner: str, step_dir: str, manifest: layout.Manifest, names: list[str],
-                    bandwidth: int | None = None) -> int:
+                    bandwidth: int | None = None, *, live: dict[str, Any] | None = None) -> int:
         """Send ``names`` of ``step_dir`` as ``owner``'s replica; committed on the peer with the manifest last.
 
+        ``live``: the owner's live lineage (:meth:`Lineage.to_json`), with which the
+        holder may replace a newer save of the step number by this one (a rollback).
         Files the peer already holds of this version are not sent again. Returns the bytes sent.
         """
         base = f"/v1/replica/{owner_dirname(owner)}/{manifest.step}/{version_tag(manifest)}"
         text = manifest.to_json().encode()
-        status, _h, body = self._request("POST", base + "/begin", text)
+        headers = {LIVE_HEADER: json.dumps(live, separators=(",", ":"))} if live is not None else None
+        status, _h, body = self._request("POST", base + "/begin", text, headers)
         self._ok("POST", base + "/begin", status, body)
         answer = json.loads(body)
         if answer.get("state") == "committed":
@@ -178,21 +179,18 @@ class PeerClient:
         for name in names:
             if name in have:
                 continue
-            sent += self._put_file(f"{base}/f/{urllib.parse.quote(name, safe='')}", os.path.join(step_dir, name), throttle,
-                                   manifest_digest(manifest.files[name]))
+            sent += self._put_file(f"{base}/f/{urllib.parse.quote(name, safe='')}", os.path.join(step_dir, name), throttle)
         commit = json.dumps({"files": sorted(names)}).encode()
         status, _h, body = self._request("POST", base + "/commit", commit)
         self._ok("POST", base + "/commit", status, body)
         return sent
 
-    def _put_file(self, path: str, local: str, throttle: "_Throttle", digest: str) -> int:
+    def _put_file(self, path: str, local: str, throttle: "_Throttle") -> int:
         size = os.path.getsize(local)
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        conn = self._connect()
         try:
             conn.putrequest("PUT", path)
-            for k, v in {**auth_headers(self.secret, "PUT", path, digest),
-                         "Content-Length": str(size)}.items():
-                conn.putheader(k, v)
+            conn.putheader("Content-Length", str(size))
             conn.endheaders()
             with open(local, "rb") as f:
                 while chunk := f.read(CHUNK):
