@@ -151,7 +151,7 @@ def _env_fields() -> set[str]:
         except Exception:  # noqa: BLE001 - with no variable set it raises nothing: it read this one
             names.add(field.name)
         else:
-            if getattr(shardckpt.CheckpointConfig.from_env(environ=probe), field.name) == "__probe__":
+            if getattr(shardckpt.CheckpointConfig.from_env(environ=probe), field.name) in ("__probe__", ("__probe__",)):
                 names.add(field.name)
     return names
 

@@ -13,12 +13,18 @@ Modes: :meth:`set_mode` with ``"pass"``, ``"fail503"`` (every request 503),
 ``"cycle"`` (every ``every``-th request gets the next fault of ``kinds`` in
 turn: deterministic counts) or ``"random"`` (a seeded mix at ``rate``). Counts of what was
 injected are kept in ``counts``; the body bytes of every forwarded GET, per path, in ``got``.
+
+A listing that lags behind writes (some S3-compatible stores list a new key only
+some time after its PUT, while GET and HEAD see it at once): keys under the
+prefixes in ``unlisted`` (``"bucket/key prefix"``) are left out of every listing
+answer (their ``<Contents>`` and ``<CommonPrefixes>``); every other request passes.
 """
 
 from __future__ import annotations
 
 import http.client
 import random
+import re
 import socket
 import socketserver
 import struct
@@ -48,6 +54,8 @@ class FaultProxy:
         self.got: list[tuple[str, int]] = []
         """``(path, body bytes)`` of every GET forwarded and answered."""
         self.index = 0
+        self.unlisted: tuple[str, ...] = ()
+        """``"bucket/key prefix"`` entries that listings do not show (a lagging listing)."""
         proxy = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -110,6 +118,11 @@ class FaultProxy:
                 length = 0
                 for line in lines[1:]:
                     name, _, value = line.partition(":")
+                    if name.strip().lower() == "expect" and value.strip().lower() == "100-continue":
+                        # Answered here (the upstream gets the whole body at once): a client
+                        # waiting for it would otherwise stall about a second per PUT.
+                        conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+                        continue
                     headers.append((name.strip(), value.strip()))
                     if name.strip().lower() == "content-length":
                         length = int(value.strip())
@@ -164,6 +177,8 @@ class FaultProxy:
                 if name.lower() == "content-length" and method != "HEAD":
                     continue
                 out.append(f"{name}: {value}")
+            if method == "GET":
+                data = self._lagging_listing(target, data)
             if method != "HEAD":
                 out.append(f"Content-Length: {len(data)}")
             if method == "GET":
@@ -172,3 +187,22 @@ class FaultProxy:
             conn.sendall(("\r\n".join(out) + "\r\n\r\n").encode("latin-1") + (data if method != "HEAD" else b""))
         finally:
             up.close()
+
+    def _lagging_listing(self, target: str, data: bytes) -> bytes:
+        """A bucket listing's answer without the entries under :attr:`unlisted` (others unchanged)."""
+        parsed = urllib.parse.urlparse(target)
+        bucket = parsed.path.strip("/")
+        if not self.unlisted or "/" in bucket or not bucket:
+            return data  # not a bucket-level request (a key's GET), or nothing hidden
+        hidden = [p.split("/", 1)[1] for p in self.unlisted if p.split("/", 1)[0] == bucket]
+        if not hidden:
+            return data
+        text = data.decode("utf-8")
+
+        def keep(match: re.Match) -> str:
+            key = urllib.parse.unquote_plus(match.group(2))
+            return "" if any(key.startswith(h) for h in hidden) else match.group(0)
+
+        text = re.sub(r"<Contents>(.*?<Key>)(.*?)</Key>.*?</Contents>", keep, text, flags=re.S)
+        text = re.sub(r"<CommonPrefixes>(\s*<Prefix>)(.*?)</Prefix>\s*</CommonPrefixes>", keep, text, flags=re.S)
+        return text.encode("utf-8")

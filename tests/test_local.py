@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import shardckpt
 from helpers import PROGRAMS, mount_tmpfs, run_torchrun
-from shardckpt.format import layout
+from shardckpt.format import layout, manifest_schema
 
 
 def make_state(seed=0):
@@ -178,6 +178,7 @@ def test_manifest_with_sha256_entries_still_verifies(tmp_path):
     step_dir = tmp_path / layout.step_dirname(1)
     path = step_dir / layout.MANIFEST_NAME
     body = json.loads(path.read_text())
+    del body["digest"]  # nor did they carry a digest of their own content
     for name, entry in body["files"].items():
         del entry["checksum"]
         entry["sha256"] = hashlib.sha256((step_dir / name).read_bytes()).hexdigest()
@@ -354,7 +355,7 @@ def test_manifest_with_escaping_path_is_refused(tmp_path):
     path = tmp_path / layout.step_dirname(1) / layout.MANIFEST_NAME
     body = json.loads(path.read_text())
     body["files"]["../../etc/passwd"] = {"size": 1, "checksum": "xxh3-128:" + "0" * 32, "rank": 0}
-    path.write_text(json.dumps(body))
+    path.write_text(manifest_schema.seal(body))  # crafted: its digest recomputed
     with pytest.raises(shardckpt.CorruptCheckpointError, match="outside its step directory"):
         ckpt_for(tmp_path).load(make_state(1))
 

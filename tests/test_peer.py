@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import http.client
 import json
@@ -153,7 +154,7 @@ def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path
     # Bodies larger than their bound: a replica file beyond its manifest size, a manifest beyond 16 MiB.
     tag = replicas.version_tag(manifest)
     path = f"/v1/replica/owner_0/7/{tag}/begin"
-    seven = layout.Manifest.from_json(manifest.to_json().replace('"step": 1', '"step": 7'), "x")
+    seven = dataclasses.replace(manifest, step=7)  # sealed again with its own digest by to_json()
     assert seven.step == 7
     tag7 = replicas.version_tag(seven)
     assert _raw(addr, "POST", f"/v1/replica/owner_0/7/{tag7}/begin", seven.to_json().encode(), context=member)[0] == 200
@@ -240,8 +241,6 @@ def test_a_holder_never_trades_a_newer_save_for_an_older_one_unless_the_owner_ro
     """Two saves of step 1 (same number, other save ids): the holder keeps the one saved last; a late or
     replayed transfer of the older save is refused, never answered "committed"; when the owner's live
     lineage abandons the newer save (a rollback), the older one is taken."""
-    import dataclasses
-
     from shardckpt.format import lineage
 
     owner, holder, addr, job = endpoint

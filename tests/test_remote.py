@@ -463,6 +463,7 @@ def test_chunk_sums_are_taken_while_writing_and_a_manifest_without_them_is_fetch
     body = json.loads(s3.client().get_object(Bucket=BUCKET, Key=key)["Body"].read())
     for entry in body["files"].values():
         del entry["chunks"]
+    del body["digest"]  # nor did such manifests carry a digest of their own content
     s3.client().put_object(Bucket=BUCKET, Key=key, Body=json.dumps(body).encode())
     fresh = tmp_path / "fresh"
     model = torch.nn.Linear(1100, 1100)

@@ -12,9 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import shardckpt  # noqa: E402
+from faultproxy import FaultProxy  # noqa: E402
 from remote_history import RequestLog, clone_steps  # noqa: E402
 from s3server import BUCKET, reset_if_used  # noqa: E402
 from shardckpt.format import layout
@@ -172,3 +175,47 @@ def test_an_older_step_committing_late_stays_retired_and_readers_never_write_the
     # The committer's next pass writes the repair.
     remote_commit.apply_remote_retention(store, KeepLast(2), deadline)
     assert index_steps(s3, "late") == [2, 3]
+
+
+@pytest.mark.parametrize("s3", ["moto"], indirect=True)
+def test_a_listing_that_lags_behind_the_commit_never_resumes_the_older_step(s3, tmp_path):
+    """An S3-compatible store that lists a new prefix late (GET and HEAD see it at once).
+
+    Step 2 is committed, then the listing stops showing it (a proxy in front of moto leaves
+    it out of every listing: what a store whose listing lags shows right after the commit).
+    The commit's index write and a retention pass keep its entry, and a restore on an empty
+    disk resumes step 2, not step 1 (resuming 1 would let the run save 2 again over the
+    committed step it never saw).
+    """
+    proxy = FaultProxy(s3.endpoint)
+    try:
+        url = f"s3://{BUCKET}/lag"
+        opts = _opts(endpoint_url=proxy.endpoint)
+        local_dir = tmp_path / "local"
+        saved = save_local_steps(local_dir, [1, 2])
+        assert uploader.Uploader(str(local_dir), stores.open_store(url, _opts()), node="n0", once=True,
+                                 poll_s=0.05).run() == 0  # committed (straight to the server)
+        proxy.unlisted = (f"{BUCKET}/lag/{layout.step_dirname(2)}/",)
+        store = stores.open_store(url, opts)
+        assert remote_index.step_dirs(store, stores.Deadline(60)) == [1]  # the listing lags behind the commit
+        assert index_steps(s3, "lag") == [1, 2]
+        manifest = layout.read_manifest(str(local_dir / layout.step_dirname(2)))
+        remote_index.record(store, manifest, stores.Deadline(60))  # the commit's index write
+        assert index_steps(s3, "lag") == [1, 2]
+        remote_commit.apply_remote_retention(store, KeepLast(5), stores.Deadline(60))
+        assert index_steps(s3, "lag") == [1, 2]  # the committer's retention pass keeps it too
+
+        model = torch.nn.Linear(64, 64)
+        with shardckpt.Checkpointer(local_dir=str(tmp_path / "fresh"), remote=url, endpoint_url=proxy.endpoint,
+                                    uploader="off", preemption_signals=()) as ckpt:
+            assert ckpt.load({"model": model}) == 2
+        for name, value in saved[2].items():
+            assert torch.equal(model.state_dict()[name], value), name
+
+        # A step really gone (its manifest deleted under an index entry) is dropped all the same.
+        s3.client().delete_object(Bucket=BUCKET, Key=f"lag/{layout.step_dirname(2)}/{layout.MANIFEST_NAME}")
+        infos, _bad = remote_index.survey(store, stores.Deadline(60), write_back=True)
+        assert sorted(infos) == [1] and index_steps(s3, "lag") == [1]
+        store.close()
+    finally:
+        proxy.stop()

@@ -39,6 +39,12 @@ def test_roundtrip_bitwise(roundtrips, mode):
     assert result["mismatched"] == []
     assert result["scheduler_equal"] is True
     assert result["extra"] == {"note": "rt", "epoch": 2}
+    # A model still on the meta device: refused, naming every parameter and its optimizer state.
+    meta = result["meta"]
+    assert meta["error"] == "MetaDeviceError" and meta["still_meta"], meta
+    assert len(meta["params"]) == 6 and "to_empty" in meta["message"], meta
+    for name in meta["params"]:
+        assert f"model.{name}" in meta["message"] and f"optimizer.state.{name}.exp_avg" in meta["message"], name
     # keep_last=2: only the two newest steps remain, and no leftovers.
     names = sorted(p.name for p in ckpt_dir.iterdir())
     assert names == ["step_0000000002", "step_0000000003"]

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import shardckpt
-from shardckpt.format import layout
+from shardckpt.format import layout, manifest_schema
 
 
 class _Payload:
@@ -40,7 +40,7 @@ def _rewrite_manifest(step_dir):
     for name in body["files"]:
         size, digest = layout.checksum_file(str(step_dir / name))
         body["files"][name].update(size=size, checksum=digest)
-    path.write_text(json.dumps(body))
+    path.write_text(manifest_schema.seal(body))
 
 
 def test_crafted_metadata_pickle_is_refused_unrun(tmp_path):
@@ -108,7 +108,7 @@ def test_manifest_naming_an_absent_file(tmp_path):
     path = step_dir / layout.MANIFEST_NAME
     body = json.loads(path.read_text())
     body["files"]["__7_0.distcp"] = {"size": 10, "checksum": "xxh3-128:" + "0" * 32, "rank": 7}
-    path.write_text(json.dumps(body))
+    path.write_text(manifest_schema.seal(body))  # consistent, as a writer's bug would leave it
     err = _load_error(tmp_path)
     assert isinstance(err.value, shardckpt.CorruptCheckpointError)
     assert str(step_dir / "__7_0.distcp") in str(err.value) and "missing" in str(err.value)

@@ -327,13 +327,14 @@ def test_concurrent_use_from_several_threads(store, tmp_path):
         for key, data in blobs.items():
             _put(store, key, data, tmp_path)
 
-    def fetch(key: str) -> tuple[bytes, bytes]:
-        dest = tmp_path / ("got_" + key.replace("/", "_"))
+    def fetch(i: int, key: str) -> tuple[bytes, bytes]:
+        # Each key is read by two threads at once, each into a file of its own (a destination is the caller's).
+        dest = tmp_path / f"got_{i}_{key.replace('/', '_')}"
         store.get_file(key, str(dest), len(blobs[key]), layout.checksum_bytes(blobs[key]), DEADLINE)
         return dest.read_bytes(), store.get_range(key, 100, 1000, DEADLINE)
 
     keys = list(blobs) * 2
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(fetch, keys))
+        results = list(pool.map(fetch, range(len(keys)), keys))
     for key, (whole, part) in zip(keys, results):
         assert whole == blobs[key] and part == blobs[key][100:1100]

@@ -34,6 +34,7 @@ from shardckpt.errors import (  # noqa: E402
     SaveError,
     ShardckptError,
     StateMismatchError,
+    MetaDeviceError,
     UntrustedCheckpointError,
 )
 from shardckpt.options import CheckpointConfig, OnCorrupt, OnDiskFull, OnRemoteUnavailable, SaveMode, UploaderMode  # noqa: E402
@@ -100,6 +101,7 @@ __all__ = [
     "ShardckptError",
     "StepPeek",
     "StateMismatchError",
+    "MetaDeviceError",
     "UntrustedCheckpointError",
     "close",
     "init",

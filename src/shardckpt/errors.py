@@ -37,6 +37,10 @@ class StateMismatchError(ShardckptError, KeyError):
         return str(self.args[0])
 
 
+class MetaDeviceError(StateMismatchError):
+    """The state to load into holds tensors on the meta device: materialize it (``to_empty()``) first."""
+
+
 class ForeignCheckpointError(ShardckptError, ValueError):
     """The step was written by another run (its manifest's ``run_id`` differs)."""
 

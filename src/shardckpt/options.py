@@ -123,7 +123,14 @@ class CheckpointConfig:
     run_config: Any = None
     """What was this run: a dict, or the path of a YAML/JSON file whose content is
     recorded. Every manifest stores it with the command line, world size, device
-    and versions; ``load()`` warns when the current one differs (keys old -> new)."""
+    and versions; ``load()`` warns when the current one differs (keys old -> new;
+    those that can change shapes first)."""
+
+    run_config_ignore: tuple[str, ...] = ()
+    """Keys of ``run_config`` left out of that comparison: dotted names or shell-style
+    patterns (``"out_dir"``, ``"wandb.*"``, ``"*_path"``); a name also covers the keys
+    under it. For entries that differ on every resume (paths, run names, timestamps).
+    ``SHARDCKPT_RUN_CONFIG_IGNORE``: comma-separated."""
 
     mode: SaveMode = SaveMode.ASYNC
     """``async`` (default): block only while staging into host memory."""
@@ -383,6 +390,10 @@ class CheckpointConfig:
                 allowed = ", ".join(e.value for e in enum_type)
                 raise ConfigError(f"{name} must be one of {allowed}, got {value!r}") from None
         self.preemption_signals = tuple(int(s) for s in self.preemption_signals)
+        ignore = (self.run_config_ignore,) if isinstance(self.run_config_ignore, str) else self.run_config_ignore
+        if not isinstance(ignore, (list, tuple)) or not all(isinstance(p, str) and p for p in ignore):
+            raise ConfigError(f"run_config_ignore must be a list of key names or patterns, got {self.run_config_ignore!r}")
+        self.run_config_ignore = tuple(ignore)
         if self.peer_replicas is not None and (
             isinstance(self.peer_replicas, bool) or not isinstance(self.peer_replicas, int) or self.peer_replicas < 0
         ):
@@ -469,6 +480,8 @@ def _parse_env(name: str, raw: str) -> Any:
             raise ValueError(text)
         if name == "preemption_signals":
             return tuple(_parse_signal(s) for s in text.split(",") if s.strip())
+        if name == "run_config_ignore":
+            return tuple(p.strip() for p in text.split(",") if p.strip())
     except ValueError:
         raise ConfigError(f"{var}={raw!r} is not a valid value for {name}") from None
     return text

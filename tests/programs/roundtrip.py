@@ -1,5 +1,7 @@
 """Train a few steps (DDP or FSDP2), save, restore into fresh objects, compare bitwise.
 
+Before that restore, a load into the model built on the meta device must be refused.
+
 usage: roundtrip.py MODE CKPT_DIR OUT_JSON [+ MODE CKPT_DIR OUT_JSON ...]     (MODE: ddp | fsdp2)
 
 Several round trips separated by "+" run one after the other in the same
@@ -15,9 +17,10 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 import shardckpt
 
 
-def build(mode: str, seed: int):
+def build(mode: str, seed: int, device: str = "cpu"):
     torch.manual_seed(seed)
-    net = common.TinyNet(width=10)
+    with torch.device(device):
+        net = common.TinyNet(width=10)
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -32,6 +35,31 @@ def build(mode: str, seed: int):
         model = fully_shard(net, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model, optim
+
+
+def meta_attempt(mode: str, ckpt_dir: str) -> dict:
+    """load() into the model built on the meta device (torchtitan's way), before to_empty().
+
+    FSDP2 shards the meta model as it is; DDP cannot wrap one (it broadcasts the
+    parameters at construction), so its meta case is the module before wrapping.
+    """
+    if mode == "ddp":
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = common.TinyNet(width=10)
+    else:
+        model, _optim = build(mode, seed=0, device="meta")
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = shardckpt.Checkpointer(local_dir=ckpt_dir)
+    try:
+        ckpt.load({"model": model, "optimizer": optim})
+        out = {"error": None}
+    except shardckpt.ShardckptError as exc:
+        out = {"error": type(exc).__name__, "message": str(exc)}
+    ckpt.close()
+    out["params"] = [n for n, _p in model.named_parameters()]
+    out["still_meta"] = all(p.is_meta for p in model.parameters())
+    return out
 
 
 def main() -> None:
@@ -59,6 +87,8 @@ def roundtrip(rank: int, mode: str, ckpt_dir: str, out: str) -> None:
     saved_optim = common.flat_tensors(get_optimizer_state_dict(model, optim))
     saved_sched = sched.state_dict()
 
+    meta = meta_attempt(mode, ckpt_dir)
+
     model2, optim2 = build(mode, seed=123)
     sched2 = torch.optim.lr_scheduler.StepLR(optim2, step_size=2, gamma=0.5)
     state2 = {"model": model2, "optimizer": optim2, "scheduler": sched2}
@@ -78,6 +108,7 @@ def roundtrip(rank: int, mode: str, ckpt_dir: str, out: str) -> None:
         "extra": state2.get("extra"),
         "scheduler_equal": sched2.state_dict() == saved_sched,
         "lr": [g["lr"] for g in optim2.param_groups],
+        "meta": meta,
     }
     if rank == 0:
         common.write_json(out, result)

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem
 
 from shardckpt.errors import CorruptCheckpointError, ShardckptError, UntrustedCheckpointError
+from shardckpt.format import layout
 from shardckpt.format.safe_pickle import safe_load_metadata
 
 try:
@@ -28,7 +29,11 @@ except ImportError:  # pragma: no cover - moved between torch releases
     from torch.distributed.checkpoint._nested_dict import set_element  # type: ignore
 
 
-def read_metadata(step_dir: str, step: int, *, trust_pickles: bool = False) -> Metadata:
+def read_metadata(
+    step_dir: str, step: int, *, trust_pickles: bool = False, entry: layout.FileEntry | None = None
+) -> Metadata:
+    """DCP's metadata of a step; ``entry``: its manifest entry, checked before a byte is unpickled
+    (damage must read as damage, not as an untrusted pickle)."""
     path = os.path.join(step_dir, ".metadata")
     try:
         with open(path, "rb") as f:
@@ -38,6 +43,9 @@ def read_metadata(step_dir: str, step: int, *, trust_pickles: bool = False) -> M
             f"step {step}: {path} is missing; the step cannot be loaded. "
             f"Remedy: load an earlier step or restore the file from the remote tier."
         ) from None
+    problem = entry and layout.file_problem(step, path, entry, len(data), layout.checksum_bytes(data, entry.checksum))
+    if problem:
+        raise CorruptCheckpointError(problem)
     if trust_pickles:
         return pickle.loads(data)
     return safe_load_metadata(data, path)

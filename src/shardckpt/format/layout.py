@@ -27,6 +27,7 @@ from typing import Any, Iterable
 import xxhash
 
 from shardckpt.errors import CorruptCheckpointError
+from shardckpt.format import manifest_schema
 
 MANIFEST_NAME = "shardckpt.json"
 METADATA_NAME = ".metadata"
@@ -259,14 +260,15 @@ class Manifest:
         for entry in body["files"].values():
             if not entry["chunks"]:
                 del entry["chunks"]
-        return json.dumps(body, indent=1, sort_keys=True)
+        return manifest_schema.seal(body)
 
     @classmethod
-    def from_json(cls, text: str, where: str) -> "Manifest":
+    def from_json(cls, text: str | bytes, where: str) -> "Manifest":
+        """The manifest in ``text`` (read from ``where``); its digest and every field's type are
+        checked first (:mod:`shardckpt.format.manifest_schema`)."""
+        parent = os.path.basename(os.path.dirname(where.replace("\\", "/").rstrip("/")))
+        body = manifest_schema.decode(text, where, expected_format=MANIFEST_FORMAT, step=parse_step_dirname(parent))
         try:
-            body = json.loads(text)
-            if body.get("format") != MANIFEST_FORMAT:
-                raise ValueError(f"unknown format {body.get('format')!r}")
             files = {}
             for name, entry in body["files"].items():
                 check_relpath(name, where)
@@ -380,11 +382,11 @@ def read_manifest(step_dir: str) -> Manifest | None:
     """The manifest of a step directory, ``None`` when it has none (not committed)."""
     path = os.path.join(step_dir, MANIFEST_NAME)
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            data = f.read()
     except FileNotFoundError:
         return None
-    return Manifest.from_json(text, path)
+    return Manifest.from_json(data, path)
 
 
 def committed_steps(root: str) -> list[int]:

@@ -39,6 +39,8 @@ from shardckpt.dcp import planner as dcp_planner
 from shardckpt.dcp import reader as dcp_reader
 from shardckpt.restoring import elastic as elastic_mod
 from shardckpt.format import layout
+from shardckpt.restoring import run_config as run_config_mod
+from shardckpt.restoring import targets as targets_mod
 from shardckpt.format import lineage as lineage_mod
 from shardckpt import state as state_mod
 from shardckpt._text import fmt_bytes
@@ -176,18 +178,16 @@ class Restorer:
             return
         log.warning(
             "shardckpt: run_config differs from the one step %d was saved with (%d key(s)): %s", step, len(changed),
-            "; ".join(changed[:20]) + (f"; ... ({len(changed) - 20} more)" if len(changed) > 20 else ""),
+            "; ".join(changed[:20]) + (f"; ... ({len(changed) - 20} more)" if len(changed) > 20 else "")
+            + " (integer changes first; leave keys that differ on every run out with run_config_ignore=[...])",
         )
 
-    def _config_changes(self, manifest: layout.Manifest) -> list[str]:
-        """``key: saved -> current`` for each ``run_config`` entry that differs (empty when either is unknown)."""
-        saved = (manifest.run or {}).get("config")
-        current = run_config_of(self.config.run_config)
-        if saved is None or current is None or saved == current:
-            return []
-        old, new = _flatten(saved), _flatten(current)
-        return [f"{k}: {old.get(k, '(absent)')!r} -> {new.get(k, '(absent)')!r}"
-                for k in sorted(set(old) | set(new)) if old.get(k, _ABSENT) != new.get(k, _ABSENT)]
+    def _config_changes(self, manifest: layout.Manifest, dims: tuple[set[int], set[int]] | None = None) -> list[str]:
+        """``key: saved -> current`` for each ``run_config`` entry that differs (empty when either is unknown),
+        those that can change shapes first, ``run_config_ignore`` left out (``run_config.py``)."""
+        return run_config_mod.differences((manifest.run or {}).get("config"), run_config_of(self.config.run_config),
+                                          self.config.run_config_ignore, saved_dims=dims[0] if dims else (),
+                                          live_dims=dims[1] if dims else ())
 
     def _agree_lineage(self, survey: Survey, step: int | None) -> lineage_mod.Lineage:
         """The lineage of the next saves, decided on rank 0 (a new branch gets one id everywhere)."""
@@ -300,7 +300,8 @@ class Restorer:
                 f"(see {os.path.join(step_dir, layout.MANIFEST_NAME)}). Remedy: point local_dir/remote at this "
                 f"run's checkpoints, or set run_id to {manifest.run_id!r} (or None) to continue that run."
             )
-        metadata = dcp_planner.read_metadata(step_dir, step, trust_pickles=trust_pickles)
+        metadata = dcp_planner.read_metadata(step_dir, step, trust_pickles=trust_pickles,
+                                             entry=manifest.files.get(layout.METADATA_NAME) if self.config.verify_on_load else None)
         kinds_live = state_mod.classify(state)
         # Adopted stock DCP checkpoints record no kinds: take the live ones.
         saved_kinds = {
@@ -315,6 +316,8 @@ class Restorer:
                     "load a full step for everything", step, ", ".join(lacking),
                 )
         targets = state_mod.live_targets(state, kinds_live)
+        meta = targets_mod.meta_entries(state, kinds_live, targets)
+        targets_mod.refuse_meta(self._groups.all_gather_ctl(meta), step, step_dir)
         frozen = self._check_frozen(state, step, manifest, targets) if manifest.frozen else {}
         rank = _dist.rank()
         rng_key = state_mod.rng_key(rank)
@@ -328,7 +331,7 @@ class Restorer:
         live_fqns = set(flat_live.keys())
         reshaped = _shape_mismatches(flat_live, metadata)
         if reshaped:
-            changed = self._config_changes(manifest)
+            changed = self._config_changes(manifest, run_config_mod.reshaped_dims(flat_live, metadata))
             raise StateMismatchError(
                 f"step {step} in {step_dir} holds tensors of other shapes than the state being loaded "
                 f"(a checkpoint of another model?): {'; '.join(reshaped[:10])}"
@@ -368,6 +371,8 @@ class Restorer:
             if kind in (state_mod.VALUE, state_mod.STATEFUL) and (k in kinds_live or kind == state_mod.VALUE)
         }
         has_rng = any(p[:3] == (state_mod.RESERVED_KEY, state_mod.RNG, rng_key) for p in saved_paths)
+        left = targets_mod.unrestored(top_saved, saved_kinds, kinds_live, set(targets) | rebuild_keys, state_mod.RESERVED_KEY)
+        targets_mod.refuse_unrestored(left, step, step_dir, os.path.join(step_dir, layout.MANIFEST_NAME), strict=strict)
 
         def rebuild(path: tuple) -> bool:
             if path[0] in rebuild_keys:
@@ -466,20 +471,3 @@ def _prune_missing(targets: dict[str, Any], key: str, saved_fqns: set[str]) -> N
 
 
 _DROP = object()
-
-
-_ABSENT = object()
-
-
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
-    if not isinstance(value, dict):
-        return {prefix or "(value)": value}
-    out: dict[str, Any] = {}
-    for key, item in value.items():
-        name = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(item, dict) and item:
-            out.update(_flatten(item, name))
-        else:
-            out[name] = item
-    return out

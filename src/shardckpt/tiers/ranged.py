@@ -446,7 +446,7 @@ class SparseStep:
 def _read_manifest_copy(directory: str) -> layout.Manifest | None:
     path = os.path.join(directory, MANIFEST_COPY)
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, "rb") as f:
             return layout.Manifest.from_json(f.read(), path)
     except (FileNotFoundError, CorruptCheckpointError):
         return None

@@ -281,11 +281,7 @@ def _read_local_manifest(step_dir: str) -> tuple[bytes, layout.Manifest] | None:
             data = f.read()
     except FileNotFoundError:
         return None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise CorruptCheckpointError(f"manifest {path} is not UTF-8 text; the step cannot be trusted") from exc
-    return data, layout.Manifest.from_json(text, path)
+    return data, layout.Manifest.from_json(data, path)
 
 
 def _saved_again(step_dir: str, digest: str) -> bool:

@@ -8,7 +8,10 @@ need. It is a cache; the manifest stays the commit record:
 * it is written after the manifest (by the committing node) and an entry is
   removed before its step is deleted;
 * a survey takes one listing of the step directories and one GET of the
-  index. An entry whose step directory is gone is dropped; a step directory
+  index. An entry whose step directory the listing does not show is checked
+  with a HEAD of its manifest (a listing may lag behind a commit on
+  S3-compatible stores; the manifest proves the commit) and dropped only
+  when that is gone (:func:`unlisted_commits`); a step directory
   without an entry (a crash between manifest and index, a bucket written
   before the index existed, an entry lost to a concurrent writer) has its
   manifest read, once: a committed one is added. The head (the most
@@ -100,6 +103,29 @@ def step_dirs(store: Store, deadline: Deadline) -> list[int]:
     return sorted(steps)
 
 
+def unlisted_commits(store: Store, steps: list[int], deadline: Deadline) -> set[int]:
+    """Of the indexed ``steps`` the listing did not show, those whose manifest exists (a HEAD each).
+
+    An S3-compatible store may list a prefix only some time after a PUT into
+    it (the listing lags; GET and HEAD do not): a step committed a moment ago
+    is then in the index but not in the listing. The manifest is what proves
+    a commit, so the index entry is dropped only when a HEAD says it is gone
+    (a step deleted without leaving the index first, which retention never
+    does). Usually ``steps`` is empty and nothing is sent.
+    """
+    if not steps:
+        return set()
+    found = store.run_all(
+        [lambda s=s: (s, store.exists(join(layout.step_dirname(s), layout.MANIFEST_NAME), deadline)) for s in steps],
+        files=True,
+    )
+    shown = {s for s, there in found if there}
+    if shown:
+        log.info("shardckpt: step(s) %s of %s are committed (their manifest exists) but not listed yet; "
+                 "the store's listing lags behind its writes", sorted(shown), store.where(""))
+    return shown
+
+
 def survey(
     store: Store, deadline: Deadline, known: Mapping[int, layout.Manifest] | None = None, *, write_back: bool = False
 ) -> tuple[dict[int, lineage_mod.StepInfo], dict[int, str]]:
@@ -114,12 +140,14 @@ def survey(
     dirs = set(step_dirs(store, deadline))
     cached = read(store, deadline)
     stored = dict(cached or {})
+    dirs |= unlisted_commits(store, sorted(s for s in stored if s not in dirs), deadline)
     infos = {s: i for s, i in stored.items() if s in dirs}
     verified: set[int] = set()
     for step, manifest in (known or {}).items():
-        if step in dirs:
-            infos[step] = lineage_mod.info_of(manifest)
-            verified.add(step)
+        # The caller has just written or read it: a listing that has not caught up does not drop it.
+        dirs.add(step)
+        infos[step] = lineage_mod.info_of(manifest)
+        verified.add(step)
     unreadable: dict[int, str] = {}
 
     def look(step: int) -> tuple[int, Any]:
@@ -164,11 +192,7 @@ def remote_manifest(store: Store, step: int, deadline: Deadline) -> layout.Manif
     data = store.get_bytes(key, deadline)
     if data is None:
         return None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise CorruptCheckpointError(f"remote manifest {store.where(key)} is not UTF-8 text; the step cannot be trusted") from exc
-    manifest = layout.Manifest.from_json(text, store.where(key))
+    manifest = layout.Manifest.from_json(data, store.where(key))  # decoded and validated at the boundary
     if manifest.step != step:
         raise CorruptCheckpointError(
             f"remote manifest {store.where(key)} describes step {manifest.step}, not {step}; the step cannot be trusted"

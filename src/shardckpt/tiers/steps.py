@@ -31,6 +31,7 @@ from typing import Any, Callable
 from shardckpt.format import layout, lineage, step_dirs
 from shardckpt.node import peer_daemon
 from shardckpt.tiers import remote_commit
+from shardckpt.tiers.missing import read_committed
 from shardckpt.errors import CorruptCheckpointError, RemoteError, ShardckptError
 from shardckpt.stores import Deadline, LocalDirStore, join, Store, TransferOptions, open_store, safe_url, split_url
 
@@ -119,12 +120,19 @@ class StepView:
     # ---- reads
 
     def read(self, name: str, offset: int, length: int) -> bytes:
-        """Bytes [offset, offset + length) of the step's file ``name`` (checked by the caller's chunk sums)."""
-        return self.store.get_range(self.key(name), offset, length, self.deadline)
+        """Bytes [offset, offset + length) of the step's file ``name`` (checked by the caller's chunk sums);
+        an object gone or cut short is :class:`CorruptCheckpointError` (``missing.py``)."""
+        key = self.key(name)
+        return read_committed(self.store, key, self.step, self.deadline,
+                              lambda: self.store.get_range(key, offset, length, self.deadline), end=offset + length)
 
     def fetch_whole(self, name: str, path: str, entry: layout.FileEntry, on_bytes: OnBytes | None = None) -> None:
-        """The whole file into ``path``, checked against ``entry`` (size and checksum)."""
-        self.store.get_file(self.key(name), path, entry.size, entry.checksum, self.deadline, on_bytes)
+        """The whole file into ``path``, checked against ``entry`` (size and checksum); an object gone
+        or of another size is :class:`CorruptCheckpointError` (``missing.py``)."""
+        key = self.key(name)
+        read_committed(self.store, key, self.step, self.deadline,
+                       lambda: self.store.get_file(key, path, entry.size, entry.checksum, self.deadline, on_bytes),
+                       entry=entry)
 
     def fetch_into(self, directory: str, names: list[str], on_bytes: OnBytes | None = None) -> None:
         """Files ``names`` of the step into ``directory``, each verified against the manifest, in parallel."""
