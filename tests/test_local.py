@@ -346,6 +346,10 @@ def test_config_errors_name_the_field():
         shardckpt.CheckpointConfig(mode="sometimes")
     with pytest.raises(shardckpt.ConfigError, match="SHARDCKPT_EVERY_STEPS"):
         shardckpt.CheckpointConfig.from_env({"SHARDCKPT_EVERY_STEPS": "often"})
+    with pytest.raises(shardckpt.ConfigError, match="SHARDCKPT_PREEMPTION_SIGNALS"):
+        shardckpt.CheckpointConfig.from_env({"SHARDCKPT_PREEMPTION_SIGNALS": "SIGTERM,SIGBOGUS"})
+    assert shardckpt.CheckpointConfig.from_env({"SHARDCKPT_PREEMPTION_SIGNALS": "term,10"}).preemption_signals == (
+        signal.SIGTERM, 10)
 
 
 def test_manifest_with_escaping_path_is_refused(tmp_path):

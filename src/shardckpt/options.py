@@ -493,7 +493,10 @@ def _parse_signal(text: str) -> int:
         return int(text)
     if not text.startswith("SIG"):
         text = "SIG" + text
-    return int(getattr(signal, text))
+    value = getattr(signal, text, None)
+    if not isinstance(value, signal.Signals):
+        raise ValueError(text)  # named by the caller as the variable's invalid value
+    return int(value)
 
 
 def run_config_of(value: Any) -> Any:
