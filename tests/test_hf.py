@@ -65,9 +65,12 @@ def committed(path: Path) -> list[int]:
 
 
 def printed(output: str, rank: int, word: str) -> str:
+    # Two ranks write to one pipe: another process's unfinished line can stand before ours on the same line.
+    marker = f"rank {rank}: "
     for line in output.splitlines():
-        if line.startswith(f"rank {rank}: ") and word in line:
-            return line.split(word, 1)[1].split()[0]
+        ours = line.split(marker, 1)[1] if marker in line else ""
+        if word in ours:
+            return ours.split(word, 1)[1].split()[0]
     raise AssertionError(f"no line 'rank {rank}: ... {word}' in the output:\n{output[-4000:]}")
 
 
