@@ -49,6 +49,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from shardckpt.errors import ObjectRangeError
+
 
 class Deadline:
     """A point in time that bounds a whole operation (all requests and retries)."""
@@ -70,6 +72,15 @@ def join(*parts: str) -> str:
 
 
 OnBytes = Callable[[int], None]
+
+
+def range_past_end(where: str, offset: int, length: int, size: int, *, what: str = "object",
+                   remedy: str = "run `shardckpt verify` on the step") -> ObjectRangeError:
+    """The error of every store for bytes ``[offset, offset + length)`` asked of ``where``, which holds ``size``."""
+    return ObjectRangeError(
+        f"bytes {offset}..{offset + length} of {where} asked, but the {what} holds {size} bytes. "
+        f"Remedy: the {what} is shorter than its manifest says; {remedy}."
+    )
 
 
 class Store:

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from shardckpt import _failpoints
 from shardckpt.format import layout
 from shardckpt.errors import RemoteError
-from shardckpt.stores.base import Deadline
+from shardckpt.stores.base import Deadline, range_past_end
 from shardckpt.stores.network import (
     NetworkStore,
     TransferOptions,
@@ -23,7 +23,6 @@ from shardckpt.stores.network import (
     _file_chunks,
     _local_mismatch,
     _Transient,
-    range_past_end,
     split_url,
 )
 

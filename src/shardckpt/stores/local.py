@@ -15,8 +15,8 @@ import shutil
 import uuid
 
 from shardckpt.format import layout
-from shardckpt.errors import CorruptCheckpointError, ObjectNotFoundError, ObjectRangeError, RemoteError
-from shardckpt.stores.base import Deadline, OnBytes, Store
+from shardckpt.errors import CorruptCheckpointError, ObjectNotFoundError, RemoteError
+from shardckpt.stores.base import Deadline, OnBytes, Store, range_past_end
 
 _CHUNK = 8 << 20
 _TMP = ".tmp-"
@@ -112,10 +112,7 @@ class LocalDirStore(Store):
             if length <= 0:
                 return b""
             if offset < 0 or offset + length > size:
-                raise ObjectRangeError(
-                    f"bytes {offset}..{offset + length} of {path} asked, but the file holds {size} bytes. "
-                    f"Remedy: the file is shorter than its manifest says; run `shardckpt verify` on the step."
-                )
+                raise range_past_end(path, offset, length, size, what="file")
             return os.pread(fd, length, offset)
         finally:
             os.close(fd)

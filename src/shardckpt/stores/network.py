@@ -28,7 +28,7 @@ import time
 from typing import Any, Callable, TypeVar
 
 from shardckpt.format import layout
-from shardckpt.errors import ConfigError, CorruptCheckpointError, ObjectNotFoundError, ObjectRangeError, RemoteError
+from shardckpt.errors import ConfigError, CorruptCheckpointError, ObjectNotFoundError, RemoteError
 from shardckpt.stores.base import Deadline, Store
 
 log = logging.getLogger("shardckpt")
@@ -303,10 +303,4 @@ def _check_download(path: str, where: str, size: int, checksum: str, got_size: i
             f"uploads again what fails)."
         )
 
-
-def range_past_end(where: str, offset: int, length: int, size: int) -> ObjectRangeError:
-    return ObjectRangeError(
-        f"bytes {offset}..{offset + length} of {where} asked, but the object holds {size} bytes. "
-        f"Remedy: the object is shorter than its manifest says; run `shardckpt verify` on the step."
-    )
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from shardckpt.errors import CorruptCheckpointError, ObjectNotFoundError, ObjectRangeError, RemoteError
+from shardckpt.errors import CorruptCheckpointError, ObjectNotFoundError, RemoteError
 from shardckpt.format import layout
 from shardckpt.format.replicas import owner_dirname
-from shardckpt.stores.base import Deadline, OnBytes, Store
+from shardckpt.stores.base import Deadline, OnBytes, Store, range_past_end
 from shardckpt.stores.peer_client import PeerClient
 
 _PART = 8 << 20
@@ -87,10 +87,8 @@ class PeerStore(Store):
         if length <= 0:
             return b""
         if offset < 0 or offset + length > size:
-            raise ObjectRangeError(
-                f"bytes {offset}..{offset + length} of {self.where(key)} asked, but the file holds {size} bytes. "
-                f"Remedy: the file is shorter than its manifest says; read the step from another source."
-            )
+            raise range_past_end(self.where(key), offset, length, size, what="file",
+                                 remedy="read the step from another source")
         return self.client.get(step, name, owner=self.owner, start=offset, end=offset + length)
 
     def get_bytes(self, key: str, deadline: Deadline) -> bytes | None:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from shardckpt.format import layout
 from shardckpt.errors import CorruptCheckpointError, RemoteError
-from shardckpt.stores.base import Deadline, join
+from shardckpt.stores.base import Deadline, join, range_past_end
 from shardckpt.stores.network import (
     NetworkStore,
     TransferOptions,
@@ -28,7 +28,6 @@ from shardckpt.stores.network import (
     _local_mismatch,
     _read_exact,
     _Transient,
-    range_past_end,
     safe_url,
     split_url,
 )
