@@ -72,6 +72,15 @@ def test_int_keys_round_trip_under_ddp_and_save_again(ddp_values):
         assert got["steps"] == [1, 2, 3]  # the loaded dict saved again
 
 
+def test_empty_dicts_and_a_lambda_schedulers_state_round_trip(ddp_values):
+    """DCP writes nothing for an empty dict: without care the key is gone after a restore."""
+    _log, ranks, _mounted = ddp_values
+    for got in ranks:
+        assert got["empties"] == [{}, {"empty": {}, "lists": [{}, []]}]
+        assert got["sched"]["last_epoch"] == 3
+        assert got["sched"]["lr_lambdas"] == [{}]  # LambdaLR over a functools.partial
+
+
 def test_ddp_replicas_count_once_in_the_free_space_estimate(ddp_values):
     log, ranks, mounted = ddp_values
     if not mounted:

@@ -8,6 +8,11 @@ not a ``str`` as a tagged string, ``"#int:5"``, ``"#float:0.5"``,
 ``"#str:..."``); :func:`decode_keys` turns them back. Other key types are
 refused at save with a :class:`ConfigError` naming the key.
 
+DCP also drops an empty dict (it has no leaf to write), and with it a list
+that holds nothing else (``LambdaLR``'s ``lr_lambdas: [{}]``): the key would be
+missing from what is restored. :func:`encode_keys` writes an empty dict as the
+leaf :data:`EMPTY_DICT` and :func:`decode_keys` turns it back into ``{}``.
+
 DCP also keeps one copy of an entry that several ranks save under the same
 name, written by whichever rank its planner picks; when the ranks' values
 differ (a metric computed on rank 0 only), that is an arbitrary rank's value,
@@ -37,6 +42,8 @@ STOCK = "stock"  # a key of an adopted stock DCP checkpoint: kind unknown until 
 log = logging.getLogger("shardckpt")
 
 _TAG = "#"
+EMPTY_DICT = "\x00shardckpt:empty-dict\x00"
+"""The leaf an empty dict is saved as (DCP writes nothing for an empty dict)."""
 _SMALL_PICKLE = 4096  # plain leaves up to this size are compared by value, larger ones by digest
 _SMALL_TENSOR = 64  # tensors with up to this many elements are compared by value, larger ones by shape/dtype
 
@@ -88,6 +95,8 @@ def encode_keys(value: Any, where: str) -> Any:
     caller's objects are never changed.
     """
     if isinstance(value, dict):
+        if not value:
+            return EMPTY_DICT
         out = {}
         changed = False
         for k, v in value.items():
@@ -104,6 +113,8 @@ def encode_keys(value: Any, where: str) -> Any:
 
 def decode_keys(value: Any) -> Any:
     """The inverse of :func:`encode_keys` (in place for dicts and lists, which are freshly loaded)."""
+    if isinstance(value, str) and value == EMPTY_DICT:
+        return {}
     if isinstance(value, dict):
         items = [(decode_key(k), decode_keys(v)) for k, v in value.items()]
         value.clear()

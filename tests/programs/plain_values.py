@@ -5,6 +5,7 @@ usage: plain_values.py OUT_DIR SMALL_DIR      (SMALL_DIR: a 3 MiB filesystem, or
 Writes OUT_DIR/rank<r>.json with what each rank saw.
 """
 
+import functools
 import os
 import sys
 
@@ -14,6 +15,10 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 import shardckpt
+
+
+def warmup(step: int, n: int) -> float:
+    return min(1.0, (step + 1) / n)
 
 
 def main() -> None:
@@ -26,9 +31,15 @@ def main() -> None:
     torch.manual_seed(0)
     model = DistributedDataParallel(common.TinyNet(width=4))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    meta = {"best_val_loss": torch.tensor(3.65) if rank == 0 else 1e9, "lr": 0.5 * (rank + 1), "iter_num": 7}
+    meta = {"best_val_loss": torch.tensor(3.65) if rank == 0 else 1e9, "lr": 0.5 * (rank + 1), "iter_num": 7,
+            "extra": {}, "nested": {"empty": {}, "lists": [{}, []]}}
     vocab = {"itos": {0: "a", 1: "b", 10: "z"}, "stoi": {"a": 0, "#": 3}}
-    state = {"model": model, "optimizer": optim, "meta": meta, "vocab": vocab}
+    # A LambdaLR over a functools.partial saves "lr_lambdas": [{}] (an empty dict in a list).
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, functools.partial(warmup, n=10))
+    for _ in range(3):
+        optim.step()
+        sched.step()
+    state = {"model": model, "optimizer": optim, "meta": meta, "vocab": vocab, "sched": sched}
     ckpt_dir = os.path.join(out_dir, "ckpt")
     ckpt = shardckpt.Checkpointer(local_dir=ckpt_dir, keep_last=None, preemption_signals=())
     for step in (1, 2):
@@ -36,13 +47,17 @@ def main() -> None:
     ckpt.close()
 
     live = {"itos": {0: "old", 1: "old"}}
-    state2 = {"model": model, "optimizer": optim, "meta": {}, "vocab": live}
+    sched2 = torch.optim.lr_scheduler.LambdaLR(optim, functools.partial(warmup, n=10))
+    state2 = {"model": model, "optimizer": optim, "meta": {}, "vocab": live, "sched": sched2}
     ckpt2 = shardckpt.Checkpointer(local_dir=ckpt_dir, keep_last=None, preemption_signals=())
     result["restored"] = ckpt2.load(state2)
     got = state2["meta"]
     result["best_val_loss"] = [type(got["best_val_loss"]).__name__, float(got["best_val_loss"])]
     result["lr"] = got["lr"]
     result["iter_num"] = got["iter_num"]
+    result["empties"] = [got.get("extra", "missing"), got.get("nested", "missing")]
+    result["sched"] = {"last_epoch": sched2.last_epoch, "keys": sorted(sched2.state_dict()),
+                       "lr_lambdas": sched2.state_dict().get("lr_lambdas", "missing")}
     result["itos_keys"] = [repr(k) for k in live["itos"]]
     result["itos_same_object"] = state2["vocab"] is live
     result["itos"] = {repr(k): v for k, v in live["itos"].items()}
