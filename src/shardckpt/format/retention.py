@@ -37,6 +37,8 @@ def _kind(infos: Mapping[int, Any], step: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class KeepLast:
+    """The newest ``n`` steps of one kind (``kind``: full steps by default; light steps are counted apart)."""
+
     n: int
     kind: str = FULL
     """Counts only steps of this kind (``full`` or ``light``)."""
@@ -51,6 +53,8 @@ class KeepLast:
 
 @dataclasses.dataclass(frozen=True)
 class KeepEvery:
+    """Every step whose number is a multiple of ``k`` (milestones kept for good, e.g. ``KeepEvery(1000)``)."""
+
     k: int
 
     def __post_init__(self) -> None:
@@ -92,12 +96,16 @@ def ranked(steps: Iterable[int], infos: Mapping[int, Any], metric: str, mode: st
 
 @dataclasses.dataclass(frozen=True)
 class KeepAll:
+    """Every step: nothing is deleted (what ``keep_last=None`` means)."""
+
     def keep(self, steps: Sequence[int], infos: Mapping[int, Any] = {}) -> set[int]:  # noqa: B006
         return set(steps)
 
 
 @dataclasses.dataclass(frozen=True)
 class AnyOf:
+    """A step is kept when any of ``policies`` keeps it, e.g. ``AnyOf((KeepLast(3), KeepEvery(1000)))``."""
+
     policies: tuple[RetentionPolicy, ...]
 
     def keep(self, steps: Sequence[int], infos: Mapping[int, Any] = {}) -> set[int]:  # noqa: B006
