@@ -39,10 +39,10 @@ def _unwrap(obj: Any, attr: str) -> Any:
 class _KeepsLiveKeys:
     """A stateful object whose ``load_state_dict`` gets its live state with the loaded entries over it.
 
-    Entries that hold no value a checkpoint stores (``LambdaLR``'s
-    ``lr_lambdas: [{}]`` for a ``functools.partial`` lambda, as the Trainer's
-    schedules have) come back from the checkpoint absent; the scheduler's own
-    ``load_state_dict`` would then fail on the missing key.
+    Steps written by shardckpt 0.1.0 lack entries that held only empty dicts
+    (``LambdaLR``'s ``lr_lambdas: [{}]`` for a ``functools.partial`` lambda, as
+    the Trainer's schedules have; later versions store them); the scheduler's
+    own ``load_state_dict`` would fail on the missing key when resuming one.
     """
 
     def __init__(self, obj: Any) -> None:
