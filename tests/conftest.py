@@ -23,48 +23,24 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line("run as root (set SHARDCKPT_TEST_REQUIRE_MOUNT=1 to make these fail instead)")
 
 
-# Test files that take minutes (multi-rank launches, soaks): on several workers they start first, so that
-# none of them is left running alone at the end. The rest keep their collection order.
+# Under pytest-xdist (scripts/test.sh: ``-n 3 --dist loadfile --no-loadscope-reorder``) each test file runs on
+# one worker, so a module-scoped fixture (a launch that several tests read) still runs once. The files that
+# take longest start first, so that none is left running alone at the end: xdist hands each worker one
+# file, then a second, then one more whenever it finishes one. Measured with ``--durations=0``, slowest
+# first, dealt out so that the first two files of each of three workers add up about evenly.
 SLOW_FIRST = (
-    "test_elastic.py", "test_remote_faults.py", "test_reliability.py", "test_hf.py", "test_peer.py",
-    "test_remote.py", "test_deploy.py", "test_lightning.py", "test_gpt_example.py", "test_demo.py",
-    "test_versions.py", "test_multinode.py", "test_resume.py", "test_lifecycle.py", "test_policies.py",
-    "test_torchtitan.py", "test_roundtrip.py",
+    "test_remote.py", "test_peer.py", "test_remote_faults.py",
+    "test_elastic.py", "test_deploy.py", "test_hf.py",
+    "test_reliability.py", "test_versions.py", "test_lightning.py", "test_gpt_example.py", "test_demo.py",
+    "test_multinode.py", "test_resume.py", "test_lifecycle.py", "test_policies.py", "test_torchtitan.py",
+    "test_roundtrip.py",
 )
 
 
-def xdist_group_of(item) -> str | None:
-    """The pytest-xdist group that keeps ``item`` on the worker holding its module's fixtures.
-
-    A module-scoped fixture is set up once per worker that runs a test taking it: the tests that take one
-    stay together (one group per module), so a fixture that launches jobs runs once, as without workers.
-    Tests that take only the shared ``s3`` server group per module and server kind (a server starts in a
-    second); tests without module-scoped fixtures go wherever a worker is free.
-    """
-    module, s3_kind = False, None
-    for name, defs in item._fixtureinfo.name2fixturedefs.items():
-        if not defs or defs[-1].scope not in ("module", "package", "class"):
-            continue
-        if name == "s3" and defs[-1].func.__module__ == "s3server":
-            s3_kind = item.callspec.params.get("s3") if hasattr(item, "callspec") else None
-        else:
-            module = True
-    path = item.nodeid.split("::", 1)[0]
-    if module:
-        return path
-    if s3_kind is not None:
-        return f"{path}[{s3_kind}]"
-    return None
-
-
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n``): group tests that share module fixtures, and start the slow files first."""
+    """Under pytest-xdist (``-n``): the slow files first, the tests of each in their own order."""
     if not getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
         return
-    for item in items:
-        group = xdist_group_of(item)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     order = {id(item): (rank.get(item.path.name, len(rank)), i) for i, item in enumerate(items)}
     items.sort(key=lambda item: order[id(item)])
