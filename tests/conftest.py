@@ -26,14 +26,16 @@ def pytest_terminal_summary(terminalreporter):
 # Under pytest-xdist (scripts/test.sh: ``-n 3 --dist loadfile --no-loadscope-reorder``) each test file runs on
 # one worker, so a module-scoped fixture (a launch that several tests read) still runs once. The files that
 # take longest start first, so that none is left running alone at the end: xdist hands each worker one
-# file, then a second, then one more whenever it finishes one. Measured with ``--durations=0``, slowest
-# first, dealt out so that the first two files of each of three workers add up about evenly.
+# file, then a second, then one more whenever it finishes one. Ordered by the files' total ``--durations=0``
+# on three workers, slowest first, except that the first six are dealt so each worker's first two add up
+# about evenly.
 SLOW_FIRST = (
-    "test_remote.py", "test_peer.py", "test_remote_faults.py",
-    "test_elastic.py", "test_deploy.py", "test_hf.py",
-    "test_reliability.py", "test_versions.py", "test_lightning.py", "test_gpt_example.py", "test_demo.py",
-    "test_multinode.py", "test_resume.py", "test_lifecycle.py", "test_policies.py", "test_torchtitan.py",
-    "test_roundtrip.py",
+    "test_remote_faults.py", "test_remote.py", "test_hf.py",
+    "test_elastic.py", "test_deploy.py", "test_reliability.py",
+    "test_peer.py", "test_demo.py", "test_multinode.py", "test_versions.py", "test_lightning.py",
+    "test_gpt_example.py", "test_docs.py", "test_resume.py", "test_history.py", "test_cli.py", "test_export.py",
+    "test_policies.py", "test_repairs.py", "test_local.py", "test_torchtitan.py", "test_roundtrip.py",
+    "test_store_contract.py", "test_remote_index.py", "test_values.py", "test_lifecycle.py",
 )
 
 
