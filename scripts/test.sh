@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the whole test suite.
+# Three pytest-xdist workers on two cores: multi-rank tests spend much of their time waiting (process
+# start-ups, polls, lingers), which one worker leaves a core idle for. Each test file runs on one worker, so a
+# module-scoped fixture that launches jobs still runs once; the slowest files start first (tests/conftest.py).
+# Arguments go to pytest after these: `-n 0` runs the tests one after the other.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder "$@"

@@ -23,6 +23,31 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line("run as root (set SHARDCKPT_TEST_REQUIRE_MOUNT=1 to make these fail instead)")
 
 
+# Under pytest-xdist (scripts/test.sh: ``-n 3 --dist loadfile --no-loadscope-reorder``) each test file runs on
+# one worker, so a module-scoped fixture (a launch that several tests read) still runs once. The files that
+# take longest start first, so that none is left running alone at the end: xdist hands each worker one
+# file, then a second, then one more whenever it finishes one. Ordered by the files' total ``--durations=0``
+# on three workers, slowest first, except that the first six are dealt so each worker's first two add up
+# about evenly.
+SLOW_FIRST = (
+    "test_remote_faults.py", "test_remote.py", "test_hf.py",
+    "test_elastic.py", "test_deploy.py", "test_reliability.py",
+    "test_peer.py", "test_demo.py", "test_multinode.py", "test_versions.py", "test_lightning.py",
+    "test_gpt_example.py", "test_docs.py", "test_resume.py", "test_history.py", "test_cli.py", "test_export.py",
+    "test_policies.py", "test_repairs.py", "test_local.py", "test_torchtitan.py", "test_roundtrip.py",
+    "test_store_contract.py", "test_remote_index.py", "test_values.py", "test_lifecycle.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n``): the slow files first, the tests of each in their own order."""
+    if not getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    order = {id(item): (rank.get(item.path.name, len(rank)), i) for i, item in enumerate(items)}
+    items.sort(key=lambda item: order[id(item)])
+
+
 def _peer_daemons(base: str) -> list[tuple[int, str]]:
     """(pid, local_dir) of the peer daemons running on a ``local_dir`` under ``base``."""
     found = []

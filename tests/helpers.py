@@ -14,10 +14,35 @@ ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 
 
+# Ports for the servers and launchers the tests start: a block of PORT_BLOCK per pytest-xdist worker
+# (gw0, gw1, ...; a run without workers uses block 0) below the kernel's ephemeral range (32768+), so two
+# workers never hand out the same port and no connection's ephemeral port takes one between the pick and
+# its use. The walk starts at a random offset, so two runs side by side rarely meet either.
+PORT_BASE, PORT_BLOCK = 20000, 1500
+_port_next: list[int] = []
+
+
+def worker_index() -> int:
+    """This pytest-xdist worker's number (0 without workers)."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else 0
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port on 127.0.0.1 that nothing is bound to, from this worker's own block."""
+    first = PORT_BASE + (worker_index() % 8) * PORT_BLOCK
+    if not _port_next:
+        _port_next.append(first + int.from_bytes(os.urandom(2), "big") % PORT_BLOCK)
+    for _ in range(PORT_BLOCK):
+        port = _port_next[0]
+        _port_next[0] = first + (port + 1 - first) % PORT_BLOCK
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {first}..{first + PORT_BLOCK - 1}")
 
 
 def torchrun_cmd(nproc: int, script: str | Path, *args: str, nnodes: int = 1, node_rank: int = 0,

@@ -22,7 +22,6 @@ import logging
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -32,6 +31,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 BUCKET = "shardckpt-test"
 CREDENTIALS = {
@@ -155,9 +155,7 @@ class RcloneS3Server(Server):
 
     def _start(self) -> bool:
         """One attempt on a fresh port: True once it answers, False when it exited early."""
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         auth = f"{self.credentials['AWS_ACCESS_KEY_ID']},{self.credentials['AWS_SECRET_ACCESS_KEY']}"
         with open(self.log_path, "ab") as log:

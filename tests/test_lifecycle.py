@@ -28,20 +28,36 @@ def results(out, world=2):
     return [json.loads((out / f"result.{r}.json").read_text()) for r in range(world)]
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    mount = tmp_path / "small"
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Both 2-rank jobs in one launch (one process group, one start): the preemption on a 2 MiB tmpfs
+    (when this process may mount one) and the closed instances. Yields the output directory and, when
+    the tmpfs could not be mounted, the skip (or failure) that says why."""
+    base = tmp_path_factory.mktemp("lifecycle")
+    mount = base / "small"
     mount.mkdir()
-    mount_tmpfs(mount, "size=2m", "a save that does not fit a full disk")
-    yield mount
-    os.system(f"umount {mount}")
+    try:
+        mount_tmpfs(mount, "size=2m", "a save that does not fit a full disk")
+        skipped = None
+    except (pytest.skip.Exception, pytest.fail.Exception) as exc:  # raised again by the test that needs it
+        skipped = exc
+    jobs = [] if skipped else ["preempt-disk-full", mount, base / "preempt", "+"]
+    jobs += ["instances", base / "ckpt", base / "instances"]
+    for name in ("preempt", "instances"):
+        (base / name).mkdir()
+    try:
+        run_torchrun(2, PROG, *jobs)
+        yield base, skipped
+    finally:
+        if skipped is None:
+            os.system(f"umount {mount}")
 
 
-def test_preemption_save_skipped_for_space_is_retried_and_then_preempted(tmp_path, small_disk):
-    out = tmp_path / "out"
-    out.mkdir()
-    run_torchrun(2, PROG, "preempt-disk-full", small_disk, out)
-    for got in results(out):
+def test_preemption_save_skipped_for_space_is_retried_and_then_preempted(two_ranks):
+    base, skipped = two_ranks
+    if skipped is not None:
+        raise skipped
+    for got in results(base / "preempt"):
         # step 1: interval skip; 2: the vote carries rank 1's signal; 3: the preemption
         # save does not fit and is skipped; 4: it is retried and commits on both ranks.
         assert got["saved"] == [False, False, False, True], got
@@ -49,11 +65,9 @@ def test_preemption_save_skipped_for_space_is_retried_and_then_preempted(tmp_pat
         assert got["steps"] == [4], got
 
 
-def test_closed_instances_leave_no_file_descriptors_behind(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    run_torchrun(2, PROG, "instances", tmp_path / "ckpt", out)
-    for got in results(out):
+def test_closed_instances_leave_no_file_descriptors_behind(two_ranks):
+    base, _ = two_ranks
+    for got in results(base / "instances"):
         # The first instance may warm up lazily created resources; later ones must not grow.
         assert [after - before for before, after in got["fds"][1:]] == [0, 0], got
 

@@ -2,6 +2,7 @@
 
 usage: lifecycle.py preempt-disk-full DIR OUT    (DIR: a 2 MiB filesystem)
        lifecycle.py instances DIR OUT
+       lifecycle.py preempt-disk-full DIR OUT + instances DIR2 OUT2   (both in one launch, in turn)
 
 preempt-disk-full: rank 1 alone gets the preemption signal; the save it
 triggers does not fit the disk (on_disk_full="skip"); the next save, which
@@ -27,8 +28,13 @@ def fds() -> int:
 
 
 def main() -> None:
-    mode, ckpt_dir, out = sys.argv[1:4]
     rank, world = common.init()
+    for job in common.jobs(sys.argv[1:]):
+        run(rank, *job)
+    common.finish()
+
+
+def run(rank: int, mode: str, ckpt_dir: str, out: str) -> None:
     torch.manual_seed(0)
     model = DistributedDataParallel(common.TinyNet(width=8))
     state = {"model": model}
@@ -59,7 +65,6 @@ def main() -> None:
         result = {"fds": counts}
     with open(os.path.join(out, f"result.{rank}.json"), "w") as f:
         json.dump(result, f)
-    common.finish()
 
 
 if __name__ == "__main__":
