@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format import layout, lineage
-from shardckpt.format.replicas import (anchors, committed_replicas, file_size, manifest_or_none, owner_dirname, remove_step,
+from shardckpt.format.replicas import (committed_replicas, file_size, manifest_or_none, owner_dirname, remove_step,
                                        replicas_root, version_tag)
 from shardckpt.stores.peer_client import CHUNK, LIVE_HEADER
 from shardckpt.stores.tls import fingerprint
@@ -102,6 +102,9 @@ class PeerService:
         self.last_request = time.monotonic()
         self.keep_last: int | None = None
         """Replicas kept per owner (the trainer's keep_last, from peers.json)."""
+        self.agreed: tuple[int, str] | None = None
+        """The newest step complete across any single node's loss, as the job's nodes agreed at a save
+        (``peer-agreed.json``, set by the daemon): replicas of it and of newer steps are never deleted."""
 
     def configure(self, context: ssl.SSLContext, members: dict[str, str]) -> None:
         """Serve new connections with ``context`` (a relaunch's certificates); connections open go on."""
@@ -109,7 +112,7 @@ class PeerService:
 
     def owner_lock(self, owner: str) -> threading.Lock:
         with self._locks_lock:
-            return self._locks.setdefault(owner, threading.Lock())
+            return self._locks.setdefault(owner_dirname(owner), threading.Lock())  # a node or its directory
 
     def member(self, cert_der: bytes | None) -> str | None:
         """The job node that presented ``cert_der`` (``None``: a certificate the context trusts, e.g. an
@@ -284,18 +287,28 @@ class PeerService:
             log.info("shardckpt: holding the replica of node %s step %d (%d file(s))", owner, step, len(names))
             self._retain(owner_dir)
 
+    def retain_all(self) -> None:
+        """Apply :meth:`_retain` to every owner held here (the agreed point moved)."""
+        for owner in committed_replicas(self.root):
+            with self.owner_lock(owner):
+                self._retain(os.path.join(replicas_root(self.root), owner))
+
     def _retain(self, owner_dir: str) -> None:
         """Per owner: the newest ``keep_last`` replicas of the owner's live branch (its lineage's head:
-        the replica saved last); replicas of steps the owner abandoned are dropped and never count.
-        The head is never deleted."""
-        held = {s: lineage.info_of(m) for s, m in _owner_replicas(owner_dir).items()}
+        the replica saved last), and every replica from the agreed step on (:attr:`agreed`; all of them
+        while no point of this branch is agreed); replicas of steps the owner abandoned are dropped and
+        never count. The head is never deleted."""
+        replicas_held = _owner_replicas(owner_dir)
+        held = {s: lineage.info_of(m) for s, m in replicas_held.items()}
         live, abandoned = lineage.classify(held)
         if not self.keep_last or not live:
             return
-        anchor = anchors(self.root).get(os.path.basename(owner_dir))  # never the newest complete step
-        for old in sorted(abandoned) + live[: max(0, len(live) - self.keep_last)]:
-            if old != anchor:
-                remove_step(os.path.join(owner_dir, layout.step_dirname(old)), owner_dir)
+        agreed = self.agreed
+        if agreed is not None and agreed[0] in replicas_held and layout.version_of(replicas_held[agreed[0]]) != agreed[1]:
+            agreed = None  # the point is another branch's save of that number
+        floor = agreed[0] if agreed is not None else live[0]
+        for old in sorted(abandoned) + [s for s in live[: max(0, len(live) - self.keep_last)] if s < floor]:
+            remove_step(os.path.join(owner_dir, layout.step_dirname(old)), owner_dir)
         for name in os.listdir(owner_dir):  # begun replicas older than every kept one
             if name.startswith(layout.PARTIAL_PREFIX):
                 step = layout.parse_step_dirname(name[len(layout.PARTIAL_PREFIX):].split("-", 1)[0])
