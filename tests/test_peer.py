@@ -777,7 +777,8 @@ def test_three_nodes_a_lagging_replica_and_a_node_loss_cost_only_what_was_not_pe
     (node 1's later files never reach it, node 2's never leave) while steps 2 and 3 are saved. Every node
     decides retention from the facts all nodes exchanged at the save, so all of them keep step 1, the
     newest step complete across any single node's loss. Node 2 is then lost (daemon and disk): the
-    survivors resume the newest step they can rebuild (step 1), bitwise."""
+    survivors resume the newest step they can rebuild (step 1), bitwise. At that launch node 1's key is
+    readable by others: its trainer's log names the file and the remedy."""
     import socket
 
     from helpers import PROGRAMS, run_nodes
@@ -803,7 +804,13 @@ def test_three_nodes_a_lagging_replica_and_a_node_loss_cost_only_what_was_not_pe
         shutil.rmtree(base / "node2")
         newest = _newest_complete(base, ("node0", "node1"), f"{host}:2")
         assert newest == 1, f"step 1 was peer-durable on every node and is not complete across the survivors: {newest}"
-        run_nodes(2, 1, prog, "restore", base, out2, log_dir=tmp_path)
+        # Node 1's key has become readable by others: its trainer's log says so at launch, naming the file
+        # and the remedy, and the restore goes on from the disks (the tier is off without a second node).
+        key = base / "node1" / ".shardckpt-remote" / tls.KEY_NAME
+        key.chmod(0o644)
+        logs = run_nodes(2, 1, prog, "restore", base, out2, log_dir=tmp_path)
+        said = re.search(r"^.*the peer tier of .* cannot start on this node: .*$", logs[1], re.M)
+        assert said and str(key) in said.group(0) and "chmod 600" in said.group(0), logs[1][-3000:]
         assert json.loads((out2 / "restored.json").read_text()) == {"restored": newest}
         assert_bitwise(out / f"saved.{newest}.pt", out2 / "restored.pt")
     finally:
