@@ -42,6 +42,8 @@ from shardckpt.stores.tls import fingerprint
 
 log = logging.getLogger("shardckpt")
 
+RECEIVE_BUFFER = 4 << 20
+"""Bytes of a replica file received, checksummed and written at a time (one buffer per file, reused)."""
 MAX_SMALL_BODY = 16 << 20
 """Largest manifest or commit body accepted."""
 MAX_CONNECTIONS = 64
@@ -230,8 +232,11 @@ class PeerService:
             raise _Refused(409, "no replica of that version is begun here") from None
 
     def receive(self, owner: str, step: int, tag: str, name: str, length: int,
-                read: Callable[[int], bytes]) -> None:
-        """Write one file of a begun replica: exactly its manifest size, kept only when its checksum matches."""
+                readinto: Callable[[memoryview], int]) -> None:
+        """Write one file of a begun replica: exactly its manifest size, kept only when its checksum matches.
+
+        ``readinto`` fills a part of one buffer reused for the whole file (no fresh
+        memory per chunk) and returns how many bytes it read (0: the body ended)."""
         name = _safe_name(name)
         partial = self.partial_of(owner, step, tag)
         manifest = self.pending_manifest(partial)
@@ -245,16 +250,16 @@ class PeerService:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             os.fchmod(fd, 0o600)
-            with os.fdopen(fd, "wb") as f:
+            with os.fdopen(fd, "wb", buffering=0) as f:
+                buffer = memoryview(bytearray(min(RECEIVE_BUFFER, max(1, length))))
                 left = length
                 while left:
-                    chunk = read(min(CHUNK, left))
-                    if not chunk:
+                    got = readinto(buffer[: min(len(buffer), left)])
+                    if not got:
                         raise _Refused(400, f"{name}: the body ended {left} bytes early")
-                    left -= len(chunk)
-                    checksum.update(chunk)
-                    f.write(chunk)
-                f.flush()
+                    left -= got
+                    checksum.update(buffer[:got])
+                    _write_all(f.fileno(), buffer[:got])
                 os.fsync(f.fileno())
             if checksum.value() != entry.checksum:
                 raise _Refused(422, f"{name} fails its {entry.checksum.split(':')[0]} checksum; not kept")
@@ -316,6 +321,11 @@ class PeerService:
                     shutil.rmtree(os.path.join(owner_dir, name), ignore_errors=True)
 
 
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
 def _owner_replicas(owner_dir: str) -> dict[int, layout.Manifest]:
     out = {}
     for step in layout.committed_steps(owner_dir):
@@ -355,6 +365,9 @@ def _private_dirs(root: str, path: str) -> None:
 class _Handler(http.server.BaseHTTPRequestHandler):
     server_version = "shardckpt-peer"
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    """An answer's headers and body leave at once: with Nagle's algorithm the body waited for the client's
+    delayed acknowledgement of the headers, ~40 ms per request (5 per replica of a 3-file step)."""
     timeout = 60.0
     """Seconds a connection may stay silent (a client that stops sending does not hold a thread forever)."""
     service: PeerService
@@ -536,11 +549,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._writer(parts[1])
         length = self._length(1 << 62)
 
-        def read(n: int) -> bytes:
+        def readinto(into: memoryview) -> int:
             self._body_taken = True
-            return self.rfile.read(n)
+            return self.rfile.readinto(into) or 0
 
-        self.service.receive(parts[1], int(parts[2]), parts[3], parts[5], length, read)
+        self.service.receive(parts[1], int(parts[2]), parts[3], parts[5], length, readinto)
         self._reply(200, b"{}")
 
     def do_DELETE(self) -> None:  # noqa: N802
