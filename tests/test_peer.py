@@ -511,13 +511,13 @@ def test_a_replacement_node_takes_its_replica_from_a_good_holder_of_the_same_ver
         data = bytearray(rotten.read_bytes())
         data[len(data) // 2] ^= 1
         rotten.write_bytes(bytes(data))
-        # The holder's local retention keeps its own copy of the step it holds an owner's newest replica of.
+        # The holder's local retention keeps its own copies while no step is agreed complete across a loss.
         from shardckpt.node.peer_tier import PeerTier
 
         tier = PeerTier(shardckpt.CheckpointConfig(local_dir=str(holder)), str(holder), registered=True)
         assert not tier.protects(1)  # the tier is off
         tier.replicas = 1
-        assert tier.protects(1) and not tier.protects(2)
+        assert tier.protects(1) and tier.protects(2)
         fresh = tmp_path / "replacement"
         fresh.mkdir()
         assert peer_client.fetch_own_replica(str(fresh), "owner:0", clients) == (1, ["holder:0", "second:0"])
@@ -758,21 +758,104 @@ def test_an_operators_ca_replaces_the_nodes_own_keys(endpoint, tmp_path, monkeyp
         tier._identity("owner:0")
 
 
-def test_a_node_keeps_its_copies_from_the_newest_step_complete_across_a_peers_loss(tmp_path):
-    """Retention on a holder: its own copy of every step from the newest one it holds both its own files
-    and the owner's replica of (of the same save) stays, so that a replica still on its way finds its
-    step here; older ones may go. Steps older than that complete one are not protected."""
+def _newest_complete(base, survivors, lost):
+    """The newest step the ``survivors`` (node directories under ``base``) can rebuild without node ``lost``:
+    the same save committed in each survivor's directory and the lost node's replica of it on a survivor."""
+    here = [base / n for n in survivors]
+    for step in sorted(layout.committed_steps(str(here[0])), reverse=True):
+        versions = {layout.version_of(m) if m else None
+                    for m in (replicas.manifest_or_none(str(d / layout.step_dirname(step))) for d in here)}
+        held = [replicas.manifest_or_none(str(d / replicas.REPLICAS_DIR / replicas.owner_dirname(lost)
+                                               / layout.step_dirname(step))) for d in here]
+        if len(versions) == 1 and None not in versions and any(m and layout.version_of(m) in versions for m in held):
+            return step
+    return None
+
+
+def test_three_nodes_a_lagging_replica_and_a_node_loss_cost_only_what_was_not_peer_durable(tmp_path):
+    """3 nodes x 1 rank, keep_last=1: step 1 becomes peer-durable on every node, then node 2's daemon stalls
+    (node 1's later files never reach it, node 2's never leave) while steps 2 and 3 are saved. Every node
+    decides retention from the facts all nodes exchanged at the save, so all of them keep step 1, the
+    newest step complete across any single node's loss. Node 2 is then lost (daemon and disk): the
+    survivors resume the newest step they can rebuild (step 1), bitwise. At that launch node 1's key is
+    readable by others: its trainer's log names the file and the remedy."""
+    import socket
+
+    from helpers import PROGRAMS, run_nodes
+    from test_multinode import assert_bitwise
+
+    prog = PROGRAMS / "peer_lag.py"
+    base, out, out2 = tmp_path / "nvme", tmp_path / "out", tmp_path / "out2"
+    out.mkdir()
+    out2.mkdir()
+    host = socket.gethostname()
+    try:
+        run_nodes(3, 1, prog, "save", base, out, log_dir=tmp_path)
+        kept = [json.loads((out / f"kept.{r}.json").read_text()) for r in range(3)]
+        assert kept == [[1, 2, 3]] * 3, f"the nodes did not all keep step 1 (and what is newer): {kept}"
+        for g in range(3):
+            agreed = json.loads((base / f"node{g}" / ".shardckpt-remote" / peer_daemon.AGREED_NAME).read_text())
+            assert agreed["step"] == 1, (g, agreed)
+        # Node 1 holds node 0's replicas of steps 1, 2 and 3 (keep_last=1): it keeps all three, from the
+        # agreed step on, so that step 1 also survives node 0's loss.
+        held = base / "node1" / replicas.REPLICAS_DIR / replicas.owner_dirname(f"{host}:0")
+        assert layout.committed_steps(str(held)) == [1, 2, 3]
+        _end_daemon(json.loads((base / "node2" / ".shardckpt-remote" / peer_daemon.STATUS_NAME).read_text()))
+        shutil.rmtree(base / "node2")
+        newest = _newest_complete(base, ("node0", "node1"), f"{host}:2")
+        assert newest == 1, f"step 1 was peer-durable on every node and is not complete across the survivors: {newest}"
+        # Node 1's key has become readable by others: its trainer's log says so at launch, naming the file
+        # and the remedy, and the restore goes on from the disks (the tier is off without a second node).
+        key = base / "node1" / ".shardckpt-remote" / tls.KEY_NAME
+        key.chmod(0o644)
+        logs = run_nodes(2, 1, prog, "restore", base, out2, log_dir=tmp_path)
+        said = re.search(r"^.*the peer tier of .* cannot start on this node: .*$", logs[1], re.M)
+        assert said and str(key) in said.group(0) and "chmod 600" in said.group(0), logs[1][-3000:]
+        assert json.loads((out2 / "restored.json").read_text()) == {"restored": newest}
+        assert_bitwise(out / f"saved.{newest}.pt", out2 / "restored.pt")
+    finally:
+        _kill_daemons(base)
+
+
+def test_the_retention_point_is_the_newest_step_every_node_reports_held_by_another(tmp_path):
+    """The point below which retention may delete, computed alike on every node from the reports of a
+    save's commit exchange: the newest step every node reported of one save, each with a holder other
+    than itself; then a node's own retention keeps every step from it on (all of them while none is
+    agreed, or when the agreed save is not this node's live one)."""
     from shardckpt.node.peer_tier import PeerTier
+
+    members = ["a:0", "b:0", "c:0"]
+
+    def report(node, **steps):
+        return {"node": node, "steps": {int(s[1:]): v for s, v in steps.items()}}
+
+    reports = [report("a:0", s1=["id:1", ["b:0"]], s2=["id:2", ["b:0"]], s3=["id:3", []]),
+               report("b:0", s1=["id:1", ["c:0"]], s2=["id:2", []], s3=["id:3", []]),
+               report("c:0", s1=["id:1", ["a:0"]], s2=["id:2", ["a:0"]], s3=["id:3", []]),
+               None]  # a rank that commits no copy reports nothing
+    assert replicas.complete_across_any_loss(reports, members) == (1, "id:1")
+    reports[1]["steps"][2][1] = ["c:0"]
+    assert replicas.complete_across_any_loss(reports, members) == (2, "id:2")
+    reports[1]["steps"][2][0] = "id:other"  # another save of that number on one node
+    assert replicas.complete_across_any_loss(reports, members) == (1, "id:1")
+    reports[0]["steps"][1][1] = ["a:0"]  # held only by its owner: gone with it
+    assert replicas.complete_across_any_loss(reports, members) is None
+    assert replicas.complete_across_any_loss(reports[1:], members) is None  # a member that did not report
 
     holder = tmp_path / "holder"
     with shardckpt.Checkpointer(local_dir=str(holder), keep_last=10, preemption_signals=()) as ckpt:
         for step in (1, 2, 3, 4):
             ckpt.save({"model": nn.Linear(16, 8)}, step)
-    owner_dir = holder / replicas.REPLICAS_DIR / "owner_0"
-    owner_dir.mkdir(parents=True)
-    for step in (1, 2):  # the owner's replicas of steps 1 and 2 arrived; 3 and 4 are on their way
-        shutil.copytree(holder / layout.step_dirname(step), owner_dir / layout.step_dirname(step))
-    assert replicas.anchors(str(holder)) == {"owner_0": 2}
     tier = PeerTier(shardckpt.CheckpointConfig(local_dir=str(holder)), str(holder), registered=True)
-    tier.replicas = 1
+    tier.replicas, tier.committer = 1, True
+    tier.nodes = [{"node": "me:0"}, {"node": "b:0"}]
+    assert tier.agreed is None and all(tier.protects(s) for s in (1, 2, 3, 4))
+    mine = {s: layout.version_of(layout.read_manifest(str(holder / layout.step_dirname(s)))) for s in (1, 2, 3, 4)}
+    tier.agree([{"node": "me:0", "steps": {s: [mine[s], ["b:0"]] for s in (1, 2)}},
+                {"node": "b:0", "steps": {s: [mine[s], ["me:0"]] for s in (1, 2, 3)}}])
+    assert tier.agreed == (2, mine[2])
     assert [s for s in (1, 2, 3, 4) if tier.protects(s)] == [2, 3, 4]
+    shown = json.loads((holder / ".shardckpt-remote" / peer_daemon.AGREED_NAME).read_text())
+    assert shown == {"step": 2, "version": mine[2]}  # what the node's daemon applies to the replicas it holds
+    tier.agreed = (2, "id:another-branch")
+    assert all(tier.protects(s) for s in (1, 2, 3, 4))

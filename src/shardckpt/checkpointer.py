@@ -147,6 +147,7 @@ class Checkpointer:
                 self._writer.file_done = self._file_done
         self._peer = PeerTier(self.config, self.root, registered=self._uploads is not None and self._uploads.active)
         self._restorer.sources.peer = self._peer  # source 3 of a restore: the peer daemons
+        self._writer.peer_facts, self._writer.peer_agreed = self._peer.facts, self._peer.agree
         self._durability = DurabilityLog(self.root, peer_on=lambda: self._peer.on,
                                          remote=self._uploads is not None and self._uploads.active)
         self._policy.install_signal_handlers()
@@ -635,7 +636,7 @@ class Checkpointer:
     def _deletable(self, step: int) -> bool:
         """Local retention guard: with uploads on, only steps already committed remotely go,
         unless the disk is about to fill (then loudly, naming the step). With the peer tier on, a
-        step this node holds another node's newest replica of stays too (``PeerTier.protects``)."""
+        step not older than the newest one complete across any node's loss stays too (``PeerTier.protects``)."""
         if self._peer.protects(step):
             return False
         if self.config.remote is None or self.config.uploader == UploaderMode.OFF:

@@ -146,18 +146,28 @@ def remove_step(step_dir: str, parent: str) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def anchors(root: str) -> dict[str, int]:
-    """Per owner held here: the newest live step complete on this node across that owner's loss, i.e. the
-    newest step of its live branch of which this node holds both its own committed copy and the owner's replica, of the
-    same save. Local retention keeps this node's copies of that step and of every newer one, and the
-    holder keeps that replica, until a newer step is complete in the same way: a node loss then costs
-    at most the steps not yet peer-durable."""
-    infos = lineage.local_infos(root)
-    live, _abandoned = lineage.classify(infos)  # the live branch only: never an abandoned step's number
-    mine = {s: infos[s].version for s in live}
-    out: dict[str, int] = {}
-    for owner, held in committed_replicas(root).items():
-        both = [s for s, m in held.items() if mine.get(s) == layout.version_of(m)]
-        if both:
-            out[owner] = max(both)
-    return out
+def complete_across_any_loss(reports: list[Any], members: list[str]) -> tuple[int, str] | None:
+    """The newest step that survives the loss of any one node, from facts every node shares.
+
+    ``reports`` are what each node's committer said at one save's commit
+    exchange: ``{"node": name, "steps": {step: [version, [holders]]}}`` for the
+    steps of its live branch on its disk, holders being the nodes that answered
+    "committed" for its files of that version. A step qualifies when every
+    member reported it, all of the same save (version), each with at least one
+    holder other than itself: its own copy and one replica then never share a
+    node. Every node computes the same answer from the same gathered reports,
+    so retention everywhere keeps the same steps. ``(step, version)`` or ``None``.
+    """
+    by_node = {r["node"]: r.get("steps") or {} for r in reports if isinstance(r, dict) and r.get("node") in members}
+    if not members or set(by_node) != set(members):
+        return None
+    common: set[int] | None = None
+    for steps in by_node.values():
+        numbers = {int(s) for s in steps}
+        common = numbers if common is None else common & numbers
+    for step in sorted(common or (), reverse=True):
+        facts = [by_node[n].get(step, by_node[n].get(str(step))) for n in members]
+        versions = {f[0] for f in facts}
+        if len(versions) == 1 and all(any(h != n for h in f[1]) for n, f in zip(members, facts)):
+            return step, versions.pop()
+    return None

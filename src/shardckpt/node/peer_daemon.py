@@ -16,7 +16,9 @@ rollback's new steps are replicated and an abandoned one is not.
 Files the daemon and the trainer share, in ``<local_dir>/.shardckpt-remote/``
 (mode 0700): ``peer-key.pem`` (this node's private key, 0600, never sent),
 ``peer-cert.pem``, ``peers.json`` (the job's nodes with their certificates,
-written by the trainer), ``peer.json`` (the daemon's address and what it
+written by the trainer), ``peer-agreed.json`` (the step below which the
+replicas held here may go, agreed by the job's nodes at a save, written by the
+trainer), ``peer.json`` (the daemon's address and what it
 replicated), ``peer.lock``, ``peer.log``. It imports no torch.
 """
 
@@ -45,6 +47,8 @@ from shardckpt.stores.peer_client import PeerClient, PeerError
 log = logging.getLogger("shardckpt")
 
 PEERS_NAME = "peers.json"
+AGREED_NAME = "peer-agreed.json"
+"""The newest step complete across any single node's loss, as the job's nodes agreed at a save (by the trainer)."""
 STATUS_NAME = "peer.json"
 LOCK_NAME = "peer.lock"
 
@@ -198,6 +202,11 @@ class PeerDaemon:
         config = self.peers()
         keep = config.get("keep_last")
         self.service.keep_last = keep if isinstance(keep, int) and keep > 0 else None
+        agreed = read_json(os.path.join(state_dir(self.root), AGREED_NAME))
+        point = (agreed.get("step"), agreed.get("version"))
+        if isinstance(point[0], int) and isinstance(point[1], str) and point != self.service.agreed:
+            self.service.agreed = point  # the job's nodes moved the point: replicas below it may go now
+            self.service.retain_all()
         count = int(config.get("replicas") or 0)
         nodes = config.get("nodes") or []
         seen = json.dumps(nodes, sort_keys=True)

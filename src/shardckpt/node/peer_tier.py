@@ -37,6 +37,8 @@ log = logging.getLogger("shardckpt")
 
 START_WAIT_S = 30.0
 """How long the first save or load waits for a newly started daemon to report its address."""
+FACT_STEPS = 8
+"""How many of its newest live steps a node reports at each save (:meth:`PeerTier.facts`)."""
 
 
 def node_host() -> str:
@@ -69,6 +71,8 @@ class PeerTier:
         self.client_context: ssl.SSLContext | None = None
         self._registered = registered
         self._trainer_file: str | None = None
+        self.agreed: tuple[int, str] | None = _read_agreed(root)
+        """The newest step (and its save) complete across any single node's loss, agreed at a save."""
 
     @property
     def on(self) -> bool:
@@ -245,21 +249,56 @@ class PeerTier:
             time.sleep(0.05)
         return time.monotonic() - t0
 
+    def facts(self) -> dict[str, Any] | None:
+        """What this node tells the others at each save's commit exchange (its committer only): for each
+        step of its live branch on its disk, the save (version) and the nodes holding its files of it."""
+        if not self.on or not self.committer:
+            return None
+        infos = lineage.local_infos(self.root)
+        live, _abandoned = lineage.classify(infos)
+        steps = {}
+        for step in live[-FACT_STEPS:]:
+            sent = peer_daemon.replicated(self.root, step)
+            steps[step] = [infos[step].version, list(sent.get("holders") or []) if sent else []]
+        return {"node": _dist.node_id(), "steps": steps}
+
+    def agree(self, reports: list[Any]) -> None:
+        """Every rank, after a save's commit exchange, from the reports every node gathered alike: the
+        newest step complete across the loss of any one node becomes the point below which retention
+        may delete, here and on every node; the daemon applies the same point to the replicas it holds."""
+        if not self.on:
+            return
+        found = replicas.complete_across_any_loss(reports, [n["node"] for n in self.nodes])
+        if found is None or found == self.agreed:
+            return
+        self.agreed = found
+        if self.committer:
+            path = os.path.join(state_dir(self.root), peer_daemon.AGREED_NAME)
+            try:
+                os.makedirs(state_dir(self.root), exist_ok=True)
+                layout.atomic_write_text(path, _json({"step": found[0], "version": found[1]}))
+            except OSError as exc:  # the daemon keeps its replicas from the earlier point: nothing is lost
+                log.warning("shardckpt: cannot write %s: %s; the peer daemon keeps the replicas it holds from "
+                            "an earlier step", path, exc)
+
     def protects(self, step: int) -> bool:
         """Local retention keeps ``step`` while it is the head of another node's live branch among the
-        replicas held here (the replica saved last, not the highest number), or not older than the
-        newest step complete here across an owner's loss (:func:`replicas.anchors`): when that node is
-        lost, its replica needs this node's own files of the same step beside it."""
+        replicas held here (the replica saved last, not the highest number), and every step of the live
+        branch from the newest one complete across any single node's loss (:meth:`agree`, the same point on
+        every node) — all of them while no step of this branch is, yet."""
         if not self.on:
             return False
         for held in replicas.committed_replicas(self.root).values():
             top = lineage.head({s: lineage.info_of(m) for s, m in held.items()})
             if top is not None and top.step == step:
                 return True
-        # ... and every step from the newest one complete here across an owner's loss (own copy and
-        # replica): a replica still on its way needs this node's copy beside it.
-        anchors = replicas.anchors(self.root)
-        return bool(anchors) and step >= min(anchors.values())
+        agreed = self.agreed
+        if agreed is None:
+            return True
+        here = lineage.local_infos(self.root).get(agreed[0])
+        if here is None or here.version != agreed[1]:  # another branch's point (a rollback): keep everything
+            return True
+        return step >= agreed[0]
 
     def live_head(self) -> int | None:
         """This node's newest step of the live branch (the lineage's head), ``None`` when none."""
@@ -310,6 +349,12 @@ class PeerTier:
         finally:
             unregister_trainer(self._trainer_file)
             self._trainer_file = None
+
+
+def _read_agreed(root: str) -> tuple[int, str] | None:
+    body = read_json(os.path.join(state_dir(root), peer_daemon.AGREED_NAME))
+    step, version = body.get("step"), body.get("version")
+    return (step, version) if isinstance(step, int) and isinstance(version, str) else None
 
 
 def _json(body: dict[str, Any]) -> str:

@@ -13,11 +13,14 @@ rank for the same step::
     4. each copy's committer (see topology.py: rank 0 of a shared directory,
        the lowest rank of each node with node-local ones) writes the manifest
        last and renames the partial directory to step_<N>: the commit
-    5. exchange 2: commit outcomes                           (all_gather, io)
+    5. exchange 2: commit outcomes, and with the peer tier on each copy's
+       facts (which nodes hold its files of which save)  (all_gather, io)
        any error: the copies that did commit withdraw the step (an earlier
        copy of the same step number is put back); every rank raises SaveError
-    6. retention in each copy, by its committer; a failure there is logged as
-       a warning (the step is committed), never a failed save
+    6. retention in each copy, by its committer, below the newest step that
+       the facts of step 5 show complete across any one node's loss (the same
+       point on every node); a failure there is logged as a warning (the step
+       is committed), never a failed save
 
 Before the write, on the main thread: free space is agreed by all ranks
 (:meth:`StepWriter.space_ok`), and the first save agrees on a nonce and
@@ -105,6 +108,10 @@ class StepWriter:
         self._newest_created = 0.0
         self.file_done: Callable[[SaveJob, int, str, int, str], None] | None = None
         """``(job, rank, name, size, checksum)`` as each file of a save is complete (early uploads)."""
+        self.peer_facts: Callable[[], Any] | None = None
+        """What this copy's committer reports of its peer replicas at each commit (``PeerTier.facts``)."""
+        self.peer_agreed: Callable[[list[Any]], None] | None = None
+        """Every rank, after each commit, with every copy's reports (``PeerTier.agree``), before retention."""
 
     def continue_lineage(self, lineage: lineage_mod.Lineage, newest_created: float, head_step: int | None = None) -> None:
         """After a load: later saves continue (or fork from) the loaded step's history."""
@@ -274,9 +281,15 @@ class StepWriter:
             if commit is None and topo.committer:
                 shutil.rmtree(partial, ignore_errors=True)
 
-        # 5: exchange 2
-        outcomes = self._groups.all_gather_io((_describe(failure), _disk(failure)))
-        problems = [(r, err, disk) for r, (err, disk) in enumerate(outcomes) if err is not None]
+        # 5: exchange 2, which also carries each copy's peer facts (what its peers hold of its steps)
+        facts = None
+        if topo.committer and self.peer_facts is not None:
+            try:
+                facts = self.peer_facts()
+            except Exception as exc:  # noqa: BLE001 - without them no step becomes safer; nothing is deleted for it
+                log.warning("shardckpt: step %d: the peer tier's facts of %s could not be read: %s", step, self.root, exc)
+        outcomes = self._groups.all_gather_io((_describe(failure), _disk(failure), facts))
+        problems = [(r, err, disk) for r, (err, disk, _facts) in enumerate(outcomes) if err is not None]
         if problems:
             if commit is not None:
                 try:
@@ -307,7 +320,9 @@ class StepWriter:
             self.lineage = job.lineage
         self.head_step = step
 
-        # 6: retention (after the step is committed on every copy)
+        # 6: retention (after the step is committed on every copy), every node from the same peer facts
+        if self.peer_agreed is not None:
+            self.peer_agreed([o[2] for o in outcomes])
         if topo.committer:
             try:
                 self.apply_retention(protect=step)

@@ -28,6 +28,8 @@ from shardckpt.stores.tls import fingerprint
 log = logging.getLogger("shardckpt")
 
 CHUNK = 1 << 20
+SEND_BUFFER = 4 << 20
+"""Bytes of a replica file read and sent at a time (one buffer per replica, reused)."""
 LIVE_HEADER = "X-Shardckpt-Live-Lineage"
 """On a replica's ``begin``: the owner's live lineage (JSON), which says whether an older save of a step
 number may replace a newer one on the holder (a rollback) or not (a replay)."""
@@ -59,14 +61,12 @@ class PeerClient:
         self.timeout_s = timeout_s
 
     def _connect(self) -> http.client.HTTPSConnection:
-        """An open connection to the peer, its certificate checked against the one pinned for it."""
-        conn = http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout_s, context=self.context)
+        """An open connection to the peer, its certificate checked against the one pinned for it (and again
+        on any reconnection the connection makes by itself)."""
+        conn = _PinnedConnection(self.host, self.port, timeout=self.timeout_s, context=self.context)
+        conn.pinned, conn.addr = self.expect, self.addr
         try:
             conn.connect()
-            presented = conn.sock.getpeercert(binary_form=True) if conn.sock is not None else None
-            if self.expect is not None and (presented is None or fingerprint(presented) != self.expect):
-                raise PeerError(f"peer {self.addr} presented a certificate that is not the one of the node expected "
-                                f"there (another job member, or a stale address); nothing read from it")
         except PeerError:
             conn.close()
             raise
@@ -77,16 +77,22 @@ class PeerClient:
         return conn
 
     def _request(self, method: str, path: str, body: bytes | None = None,
-                 headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-        conn = self._connect()
+                 headers: dict[str, str] | None = None,
+                 conn: http.client.HTTPSConnection | None = None) -> tuple[int, dict[str, str], bytes]:
+        """One request, on ``conn`` (kept open for the next) or on a connection of its own."""
+        own = conn is None
+        if conn is None:
+            conn = self._connect()
         try:
             conn.request(method, path, body=body, headers=headers or {})
             resp = conn.getresponse()
             return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
         except (OSError, http.client.HTTPException) as exc:
+            conn.close()
             raise PeerError(f"peer {self.addr}: {method} {path} failed: {type(exc).__name__}: {exc}") from exc
         finally:
-            conn.close()
+            if own:
+                conn.close()
 
     def _ok(self, method: str, path: str, status: int, body: bytes, accept: tuple[int, ...] = (200,)) -> None:
         if status not in accept:
@@ -168,42 +174,63 @@ class PeerClient:
         base = f"/v1/replica/{owner_dirname(owner)}/{manifest.step}/{version_tag(manifest)}"
         text = manifest.to_json().encode()
         headers = {LIVE_HEADER: json.dumps(live, separators=(",", ":"))} if live is not None else None
-        status, _h, body = self._request("POST", base + "/begin", text, headers)
-        self._ok("POST", base + "/begin", status, body)
-        answer = json.loads(body)
-        if answer.get("state") == "committed":
-            return 0
-        have = set(answer.get("have") or [])
-        sent = 0
-        throttle = _Throttle(bandwidth)
-        for name in names:
-            if name in have:
-                continue
-            sent += self._put_file(f"{base}/f/{urllib.parse.quote(name, safe='')}", os.path.join(step_dir, name), throttle)
-        commit = json.dumps({"files": sorted(names)}).encode()
-        status, _h, body = self._request("POST", base + "/commit", commit)
-        self._ok("POST", base + "/commit", status, body)
-        return sent
+        conn = self._connect()  # one connection (one handshake) for the whole replica
+        try:
+            status, _h, body = self._request("POST", base + "/begin", text, headers, conn)
+            self._ok("POST", base + "/begin", status, body)
+            answer = json.loads(body)
+            if answer.get("state") == "committed":
+                return 0
+            have = set(answer.get("have") or [])
+            sent = 0
+            throttle = _Throttle(bandwidth)
+            buffer = memoryview(bytearray(SEND_BUFFER))
+            for name in names:
+                if name in have:
+                    continue
+                path = f"{base}/f/{urllib.parse.quote(name, safe='')}"
+                sent += self._put_file(conn, path, os.path.join(step_dir, name), throttle, buffer)
+            commit = json.dumps({"files": sorted(names)}).encode()
+            status, _h, body = self._request("POST", base + "/commit", commit, None, conn)
+            self._ok("POST", base + "/commit", status, body)
+            return sent
+        finally:
+            conn.close()
 
-    def _put_file(self, path: str, local: str, throttle: "_Throttle") -> int:
+    def _put_file(self, conn: http.client.HTTPSConnection, path: str, local: str, throttle: "_Throttle",
+                  buffer: memoryview) -> int:
         size = os.path.getsize(local)
-        conn = self._connect()
         try:
             conn.putrequest("PUT", path)
             conn.putheader("Content-Length", str(size))
             conn.endheaders()
-            with open(local, "rb") as f:
-                while chunk := f.read(CHUNK):
-                    throttle.take(len(chunk))
-                    conn.send(chunk)
+            with open(local, "rb", buffering=0) as f:
+                while got := f.readinto(buffer):
+                    throttle.take(got)
+                    conn.send(buffer[:got])
             resp = conn.getresponse()
             body = resp.read()
         except (OSError, http.client.HTTPException) as exc:
-            raise PeerError(f"peer {self.addr}: PUT {path} failed: {type(exc).__name__}: {exc}") from exc
-        finally:
             conn.close()
+            raise PeerError(f"peer {self.addr}: PUT {path} failed: {type(exc).__name__}: {exc}") from exc
         self._ok("PUT", path, resp.status, body)
         return size
+
+
+class _PinnedConnection(http.client.HTTPSConnection):
+    """An HTTPS connection that accepts only the certificate pinned for the node it means to reach, on its
+    first connection and on any reconnection (after a response that closed the previous one)."""
+
+    pinned: str | None = None
+    addr: str = ""
+
+    def connect(self) -> None:
+        super().connect()
+        presented = self.sock.getpeercert(binary_form=True) if self.sock is not None else None
+        if self.pinned is not None and (presented is None or fingerprint(presented) != self.pinned):
+            self.close()
+            raise PeerError(f"peer {self.addr} presented a certificate that is not the one of the node expected "
+                            f"there (another job member, or a stale address); nothing read from it")
 
 
 class _Throttle:
