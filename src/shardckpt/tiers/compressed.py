@@ -395,13 +395,14 @@ AUTO_MIN_BYTES = 64 << 20
 than compressing could save."""
 
 _decided: dict[tuple[str, str | None], Decision] = {}
+"""Decisions per link: the bucket (or host) and endpoint, not the prefix (a run's remote or another)."""
 _decided_lock = threading.Lock()
 
 
 def wanted(store: Store, sample: str | None, total: int, deadline: Deadline) -> bool:
     """Whether this node compresses the ``total`` bytes it is about to upload to ``store``
-    (``remote_compression``). ``auto`` is measured once per remote per process (on ``sample``, a
-    file about to be uploaded) and the decision is logged once."""
+    (``remote_compression``). ``auto`` is measured once per bucket and endpoint per process (on
+    ``sample``, a file about to be uploaded) and the decision is logged once."""
     options = getattr(store, "options", None)
     mode = getattr(options, "compression", "off")
     if mode == "off" or sample is None:
@@ -410,7 +411,7 @@ def wanted(store: Store, sample: str | None, total: int, deadline: Deadline) -> 
         return True
     if total < AUTO_MIN_BYTES:
         return False
-    where = (store.url, getattr(options, "endpoint_url", None))
+    where = (store.url.split("/")[2] if store.url.count("/") >= 2 else store.url, getattr(options, "endpoint_url", None))
     with _decided_lock:
         decision = _decided.get(where)
         if decision is None:
