@@ -47,8 +47,9 @@ RAW, ZSTD = 0, 1
 WIDTHS = (1, 2, 4, 8)
 """Candidate value widths: bytes, 16-bit (bf16, fp16, int16), 32-bit, 64-bit values."""
 LEVEL = 1
-"""zstd level. Level 1 keeps ~95 % of level 3's saving on training states at twice its speed
-(docs/operations/remote-compression.md has the figures)."""
+"""zstd level. On byte-grouped training states level 1 saved as much as level 3 (bf16 0.68x vs
+0.71x, fp32 0.84x vs 0.85x of the bytes) at 1.1-1.5x its speed (measured on this project's 2-core
+machine under load)."""
 SAMPLE_BYTES = 64 << 10
 MIN_SAVING = 0.03
 """A chunk is stored compressed only when it shrinks by at least this fraction."""
