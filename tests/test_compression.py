@@ -27,7 +27,7 @@ import shardckpt  # noqa: E402
 from faultproxy import FaultProxy  # noqa: E402
 from helpers import PROGRAMS, child_env, free_port, kill_job, run_torchrun, start_torchrun  # noqa: E402
 from s3server import BUCKET, reset_if_used, stop_uploaders  # noqa: E402
-from shardckpt import stores  # noqa: E402
+from shardckpt import cli, stores  # noqa: E402
 from shardckpt.errors import CorruptCheckpointError  # noqa: E402
 from shardckpt.format import codec, layout  # noqa: E402
 from shardckpt.node import uploader  # noqa: E402
@@ -165,7 +165,7 @@ def test_a_damaged_stored_chunk_raises_codec_error():
 # ---------------------------------------------------------------- the remote
 
 
-def test_compressed_step_is_smaller_restores_bitwise_and_pulls_as_plain_dcp(s3, tmp_path, monkeypatch):
+def test_compressed_step_is_smaller_restores_bitwise_and_pulls_as_plain_dcp(s3, tmp_path, monkeypatch, capsys):
     """Uploaded compressed: every shard file is a .szc object, the remote holds fewer bytes than the step,
     checksums in the manifest are of the plain bytes; a fresh instance restores it bitwise (need-only,
     from a sparse copy); `pull` writes plain files that stock dcp.load reads; `ls` shows both sizes."""
@@ -205,8 +205,11 @@ def test_compressed_step_is_smaller_restores_bitwise_and_pulls_as_plain_dcp(s3, 
     for k, v in plain["model"].items():
         assert torch.equal(v, saved[1][f"model.{k}"]), k
 
-    from shardckpt import cli
-    assert cli.main(["ls", url]) == 0
+    capsys.readouterr()
+    assert cli.main(["ls", url]) == 0 and cli.main(["inspect", url, "--step", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("stored compressed: ") == 3, out  # two steps in ls, one in inspect
+    assert f"({compressed.stored_bytes(manifest) / logical:.2f}x)" in out
 
 
 @pytest.mark.parametrize("s3", ["moto"], indirect=True)
