@@ -205,6 +205,16 @@ def test_compressed_step_is_smaller_restores_bitwise_and_pulls_as_plain_dcp(s3, 
     for k, v in plain["model"].items():
         assert torch.equal(v, saved[1][f"model.{k}"]), k
 
+    # `export` from the remote writes the full tensors (the model's, bf16) to a plain safetensors file.
+    from safetensors.torch import load_file
+
+    from shardckpt import export
+    export.export_step(url, str(tmp_path / "m.safetensors"), step=2, key="model", transfer=_opts())
+    got = load_file(str(tmp_path / "m.safetensors"))
+    for k, v in got.items():
+        assert torch.equal(v, saved[2][f"model.{k}"]), k
+    assert len(got) == len(_fresh_state()["model"].state_dict())
+
     capsys.readouterr()
     assert cli.main(["ls", url]) == 0 and cli.main(["inspect", url, "--step", "2"]) == 0
     out = capsys.readouterr().out
