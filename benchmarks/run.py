@@ -108,6 +108,15 @@ CASES = [
          "s3fs). Seconds per GiB give the largest state per node that fits a 30 s (GCP) and a 120 s (AWS) notice.",
          lambda a: ["--case", "durable", "--repeats", repeats(a, 2, 3)], sizes="remote",
          memory=10.0, disk=4.0, plot="remote_durable.png"),
+    Case("compress", "Compressed uploads against a raw upload through the same link", "bench_compress.py",
+         "moto's S3 server in its own process; a throttling proxy (its own process) caps each direction at "
+         "100 MB/s (capped) or is left out (loopback). A bf16 model with its fp32 master copy and AdamW moments, "
+         "a pure bf16 model and a pure fp32 model + AdamW, each a committed local step: `shardckpt push` with "
+         "compression off, bytegroup-zstd and auto against a boto3 upload of the same files through the same "
+         "link (floor); the restore of the compressed copy against the uncompressed one on the capped link; "
+         "bytes stored / step bytes and CPU seconds per GiB to compress and decompress (notes).",
+         lambda a: ["--size-mb", "64" if a.quick else "256", "--repeats", repeats(a, 1, 2)], sizes=None,
+         memory=6.0, disk=3.0),
     Case("training", "Training slowdown", "bench_train.py",
          "Steps/s of a small DDP training loop (2 ranks, an MLP of about 4 MB with AdamW) checkpointing every N "
          "steps, against the same loop without checkpoints, measured in alternating rounds.",

@@ -56,6 +56,10 @@ class FaultProxy:
         self.index = 0
         self.unlisted: tuple[str, ...] = ()
         """``"bucket/key prefix"`` entries that listings do not show (a lagging listing)."""
+        self.cap_bytes_per_s: float | None = None
+        """A bandwidth cap, each direction on its own: request bodies (uploads) and answers (downloads)
+        pass at most this many bytes per second over all connections together (a slow link)."""
+        self._free_at = {"up": 0.0, "down": 0.0}
         proxy = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -152,6 +156,7 @@ class FaultProxy:
                     )
                     conn.close()
                     return
+                self._pace("up", len(body))
                 self._forward(conn, method, target, headers, body)
         except OSError:
             return
@@ -184,9 +189,21 @@ class FaultProxy:
             if method == "GET":
                 with self._lock:
                     self.got.append((urllib.parse.urlparse(target).path, len(data)))
+            self._pace("down", len(data) if method != "HEAD" else 0)
             conn.sendall(("\r\n".join(out) + "\r\n\r\n").encode("latin-1") + (data if method != "HEAD" else b""))
         finally:
             up.close()
+
+    def _pace(self, direction: str, nbytes: int) -> None:
+        """Hold ``nbytes`` back until the cap lets them through (the link is shared by all connections)."""
+        rate = self.cap_bytes_per_s
+        if not rate or not nbytes:
+            return
+        with self._lock:
+            start = max(time.monotonic(), self._free_at[direction])
+            self._free_at[direction] = start + nbytes / rate
+            until = self._free_at[direction]
+        time.sleep(max(0.0, until - time.monotonic()))
 
     def _lagging_listing(self, target: str, data: bytes) -> bytes:
         """A bucket listing's answer without the entries under :attr:`unlisted` (others unchanged)."""

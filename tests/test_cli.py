@@ -28,7 +28,7 @@ from shardckpt import stores
 from shardckpt.node import uploader  # noqa: E402
 
 LS_KEYS = {"step", "bytes", "files", "world_size", "created", "created_utc", "live", "abandoned", "branch",
-           "run_id", "metadata", "kind", "metrics", "best", "tiers", "for_upload"}
+           "run_id", "metadata", "kind", "metrics", "best", "tiers", "for_upload", "stored_bytes"}
 
 
 @pytest.fixture(autouse=True)

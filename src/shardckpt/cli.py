@@ -52,7 +52,7 @@ from shardckpt.node.uploader import (
     sync_from_args,
 )
 from shardckpt.stores import Deadline, TransferOptions, redact
-from shardckpt.tiers import remote_commit, remote_index
+from shardckpt.tiers import compressed, remote_commit, remote_index
 from shardckpt.tiers import steps as steps_mod
 from shardckpt.tiers.steps import open_steps
 
@@ -142,6 +142,7 @@ def _step_row(step: int, manifest: layout.Manifest, abandoned: dict[int, str], t
     return {
         "step": step,
         "bytes": manifest.total_bytes,
+        "stored_bytes": compressed.stored_bytes(manifest) if manifest.stored else None,  # compressed on the remote
         "files": len(manifest.files),
         "world_size": manifest.world_size,
         "created": manifest.created,
@@ -191,6 +192,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 notes.append("not for upload (remote_every)")
             if row["abandoned"]:
                 notes.append(row["abandoned"])
+            if row["stored_bytes"] is not None:
+                notes.append(f"stored compressed: {fmt_bytes(row['stored_bytes'])}")
             print(f"{row['step']:>10}  {fmt_bytes(row['bytes']):>10}  {row['files']:>5}  {row['world_size']:>5}  "
                   f"{row['kind']:>5}  {'+'.join(row['tiers']):<12}  {row['created_utc']}"
                   + (f"  ({'; '.join(notes)})" if notes else ""))
@@ -229,7 +232,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             return OK
         print(f"step {step} in {tier.step_where(step)}" + (f" ({abandoned[step]})" if step in abandoned else ""))
         print(f"  saved {_when(manifest.created)} UTC by world size {manifest.world_size}; {len(manifest.files)} "
-              f"files, {fmt_bytes(manifest.total_bytes)}")
+              f"files, {fmt_bytes(manifest.total_bytes)}" + compressed.stored_note(manifest, fmt_bytes))
         print(f"  torch {manifest.torch_version}, shardckpt {manifest.shardckpt_version}"
               + (f", run {manifest.run_id}" if manifest.run_id else ""))
         print("  state keys: " + ", ".join(f"{k} ({v})" for k, v in sorted(manifest.keys.items())))

@@ -16,6 +16,7 @@ import signal
 from typing import Any
 
 from shardckpt.errors import ConfigError
+from shardckpt.format import codec
 from shardckpt.stores import TransferOptions
 
 MICRO_BATCH_KEY = "shardckpt.micro_batch_size"
@@ -272,6 +273,14 @@ class CheckpointConfig:
     remote_max_attempts: int = 8
     """Attempts per remote request on throttling, 5xx and connection errors (first included)."""
 
+    remote_compression: str = "auto"
+    """Lossless compression of what the uploader sends: ``auto`` compresses when this node's
+    measured upload rate is below what its spare cores save by compressing (measured once per
+    uploader, said in its log), ``off`` never, ``bytegroup-zstd`` always. Each 4 MiB chunk is
+    compressed on its own (bytes regrouped by their place in a value, then zstd; stored raw when
+    it does not shrink), so ranged restores still fetch only what they need; checksums stay on the
+    uncompressed bytes. The local tier and peer replicas keep the files as written."""
+
     backoff_max_s: float = 10.0
     """Cap of the exponential backoff between attempts."""
 
@@ -364,6 +373,9 @@ class CheckpointConfig:
             raise ConfigError(f"part_size must be at least 5 MiB (S3's minimum part), got {self.part_size!r}")
         if not isinstance(self.remote_max_attempts, int) or self.remote_max_attempts < 1:
             raise ConfigError(f"remote_max_attempts must be >= 1, got {self.remote_max_attempts!r}")
+        if self.remote_compression not in codec.MODES:
+            raise ConfigError(f"remote_compression must be one of {', '.join(codec.MODES)}, "
+                              f"got {self.remote_compression!r}")
         for name in ("request_timeout_s", "backoff_max_s", "step_deadline_s", "drain_timeout_s",
                      "remote_commit_timeout_s"):
             value = getattr(self, name)
@@ -441,6 +453,7 @@ class CheckpointConfig:
             max_attempts=self.remote_max_attempts,
             backoff_max_s=self.backoff_max_s,
             step_deadline_s=self.step_deadline_s,
+            compression=self.remote_compression,
         )
 
 

@@ -253,6 +253,11 @@ class Manifest:
     """The identity of this save, agreed by every rank (every directory copy of one save
     carries the same id). Two saves of one step number have different ids; see
     :func:`version_of`. Empty in manifests from before it was recorded."""
+    stored: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """Remote manifests only: the files stored compressed, ``{name: stored form}`` (see
+    :mod:`shardckpt.format.codec` and ``tiers/compressed.py``). Not part of the step's identity
+    (:func:`files_digest`): the files' logical bytes are. Empty for local copies and for files
+    stored as they are."""
     format: str = MANIFEST_FORMAT
 
     def to_json(self) -> str:
@@ -260,6 +265,8 @@ class Manifest:
         for entry in body["files"].values():
             if not entry["chunks"]:
                 del entry["chunks"]
+        if not body["stored"]:
+            del body["stored"]
         return manifest_schema.seal(body)
 
     @classmethod
@@ -294,6 +301,7 @@ class Manifest:
                 frozen=dict(body.get("frozen") or {}),
                 run=dict(body.get("run") or {}),
                 save_id=str(body.get("save_id") or ""),
+                stored={str(k): dict(v) for k, v in (body.get("stored") or {}).items() if k in files},
             )
         except CorruptCheckpointError:
             raise

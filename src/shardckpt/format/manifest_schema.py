@@ -240,6 +240,17 @@ def _metadata(value: Any) -> None:
             _int(item, f"metadata[{name!r}]", low=1)
 
 
+def _stored(value: Any) -> None:
+    for name, form in _dict(value, "stored").items():
+        what = f"stored[{name!r}]"
+        form = _dict(form, what)
+        _str(form.get("codec"), f"{what}.codec")
+        _int(form.get("size"), f"{what}.size")
+        _checksum(form, what)
+        for i, length in enumerate(_list(form.get("lengths"), f"{what}.lengths")):
+            _int(length, f"{what}.lengths[{i}]")
+
+
 _FIELDS: dict[str, Callable[[Any], Any]] = {
     "step": lambda v: _int(v, "step"),
     "world_size": lambda v: _int(v, "world_size", low=1),
@@ -259,6 +270,7 @@ _FIELDS: dict[str, Callable[[Any], Any]] = {
     "frozen": _frozen,
     "run": lambda v: None if v is None else _dict(v, "run"),
     "save_id": lambda v: None if v is None else _str(v, "save_id"),
+    "stored": _stored,
     "format": lambda v: _str(v, "format"),
     DIGEST_FIELD: lambda v: _str(v, DIGEST_FIELD),
 }

@@ -27,6 +27,7 @@ from shardckpt.format import layout
 from shardckpt.tiers.early_upload import EarlyUploads
 from shardckpt.node.node_registry import daemon_logging, lock_path, process_record, state_dir, trainers_alive
 from shardckpt.errors import RemoteError
+from shardckpt.format import codec
 from shardckpt.options import CheckpointConfig
 from shardckpt.stores import Deadline, Store, open_store, redact, safe_url
 from shardckpt.tiers.remote_commit import COMMITTED, SUPERSEDED, WAITING, local_bytes, missing_ranks, pending_steps, push_step, remote_steps
@@ -438,6 +439,9 @@ def add_transfer_args(p: Any) -> None:
                    help="cap of the retry backoff in seconds (default 10)")
     p.add_argument("--step-deadline", type=float, default=_env("step_deadline_s", 1800.0, float),
                    help="seconds per step before it is retried later (default 1800)")
+    p.add_argument("--compression", choices=list(codec.MODES), default=_env("remote_compression", "auto"),
+                   help="compress uploads: auto (when it pays on the measured link), off, or the codec "
+                        "(default: SHARDCKPT_REMOTE_COMPRESSION, else auto)")
 
 
 def add_sync_args(p: Any) -> None:
@@ -477,6 +481,7 @@ def store_from_args(args: Any) -> Store:
         remote_max_attempts=args.max_attempts,
         backoff_max_s=args.backoff_max,
         step_deadline_s=args.step_deadline,
+        remote_compression=getattr(args, "compression", "auto"),
         preemption_signals=(),
     )
     return open_store(args.remote, cfg.transfer_options())

@@ -228,6 +228,7 @@ class UploaderClient:
             "--max-attempts", str(cfg.remote_max_attempts),
             "--backoff-max", str(cfg.backoff_max_s),
             "--step-deadline", str(cfg.step_deadline_s),
+            "--compression", cfg.remote_compression,
             "--commit-timeout", str(cfg.remote_commit_timeout_s),
         ]
         if cfg.endpoint_url:

@@ -204,7 +204,8 @@ class Sources:
 
     def reader_source(self, step: int) -> steps_mod.StepView | None:
         """Where the checked reader fetches the ranges of a sparse copy from (the remote), else None."""
-        return steps_mod.StepView.of_step(self.store(), step) if step in self.sparse else None
+        sparse = self.sparse.get(step)  # its manifest: the remote's, with the stored form of compressed files
+        return steps_mod.StepView(self.store(), sparse.manifest) if sparse is not None else None
 
     def store(self) -> stores.Store:
         """The remote store (opened on first use, closed by :meth:`close`)."""

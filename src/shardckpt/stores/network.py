@@ -76,6 +76,10 @@ class TransferOptions:
     storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Extra keyword arguments of the fsspec filesystem (non-S3 URLs)."""
 
+    compression: str = "off"
+    """What the uploader does to the bytes it sends: ``auto``, ``off`` or a codec name
+    (``CheckpointConfig.remote_compression``; the store itself moves bytes as they are)."""
+
 
 def redact(text: str) -> str:
     """Drop URL credentials and the values of secret environment variables from ``text``."""

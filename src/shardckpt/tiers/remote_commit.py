@@ -53,7 +53,7 @@ from typing import Any, Mapping
 
 from shardckpt import _failpoints
 from shardckpt.format import layout, step_dirs
-from shardckpt.tiers import remote_index
+from shardckpt.tiers import compressed, remote_index
 from shardckpt.format import lineage as lineage_mod
 from shardckpt.errors import CorruptCheckpointError, RemoteError
 from shardckpt.stores import Deadline, Store, join, safe_url
@@ -341,7 +341,8 @@ def push_step(
     if committed is not None:
         if files_digest(committed) == digest:
             # Any node's copy of .metadata may repair the remote one (it is the same file).
-            repaired = _repair_remote(store, step_dir, step, manifest, held, deadline) if verify_remote else []
+            repaired = _repair_remote(store, step_dir, step, remote_manifest(store, step, deadline) or manifest, held,
+                                      deadline) if verify_remote else []
             mark_uploaded(step_dir, store.url, manifest)
             detail = f"already committed; replaced {len(repaired)} corrupt object(s): {', '.join(repaired)}" if repaired else "already committed"
             return PushResult(COMMITTED, sum(manifest.files[n].size for n in repaired), detail)
@@ -393,10 +394,18 @@ def push_step(
             todo = [n for n in mine if sent_early.get(n) != (manifest.files[n].size, manifest.files[n].checksum)]
             total = sum(manifest.files[n].size for n in todo)
             progress = Progress(f"uploading step {step} to {safe_url(store.url)}", total, progress_s)
+            shards = sorted((n for n in todo if n != layout.METADATA_NAME), key=lambda n: -manifest.files[n].size)
+            compress = compressed.wanted(store, os.path.join(step_dir, shards[0]) if shards else None, total, deadline)
+            stored: dict[str, dict[str, Any]] = {}
 
             def send(name: str) -> None:
                 entry = manifest.files[name]
                 path = os.path.join(step_dir, name)
+                if compress and name != layout.METADATA_NAME:  # .metadata is read by name, never compressed
+                    form = compressed.put_compressed(store, step_key(step, name), path, entry, step, deadline, progress.add)
+                    if form is not None:
+                        stored[name] = form.to_json()
+                    return
                 store.put_file(path, step_key(step, name), entry.size, entry.checksum, deadline, progress.add)
 
             try:
@@ -410,14 +419,17 @@ def push_step(
                 if _saved_again(step_dir, digest):
                     return PushResult(WAITING, detail=SAVED_AGAIN)
                 raise
-            sent = total
+            sent = total - sum(manifest.files[n].size - f["size"] for n, f in stored.items())
+            if stored:  # the committer writes them into the remote manifest
+                marker["stored"] = stored
             _failpoints.hit("upload.files_sent")
             store.put_bytes(marker_key, json.dumps(marker, sort_keys=True).encode(), deadline)
             _failpoints.hit("upload.marker_written")
     if not committer:
         waiting = PushResult(WAITING, sent, "waiting for the committing node", marked=digest)
         return _superseded_or(store, step_dir, step, manifest, waiting, deadline)
-    ready, why = _all_markers_present(store, step, manifest, digest, deadline)
+    stored_forms: dict[str, dict[str, Any]] = {}
+    ready, why = _all_markers_present(store, step, manifest, digest, deadline, stored_forms)
     if not ready:
         return _superseded_or(store, step_dir, step, manifest, PushResult(WAITING, sent, why, marked=digest), deadline)
     _failpoints.hit("upload.markers_checked")
@@ -428,14 +440,17 @@ def push_step(
     # another save of this step number (saved again meanwhile) would otherwise be
     # committed under this manifest. Checked before the manifest goes up, and again
     # after (an upload racing the commit); retention runs only on a verified commit.
-    foreign = _foreign_objects(store, step, manifest, deadline)
+    # The remote manifest: the local one, plus the stored form of the files uploaded compressed.
+    remote = dataclasses.replace(manifest, stored=stored_forms) if stored_forms else manifest
+    foreign = _foreign_objects(store, step, remote, deadline)
     if foreign:
         return PushResult(WAITING, sent, f"{SAVED_AGAIN_ELSEWHERE}: {foreign[0]}", marked=digest)
     if _saved_again(step_dir, digest):  # another save of the number may be uploading from other nodes
         return PushResult(WAITING, sent, SAVED_AGAIN, marked=digest)
-    store.put_bytes(step_key(step, layout.MANIFEST_NAME), manifest_bytes, deadline)
+    store.put_bytes(step_key(step, layout.MANIFEST_NAME), remote.to_json().encode() if stored_forms else manifest_bytes,
+                    deadline)
     _failpoints.hit("upload.manifest_written")
-    foreign = _foreign_objects(store, step, manifest, deadline)
+    foreign = _foreign_objects(store, step, remote, deadline)
     if foreign:
         store.delete(step_key(step, layout.MANIFEST_NAME), deadline)
         log.warning("shardckpt: step %d: withdrew the remote commit at %s: %s", step,
@@ -463,12 +478,12 @@ SAVED_AGAIN_ELSEWHERE = "objects of another save of this step number are on the 
 def _foreign_objects(store: Store, step: int, manifest: layout.Manifest, deadline: Deadline) -> list[str]:
     """The step's objects that are not this manifest's (size or recorded checksum differ)."""
     def check(name: str) -> str | None:
-        entry = manifest.files[name]
-        got = store.recorded_checksum(step_key(step, name), entry.checksum, deadline)
-        if got == (entry.size, entry.checksum):
+        obj, size, checksum = compressed.expected(manifest, name)
+        got = store.recorded_checksum(step_key(step, obj), checksum, deadline)
+        if got == (size, checksum):
             return None
         what = "missing" if got is None else "of another save"
-        return f"object {store.where(step_key(step, name))} is {what}"
+        return f"object {store.where(step_key(step, obj))} is {what}"
 
     return [p for p in store.run_all([lambda n=n: check(n) for n in sorted(manifest.files)], files=True) if p]
 
@@ -518,17 +533,23 @@ def _when(created: float) -> str:
 def _repair_remote(
     store: Store, step_dir: str, step: int, manifest: layout.Manifest, names: list[str], deadline: Deadline
 ) -> list[str]:
-    """Download and check this node's objects of a committed step; upload again those that fail."""
+    """Download and check this node's objects of a committed step (``manifest``: the remote's, naming
+    the stored form of compressed files); upload again those that fail."""
     def check(name: str) -> str | None:
-        entry = manifest.files[name]
-        got = store.read_checksum(step_key(step, name), entry.checksum, deadline)
-        return None if got == (entry.size, entry.checksum) else name
+        obj, size, checksum = compressed.expected(manifest, name)
+        got = store.read_checksum(step_key(step, obj), checksum, deadline)
+        return None if got == (size, checksum) else name
 
     bad = sorted(n for n in store.run_all([lambda n=n: check(n) for n in names], files=True) if n)
     for name in bad:
         entry = manifest.files[name]
-        log.warning("shardckpt: remote object %s fails its checksum; uploading it again", store.where(step_key(step, name)))
-        store.put_file(os.path.join(step_dir, name), step_key(step, name), entry.size, entry.checksum, deadline)
+        log.warning("shardckpt: remote object %s fails its checksum; uploading it again",
+                    store.where(step_key(step, compressed.object_name(manifest, name))))
+        if name in manifest.stored:
+            compressed.put_again(store, step_key(step, name), os.path.join(step_dir, name), entry, step,
+                                 compressed.StoredForm.from_json(manifest.stored[name]), deadline)
+        else:
+            store.put_file(os.path.join(step_dir, name), step_key(step, name), entry.size, entry.checksum, deadline)
     return bad
 
 
@@ -567,10 +588,17 @@ def _parse_marker(data: bytes) -> dict[str, Any]:
 
 
 def _all_markers_present(
-    store: Store, step: int, manifest: layout.Manifest, digest: str, deadline: Deadline
+    store: Store, step: int, manifest: layout.Manifest, digest: str, deadline: Deadline,
+    stored: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[bool, str]:
+    """Whether every file is covered by a marker of this save and its object is listed with its size;
+    ``stored`` is filled with the stored forms the markers report (compressed files)."""
     covered: set[str] = set()
-    for marker in _markers(store, step, deadline):
+    markers = _markers(store, step, deadline)
+    forms = compressed.from_markers(markers, manifest, digest)
+    if stored is not None:
+        stored.update(forms)
+    for marker in markers:
         if marker.get("files_digest") != digest:
             continue  # a stale marker of another save of this step number
         for name, sha in marker.get("files", {}).items():
@@ -581,7 +609,9 @@ def _all_markers_present(
     if missing:
         return False, f"waiting for node markers covering {len(missing)} file(s), e.g. {missing[0]}"
     sizes = store.list_sizes(layout.step_dirname(step), deadline)
-    wrong = [n for n, e in manifest.files.items() if sizes.get(n) != e.size]
+    remote = dataclasses.replace(manifest, stored=forms)
+    objects = [compressed.expected(remote, n) for n in manifest.files]
+    wrong = [obj for obj, size, _checksum in objects if sizes.get(obj) != size]
     if wrong:
         return False, f"object {store.where(step_key(step, wrong[0]))} is missing or has the wrong size"
     return True, ""

@@ -20,6 +20,7 @@ fetches all go through these. Nothing here imports torch.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -30,7 +31,7 @@ from typing import Any, Callable
 
 from shardckpt.format import layout, lineage, step_dirs
 from shardckpt.node import peer_daemon
-from shardckpt.tiers import remote_commit
+from shardckpt.tiers import compressed, remote_commit
 from shardckpt.tiers.missing import read_committed
 from shardckpt.errors import CorruptCheckpointError, RemoteError, ShardckptError
 from shardckpt.stores import Deadline, LocalDirStore, join, Store, TransferOptions, open_store, safe_url, split_url
@@ -123,13 +124,25 @@ class StepView:
         """Bytes [offset, offset + length) of the step's file ``name`` (checked by the caller's chunk sums);
         an object gone or cut short is :class:`CorruptCheckpointError` (``missing.py``)."""
         key = self.key(name)
+        form = self._form(name)
+        if form is not None:
+            return compressed.read_range(self.store, key + compressed.SUFFIX, self.step, self.manifest.files[name],
+                                         form, offset, length, self.deadline)
         return read_committed(self.store, key, self.step, self.deadline,
                               lambda: self.store.get_range(key, offset, length, self.deadline), end=offset + length)
+
+    def _form(self, name: str) -> compressed.StoredForm | None:
+        """The stored form of ``name`` when the remote holds it compressed (``Manifest.stored``)."""
+        return None if self._manifest is None else compressed.form_of(self._manifest, name)
 
     def fetch_whole(self, name: str, path: str, entry: layout.FileEntry, on_bytes: OnBytes | None = None) -> None:
         """The whole file into ``path``, checked against ``entry`` (size and checksum); an object gone
         or of another size is :class:`CorruptCheckpointError` (``missing.py``)."""
         key = self.key(name)
+        form = self._form(name)
+        if form is not None:
+            compressed.fetch_whole(self.store, key + compressed.SUFFIX, self.step, entry, form, path, self.deadline, on_bytes)
+            return
         read_committed(self.store, key, self.step, self.deadline,
                        lambda: self.store.get_file(key, path, entry.size, entry.checksum, self.deadline, on_bytes),
                        entry=entry)
@@ -151,7 +164,8 @@ class StepView:
         where = self.where(name)
         if entry is None:
             raise CorruptCheckpointError(f"step {self.step}: {where} is not in the manifest; the step cannot be trusted")
-        data = self.store.get_bytes(self.key(name), self.deadline)
+        data = self.read(name, 0, entry.size) if self._form(name) is not None else \
+            self.store.get_bytes(self.key(name), self.deadline)
         if data is None:
             raise CorruptCheckpointError(f"step {self.step}: file {where} named in the manifest is missing. "
                                          + layout.verify_remedy(self.step))
@@ -173,9 +187,10 @@ class StepView:
         """Raise :class:`CorruptCheckpointError` naming the first of ``names`` that is missing or fails
         its size or checksum (each file is streamed once)."""
         for name in names:
-            entry = self.manifest.files[name]
-            where = self.where(name)
-            got = self.store.read_checksum(self.key(name), entry.checksum, self.deadline)
+            entry = self._object_entry(name)
+            where = self.where(compressed.object_name(self.manifest, name))
+            got = self.store.read_checksum(self.key(compressed.object_name(self.manifest, name)), entry.checksum,
+                                           self.deadline)
             if got is None:
                 raise CorruptCheckpointError(
                     f"step {self.step}: file {where} named in the manifest is missing. {layout.verify_remedy(self.step)}"
@@ -192,15 +207,24 @@ class StepView:
         report = CheckReport(self.step, names, sum(files[n].size for n in names), elsewhere)
 
         def one(name: str) -> tuple[str, str] | None:
-            entry = files[name]
-            got = self.store.read_checksum(self.key(name), entry.checksum, self.deadline)
+            entry = self._object_entry(name)  # a compressed file: its stored object is checked
+            got = self.store.read_checksum(self.key(compressed.object_name(self.manifest, name)), entry.checksum,
+                                           self.deadline)
             if on_bytes is not None:
-                on_bytes(entry.size)
+                on_bytes(files[name].size)
             problem = _problem(entry, got)
             return (name, problem) if problem else None
 
         report.problems = [p for p in self.store.run_all([lambda n=n: one(n) for n in names], files=True) if p]
         return report
+
+    def _object_entry(self, name: str) -> layout.FileEntry:
+        """What the object holding ``name`` must be: the file's entry, or its stored form's size and checksum."""
+        entry = self.manifest.files[name]
+        if self._form(name) is None:
+            return entry
+        _key, size, checksum = compressed.expected(self.manifest, name)
+        return layout.FileEntry(size, checksum, entry.rank)
 
 
 class Steps:
@@ -396,7 +420,9 @@ def fetch_step(
         with progress:
             store.run_all([lambda n=n: one(n) for n in wanted], files=True)
         if target != step_dir:
-            layout.atomic_write_text(os.path.join(target, layout.MANIFEST_NAME), remote.to_json())
+            # The local copy holds the files as written: its manifest names no stored form.
+            layout.atomic_write_text(os.path.join(target, layout.MANIFEST_NAME),
+                                     dataclasses.replace(remote, stored={}).to_json())
             remote_commit.mark_uploaded(target, store.url, remote)
             _commit_fetched(root, target, step_dir)
         else:
