@@ -138,6 +138,9 @@ def from_markers(markers: list[dict[str, Any]], manifest: layout.Manifest, diges
 
 _pool_lock = threading.Lock()
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
+_one_file = threading.Lock()
+"""Files are encoded one at a time (each on every worker): the first is ready to upload after its own
+encoding, not after all of them, so the uploads of the first files overlap the encoding of the next."""
 
 
 def _workers() -> concurrent.futures.ThreadPoolExecutor:
@@ -208,7 +211,8 @@ def put_compressed(store: Store, key: str, path: str, entry: layout.FileEntry, s
     ``key`` and return ``None``."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}{SUFFIX}")
     try:
-        form = encode_file(path, tmp, entry, step)
+        with _one_file:
+            form = encode_file(path, tmp, entry, step)
         if form.size > entry.size * (1 - codec.MIN_SAVING):
             store.put_file(path, key, entry.size, entry.checksum, deadline, on_bytes)
             return None
