@@ -10,10 +10,9 @@ measuring the link: off on the loopback link, on behind a throttling proxy.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -368,3 +367,37 @@ def test_need_only_restore_at_another_world_size_reads_only_the_compressed_chunk
     fetched = [sum(n for path, n in p.got if where in path and path.endswith(compressed.SUFFIX)) for p in proxies]
     for node, got in enumerate(fetched):
         assert 0.3 * stored < got < 0.75 * stored, (node, got, stored, fetched)
+
+
+@pytest.mark.parametrize("s3", ["moto"], indirect=True)
+def test_with_compression_on_files_wait_for_the_local_commit_and_go_up_compressed(s3, tmp_path, monkeypatch):
+    """A trainer's uploader (``uploader="auto"``) sends shard files while the save is written, as they
+    are; with the codec asked for it sends none early, and after the local commit every shard file goes
+    up compressed (an early plain copy would have been skipped as sent, and stayed plain)."""
+    from shardckpt import _failpoints
+
+    for key, value in s3.env().items():
+        monkeypatch.setenv(key, value)
+    local_dir, url = tmp_path / "local", f"s3://{BUCKET}/early"
+    prefix = f"early/{layout.step_dirname(1)}/"
+    seen: dict[str, list[str]] = {}
+
+    def written() -> None:  # every shard file written, the step not committed locally: time for early uploads
+        time.sleep(3)
+        seen["early"] = [k for k in s3.keys(prefix) if k.rsplit("/", 1)[1].startswith("__")]
+
+    model = torch.nn.Linear(256, 256)
+    ckpt = shardckpt.Checkpointer(local_dir=str(local_dir), remote=url, uploader="auto", mode="sync", io_threads=2,
+                                  keep_last=None, preemption_signals=(), drain_timeout_s=60,
+                                  remote_compression="bytegroup-zstd")
+    try:
+        _failpoints.arm("write.done", written)
+        ckpt.save({"model": model}, 1)
+    finally:
+        _failpoints.arm("write.done", lambda: None, nth=10**9)
+        ckpt.close()
+    assert seen["early"] == []
+    manifest = _remote_manifest(url, 1)
+    shards = sorted(n for n in manifest.files if n.endswith(".distcp"))
+    assert len(shards) == 2 and sorted(manifest.stored) == shards
+    assert not [k for k in s3.keys(prefix) if k.endswith(".distcp")]

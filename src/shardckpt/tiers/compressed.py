@@ -138,6 +138,9 @@ def from_markers(markers: list[dict[str, Any]], manifest: layout.Manifest, diges
 
 _pool_lock = threading.Lock()
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
+_one_file = threading.Lock()
+"""Files are encoded one at a time (each on every worker): the first is ready to upload after its own
+encoding, not after all of them, so the uploads of the first files overlap the encoding of the next."""
 
 
 def _workers() -> concurrent.futures.ThreadPoolExecutor:
@@ -208,7 +211,8 @@ def put_compressed(store: Store, key: str, path: str, entry: layout.FileEntry, s
     ``key`` and return ``None``."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}{SUFFIX}")
     try:
-        form = encode_file(path, tmp, entry, step)
+        with _one_file:
+            form = encode_file(path, tmp, entry, step)
         if form.size > entry.size * (1 - codec.MIN_SAVING):
             store.put_file(path, key, entry.size, entry.checksum, deadline, on_bytes)
             return None
@@ -399,6 +403,12 @@ _decided: dict[tuple[str, str | None], Decision] = {}
 _decided_lock = threading.Lock()
 
 
+def _link(store: Store) -> tuple[str, str | None]:
+    """What a decision is about: the bucket (or host) and the endpoint."""
+    bucket = store.url.split("/")[2] if store.url.count("/") >= 2 else store.url
+    return bucket, getattr(getattr(store, "options", None), "endpoint_url", None)
+
+
 def wanted(store: Store, sample: str | None, total: int, deadline: Deadline) -> bool:
     """Whether this node compresses the ``total`` bytes it is about to upload to ``store``
     (``remote_compression``). ``auto`` is measured once per bucket and endpoint per process (on
@@ -411,10 +421,26 @@ def wanted(store: Store, sample: str | None, total: int, deadline: Deadline) -> 
         return True
     if total < AUTO_MIN_BYTES:
         return False
-    where = (store.url.split("/")[2] if store.url.count("/") >= 2 else store.url, getattr(options, "endpoint_url", None))
+    where = _link(store)
     with _decided_lock:
         decision = _decided.get(where)
         if decision is None:
             decision = _decided[where] = measure(store, sample, deadline)
             log.info("shardckpt: remote_compression=auto for %s: %s", safe_url(store.url), decision.text())
     return decision.compress
+
+
+def will_compress(store: Store) -> bool:
+    """Whether uploads to ``store`` are compressed as far as this process knows already: the codec is
+    asked for, or ``auto`` decided so for its link. Files are then not uploaded early (plain, while the
+    save is written) but compressed after the local commit: on a link slow enough for compression to
+    pay, a fifth fewer bytes outweighs overlapping the upload with the local write."""
+    options = getattr(store, "options", None)
+    mode = getattr(options, "compression", "off")
+    if mode in _CODEC_NAMES:
+        return True
+    if mode != "auto":
+        return False
+    decision = _decided.get(_link(store))
+    return decision is not None and decision.compress
+

@@ -43,6 +43,7 @@ from typing import Any, Mapping
 from shardckpt.format import layout
 from shardckpt.node.node_registry import pid_alive, proc_start
 from shardckpt.stores import Deadline, Store, join
+from shardckpt.tiers import compressed
 
 log = logging.getLogger("shardckpt")
 
@@ -140,8 +141,8 @@ class EarlyUploads:
             save_id = str(first.get("save_id", ""))
             key = (step, save_id)
             live.add(key)
-            if key in self._refused or not _writer_alive(first):
-                continue
+            if key in self._refused or not _writer_alive(first) or compressed.will_compress(store):
+                continue  # (compressed uploads go up after the local commit, see compressed.will_compress)
             done = self.sent.setdefault(key, {})
             todo = sorted(n for n, b in ready.items()
                           if b.get("save_id") == save_id and done.get(n) != (b["size"], b["checksum"]))
