@@ -51,7 +51,7 @@ def formulas(k: int, f: int, f0: int, confirms_crc: bool = False) -> dict[str, d
     """
     check_f, check_f0 = (0, 0) if confirms_crc else (f, f0)
     commit = {
-        "GET": 1 + k + 1,  # own marker (404), every node's marker (each read once), the index
+        "GET": 2 + k + 1,  # step record (404), own marker (404), every node's marker (each read once), the index
         "HEAD": 2 + check_f0,  # manifest (404) at the start and after the uploads, uploads checked
         "LIST": 4,  # the markers, the step's objects before and after the manifest, the step directories
         "PUT": f0 + 4,  # files, marker, manifest, step record, index
@@ -63,15 +63,17 @@ def formulas(k: int, f: int, f0: int, confirms_crc: bool = False) -> dict[str, d
         "DELETE": 3,  # its step record, its manifest, its objects (one batch)
     }
     return {
-        "upload": {"other": {"GET": 2, "HEAD": 2 + check_f, "PUT": f + 1}},  # own marker, index; manifest x2
-        "poll": {"other": {"GET": 1, "HEAD": 1}},  # manifest (404), the index (superseded?)
+        # step record (404), own marker (404), index; manifest (404) at the start and after the uploads
+        "upload": {"other": {"GET": 3, "HEAD": 2 + check_f, "PUT": f + 1}},
+        "poll": {"other": {"GET": 2, "HEAD": 1}},  # step record and manifest (404s), the index (superseded?)
         "commit": {"committer": commit},
         "confirm": {"other": {"GET": 1, "HEAD": 1}},  # manifest, step record
         "commit+retention": {"committer": {x: commit.get(x, 0) + retention.get(x, 0)
                                            for x in sorted(set(commit) | set(retention))}},
-        # a blocked step's poll: manifest (404), (the committer: the markers' listing, none read
-        # again), the index: the same for every blocked step, however many newer ones wait
-        "dead poll": {"committer": {"GET": 1, "HEAD": 1, "LIST": 1}, "other": {"GET": 1, "HEAD": 1}},
+        # a blocked step's poll: step record and manifest (404s), (the committer: the markers'
+        # listing, none read again), the index: the same for every blocked step, however many
+        # newer ones wait
+        "dead poll": {"committer": {"GET": 2, "HEAD": 1, "LIST": 1}, "other": {"GET": 2, "HEAD": 1}},
         # the report (404), this step's markers (listed, none read again), the newest committed
         # step's markers (listed, the dead node's read), the report; the others: one GET
         "report": {"committer": {"GET": 2, "LIST": 2, "PUT": 1}, "other": {"GET": 1}},
@@ -230,8 +232,8 @@ def at_scale(p: dict = SCALE) -> list[str]:
     while t < p["young_s"]:
         young_polls += 1
         t += max(p["poll_s"], t / 2)
-    per_node = 2 / p["old_slot_s"] + 2 * young_polls / p["save_every_s"]
-    fleet = k * per_node + (pages(k) + 1) / p["old_slot_s"] + 3 / p["commit_poll_s"]
+    per_node = 3 / p["old_slot_s"] + 3 * young_polls / p["save_every_s"]
+    fleet = k * per_node + (pages(k) + 1) / p["old_slot_s"] + 4 / p["commit_poll_s"]
     # The failed step's report: the committer lists both steps' markers and reads the dead node's,
     # the node of the highest rank (if alive) reads every marker; every other node one GET.
     report_requests = 2 * pages(k) + 2 + (2 * pages(k) + k + 1) + (k - 2)
@@ -247,7 +249,8 @@ def at_scale(p: dict = SCALE) -> list[str]:
         f"~{2 * k * k * p['marker_bytes_before'] / 1e9:.1f} GB | {report_requests:,} requests, "
         f"~{report_bytes / 1e6:.1f} MB |",
         f"| waiting for a dead node, per node (a save every {p['save_every_s']:.0f} s) | grows with the steps "
-        f"blocked (~1,800 requests/s over the fleet after 1 h) | <= {per_node:.2f} requests/s, at any time |",
+        f"blocked (~1,800 requests/s over the fleet after 1 h) | <= {per_node:.2f} requests/s at any time: "
+        f"{3 / p['old_slot_s']:.2f} for all the blocked steps, the rest the young polls of new saves |",
         f"| the same, whole fleet | ~21,600 requests/s after 4 h | <= {fleet:,.0f} requests/s "
         f"({100 * fleet / p['prefix_get_per_s']:.0f}% of one prefix's GET/HEAD budget) |",
     ]

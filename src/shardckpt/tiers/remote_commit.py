@@ -202,18 +202,19 @@ def step_record_bytes(manifest: layout.Manifest) -> bytes:
 def committed_record(store: Store, step: int, deadline: Deadline) -> StepRecord | None:
     """The record of ``step`` when it is committed remotely, else ``None``.
 
-    A HEAD of the manifest, then one GET of the step record (a few hundred
-    bytes); the manifest is read only when there is no record (a step
-    committed before records, or whose committer died right after the
-    manifest): an uncommitted step costs one 404 and no manifest GET. The
+    One GET of the step record (a few hundred bytes; first, so that an
+    error answers with the store's error code) and a HEAD of the manifest;
+    the manifest is read only when there is no record (a step committed
+    before records, or whose committer died right after the manifest): an
+    uncommitted step costs two 404s and no manifest GET. The
     record is written after the manifest and deleted before it; still, a
     record counts only beside its manifest: a commit withdrawn by the node
     whose upload raced it (:func:`withdraw_overwritten`) may lose its manifest
     while its committer, not knowing, writes the record.
     """
+    data = store.get_bytes(step_key(step, STEP_RECORD_NAME), deadline)
     if not store.exists(step_key(step, layout.MANIFEST_NAME), deadline):
         return None
-    data = store.get_bytes(step_key(step, STEP_RECORD_NAME), deadline)
     if data is not None:
         try:
             body = json.loads(data.decode("utf-8"))
@@ -497,6 +498,8 @@ def withdraw_overwritten(
     a commit found now was made while they ran, and may hold this node's
     objects under another save's manifest (see :mod:`shardckpt.tiers.node_markers`).
     """
+    if not store.exists(step_key(step, layout.MANIFEST_NAME), deadline):
+        return []
     record = committed_record(store, step, deadline)
     if record is None or record.files_digest == digest:
         return []
