@@ -32,6 +32,7 @@ from shardckpt import stores
 from shardckpt.errors import CorruptCheckpointError, ObjectNotFoundError, ObjectRangeError
 from shardckpt.format import layout
 from shardckpt.node import node_registry, peer_daemon
+from shardckpt.stores import s3 as s3_module
 from shardckpt.stores.peer import PeerStore, PeerStoreReadOnly
 from shardckpt.stores import tls
 from shardckpt.stores.peer_client import PeerClient
@@ -338,3 +339,33 @@ def test_concurrent_use_from_several_threads(store, tmp_path):
         results = list(pool.map(fetch, range(len(keys)), keys))
     for key, (whole, part) in zip(keys, results):
         assert whole == blobs[key] and part == blobs[key][100:1100]
+
+
+def test_a_put_answers_the_tag_its_listing_shows_and_other_bytes_list_another(store, tmp_path, monkeypatch):
+    """The committer's identity check rests on this: the tag a PUT answers (S3's ETag) is the
+    one the listing shows for those bytes, and another upload of other bytes under the key lists
+    another. The listing's pages are read concurrently (``StartAfter``); shares of 3 names here,
+    pages of 3 keys, and every name is listed. Stores without tags say so."""
+    if not _writable(store):
+        pytest.skip("a peer daemon serves read-only")
+    monkeypatch.setattr(s3_module, "_PAGE", 3)
+    names = [f"__{i}_0.distcp" for i in range(10)]
+    tags = {}
+    for i, name in enumerate(names):
+        data = _blob(100 + i, i)
+        path = tmp_path / name
+        path.write_bytes(data)
+        tags[name] = store.put_file(str(path), f"{S[2]}/{name}", len(data), layout.checksum_bytes(data), DEADLINE)
+    store.put_bytes(f"{S[2]}/_nodes/ranks-0-9-10.json", b"{}", DEADLINE)
+    listed = store.list_tags(S[2], DEADLINE, names)
+    if not isinstance(store, stores.S3Store):
+        assert listed is None and set(tags.values()) == {None}
+        return
+    assert all(tags.values()) and len(set(tags.values())) == len(names), tags
+    assert {n: listed[n] for n in names} == {n: (100 + i, tags[n]) for i, n in enumerate(names)}
+    other = _blob(105, 77)
+    path = tmp_path / "other"
+    path.write_bytes(other)
+    again = store.put_file(str(path), f"{S[2]}/{names[5]}", len(other), layout.checksum_bytes(other), DEADLINE)
+    assert again != tags[names[5]]
+    assert store.list_tags(S[2], DEADLINE, names)[names[5]] == (105, again)

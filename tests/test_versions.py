@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -256,6 +257,61 @@ def test_a_step_saved_again_while_two_nodes_upload_it_is_never_committed_mixed(s
     assert restored["step"] == 5
     for key, value in saved["tensors"].items():
         assert torch.equal(value, restored["tensors"][key]), key
+
+    # Later: B's upload of yet another save lands after A's commit has passed both its checks
+    # (B started while the step was not committed). B's own check after its uploads withdraws
+    # that commit: a step never stays committed with an object of another save.
+    out3, out4, base4 = tmp_path / "out3", tmp_path / "out4", tmp_path / "nvme4"
+    out3.mkdir()
+    out4.mkdir()
+    run_torchrun(2, PROG, "resave", base, out3, "--layout", "rank", "--steps", "5")  # a third save, both nodes
+    assert remote_commit.push_step(store, node_b, 5, node="b", policy=one).state == remote_commit.WAITING
+    assert remote_commit.push_step(store, node_a, 5, node="a", policy=one).state == remote_commit.WAITING  # retired
+    assert remote_commit.push_step(store, node_b, 5, node="b", policy=one).state == remote_commit.WAITING
+    third = layout.read_manifest(os.path.join(node_a, layout.step_dirname(5)))
+    b_started, b_go, b_result = threading.Event(), threading.Event(), []
+
+    def fourth_save_starts_uploading_on_b() -> None:
+        # B's node saves 5 a fourth time (its own disk only: A's save of it has not landed yet)
+        # and B's uploader starts; it is held after its check that the step is not committed.
+        shutil.copytree(base, base4)
+        run_torchrun(2, PROG, "resave", base4, out4, "--layout", "rank", "--steps", "5", "--seed", "1")
+
+        def hold() -> None:
+            b_started.set()
+            b_go.wait(120)
+
+        _failpoints.arm("upload.checked_remote", hold)
+        thread = threading.Thread(target=lambda: b_result.append(
+            remote_commit.push_step(store, str(base4 / "rank1"), 5, node="b", policy=None)))
+        thread.start()
+        b_started.wait(120)
+        b_threads.append(thread)
+
+    def b_uploads_land() -> None:
+        b_go.set()
+        b_threads[0].join(120)
+
+    b_threads: list[threading.Thread] = []
+    _failpoints.arm("upload.markers_checked", fourth_save_starts_uploading_on_b)
+    _failpoints.arm("upload.identity_confirmed", b_uploads_land)
+    try:
+        result = remote_commit.push_step(store, node_a, 5, node="a", policy=one)
+    finally:
+        for name in ("upload.markers_checked", "upload.checked_remote", "upload.identity_confirmed"):
+            _failpoints._SPEC.pop(name, None)
+    # A committed the third save (its checks passed), then B's objects of the fourth landed and
+    # B withdrew that commit: no manifest, and its step record alone does not count.
+    assert result.state == remote_commit.COMMITTED, result
+    assert b_result and b_result[0].state == remote_commit.WAITING, b_result
+    assert remote_commit.remote_manifest(store, 5, deadline) is None
+    assert remote_commit.committed_record(store, 5, deadline) is None
+    # The fourth save commits once A's node has it too; every object is its own.
+    fourth = layout.read_manifest(str(base4 / "rank0" / layout.step_dirname(5)))
+    assert layout.version_of(fourth) not in (layout.version_of(third), layout.version_of(second))
+    assert remote_commit.push_step(store, str(base4 / "rank0"), 5, node="a", policy=one).state == remote_commit.COMMITTED
+    assert layout.version_of(remote_commit.remote_manifest(store, 5, deadline)) == layout.version_of(fourth)
+    steps_mod.fetch_step(store, str(tmp_path / "fetched4"), 5)
     store.close()
 
 

@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--corrupt-transfer", action="store_true")
     parser.add_argument("--no-fresh", action="store_true", help="resume: only the load")
+    parser.add_argument("--seed", type=int, default=0, help="offsets the data's seed (resave: other bytes)")
     args = parser.parse_args()
     rank, world = common.init()
     node = os.environ.get("GROUP_RANK", "0")
@@ -80,7 +81,7 @@ def main() -> None:
                  "rank": os.path.join(args.dir, f"rank{rank}")}[args.layout]
     model, optim = build()
     state = {"model": model, "optimizer": optim, "extra": {"rank_count": world}}
-    gen = torch.Generator().manual_seed(100 + rank)
+    gen = torch.Generator().manual_seed(100 + rank + 1000 * args.seed)
     outcome = {}
 
     if args.mode == "save":

@@ -30,7 +30,10 @@ from shardckpt.errors import RemoteError
 from shardckpt.format import codec
 from shardckpt.options import CheckpointConfig
 from shardckpt.stores import Deadline, Store, open_store, redact, safe_url
-from shardckpt.tiers.remote_commit import COMMITTED, SUPERSEDED, WAITING, local_bytes, missing_ranks, pending_steps, push_step, remote_steps
+from shardckpt.tiers import node_markers, remote_index
+from shardckpt.tiers.remote_commit import (
+    COMMITTED, SUPERSEDED, WAITING, MarkerCache, local_bytes, pending_steps, present_files, push_step, remote_steps,
+)
 from shardckpt.format.retention import RetentionPolicy, policy_from
 
 log = logging.getLogger("shardckpt")
@@ -49,13 +52,28 @@ class _StepState:
     waiting_since: float = 0.0
     failed: dict[str, Any] | None = None
     """Set once the step is past ``remote_commit_timeout_s`` uncommitted: what is missing."""
+    committer: bool = False
+    """This node commits the step."""
 
 
 WAIT_MAX_S = 30.0
 """Cap of the backoff between two polls of one step that waits for other nodes. Below it a
 step is polled again after half the time it has waited so far (at least ``poll_s``): a commit
-is seen at most 50% later than it happened, and a step blocked for long costs one poll per
-30 s."""
+is seen at most 50% later than it happened."""
+
+YOUNG_S = 120.0
+"""A step waiting for other nodes for less than this is *young*: the young steps share one
+poll per ``poll_s`` (each at its own backoff). Older steps, blocked by a node that is gone,
+share one poll per ``OLD_SLOT_S`` between them all: what a node sends while steps are blocked
+does not grow with their number or with time."""
+
+OLD_SLOT_S = 5.0
+"""Spacing of the polls shared by all the steps waiting longer than ``YOUNG_S`` (a poll is at
+most 4 requests: at most 0.8 requests/s per node)."""
+
+COMMIT_POLL_S = 0.5
+"""The committer polls the markers of a young step at least this often: the commit follows the
+last node's marker by at most this plus the commit's own requests."""
 
 
 class Uploader:
@@ -90,6 +108,9 @@ class Uploader:
         self.give_up_s = give_up_s
         self.commit_timeout_s = commit_timeout_s
         self._next_wait_poll = 0.0
+        self._next_old_poll = 0.0
+        self.markers = MarkerCache()
+        """Node markers read by the committer's polls: each is read once per step."""
         self.steps: dict[int, _StepState] = {}
         self.latest_remote: int | None = None
         self.last_error: str | None = None
@@ -168,7 +189,12 @@ class Uploader:
 
     def _loop(self) -> int:
         try:
-            known = remote_steps(self.store, Deadline(self.store.options.step_deadline_s))
+            # The index (about 190 bytes a step), not a manifest: 1,000 nodes starting must not
+            # read the newest manifest (MBs at that size) a thousand times. Without an index
+            # (a remote written before it), the survey that rebuilds it.
+            deadline = Deadline(self.store.options.step_deadline_s)
+            indexed = remote_index.read(self.store, deadline)
+            known = sorted(indexed) if indexed is not None else remote_steps(self.store, deadline)
             self.latest_remote = known[-1] if known else None
         except RemoteError as exc:
             self._record_error(None, exc)
@@ -216,24 +242,29 @@ class Uploader:
             if step not in pending:
                 del self.steps[step]
         now = time.monotonic()
-        # Steps waiting for other nodes share one poll per poll_s (the most due one first):
-        # the requests a node sends while others lag do not grow with the steps blocked.
-        due = sorted((self.steps[s].next_try, s) for s in pending
-                     if s in self.steps and self.steps[s].waits and now >= self.steps[s].next_try)
-        polled = due[0][1] if due and now >= self._next_wait_poll else None
+        # Steps waiting for other nodes share polls (the most due one first): young ones one
+        # per poll_s, the others one per OLD_SLOT_S: the requests a node sends while others
+        # lag grow neither with the steps blocked nor with time.
+        waiting = [s for s in pending if s in self.steps and self.steps[s].waits and now >= self.steps[s].next_try]
+        young = sorted((self.steps[s].next_try, s) for s in waiting if now - self.steps[s].waiting_since < YOUNG_S)
+        old = sorted((self.steps[s].next_try, s) for s in waiting if now - self.steps[s].waiting_since >= YOUNG_S)
+        polled = {young[0][1] if young and now >= self._next_wait_poll else None,
+                  old[0][1] if old and now >= self._next_old_poll else None}
         for step in pending:
             if self._stop.is_set() or self._stop_requested:
                 break
             st = self.steps.setdefault(step, _StepState())
-            if now < st.next_try or (st.waits and step != polled):
+            if now < st.next_try or (st.waits and step not in polled):
                 continue
-            if st.waits:
+            if st.waits and now - st.waiting_since < YOUNG_S:
                 self._next_wait_poll = now + self.poll_s
+            elif st.waits:
+                self._next_old_poll = now + OLD_SLOT_S
             t0 = time.monotonic()
             try:
                 result = push_step(
                     self.store, self.root, step, node=self.node, policy=self.policy, skip_upload_digest=st.marker_digest,
-                    early=self.early.sent,
+                    early=self.early.sent, early_tags=self.early.tags, markers=self.markers,
                 )
             except Exception as exc:  # noqa: BLE001 - reported and retried later
                 st.attempts += 1
@@ -246,8 +277,10 @@ class Uploader:
                 self._check_deadline(step, st)
                 continue
             st.permanent = False
+            st.committer = result.committer
             if result.state != WAITING:
                 self.early.forget(step)
+                self.markers.forget(step)
             if result.uploaded_bytes:
                 self.uploaded_bytes += result.uploaded_bytes
                 self._last_progress = time.monotonic()
@@ -276,6 +309,8 @@ class Uploader:
                 st.waits += 1
                 st.waiting_since = st.waiting_since or time.monotonic()
                 delay = min(WAIT_MAX_S, max(self.poll_s, (time.monotonic() - st.waiting_since) / 2))
+                if st.committer and time.monotonic() - st.waiting_since < YOUNG_S:
+                    delay = min(delay, max(self.poll_s, COMMIT_POLL_S))
                 if st.failed is None:  # poll again by the deadline, to report it in time
                     delay = min(delay, max(self.poll_s, self._until_deadline(step)))
                 st.next_try = time.monotonic() + delay
@@ -305,22 +340,46 @@ class Uploader:
         created = self._created(step)
         if st.failed is not None and st.failed.get("saved") != created:
             st.failed = None  # saved again under this number: a new deadline
+        if st.failed is not None and st.failed.get("awaiting_report"):
+            self._failure_details(step, st.failed)
+            if not st.failed.get("awaiting_report"):
+                log.warning("shardckpt: %s", failure_text(step, st.failed, safe_url(self.store.url)))
+            return
         if st.failed is not None or self._until_deadline(step) > 0:
             return
         created = created or time.time()
         failed: dict[str, Any] = {"saved": created, "timeout_s": self.commit_timeout_s,
                                   "ranks": [], "nodes": [], "detail": st.waiting or st.error or ""}
         if st.waits:
-            try:
-                manifest = layout.read_manifest(os.path.join(self.root, layout.step_dirname(step)))
-                if manifest is not None:
-                    failed.update(missing_ranks(self.store, step, manifest, Deadline(60.0), earlier=self.latest_remote))
-            except Exception as exc:  # noqa: BLE001 - the failure is reported without the details
-                failed["detail"] += f" (the missing ranks could not be listed: {redact(str(exc))})"
+            self._failure_details(step, failed)
         else:
             failed["nodes"] = [self.node]
         st.failed = failed
         log.warning("shardckpt: %s", failure_text(step, failed, safe_url(self.store.url)))
+
+    def _failure_details(self, step: int, failed: dict[str, Any]) -> None:
+        """The missing ranks and their nodes, into ``failed``: from the step's report
+        (``_failed.json``, one GET) when one of this save is there; else a node that writes
+        reports (:func:`shardckpt.tiers.node_markers.reporters`) reads the markers and writes
+        it, and any other node waits for it (``awaiting_report``; looked for at its next polls)."""
+        step_dir = os.path.join(self.root, layout.step_dirname(step))
+        deadline = Deadline(60.0)
+        try:
+            manifest = layout.read_manifest(step_dir)
+            if manifest is None:
+                return
+            report = node_markers.read_report(self.store, step, manifest, deadline)
+            if report is None and set(node_markers.reporters(manifest)) & set(present_files(step_dir, manifest)):
+                report = node_markers.missing_ranks(self.store, step, manifest, deadline, earlier=self.latest_remote,
+                                                    cache=self.markers)
+                node_markers.write_report(self.store, step, manifest, report, self.node, deadline)
+            if report is None:
+                failed["awaiting_report"] = True
+                return
+            failed.pop("awaiting_report", None)
+            failed.update({k: report.get(k) or [] for k in ("ranks", "nodes", "present")})
+        except Exception as exc:  # noqa: BLE001 - the failure is reported without the details
+            failed["detail"] += f" (the missing ranks could not be listed: {redact(str(exc))})"
 
     def _record_error(self, step: int | None, exc: BaseException) -> None:
         self.last_error = redact(f"{type(exc).__name__}: {exc}")
@@ -370,6 +429,9 @@ def failure_text(step: int, failed: dict[str, Any], url: str) -> str:
         who = f"the upload of node {', '.join(nodes)} fails"
     else:
         who = failed.get("detail") or "not committed"
+        if failed.get("awaiting_report"):
+            who += (f"; the missing ranks are named in {url}/{layout.step_dirname(step)}/{node_markers.REPORT_NAME} "
+                    f"by the committing node, and here once it is written")
     return (
         f"step {step} is not committed on {url} {failed.get('timeout_s', 0):.0f} s after its save "
         f"(remote_commit_timeout_s): {who}. It stays pending and may commit late; later steps commit as "

@@ -96,9 +96,11 @@ class Store:
     # ---- whole files, verified
 
     def put_file(self, path: str, key: str, size: int, checksum: str, deadline: Deadline,
-                 on_bytes: OnBytes | None = None) -> None:
+                 on_bytes: OnBytes | None = None) -> str | None:
         """Store the local file ``path`` under ``key``; refuses it unless its bytes have ``size`` and
-        ``checksum``; ``on_bytes(n)`` is called as parts of it are stored."""
+        ``checksum``; ``on_bytes(n)`` is called as parts of it are stored. Returns the store's tag
+        of the object written (its ETag on S3: the same tag in a listing means the same bytes), or
+        ``None`` where the store has no such tag."""
         raise NotImplementedError
 
     def get_file(self, key: str, path: str, size: int, checksum: str, deadline: Deadline,
@@ -141,6 +143,13 @@ class Store:
     def list_sizes(self, prefix: str, deadline: Deadline) -> dict[str, int]:
         """``{key relative to prefix: size}`` of every object under ``prefix``."""
         raise NotImplementedError
+
+    def list_tags(self, prefix: str, deadline: Deadline,
+                  names: list[str] | None = None) -> dict[str, tuple[int, str]] | None:
+        """``{key relative to prefix: (size, tag)}`` of the objects under ``prefix`` (``names``: at
+        least these, when the store can list only part of the prefix), the tags being those
+        :meth:`put_file` returns; ``None`` where the store keeps no tags."""
+        return None
 
     def delete(self, key: str, deadline: Deadline) -> None:
         """Remove one object; an absent one is not an error."""

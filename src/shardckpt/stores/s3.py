@@ -161,7 +161,7 @@ class S3Store(NetworkStore):
 
     def put_file(
         self, path: str, key: str, size: int, checksum: str, deadline: Deadline, on_bytes: Callable[[int], None] | None = None
-    ) -> None:
+    ) -> str | None:
         opts = self.options
         fk = self.full_key(key)
         if size < opts.multipart_threshold:
@@ -180,12 +180,12 @@ class S3Store(NetworkStore):
                 self._verify_upload(key, size, checksum, crc, deadline)
             if on_bytes is not None:
                 on_bytes(size)
-            return
-        self._put_multipart(path, key, size, checksum, deadline, on_bytes)
+            return _tag(resp)
+        return self._put_multipart(path, key, size, checksum, deadline, on_bytes)
 
     def _put_multipart(
         self, path: str, key: str, size: int, checksum: str, deadline: Deadline, on_bytes: Callable[[int], None] | None
-    ) -> None:
+    ) -> str | None:
         opts = self.options
         fk = self.full_key(key)
         created = self.retry(
@@ -237,7 +237,7 @@ class S3Store(NetworkStore):
                 {"PartNumber": i + 1, "ETag": etags[i], "ChecksumCRC32": base64.b64encode(crcs[i]).decode()}
                 for i in range(nparts)
             ]
-            self.retry(
+            completed = self.retry(
                 lambda: self.client.complete_multipart_upload(
                     Bucket=self.bucket, Key=fk, UploadId=upload_id, MultipartUpload={"Parts": parts}
                 ),
@@ -255,6 +255,7 @@ class S3Store(NetworkStore):
             raise
         composite = _b64_crc32(zlib.crc32(b"".join(crcs)))
         self._verify_upload(key, size, checksum, composite, deadline)
+        return _tag(completed)
 
     def _verify_upload(self, key: str, size: int, checksum: str, crc: str, deadline: Deadline) -> None:
         head = self.retry(
@@ -501,6 +502,39 @@ class S3Store(NetworkStore):
     def list_sizes(self, prefix: str, deadline: Deadline) -> dict[str, int]:
         return self._list(prefix, deadline, False)[1]
 
+    def list_tags(self, prefix: str, deadline: Deadline,
+                  names: list[str] | None = None) -> dict[str, tuple[int, str]] | None:
+        """One listing with ETags. Given ``names`` beyond one page (1,000 keys), the pages are read
+        concurrently, each from the name before its share (``StartAfter``), not one after another."""
+        base = join(self.prefix, prefix) + "/" if join(self.prefix, prefix) else ""
+        wanted = sorted(names or [])
+        starts: list[tuple[str | None, str | None]] = [(None, None)]
+        if len(wanted) > _PAGE:
+            starts = [(None if i == 0 else base + wanted[i - 1], base + wanted[min(i + _PAGE, len(wanted)) - 1])
+                      for i in range(0, len(wanted), _PAGE)]
+
+        def share(after: str | None, until: str | None) -> dict[str, tuple[int, str]]:
+            def call() -> dict[str, tuple[int, str]]:
+                got: dict[str, tuple[int, str]] = {}
+                kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base, "MaxKeys": _PAGE}
+                if after is not None:
+                    kwargs["StartAfter"] = after
+                while True:
+                    resp = self.client.list_objects_v2(**kwargs)
+                    contents = resp.get("Contents", [])
+                    for obj in contents:
+                        got[obj["Key"][len(base):]] = (int(obj["Size"]), _tag(obj) or "")
+                    if not resp.get("IsTruncated") or (until is not None and contents and contents[-1]["Key"] >= until):
+                        return got
+                    kwargs["ContinuationToken"] = resp["NextContinuationToken"]
+
+            return self.retry(call, "listing of", prefix, deadline)
+
+        out: dict[str, tuple[int, str]] = {}
+        for part in self.run_all([lambda a=a, u=u: share(a, u) for a, u in starts]):
+            out.update(part)
+        return out
+
     def delete_prefix(self, prefix: str, deadline: Deadline) -> None:
         names = list(self.list_sizes(prefix, deadline))
         for i in range(0, len(names), 1000):
@@ -512,6 +546,16 @@ class S3Store(NetworkStore):
 
     def delete(self, key: str, deadline: Deadline) -> None:
         self.retry(lambda: self.client.delete_object(Bucket=self.bucket, Key=self.full_key(key)), "deletion of", key, deadline)
+
+
+_PAGE = 1000
+"""Keys per listing page (S3's maximum)."""
+
+
+def _tag(resp: dict) -> str | None:
+    """The ETag of a PUT, a completed multipart upload or a listed object, without its quotes."""
+    tag = str(resp.get("ETag") or "").strip('"')
+    return tag or None
 
 
 def _recorded(head: dict) -> str | None:

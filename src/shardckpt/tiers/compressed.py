@@ -205,17 +205,16 @@ def encode_file(src: str, dst: str, entry: layout.FileEntry, step: int, level: i
 
 
 def put_compressed(store: Store, key: str, path: str, entry: layout.FileEntry, step: int, deadline: Deadline,
-                   on_bytes: OnBytes | None = None) -> StoredForm | None:
+                   on_bytes: OnBytes | None = None) -> tuple[StoredForm | None, str | None]:
     """Upload the local file ``path`` (the step's file ``key``) in its stored form under ``key`` +
     :data:`SUFFIX`; when compressing does not pay for the file as a whole, upload it as it is under
-    ``key`` and return ``None``."""
+    ``key`` (the form is then ``None``). Returns the form and the tag the store gave the object."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}{SUFFIX}")
     try:
         with _one_file:
             form = encode_file(path, tmp, entry, step)
         if form.size > entry.size * (1 - codec.MIN_SAVING):
-            store.put_file(path, key, entry.size, entry.checksum, deadline, on_bytes)
-            return None
+            return None, store.put_file(path, key, entry.size, entry.checksum, deadline, on_bytes)
         sent = 0
 
         def scaled(n: int) -> None:  # progress is counted in the file's logical bytes
@@ -225,8 +224,7 @@ def put_compressed(store: Store, key: str, path: str, entry: layout.FileEntry, s
                 on_bytes(share)
             sent += n
 
-        store.put_file(tmp, key + SUFFIX, form.size, form.checksum, deadline, scaled)
-        return form
+        return form, store.put_file(tmp, key + SUFFIX, form.size, form.checksum, deadline, scaled)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

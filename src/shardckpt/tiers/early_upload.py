@@ -44,6 +44,7 @@ from shardckpt.format import layout
 from shardckpt.node.node_registry import pid_alive, proc_start
 from shardckpt.stores import Deadline, Store, join
 from shardckpt.tiers import compressed
+from shardckpt.tiers.remote_commit import withdraw_overwritten
 
 log = logging.getLogger("shardckpt")
 
@@ -117,6 +118,8 @@ class EarlyUploads:
 
     def __init__(self) -> None:
         self.sent: dict[tuple[int, str], dict[str, tuple[int, str]]] = {}
+        self.tags: dict[tuple[int, str], dict[str, str]] = {}
+        """The store's tag of each file sent (its ETag on S3), for the node's marker."""
         self._refused: set[tuple[int, str]] = set()
 
     def sent_for(self, step: int, save_id: str) -> Mapping[str, tuple[int, str]]:
@@ -126,6 +129,7 @@ class EarlyUploads:
         """The step's local commit was handled (committed, superseded, gone): drop what is known of it."""
         for key in [k for k in self.sent if k[0] == step]:
             del self.sent[key]
+            self.tags.pop(key, None)
         self._refused = {k for k in self._refused if k[0] != step}
 
     def run(self, store: Store, root: str) -> int:
@@ -144,6 +148,7 @@ class EarlyUploads:
             if key in self._refused or not _writer_alive(first) or compressed.will_compress(store):
                 continue  # (compressed uploads go up after the local commit, see compressed.will_compress)
             done = self.sent.setdefault(key, {})
+            tags = self.tags.setdefault(key, {})
             todo = sorted(n for n, b in ready.items()
                           if b.get("save_id") == save_id and done.get(n) != (b["size"], b["checksum"]))
             if not todo:
@@ -158,12 +163,16 @@ class EarlyUploads:
 
                 def send(name: str) -> int:
                     body = ready[name]
-                    store.put_file(os.path.join(partial, name), join(layout.step_dirname(step), name),
-                                   body["size"], body["checksum"], deadline)
+                    tag = store.put_file(os.path.join(partial, name), join(layout.step_dirname(step), name),
+                                         body["size"], body["checksum"], deadline)
                     done[name] = (body["size"], body["checksum"])
+                    if tag:
+                        tags[name] = tag
                     return body["size"]
 
                 total += sum(store.run_all([lambda n=n: send(n) for n in todo], files=True))
+                # A commit of another save made while these went up may now hold them: withdrawn.
+                withdraw_overwritten(store, step, {n: done[n] for n in todo}, "", deadline)
             except FileNotFoundError:
                 continue  # committed (renamed) or removed meanwhile: the pass after the commit takes over
             except Exception as exc:  # noqa: BLE001 - the upload after the local commit sends what is missing

@@ -17,14 +17,18 @@ trainer's process group):
    node-local copy holds, by the committer alone) are uploaded concurrently,
    each verified after upload (size, the manifest's checksum, and the
    store's own CRC32 checksum headers where it returns them).
-2. The node writes its marker: the ranks it holds files for and the checksum
-   of each file it uploaded.
+2. The node looks for a commit of another save of the step its uploads may
+   have overwritten (and withdraws it), then writes its marker: the ranks it
+   holds files for, the checksum of each file it uploaded and the tag (ETag)
+   each PUT returned (:mod:`shardckpt.tiers.node_markers`).
 3. Exactly one node, the *committer* (the one holding rank 0's first
    shard file), waits until the markers' files cover every file of the
    manifest (``.metadata`` by its own marker) with matching checksums and
-   the listing shows every object with its size; then it uploads the
-   manifest. From that moment the step exists remotely; before, it does not
-   exist for anyone. Then it writes the step record (files digest, save id,
+   one listing shows every object with the size and tag its node's marker
+   names; then it uploads the manifest, and lists again (a foreign object
+   found then withdraws the commit; the argument is in
+   :mod:`shardckpt.tiers.node_markers`). From that moment the step exists
+   remotely; before, it does not exist for anyone. Then it writes the step record (files digest, save id,
    created, lineage: what the other nodes need to know of the commit, so
    that no node but the committer downloads the manifest, which grows with
    the job) and adds the step to the index (:mod:`shardckpt.tiers.remote_index`),
@@ -53,7 +57,7 @@ from typing import Any, Mapping
 
 from shardckpt import _failpoints
 from shardckpt.format import layout, step_dirs
-from shardckpt.tiers import compressed, remote_index
+from shardckpt.tiers import compressed, node_markers, remote_index
 from shardckpt.format import lineage as lineage_mod
 from shardckpt.errors import CorruptCheckpointError, RemoteError
 from shardckpt.stores import Deadline, Store, join, safe_url
@@ -70,8 +74,10 @@ from shardckpt.tiers.upload_marks import (  # noqa: F401 - part of this module's
 
 log = logging.getLogger("shardckpt")
 
-NODES_DIR = "_nodes"
-MARKER_FORMAT = "shardckpt-node/1"
+NODES_DIR = node_markers.NODES_DIR
+MARKER_FORMAT = node_markers.MARKER_FORMAT
+missing_ranks = node_markers.missing_ranks
+MarkerCache = node_markers.MarkerCache
 COMMITTED = "committed"
 SUPERSEDED = "superseded"
 WAITING = "waiting"
@@ -196,13 +202,19 @@ def step_record_bytes(manifest: layout.Manifest) -> bytes:
 def committed_record(store: Store, step: int, deadline: Deadline) -> StepRecord | None:
     """The record of ``step`` when it is committed remotely, else ``None``.
 
-    One GET of the step record (a few hundred bytes); without one, a HEAD of
-    the manifest, read only when it exists (a step committed before records,
-    or whose committer died right after the manifest): an uncommitted step
-    costs two 404s and no manifest GET. The record is written after the
-    manifest and deleted before it, so a record stands for a manifest.
+    One GET of the step record (a few hundred bytes; first, so that an
+    error answers with the store's error code) and a HEAD of the manifest;
+    the manifest is read only when there is no record (a step committed
+    before records, or whose committer died right after the manifest): an
+    uncommitted step costs two 404s and no manifest GET. The
+    record is written after the manifest and deleted before it; still, a
+    record counts only beside its manifest: a commit withdrawn by the node
+    whose upload raced it (:func:`withdraw_overwritten`) may lose its manifest
+    while its committer, not knowing, writes the record.
     """
     data = store.get_bytes(step_key(step, STEP_RECORD_NAME), deadline)
+    if not store.exists(step_key(step, layout.MANIFEST_NAME), deadline):
+        return None
     if data is not None:
         try:
             body = json.loads(data.decode("utf-8"))
@@ -213,8 +225,6 @@ def committed_record(store: Store, step: int, deadline: Deadline) -> StepRecord 
             pass
         log.warning("shardckpt: the step record %s is unreadable; reading the manifest instead",
                     store.where(step_key(step, STEP_RECORD_NAME)))
-    elif not store.exists(step_key(step, layout.MANIFEST_NAME), deadline):
-        return None
     manifest = remote_manifest(store, step, deadline)
     if manifest is None:
         return None
@@ -249,10 +259,11 @@ class PushResult:
     detail: str = ""
     marked: str | None = None
     """The files digest whose node marker this node has on the remote (its part is done)."""
+    committer: bool = False
+    """This node commits the step (it polls the markers; it writes a failed step's report)."""
 
 
-def _marker_name(ranks: list[int]) -> str:
-    return f"ranks-{ranks[0]}-{ranks[-1]}-{len(ranks)}.json"
+_marker_name = node_markers.marker_name
 
 
 def _committer_file(manifest: layout.Manifest) -> str:
@@ -304,6 +315,8 @@ def push_step(
     progress_s: float = PROGRESS_S,
     verify_remote: bool = False,
     early: Mapping[tuple[int, str], Mapping[str, tuple[int, str]]] | None = None,
+    early_tags: Mapping[tuple[int, str], Mapping[str, str]] | None = None,
+    markers: MarkerCache | None = None,
 ) -> PushResult:
     """One pass of the protocol for one step of this node (see the module docstring).
 
@@ -322,6 +335,10 @@ def push_step(
     {name: (size, checksum)}}``: a file sent early whose size and checksum
     equal this manifest's is not sent again. Not used when an earlier save of
     the step was committed remotely (its objects may have replaced them).
+    ``early_tags``: the store's tags of those uploads, ``{(step, save_id): {name: tag}}``.
+
+    ``markers``: the node markers read by earlier passes (the committer's
+    polls read each marker once); a pass without it reads them all.
     """
     step_dir = os.path.join(root, layout.step_dirname(step))
     local = _read_local_manifest(step_dir)
@@ -374,12 +391,11 @@ def push_step(
         remote_index.forget(store, [step], deadline)
         _uncommit(store, step, deadline)
     if not mine:
-        return _superseded_or(
-            store, step_dir, step, manifest, PushResult(WAITING, detail="this node holds no file of the step"), deadline
-        )
+        return _superseded_or(store, step_dir, step, manifest, PushResult(
+            WAITING, detail="this node holds no file of the step"), deadline)
     ranks = sorted({manifest.files[n].rank for n in mine})
     marker_key = step_key(step, f"{NODES_DIR}/{_marker_name(ranks)}")
-    marker = {
+    marker: dict[str, Any] = {
         "format": MARKER_FORMAT,
         "node": node,
         "ranks": ranks,
@@ -389,10 +405,13 @@ def push_step(
     sent = 0
     if skip_upload_digest != digest:
         existing = store.get_bytes(marker_key, deadline)
-        if existing is None or _parse_marker(existing).get("files_digest") != digest:
+        if existing is None or node_markers.parse(existing).get("files_digest") != digest:
             sent_early = (early or {}).get((step, manifest.save_id), {}) if committed is None else {}
             todo = [n for n in mine if sent_early.get(n) != (manifest.files[n].size, manifest.files[n].checksum)]
+            early_given = (early_tags or {}).get((step, manifest.save_id), {})
+            tags = {n: early_given[n] for n in mine if n not in todo and early_given.get(n)}
             total = sum(manifest.files[n].size for n in todo)
+            _failpoints.hit("upload.checked_remote")
             progress = Progress(f"uploading step {step} to {safe_url(store.url)}", total, progress_s)
             shards = sorted((n for n in todo if n != layout.METADATA_NAME), key=lambda n: -manifest.files[n].size)
             compress = compressed.wanted(store, os.path.join(step_dir, shards[0]) if shards else None, total, deadline)
@@ -402,11 +421,14 @@ def push_step(
                 entry = manifest.files[name]
                 path = os.path.join(step_dir, name)
                 if compress and name != layout.METADATA_NAME:  # .metadata is read by name, never compressed
-                    form = compressed.put_compressed(store, step_key(step, name), path, entry, step, deadline, progress.add)
+                    form, tag = compressed.put_compressed(store, step_key(step, name), path, entry, step, deadline,
+                                                          progress.add)
                     if form is not None:
                         stored[name] = form.to_json()
-                    return
-                store.put_file(path, step_key(step, name), entry.size, entry.checksum, deadline, progress.add)
+                else:
+                    tag = store.put_file(path, step_key(step, name), entry.size, entry.checksum, deadline, progress.add)
+                if tag:
+                    tags[name] = tag
 
             try:
                 with progress:
@@ -423,39 +445,46 @@ def push_step(
             if stored:  # the committer writes them into the remote manifest
                 marker["stored"] = stored
             _failpoints.hit("upload.files_sent")
+            withdraw_overwritten(store, step, {n: (manifest.files[n].size, manifest.files[n].checksum) for n in mine},
+                                 digest, deadline)
+            if tags:
+                marker["tags"] = {n: tags[n] for n in sorted(tags)}
             store.put_bytes(marker_key, json.dumps(marker, sort_keys=True).encode(), deadline)
             _failpoints.hit("upload.marker_written")
     if not committer:
         waiting = PushResult(WAITING, sent, "waiting for the committing node", marked=digest)
         return _superseded_or(store, step_dir, step, manifest, waiting, deadline)
     stored_forms: dict[str, dict[str, Any]] = {}
-    ready, why = _all_markers_present(store, step, manifest, digest, deadline, stored_forms)
+    ready, why, tags = _all_markers_present(store, step, manifest, digest, deadline, markers, stored_forms)
     if not ready:
-        return _superseded_or(store, step_dir, step, manifest, PushResult(WAITING, sent, why, marked=digest), deadline)
+        return _superseded_or(store, step_dir, step, manifest,
+                              PushResult(WAITING, sent, why, marked=digest, committer=True), deadline)
     _failpoints.hit("upload.markers_checked")
     late = _retired_before_commit(store, step_dir, step, manifest, policy, sent, deadline)
     if late is not None:
         return late
-    # Identity, not sizes: every object must be this save's. Another node's upload of
-    # another save of this step number (saved again meanwhile) would otherwise be
-    # committed under this manifest. Checked before the manifest goes up, and again
-    # after (an upload racing the commit); retention runs only on a verified commit.
+    # Identity, not sizes: every object must be this save's (the argument is in node_markers'
+    # docstring). The listing before the manifest was taken with the markers; the one after
+    # it catches an upload racing the commit; retention runs only on a verified commit.
     # The remote manifest: the local one, plus the stored form of the files uploaded compressed.
     remote = dataclasses.replace(manifest, stored=stored_forms) if stored_forms else manifest
-    foreign = _foreign_objects(store, step, remote, deadline)
-    if foreign:
-        return PushResult(WAITING, sent, f"{SAVED_AGAIN_ELSEWHERE}: {foreign[0]}", marked=digest)
+    missing, foreign = node_markers.foreign_objects(store, step, remote, tags, deadline)
+    if foreign or missing:
+        why = f"{SAVED_AGAIN_ELSEWHERE}: {foreign[0]}" if foreign else missing[0]
+        return PushResult(WAITING, sent, why, marked=digest, committer=True)
     if _saved_again(step_dir, digest):  # another save of the number may be uploading from other nodes
-        return PushResult(WAITING, sent, SAVED_AGAIN, marked=digest)
+        return PushResult(WAITING, sent, SAVED_AGAIN, marked=digest, committer=True)
     store.put_bytes(step_key(step, layout.MANIFEST_NAME), remote.to_json().encode() if stored_forms else manifest_bytes,
                     deadline)
     _failpoints.hit("upload.manifest_written")
-    foreign = _foreign_objects(store, step, remote, deadline)
-    if foreign:
+    missing, foreign = node_markers.foreign_objects(store, step, remote, tags, deadline)
+    if foreign or missing:
         store.delete(step_key(step, layout.MANIFEST_NAME), deadline)
+        why = f"{SAVED_AGAIN_ELSEWHERE}: {foreign[0]}" if foreign else missing[0]
         log.warning("shardckpt: step %d: withdrew the remote commit at %s: %s", step,
-                    store.where(layout.step_dirname(step)), foreign[0])
-        return PushResult(WAITING, sent, f"{SAVED_AGAIN_ELSEWHERE}: {foreign[0]}", marked=digest)
+                    store.where(layout.step_dirname(step)), why)
+        return PushResult(WAITING, sent, why, marked=digest, committer=True)
+    _failpoints.hit("upload.identity_confirmed")
     try:
         store.put_bytes(step_key(step, STEP_RECORD_NAME), step_record_bytes(manifest), deadline)
     except RemoteError as exc:  # the step is committed; the other nodes read its manifest instead
@@ -463,29 +492,49 @@ def push_step(
                     store.where(step_key(step, STEP_RECORD_NAME)), exc)
     remote_index.record(store, manifest, deadline)
     mark_uploaded(step_dir, store.url, manifest)
+    if markers is not None:
+        markers.forget(step)
     if policy is not None:
         try:
             apply_remote_retention(store, policy, deadline, known={step: manifest}, protect_known=False)
         except (RemoteError, CorruptCheckpointError) as exc:
             log.warning("shardckpt: step %d is committed on %s, but remote retention failed: %s", step, safe_url(store.url), exc)
-    return PushResult(COMMITTED, sent)
+    return PushResult(COMMITTED, sent, committer=True)
+
+
+def withdraw_overwritten(
+    store: Store, step: int, mine: Mapping[str, tuple[int, str]], digest: str, deadline: Deadline
+) -> list[str]:
+    """After this node's uploads of a save of ``step`` (``mine``: ``{name: (size, checksum)}``;
+    ``digest``: that save's files digest, empty before its local commit): a commit of another
+    save of the step that names one of these keys with other bytes is withdrawn (its record, manifest and index entry
+    go). Returns the keys that clashed. One HEAD when the step is not committed.
+
+    The uploads were started while the step was not committed (by any save):
+    a commit found now was made while they ran, and may hold this node's
+    objects under another save's manifest (see :mod:`shardckpt.tiers.node_markers`).
+    """
+    if not store.exists(step_key(step, layout.MANIFEST_NAME), deadline):
+        return []
+    record = committed_record(store, step, deadline)
+    if record is None or record.files_digest == digest:
+        return []
+    committed = record.manifest or remote_manifest(store, step, deadline)
+    theirs = committed.files if committed is not None else {}
+    clash = sorted(n for n, got in mine.items() if n in theirs and (theirs[n].size, theirs[n].checksum) != got)
+    if clash:
+        remote_index.forget(store, [step], deadline)
+        _uncommit(store, step, deadline)
+        log.warning(
+            "shardckpt: step %d: another save of it was committed at %s while this node uploaded over its "
+            "objects (%s); that commit is withdrawn (it no longer holds its own bytes) and this save "
+            "commits in its place once every node has uploaded it", step,
+            store.where(layout.step_dirname(step)), store.where(step_key(step, clash[0])))
+    return clash
 
 
 SAVED_AGAIN = "saved again locally while uploading; starting over with the new content"
 SAVED_AGAIN_ELSEWHERE = "objects of another save of this step number are on the remote; not committed"
-
-
-def _foreign_objects(store: Store, step: int, manifest: layout.Manifest, deadline: Deadline) -> list[str]:
-    """The step's objects that are not this manifest's (size or recorded checksum differ)."""
-    def check(name: str) -> str | None:
-        obj, size, checksum = compressed.expected(manifest, name)
-        got = store.recorded_checksum(step_key(step, obj), checksum, deadline)
-        if got == (size, checksum):
-            return None
-        what = "missing" if got is None else "of another save"
-        return f"object {store.where(step_key(step, obj))} is {what}"
-
-    return [p for p in store.run_all([lambda n=n: check(n) for n in sorted(manifest.files)], files=True) if p]
 
 
 def _retired_before_commit(
@@ -563,12 +612,20 @@ def _superseded_or(
     retention drop it; the newer step is the one that is safe remotely. A
     newer step of another branch (this one was saved after a rollback) does
     not count.
+
+    One GET of the index (:mod:`shardckpt.tiers.remote_index`), whatever the
+    number of newer steps (those blocked too cost nothing), and the step
+    record of the newer step it names (the index is a cache; the record
+    proves the commit). A newer commit the index misses is seen at a later
+    poll, once the committer's next write has repaired the index.
     """
-    newer = [s for s in _step_dirs(store, deadline) if s > step]
-    if not newer:
-        return waiting
+    infos = remote_index.read(store, deadline) or {}
     mine = lineage_mod.info_of(manifest)
-    for other in reversed(newer):
+    for other in sorted((s for s in infos if s > step), reverse=True):
+        if infos[other].created < manifest.created:
+            continue
+        if lineage_mod.excluded_by(infos[other].lineage, step, mine.lineage) is not None:
+            continue
         latest = committed_record(store, other, deadline)
         if latest is None or latest.info.created < manifest.created:
             continue
@@ -579,77 +636,20 @@ def _superseded_or(
     return waiting
 
 
-def _parse_marker(data: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return {}
-    return body if isinstance(body, dict) and body.get("format") == MARKER_FORMAT else {}
-
-
 def _all_markers_present(
-    store: Store, step: int, manifest: layout.Manifest, digest: str, deadline: Deadline,
+    store: Store, step: int, manifest: layout.Manifest, digest: str, deadline: Deadline, cache: MarkerCache | None,
     stored: dict[str, dict[str, Any]] | None = None,
-) -> tuple[bool, str]:
-    """Whether every file is covered by a marker of this save and its object is listed with its size;
-    ``stored`` is filled with the stored forms the markers report (compressed files)."""
-    covered: set[str] = set()
-    markers = _markers(store, step, deadline)
-    forms = compressed.from_markers(markers, manifest, digest)
+) -> tuple[bool, str, dict[str, str]]:
+    """Whether the markers of this save cover every file; the tags they give. ``stored`` is filled
+    with the stored forms the markers report (files uploaded compressed)."""
+    markers = node_markers.read_markers(store, step, deadline, cache)
     if stored is not None:
-        stored.update(forms)
-    for marker in markers:
-        if marker.get("files_digest") != digest:
-            continue  # a stale marker of another save of this step number
-        for name, sha in marker.get("files", {}).items():
-            entry = manifest.files.get(name)
-            if entry is not None and entry.checksum == sha:
-                covered.add(name)
+        stored.update(compressed.from_markers(markers, manifest, digest))
+    covered, tags, _present = node_markers.coverage(markers, manifest, digest)
     missing = sorted(set(manifest.files) - covered)
     if missing:
-        return False, f"waiting for node markers covering {len(missing)} file(s), e.g. {missing[0]}"
-    sizes = store.list_sizes(layout.step_dirname(step), deadline)
-    remote = dataclasses.replace(manifest, stored=forms)
-    objects = [compressed.expected(remote, n) for n in manifest.files]
-    wrong = [obj for obj, size, _checksum in objects if sizes.get(obj) != size]
-    if wrong:
-        return False, f"object {store.where(step_key(step, wrong[0]))} is missing or has the wrong size"
-    return True, ""
-
-
-def _markers(store: Store, step: int, deadline: Deadline) -> list[dict[str, Any]]:
-    names = [n for n in store.list_sizes(step_key(step, NODES_DIR), deadline) if n.endswith(".json")]
-    bodies = store.run_all(
-        [lambda n=n: store.get_bytes(step_key(step, f"{NODES_DIR}/{n}"), deadline) for n in names], files=True
-    ) if names else []
-    return [m for m in (_parse_marker(b or b"") for b in bodies) if m]
-
-
-def missing_ranks(
-    store: Store, step: int, manifest: layout.Manifest, deadline: Deadline, *, earlier: int | None = None
-) -> dict[str, Any]:
-    """Why ``step`` is not committed: the ranks whose files no node marker of this save covers.
-
-    ``nodes`` names the nodes that held those ranks in ``earlier`` (a committed
-    step, e.g. the newest one) where their markers say so; ``present`` names
-    the nodes whose markers of this save are there.
-    """
-    digest = files_digest(manifest)
-    covered: set[str] = set()
-    present: list[str] = []
-    for marker in _markers(store, step, deadline):
-        if marker.get("files_digest") != digest:
-            continue
-        present.append(str(marker.get("node")))
-        covered |= {n for n, sha in marker.get("files", {}).items()
-                    if n in manifest.files and manifest.files[n].checksum == sha}
-    ranks = sorted({manifest.files[n].rank for n in set(manifest.files) - covered})  # .metadata: the committer's
-    nodes: set[str] = set()
-    if ranks and earlier is not None and earlier != step:
-        for marker in _markers(store, earlier, deadline):
-            if set(marker.get("ranks") or []) & set(ranks):
-                nodes.add(str(marker.get("node")))
-    return {"ranks": ranks, "nodes": sorted(nodes), "present": sorted(present)}
+        return False, f"waiting for node markers covering {len(missing)} file(s), e.g. {missing[0]}", tags
+    return True, "", tags
 
 
 def apply_remote_retention(
