@@ -13,8 +13,9 @@ step, a SIGTERM step included):
                             and fsynced on the receiving side (no hashing, no HTTP, no encryption)
   raw TLS socket copy       the same over one mutual TLS 1.3 connection (the nodes' P-256 certificates,
                             pinned): what the encryption alone costs
-  shardckpt replica (TLS)   ``PeerClient.put_replica``: HTTPS PUTs over mutual TLS 1.3 (the owner's
-                            xxh3 checksum checked on the holder), fsynced, committed manifest last
+  shardckpt replica (TLS)   ``PeerClient.put_replica``: HTTPS requests on one mutual TLS 1.3 connection
+                            (the owner's xxh3 checksum checked on the holder), fsynced, committed
+                            manifest last
   xxh3 of the bytes         the manifest checksum alone, once
 
 Group ``restore`` (a node lost, its replacement restores at the same world size):
