@@ -98,13 +98,7 @@ class Bench:
         self.part = args.part_mb * common.MIB
         self.state = make_state(kind, args.size_mb * common.MIB)
         self.src = root / f"src-{kind}"
-        ckpt = shardckpt.Checkpointer(local_dir=str(self.src), mode="sync", io_threads=args.files, keep_last=None,
-                                      preemption_signals=())
-        ckpt.save(self.state, 1)
-        ckpt.close()
-        (self.step_dir,) = self.src.glob("step_*")
-        self.names = sorted(str(p.relative_to(self.step_dir)) for p in self.step_dir.rglob("*") if p.is_file())
-        self.step_bytes = sum((self.step_dir / n).stat().st_size for n in self.names)
+        self.step_dir, self.names, self.step_bytes = common.saved_step(self.src, self.state, args.files)
         self.runs = 0
         self.managers: dict[str, Any] = {}
         self.admin = common.s3_client(endpoint)

@@ -74,13 +74,7 @@ class Bench:
         self.manager = create_transfer_manager(self.client, common.transfer_config(self.part, args.concurrency))
         self.model, self.state, self.nbytes = common.sized_state(args.gib)
         self.src = root / "src"
-        ckpt = shardckpt.Checkpointer(local_dir=str(self.src), mode="sync", io_threads=args.files, keep_last=None,
-                                      preemption_signals=())
-        ckpt.save(self.state, 1)
-        ckpt.close()
-        (self.step_dir,) = self.src.glob("step_*")
-        self.names = sorted(str(p.relative_to(self.step_dir)) for p in self.step_dir.rglob("*") if p.is_file())
-        self.step_bytes = sum((self.step_dir / n).stat().st_size for n in self.names)
+        self.step_dir, self.names, self.step_bytes = common.saved_step(self.src, self.state, args.files)
 
     def url(self, prefix: str) -> str:
         return f"s3://{self.bucket}/{prefix}"

@@ -501,6 +501,20 @@ def sized_state(gib: float) -> tuple[Any, dict[str, Any], int]:
     return model, {"model": model}, nbytes_of(model)
 
 
+def saved_step(src: Path, state: dict[str, Any], io_threads: int) -> tuple[Path, list[str], int]:
+    """Save ``state`` as step 1 in ``src`` (synchronously): ``(step directory, its file names, their bytes)``,
+    what the upload cases send with shardckpt and with their baselines."""
+    import shardckpt
+
+    ckpt = shardckpt.Checkpointer(local_dir=str(src), mode="sync", io_threads=io_threads, keep_last=None,
+                                  preemption_signals=())
+    ckpt.save(state, 1)
+    ckpt.close()
+    (step_dir,) = src.glob("step_*")
+    names = sorted(str(p.relative_to(step_dir)) for p in step_dir.rglob("*") if p.is_file())
+    return step_dir, names, sum((step_dir / n).stat().st_size for n in names)
+
+
 def fingerprint(module_or_tensors) -> list[float]:
     """Cheap content check of a module's parameters, or of tensors (one float64 sum each)."""
     import torch
