@@ -91,6 +91,15 @@ def _fresh_state() -> dict:
             "extra": {k: torch.zeros_like(v) for k, v in _tensors().items()}}
 
 
+def _restores_bitwise(url: str, local_dir, step: int, saved: dict[str, torch.Tensor]) -> None:
+    """A fresh instance on an empty disk loads ``step`` from ``url``, bitwise equal to what was saved."""
+    state = _fresh_state()
+    ckpt = shardckpt.Checkpointer(local_dir=str(local_dir), remote=url, uploader="off", preemption_signals=())
+    assert ckpt.load(state) == step
+    ckpt.close()
+    _same(saved, _snapshot(state))
+
+
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     for k in a:
@@ -184,12 +193,7 @@ def test_compressed_step_is_smaller_restores_bitwise_and_pulls_as_plain_dcp(s3, 
     assert layout.files_digest(local) == layout.files_digest(manifest)  # the same step, the same identity
     assert local.stored == {}  # the local tier holds the files as written
 
-    state = _fresh_state()
-    ckpt = shardckpt.Checkpointer(local_dir=str(tmp_path / "fresh"), remote=url, uploader="off",
-                                  preemption_signals=())
-    assert ckpt.load(state) == 2
-    ckpt.close()
-    _same(saved[2], _snapshot(state))
+    _restores_bitwise(url, tmp_path / "fresh", 2, saved[2])
 
     out = tmp_path / "pulled"
     store = stores.open_store(url, _opts())
@@ -259,12 +263,7 @@ def test_a_corrupt_compressed_chunk_is_fetched_again_then_refused(s3, tmp_path, 
     assert name in result.detail
     store.close()
 
-    state = _fresh_state()
-    ckpt = shardckpt.Checkpointer(local_dir=str(tmp_path / "fresh2"), remote=url, uploader="off",
-                                  preemption_signals=())
-    assert ckpt.load(state) == 2
-    ckpt.close()
-    _same(saved[2], _snapshot(state))
+    _restores_bitwise(url, tmp_path / "fresh2", 2, saved[2])
 
 
 @pytest.mark.parametrize("s3", ["moto"], indirect=True)
@@ -275,12 +274,7 @@ def test_uncompressed_remote_steps_and_mixed_ones_keep_loading(s3, tmp_path, mon
     url = f"s3://{BUCKET}/mixed"
     saved = _save_and_push(tmp_path, url, steps=(1,), compression="off")
     assert _remote_manifest(url, 1).stored == {}
-    state = _fresh_state()
-    ckpt = shardckpt.Checkpointer(local_dir=str(tmp_path / "fresh"), remote=url, uploader="off",
-                                  preemption_signals=())
-    assert ckpt.load(state) == 1
-    ckpt.close()
-    _same(saved[1], _snapshot(state))
+    _restores_bitwise(url, tmp_path / "fresh", 1, saved[1])
 
 
 def _sample_file(tmp_path: Path) -> str:
