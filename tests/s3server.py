@@ -228,6 +228,18 @@ def _multipart_uploads(client, bucket: str) -> list[dict]:
         raise
 
 
+def transfer_options(**kw):
+    """Transfer options for tests against these servers: small parts, short timeouts, quick retries
+    (``kw`` overrides any of them)."""
+    from shardckpt import stores
+
+    mib = 1 << 20
+    base = dict(concurrency=4, part_size=5 * mib, multipart_threshold=10 * mib, request_timeout_s=5.0,
+                max_attempts=4, backoff_base_s=0.02, backoff_max_s=0.2, step_deadline_s=120)
+    base.update(kw)
+    return stores.TransferOptions(**base)
+
+
 def start_server(kind: str) -> Server:
     """A running server of ``kind`` (one of ``SERVERS``)."""
     if kind == "moto":

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shardckpt  # noqa: E402
 from faultproxy import FaultProxy  # noqa: E402
 from helpers import PROGRAMS, child_env, free_port, kill_job, run_torchrun, start_torchrun  # noqa: E402
-from s3server import BUCKET, reset_if_used, stop_uploaders  # noqa: E402
+from s3server import BUCKET, reset_if_used, stop_uploaders, transfer_options  # noqa: E402
 from shardckpt import cli, stores  # noqa: E402
 from shardckpt.errors import CorruptCheckpointError  # noqa: E402
 from shardckpt.format import codec, layout  # noqa: E402
@@ -42,13 +42,6 @@ def fresh_bucket(request, tmp_path):
     reset_if_used(request)
     yield
     stop_uploaders(tmp_path, grace_s=30.0)
-
-
-def _opts(**kw) -> stores.TransferOptions:
-    base = dict(concurrency=4, part_size=5 * MiB, multipart_threshold=10 * MiB, request_timeout_s=5.0,
-                max_attempts=4, backoff_base_s=0.02, backoff_max_s=0.2, step_deadline_s=120)
-    base.update(kw)
-    return stores.TransferOptions(**base)
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -120,14 +113,14 @@ def _save_and_push(tmp_path: Path, url: str, steps=(1, 2), compression: str = "b
         ckpt.save(state, step).wait()
         saved[step] = _snapshot(state)
     ckpt.close()
-    up = uploader.Uploader(str(src), stores.open_store(url, _opts(compression=compression)), node="n0", once=True,
+    up = uploader.Uploader(str(src), stores.open_store(url, transfer_options(compression=compression)), node="n0", once=True,
                            poll_s=0.05)
     assert up.run() == 0
     return saved
 
 
 def _remote_manifest(url: str, step: int) -> layout.Manifest:
-    store = stores.open_store(url, _opts())
+    store = stores.open_store(url, transfer_options())
     try:
         return remote_commit.remote_manifest(store, step, stores.Deadline(60))
     finally:
@@ -196,7 +189,7 @@ def test_compressed_step_is_smaller_restores_bitwise_and_pulls_as_plain_dcp(s3, 
     _restores_bitwise(url, tmp_path / "fresh", 2, saved[2])
 
     out = tmp_path / "pulled"
-    store = stores.open_store(url, _opts())
+    store = stores.open_store(url, transfer_options())
     steps_mod.fetch_step(store, str(out), 1)
     store.close()
     step_dir = out / layout.step_dirname(1)
@@ -212,7 +205,7 @@ def test_compressed_step_is_smaller_restores_bitwise_and_pulls_as_plain_dcp(s3, 
     from safetensors.torch import load_file
 
     from shardckpt import export
-    export.export_step(url, str(tmp_path / "m.safetensors"), step=2, key="model", transfer=_opts())
+    export.export_step(url, str(tmp_path / "m.safetensors"), step=2, key="model", transfer=transfer_options())
     got = load_file(str(tmp_path / "m.safetensors"))
     for k, v in got.items():
         assert torch.equal(v, saved[2][f"model.{k}"]), k
@@ -253,7 +246,7 @@ def test_a_corrupt_compressed_chunk_is_fetched_again_then_refused(s3, tmp_path, 
     assert layout.committed_steps(str(tmp_path / "fresh")) == []
 
     # A whole-file fetch (`pull`) refuses it too, and `verify` names the object.
-    store = stores.open_store(url, _opts())
+    store = stores.open_store(url, transfer_options())
     with pytest.raises(CorruptCheckpointError):
         steps_mod.fetch_step(store, str(tmp_path / "pulled"), 2)
     report = steps_mod.StepView(store, manifest).check()
@@ -294,7 +287,7 @@ def test_auto_compresses_behind_a_slow_link_and_not_on_a_fast_one(s3, tmp_path, 
     sample = _sample_file(tmp_path)
     big = compressed.AUTO_MIN_BYTES
     url = f"s3://{BUCKET}/auto"
-    fast = stores.open_store(url, _opts(compression="auto"))
+    fast = stores.open_store(url, transfer_options(compression="auto"))
     with caplog.at_level(logging.INFO, logger="shardckpt"):
         assert not compressed.wanted(fast, sample, big, stores.Deadline(60))
         assert not compressed.wanted(fast, sample, big, stores.Deadline(60))
@@ -303,7 +296,7 @@ def test_auto_compresses_behind_a_slow_link_and_not_on_a_fast_one(s3, tmp_path, 
     proxy = FaultProxy(s3.endpoint)
     proxy.cap_bytes_per_s = 4e6
     try:
-        slow = stores.open_store(url, _opts(compression="auto", endpoint_url=proxy.endpoint))
+        slow = stores.open_store(url, transfer_options(compression="auto", endpoint_url=proxy.endpoint))
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="shardckpt"):
             assert compressed.wanted(slow, sample, big, stores.Deadline(60))

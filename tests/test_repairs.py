@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import shardckpt  # noqa: E402
 from helpers import free_port, wait_for  # noqa: E402
-from s3server import BUCKET, reset_if_used, stop_uploaders  # noqa: E402
+from s3server import BUCKET, reset_if_used, stop_uploaders, transfer_options  # noqa: E402
 from shardckpt import cli
 from shardckpt.format import layout
 from shardckpt.node import node_registry, uploader, uploader_client
@@ -34,13 +34,6 @@ def fresh_bucket(request, tmp_path):
     stop_uploaders(tmp_path, grace_s=2.0)
 
 
-def opts(**kw) -> stores.TransferOptions:
-    base = dict(concurrency=4, part_size=5 * MiB, multipart_threshold=10 * MiB, request_timeout_s=5.0,
-                max_attempts=4, backoff_base_s=0.02, backoff_max_s=0.2, step_deadline_s=120)
-    base.update(kw)
-    return stores.TransferOptions(**base)
-
-
 def saved_steps(local_dir: Path, url: str, steps, width=64) -> dict[int, dict]:
     """Saves (no uploader), then one uploader pass: every step committed on both tiers."""
     model = torch.nn.Linear(width, width)
@@ -51,7 +44,7 @@ def saved_steps(local_dir: Path, url: str, steps, width=64) -> dict[int, dict]:
                 model.weight.add_(float(step))
             ckpt.save({"model": model}, step).wait()
             out[step] = {k: v.clone() for k, v in model.state_dict().items()}
-    assert uploader.Uploader(str(local_dir), stores.open_store(url, opts()), node="n0", once=True, poll_s=0.05).run() == 0
+    assert uploader.Uploader(str(local_dir), stores.open_store(url, transfer_options()), node="n0", once=True, poll_s=0.05).run() == 0
     return out
 
 
@@ -113,7 +106,7 @@ def test_a_corrupt_local_file_is_fetched_again_before_any_fallback(s3, tmp_path,
 def test_large_download_is_hashed_while_it_streams(s3, tmp_path, monkeypatch):
     local_dir, url = tmp_path / "local", f"s3://{BUCKET}/big"
     saved_steps(local_dir, url, [1], width=1700)  # an ~11 MiB shard: ranged download (5 MiB parts)
-    store = stores.open_store(url, opts())
+    store = stores.open_store(url, transfer_options())
     reads = []
     real = layout.checksum_file
     monkeypatch.setattr(layout, "checksum_file", lambda path, like=None: reads.append(path) or real(path, like))
@@ -131,7 +124,7 @@ def test_large_download_is_hashed_while_it_streams(s3, tmp_path, monkeypatch):
     data = bytearray(s3.client().get_object(Bucket=BUCKET, Key=key)["Body"].read())
     data[7 * MiB] ^= 0x01
     s3.client().put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
-    store = stores.open_store(url, opts())
+    store = stores.open_store(url, transfer_options())
     try:
         with pytest.raises(shardckpt.CorruptCheckpointError, match="corrupt"):
             steps_mod.fetch_step(store, str(tmp_path / "again"), 1)
