@@ -11,7 +11,7 @@ every rank, every rank reading all of it) (``tests/programs/remote_train.py``, `
 local disks are wiped and K new nodes restore it onto empty disks, each through
 its own byte-counting proxy in front of the server (``tests/faultproxy.py``),
 ``--repeats`` times (fresh disks each time). Per node: the bytes of every GET it
-sent (index, manifest, ``.metadata``, ranges) against the bytes its ranks' load
+sent (index, manifest, ``.metadata``, ranges; the manifest's GETs are counted apart: one per node) against the bytes its ranks' load
 plans read (the restore's log line, ``.metadata`` included) and the bytes it received
 from other nodes (read once, shared); in all: the nodes' GET bytes against the step's bytes. Byte counts do not depend on the machine;
 the restore times do (2 shared cores here: medians and spread are shown).
@@ -95,6 +95,7 @@ def one(k: int, width: int, repeats: int, scratch: str, server, mode: str = "fsd
             nodes.append({
                 "s3_bytes": sum(n for _path, n in proxies[i].got),
                 "gets": len(proxies[i].got),
+                "manifest_gets": sum(1 for path, _n in proxies[i].got if path.endswith("/" + layout.MANIFEST_NAME)),
                 "needed": int(need.group(2 if need.re is _SHARED else 3))
                 + manifest.files[layout.METADATA_NAME].size,
                 "received": int(need.group(3)) if need.re is _SHARED else 0,
@@ -112,6 +113,7 @@ def one(k: int, width: int, repeats: int, scratch: str, server, mode: str = "fsd
         "s3_over_need": [n["s3_bytes"] / n["needed"] for n in first],
         "egress_over_step": sum(n["s3_bytes"] for n in first) / step_bytes,
         "gets_per_node": [n["gets"] for n in first],
+        "manifest_gets_per_node": [n["manifest_gets"] for n in first],
         "received_over_need": [n["received"] / n["needed"] for n in first],
         "restore_s": [nodes[0]["restore_s"] for nodes in rounds],
     }
@@ -119,14 +121,15 @@ def one(k: int, width: int, repeats: int, scratch: str, server, mode: str = "fsd
 
 def table(results: list[dict]) -> list[str]:
     lines = ["| state | nodes | step bytes | S3 bytes per node ÷ bytes its ranks read | received from nodes ÷ bytes "
-             "its ranks read | total egress ÷ step bytes | GETs per node | restore s (the job's, median [min–max]) |",
-             "|---|---:|---:|---|---|---:|---|---|"]
+             "its ranks read | total egress ÷ step bytes | GETs per node | manifest GETs per node | restore s (the job's, "
+             "median [min–max]) |", "|---|---:|---:|---|---|---:|---|---|---|"]
     for r in results:
         ratio = ", ".join(f"{x:.2f}" for x in r["s3_over_need"])
         received = ", ".join(f"{x:.2f}" for x in r["received_over_need"])
         t = r["restore_s"]
         lines.append(f"| {r['mode']} | {r['nodes']} | {r['step_bytes']} | {ratio} | {received} | "
                      f"{r['egress_over_step']:.2f} | {', '.join(map(str, r['gets_per_node']))} | "
+                     f"{', '.join(map(str, r['manifest_gets_per_node']))} | "
                      f"{statistics.median(t):.2f} [{min(t):.2f}–{max(t):.2f}] |")
     return lines
 
@@ -165,7 +168,8 @@ def main() -> int:
             common.add_row(result, f"{r['mode']}, {r['nodes']} node(s): S3 bytes per node", r["s3_over_need"],
                            group=f"{r['mode']}, {r['nodes']} node(s)", egress_over_step=r["egress_over_step"],
                            received_over_need=r["received_over_need"],
-                           gets_per_node=r["gets_per_node"], restore_s=r["restore_s"], step_bytes=r["step_bytes"])
+                           gets_per_node=r["gets_per_node"], manifest_gets_per_node=r["manifest_gets_per_node"],
+                           restore_s=r["restore_s"], step_bytes=r["step_bytes"])
         common.write_json(args.json, result)
         with open(args.json + ".raw", "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)

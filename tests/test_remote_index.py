@@ -219,3 +219,26 @@ def test_a_listing_that_lags_behind_the_commit_never_resumes_the_older_step(s3, 
         store.close()
     finally:
         proxy.stop()
+
+
+@pytest.mark.parametrize("s3", ["moto"], indirect=True)
+def test_a_restore_on_an_empty_disk_reads_the_steps_manifest_once(s3, tmp_path):
+    """The survey reads the newest step's manifest (to check the index's entry); the fetch that follows
+    takes that one rather than reading it again: one manifest GET per node per restore (the
+    2- and 4-node counts are in benchmarks/bench_need_only.py)."""
+    local_dir, store = one_real_step(tmp_path, "once")
+    store.close()
+    saved = save_local_steps(local_dir, [2])
+    assert uploader.Uploader(str(local_dir), stores.open_store(f"s3://{BUCKET}/once", _opts()), node="n0", once=True,
+                             poll_s=0.05).run() == 0
+    proxy = FaultProxy(s3.endpoint)
+    try:
+        model = torch.nn.Linear(64, 64)
+        with shardckpt.Checkpointer(local_dir=str(tmp_path / "fresh"), remote=f"s3://{BUCKET}/once",
+                                    endpoint_url=proxy.endpoint, uploader="off", preemption_signals=()) as ckpt:
+            assert ckpt.load({"model": model}) == 2
+    finally:
+        proxy.stop()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved[2].items())
+    manifest_gets = [p for p, _n in proxy.got if p.endswith(f"/{layout.step_dirname(2)}/{layout.MANIFEST_NAME}")]
+    assert len(manifest_gets) == 1, proxy.got

@@ -99,6 +99,8 @@ class Sources:
         """The node's peer tier (``node/peer_tier.py``) when peer replicas are on, set by the Checkpointer."""
         self.sparse: dict[int, ranged.SparseStep] = {}
         """Steps this rank reads from a sparse copy (need-only fetch from the remote, ``ranged.py``)."""
+        self.surveyed: dict[int, layout.Manifest] = {}
+        """Remote manifests read by this rank's survey (rank 0): the chosen step's is not read again."""
 
     def close(self) -> None:
         if self._store is not None:
@@ -216,6 +218,11 @@ class Sources:
             self._store = stores.open_store(self.config.remote, self.config.transfer_options())
         return self._store
 
+    def _remote_manifest(self, step: int, deadline: stores.Deadline) -> layout.Manifest | None:
+        """The remote manifest of ``step``: the survey's when it read it (one read per node per restore)."""
+        surveyed = self.surveyed.get(step)
+        return surveyed if surveyed is not None else remote_commit.remote_manifest(self.store(), step, deadline)
+
     def _fetch_missing(self, step: int, step_dir: str, stale: bool = False) -> set[str]:
         """Each copy's committer brings missing files of ``step`` from the remote; all ranks agree.
 
@@ -236,7 +243,7 @@ class Sources:
                         "from before a rollback elsewhere): kept aside as %s; fetching the live one",
                         step, step_dir, stores.safe_url(self.config.remote), kept,
                     )
-                fetched = sorted(steps_mod.fetch_step(self.store(), self.root, step))
+                fetched = sorted(steps_mod.fetch_step(self.store(), self.root, step, manifest=self.surveyed.get(step)))
             except CorruptCheckpointError as exc:
                 error = ("corrupt", str(exc))
             except (RemoteError, OSError) as exc:
@@ -262,7 +269,7 @@ class Sources:
                 source = steps_mod.StepView.of_step(store, step)
                 sparse = ranged.SparseStep.open(
                     self.root, survey.infos[step].version,
-                    lambda: remote_commit.remote_manifest(store, step, source.deadline), source, metadata=False,
+                    lambda: self._remote_manifest(step, source.deadline), source, metadata=False,
                 )
                 result = (None if sparse is None else sparse.dir, None, sparse is not None and sparse.has_metadata())
             except CorruptCheckpointError as exc:

@@ -77,10 +77,12 @@ class Surveyor:
         absent there (kept aside and replaced when the step is fetched).
         """
         infos, missing, unreadable = _scan(self.root)
+        self.sources.surveyed.clear()
         remote_report: tuple[dict[int, Any], dict[int, str], str | None] | None = None
         if self.config.remote is not None and _dist.rank() == 0:
             try:
-                listed, bad = remote_commit.remote_infos(self.sources.store(), stores.Deadline(self.config.step_deadline_s))
+                listed, bad = remote_commit.remote_infos(self.sources.store(), stores.Deadline(self.config.step_deadline_s),
+                                                         read=self.sources.surveyed)
                 remote_report = (listed, bad, None)
             except RemoteError as exc:
                 remote_report = ({}, {}, stores.redact(str(exc)))

@@ -168,10 +168,13 @@ def remote_manifests(
     return {s: m for s, m in found if m is not None}
 
 
-def remote_infos(store: Store, deadline: Deadline) -> tuple[dict[int, list[Any]], dict[int, str]]:
+def remote_infos(
+    store: Store, deadline: Deadline, read: dict[int, layout.Manifest] | None = None
+) -> tuple[dict[int, list[Any]], dict[int, str]]:
     """``{step: StepInfo.to_json()}`` of the steps committed on the remote, and the committed
-    steps whose manifest cannot be read (with the reason). From the index: O(1) manifests read."""
-    infos, unreadable = remote_index.survey(store, deadline)
+    steps whose manifest cannot be read (with the reason). From the index: O(1) manifests read
+    (handed back in ``read``)."""
+    infos, unreadable = remote_index.survey(store, deadline, manifests_read=read)
     return {s: i.to_json() for s, i in infos.items()}, unreadable
 
 

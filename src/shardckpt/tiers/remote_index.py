@@ -127,7 +127,8 @@ def unlisted_commits(store: Store, steps: list[int], deadline: Deadline) -> set[
 
 
 def survey(
-    store: Store, deadline: Deadline, known: Mapping[int, layout.Manifest] | None = None, *, write_back: bool = False
+    store: Store, deadline: Deadline, known: Mapping[int, layout.Manifest] | None = None, *, write_back: bool = False,
+    manifests_read: dict[int, layout.Manifest] | None = None,
 ) -> tuple[dict[int, lineage_mod.StepInfo], dict[int, str]]:
     """The committed steps' infos and the committed steps whose manifest cannot be read (with the reason).
 
@@ -135,7 +136,8 @@ def survey(
     See the module's docstring for what is read. ``write_back`` (the
     committer's commit and retention, ``shardckpt gc``): the index is
     written when it was missing or anything was repaired; any other caller
-    leaves it as it is.
+    leaves it as it is. ``manifests_read``: receives the manifests this survey read
+    (a restore then fetches the step it chose without reading its manifest again).
     """
     dirs = set(step_dirs(store, deadline))
     cached = read(store, deadline)
@@ -166,6 +168,8 @@ def survey(
                 infos.pop(step, None)  # no manifest: not committed (in progress, withdrawn or deleted)
             else:
                 infos[step] = lineage_mod.info_of(got)
+                if manifests_read is not None:
+                    manifests_read[step] = got
 
     settle(sorted(s for s in dirs if s not in infos and s not in verified))
     while True:
