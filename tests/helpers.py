@@ -189,11 +189,20 @@ def run_nodes(nnodes: int, nproc: int, script: str | Path, *args: str, timeout: 
                 kill_job(proc)
     outputs = [Path(p).read_text() for p in logs]
     if check and any(proc.returncode != 0 for proc in procs):
+        # The node whose rank raised first, with its ranks' tracebacks: a report cut for length keeps them.
+        order = sorted(range(nnodes), key=lambda i: (procs[i].returncode == 0, "[rank" not in outputs[i], i))
         raise AssertionError(
             f"{nnodes}-node job {script} {args} failed ({[p.returncode for p in procs]}):\n"
-            + "\n".join(f"--- node {i}:\n{out[-5000:]}" for i, out in enumerate(outputs))
+            + "\n".join(f"--- node {i}:\n{_failure_excerpt(outputs[i])}" for i in order)
         )
     return outputs
+
+
+def _failure_excerpt(out: str, limit: int = 5000) -> str:
+    """The ranks' traceback lines (torchrun prefixes them with ``[rankN]:``) first, then the log's end."""
+    raised = [line for line in out.splitlines() if line.startswith("[rank")][:80]
+    head = "\n".join(raised)[:limit // 2]
+    return (head + "\n... the log's end:\n" if head else "") + out[-(limit - len(head)):]
 
 
 UNCHECKED: list[str] = []

@@ -79,6 +79,9 @@ def main() -> None:
             ckpt.save(state, step)  # sync: committed locally on return
         if args.kill:
             common.write_json(os.path.join(args.out, f"killed.{rank}"), time.time())
+            # Every rank has recorded its kill before any dies: torchrun ends a node's other ranks as
+            # soon as one of them is gone, which could otherwise come before their record.
+            torch.distributed.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
         ckpt.close()
     else:
