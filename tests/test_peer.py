@@ -859,3 +859,52 @@ def test_the_retention_point_is_the_newest_step_every_node_reports_held_by_anoth
     assert shown == {"step": 2, "version": mine[2]}  # what the node's daemon applies to the replicas it holds
     tier.agreed = (2, "id:another-branch")
     assert all(tier.protects(s) for s in (1, 2, 3, 4))
+
+
+def test_a_launch_meeting_its_nodes_daemon_on_its_way_out_leaves_the_node_served_at_the_same_address(
+        tmp_path, monkeypatch, caplog):
+    """A launch finds the node's daemon running, but that daemon had already decided to exit (no trainer
+    had been left for its linger): the launch starts another once the first is gone; the new one waits
+    for the node's lock, which an exiting daemon holds until its endpoint is shut (it did exit at once),
+    and serves on the first one's port, the address the other nodes were given (it took a new one)."""
+    import fcntl
+    import threading
+
+    from shardckpt.node import peer_tier
+    from shardckpt.node.node_registry import read_json, register_trainer, state_dir, unregister_trainer
+    from shardckpt.options import CheckpointConfig
+
+    monkeypatch.setenv("SHARDCKPT_PEER_HOST", "127.0.0.1")
+    monkeypatch.setenv("SHARDCKPT_PEER_LINGER_S", "0")
+    root = str(tmp_path / "node")
+    os.makedirs(state_dir(root))
+    status_path = os.path.join(state_dir(root), peer_daemon.STATUS_NAME)
+    tier = peer_tier.PeerTier(CheckpointConfig(local_dir=root), root, registered=True)
+    tier._node = "holder:0"
+    trainer = register_trainer(root)
+    first = tier._spawn_daemon()  # the daemon the launch found running
+    tier._served_addr = first["addr"]
+    unregister_trainer(trainer)  # its trainers gone: it exits, as the launch below starts
+    from helpers import wait_for
+
+    wait_for(lambda: read_json(status_path).get("state") == "exited", 30, "the first daemon's exit")
+    lock = os.open(os.path.join(state_dir(root), peer_daemon.LOCK_NAME), os.O_RDWR)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # held, as an exiting daemon holds it while its endpoint shuts
+    threading.Timer(1.5, os.close, args=(lock,)).start()
+    trainer = register_trainer(root)
+    second = None
+    try:
+        layout.atomic_write_text(os.path.join(state_dir(root), peer_daemon.PEERS_NAME),
+                                 json.dumps({"nodes": [], "replicas": 0, "written": "launch-2"}))
+        with caplog.at_level("WARNING", logger="shardckpt"):
+            tier._await_daemon("launch-2")
+        second = tier.daemon_info()
+        assert second is not None and second["pid"] != first["pid"], read_json(status_path)
+        assert second["peers_loaded"] == "launch-2"
+        assert second["addr"] == first["addr"]
+        assert "a new one serves" not in caplog.text
+    finally:
+        unregister_trainer(trainer)
+        if second is not None:
+            os.kill(second["pid"], signal.SIGTERM)
+        wait_for(lambda: read_json(status_path).get("state") != "running", 30, "the second daemon's exit")

@@ -51,6 +51,8 @@ AGREED_NAME = "peer-agreed.json"
 """The newest step complete across any single node's loss, as the job's nodes agreed at a save (by the trainer)."""
 STATUS_NAME = "peer.json"
 LOCK_NAME = "peer.lock"
+LOCK_WAIT_S = 15.0
+"""How long a new daemon waits for the lock of one that is exiting (it shuts its endpoint down first)."""
 
 
 @dataclasses.dataclass
@@ -100,16 +102,23 @@ class PeerDaemon:
     def run(self) -> int:
         os.makedirs(state_dir(self.root), exist_ok=True)
         fd = os.open(os.path.join(state_dir(self.root), LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            log.info("shardckpt: a peer daemon already serves %s; this one exits", self.root)
-            return 0
+        # A trainer starts a daemon when none reports itself running: one still holding the lock is
+        # on its way out (its status says so); wait for it rather than leave the node without one.
+        end = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() >= end:
+                    os.close(fd)
+                    log.info("shardckpt: a peer daemon already serves %s; this one exits", self.root)
+                    return 0
+                time.sleep(0.1)
         self._lock_fd = fd
         try:
             self._load_tls(self.peers())
-            self._server = serve(self.service, self.host)
+            self._server = self._serve()
             log.info("shardckpt: peer daemon (pid %d, node %s) serves %s on %s", os.getpid(), self.node,
                      self.root, self.addr)
             while not self._stop.is_set():
@@ -130,6 +139,18 @@ class PeerDaemon:
             if os.path.isdir(state_dir(self.root)):
                 self._write_status("exited")
             os.close(fd)
+
+    def _serve(self) -> Any:
+        """The endpoint, on the port of this node's previous daemon when it is free again: a daemon that
+        replaces one (which exited as a launch started) keeps the address the other nodes were given."""
+        previous = str(read_json(os.path.join(state_dir(self.root), STATUS_NAME)).get("addr") or "")
+        host, _sep, port = previous.rpartition(":")
+        if host == self.host and port.isdigit():
+            try:
+                return serve(self.service, self.host, int(port))
+            except OSError:
+                pass
+        return serve(self.service, self.host)
 
     @property
     def addr(self) -> str:

@@ -71,6 +71,9 @@ class PeerTier:
         self.client_context: ssl.SSLContext | None = None
         self._registered = registered
         self._trainer_file: str | None = None
+        self._node = ""
+        self._served_addr: str | None = None
+        """The address this node's daemon served on when this launch exchanged the nodes' addresses."""
         self.agreed: tuple[int, str] | None = _read_agreed(root)
         """The newest step (and its save) complete across any single node's loss, agreed at a save."""
 
@@ -136,8 +139,22 @@ class PeerTier:
     def _await_daemon(self, written: str) -> None:
         """Wait (bounded) until this node's daemon serves with the certificates just written for it."""
         deadline = time.monotonic() + START_WAIT_S
+        respawned = False
         while time.monotonic() < deadline:
             info = self.daemon_info()
+            if info is None and not respawned:
+                # The daemon this launch found running was on its way out (no trainer had been left for
+                # its linger when this one registered): start another, or the node replicates nothing.
+                respawned = True
+                try:
+                    info = self._spawn_daemon()
+                except peer_client.PeerError as exc:
+                    log.error("shardckpt: %s", exc)
+                    return
+                if info.get("addr") != self._served_addr:
+                    log.warning("shardckpt: the peer daemon of %s exited as this launch started; a new one serves "
+                                "on %s, not %s (the other nodes reach this one once they reload its address)",
+                                self.root, info.get("addr"), self._served_addr)
             if info is None or info.get("peers_loaded") == written:
                 return
             time.sleep(0.05)
@@ -168,22 +185,28 @@ class PeerTier:
         self.identity = self._identity(node)
         if not self._registered:
             self._trainer_file = register_trainer(self.root)
-        info = self.daemon_info()
-        if info is None:
-            linger = os.environ.get("SHARDCKPT_PEER_LINGER_S") or "60"
-            spawn_node_daemon(self.root, "node.peer_daemon:peer_main",
-                              ["--local", self.root, "--node", node, "--host", node_host(), "--linger", linger],
-                              "peer.log")
-            deadline = time.monotonic() + START_WAIT_S
-            while info is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-                info = self.daemon_info()
-            if info is None:
-                raise peer_client.PeerError(
-                    f"the peer daemon of {self.root} did not report its address within {START_WAIT_S:.0f} s; "
-                    f"see {os.path.join(state_dir(self.root), 'peer.log')}"
-                )
+        self._node = node
+        info = self.daemon_info() or self._spawn_daemon()
+        self._served_addr = info["addr"]
         return {"node": node, "addr": info["addr"], "domain": domain, "cert": self.identity.cert_pem}
+
+    def _spawn_daemon(self) -> dict[str, Any]:
+        """Start this node's daemon and wait (bounded) until it reports its address."""
+        linger = os.environ.get("SHARDCKPT_PEER_LINGER_S") or "60"
+        spawn_node_daemon(self.root, "node.peer_daemon:peer_main",
+                          ["--local", self.root, "--node", self._node, "--host", node_host(), "--linger", linger],
+                          "peer.log")
+        deadline = time.monotonic() + START_WAIT_S
+        info = None
+        while info is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            info = self.daemon_info()
+        if info is None:
+            raise peer_client.PeerError(
+                f"the peer daemon of {self.root} did not report its address within {START_WAIT_S:.0f} s; "
+                f"see {os.path.join(state_dir(self.root), 'peer.log')}"
+            )
+        return info
 
     def fetch_own(self, groups: _dist.SideGroups) -> None:
         """Before a load's survey (collective over ``ctl``): a node whose directory lacks the newest step
