@@ -187,7 +187,21 @@ class RcloneS3Server(Server):
     def reset(self) -> None:
         """Empty every bucket through the S3 API (rclone caches directory listings,
         so the served directory is never changed behind its back), drop the
-        buckets other than BUCKET, and make sure BUCKET exists."""
+        buckets other than BUCKET, and make sure BUCKET exists.
+
+        rclone may still be writing an object whose PUT it has answered (several
+        PUTs racing on one key, on a loaded machine): an object seen again after
+        the deletion is deleted again, for up to 10 s."""
+        deadline = time.monotonic() + 10
+        while True:
+            self._empty()
+            left = self.keys()
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert not left, f"rclone reset left objects behind: {sorted(left)[:5]}"
+
+    def _empty(self) -> None:
         client = self.client()
         for bucket in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
             for upload in _multipart_uploads(client, bucket):
@@ -202,8 +216,6 @@ class RcloneS3Server(Server):
                 client.delete_bucket(Bucket=bucket)
         if BUCKET not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
             client.create_bucket(Bucket=BUCKET)
-        left = self.keys()
-        assert not left, f"rclone reset left objects behind: {sorted(left)[:5]}"
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

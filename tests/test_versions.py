@@ -403,6 +403,9 @@ def test_a_step_an_earlier_run_committed_late_is_superseded_by_the_run_that_resu
     net = Net()
     with ckpt(tmp_path / "old", remote=url, drain_timeout_s=60, keep_last=None) as a:
         save_values(a, net, [(1, 1.0), (2, 2.0)])
+    from test_remote import wait_uploader_exit
+
+    wait_uploader_exit(tmp_path / "old")  # gone (no trainer left), or it would commit step 3 at once
     with ckpt(tmp_path / "old", remote=url, uploader="off", keep_last=None) as a:  # its upload comes late
         assert a.load({"model": net}) == 2
         save_values(a, net, [(3, 3.0)])
