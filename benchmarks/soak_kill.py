@@ -7,8 +7,9 @@
     .venv/bin/python benchmarks/soak_kill.py --trials 50 --peer    # the peer tier: 2 nodes, kill daemons too
 
 Each trial resumes the same checkpoint directory (as a job that is preempted
-again and again), runs until it is killed, then a fresh process loads the
-newest committed step and compares a digest of model, optimizer and data
+again and again), runs until it is killed, then the checker (a process of
+its own, kept across the trials so that torch is imported once; a new
+Checkpointer per check) loads every committed step and compares a digest of model, optimizer and data
 position with the uninterrupted reference run at that step. Every committed
 step must verify and load. Kills come at random times and at every named kill
 point in turn (see ``shardckpt._failpoints.POINTS``). Prints a table and exits
@@ -33,7 +34,7 @@ keeping 2 steps). Trials SIGKILL the trainer at its kill points, the uploader
 at its kill points (``shardckpt._failpoints.UPLOADER_POINTS``: after the
 files, after the node marker, after the manifest, inside remote retention),
 or both at random moments. After every trial, besides the local check, a
-fresh process with an empty ``local_dir`` and ``uploader="off"`` loads every
+Checkpointer with an empty ``local_dir`` and ``uploader="off"`` loads every
 step committed on the remote and compares it with the reference; the newest
 remote step never goes backwards, and no step ever seen committed remotely
 (listed there, or marked uploaded locally) disappears unless remote retention
@@ -73,6 +74,97 @@ def env(**extra):
     return e
 
 
+_CHECKER_LOOP = r"""
+import contextlib, io, json, sys, traceback
+for line in sys.stdin:
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(json.loads(line), "<check>", "exec"), {"__name__": "__check__"})
+        reply = {"returncode": 0, "stdout": out.getvalue(), "stderr": ""}
+    except BaseException:
+        reply = {"returncode": 1, "stdout": out.getvalue(), "stderr": traceback.format_exc()}
+    sys.__stdout__.write(json.dumps(reply) + "\n")
+    sys.__stdout__.flush()
+"""
+
+
+class Checker:
+    """The process that checks what a trial left, kept across the trials of a soak.
+
+    Each check builds its own Checkpointers (nothing of one check is left for
+    the next: they are closed), but torch and DCP are imported once per soak,
+    not once per trial. A check that kills the process, or runs past its
+    timeout, is reported as a crash and the next check starts a new one.
+    """
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.env: dict[str, str] | None = None
+        self.log: Path | None = None
+
+    def run(self, code: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        import json
+        import selectors
+        import tempfile
+
+        environ = env()
+        if self.proc is None or self.proc.poll() is not None or environ != self.env:
+            self.stop()
+            self.log = Path(tempfile.mkstemp(prefix="soak-checker-", suffix=".log")[1])
+            with open(self.log, "wb") as log:
+                self.proc = subprocess.Popen([sys.executable, "-c", _CHECKER_LOOP], env=environ, text=True,
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+            self.env = environ
+        proc = self.proc
+        try:
+            proc.stdin.write(json.dumps(code) + "\n")
+            proc.stdin.flush()
+            with selectors.DefaultSelector() as sel:
+                sel.register(proc.stdout, selectors.EVENT_READ)
+                line = proc.stdout.readline() if sel.select(timeout) else ""
+        except OSError:
+            line = ""
+        if not line:
+            self.stop()
+            tail = self.log.read_text(errors="replace")[-1500:] if self.log and self.log.exists() else ""
+            return subprocess.CompletedProcess(code, 1, "", f"the checker died or ran past {timeout:.0f} s: {tail}")
+        reply = json.loads(line)
+        return subprocess.CompletedProcess(code, reply["returncode"], reply["stdout"], reply["stderr"])
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+            for stream in (self.proc.stdin, self.proc.stdout):
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+            self.proc = None
+        if self.log is not None:
+            self.log.unlink(missing_ok=True)
+            self.log = None
+
+
+CHECKER = Checker()
+
+
+def _ends_checker(soak):
+    """A soak's entry point: its checker process ends with it."""
+    import functools
+
+    @functools.wraps(soak)
+    def run(*args, **kwargs):
+        try:
+            return soak(*args, **kwargs)
+        finally:
+            CHECKER.stop()
+
+    return run
+
+
 def start(layout: str, args: list[str], environ: dict[str, str]) -> list[subprocess.Popen]:
     """Start the trainer: ``1`` process, ``2`` ranks under torchrun, or ``2x2`` (two nodes of two ranks)."""
     if layout == "1":
@@ -106,7 +198,7 @@ def reference(work: Path, layout: str = "1") -> dict[int, str]:
 
 
 def check(ckpt_dir: Path, ref: dict[int, str]) -> tuple[int | None, list[str]]:
-    """Load every committed step in a fresh process; compare with the reference."""
+    """Load every committed step in the checker (new Checkpointers); compare with the reference."""
     code = f"""
 import sys, json
 sys.path.insert(0, {str(PROGRAM.parent)!r})
@@ -124,9 +216,10 @@ for step in ckpt.steps():
 newest = None
 model, optim, sampler = soak_train.build()
 newest = ckpt.load({{"model": model, "optimizer": optim, "sampler": sampler}})
+ckpt.close()
 print(json.dumps({{"steps": out, "newest": newest}}))
 """
-    proc = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=300)
+    proc = CHECKER.run(code)
     if proc.returncode != 0:
         return None, [f"checker crashed: {proc.stderr[-1500:]}"]
     import json
@@ -151,6 +244,7 @@ def _lines(path: Path) -> int:
         return 0
 
 
+@_ends_checker
 def run_trials(trials: int, seed: int, work: Path, torchrun_every: int = 0, remote: bool = False,
                progress: bool = False, nodes: int = 1, store: str = "file", cycle: str | None = None) -> dict:
     """``cycle``: the order of the one-process trials' kinds, repeated: ``p`` the next kill point, ``r`` a
@@ -254,7 +348,7 @@ def load_each(ckpt, steps):
 
 
 def check_both(ckpt_dir: Path, url: str, scratch: Path, ref: dict[int, str]) -> dict:
-    """One fresh process: every local committed step, then the remote alone (empty local_dir, uploader off)."""
+    """In the checker: every local committed step, then the remote alone (empty local_dir, uploader off)."""
     code = f"""
 import sys, json
 sys.path.insert(0, {str(PROGRAM.parent)!r})
@@ -282,7 +376,7 @@ print(json.dumps({{"local": local, "newest": local_newest, "remote": rem, "liste
                   "remote_newest": remote_newest}}))
 """
     shutil.rmtree(scratch, ignore_errors=True)
-    proc = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=300)
+    proc = CHECKER.run(code)
     shutil.rmtree(scratch, ignore_errors=True)
     out = {"newest": None, "listed": [], "remote_newest": None, "failures": []}
     if proc.returncode != 0:
@@ -375,6 +469,7 @@ def run_remote_trials(trials: int, seed: int, work: Path, progress: bool = False
                           lambda: shutil.rmtree(remote_dir, ignore_errors=True), cycle)
 
 
+@_ends_checker
 def _remote_trials(trials: int, seed: int, work: Path, progress: bool, url: str, wipe_remote,
                    cycle: str = "urt") -> dict:
     from shardckpt import _failpoints
@@ -523,7 +618,7 @@ def _peer_durable_on_holder(holder: Path, owner_dir: str) -> list[int]:
 
 
 def check_node_lost(holder: Path, steps: list[int], scratch: Path, ref: dict[int, str]) -> list[str]:
-    """Node 1 is lost: a fresh process loads each of ``steps`` from a copy of node 0's directory alone
+    """Node 1 is lost: the checker loads each of ``steps`` from a copy of node 0's directory alone
     (its own files and node 1's replica), at world size 1, and compares it with the reference."""
     copy = scratch / "node0-copy"
     shutil.rmtree(copy, ignore_errors=True)
@@ -534,9 +629,11 @@ import sys, json
 sys.path.insert(0, {str(PROGRAM.parent)!r})
 import soak_train, shardckpt
 {_LOAD_EACH}
-print(json.dumps(load_each(shardckpt.Checkpointer(local_dir={str(copy)!r}, preemption_signals=()), {steps!r})))
+ckpt = shardckpt.Checkpointer(local_dir={str(copy)!r}, preemption_signals=())
+print(json.dumps(load_each(ckpt, {steps!r})))
+ckpt.close()
 """
-    proc = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=300)
+    proc = CHECKER.run(code)
     shutil.rmtree(copy, ignore_errors=True)
     if proc.returncode != 0:
         return [f"checker crashed: {proc.stderr[-1500:]}"]
@@ -546,6 +643,7 @@ print(json.dumps(load_each(shardckpt.Checkpointer(local_dir={str(copy)!r}, preem
     return [f"step {s}: {d} != reference {ref.get(int(s))}" for s, d in got.items() if d != ref.get(int(s))]
 
 
+@_ends_checker
 def run_peer_trials(trials: int, seed: int, work: Path, progress: bool = False) -> dict:
     """2 nodes x 2 ranks, node-local directories (the peer tier on); random SIGKILLs of the trainers, of a
     node's peer daemon during training, or of both at once. After each trial node 1 is taken as lost:

@@ -377,7 +377,7 @@ def test_remote_that_never_answers_fails_in_bounded_time(s3, tmp_path):
 def test_sigkill_of_trainer_and_uploader_loses_no_remote_step(tmp_path):
     """CI-sized remote soak: every uploader kill point, random kills of both, trainer kill points.
 
-    After each trial a fresh process loads every local step and, from the
+    After each trial the soak's checker process loads every local step and, from the
     remote alone, every remotely committed step, bitwise against the
     uninterrupted reference; the newest remote step never goes backwards and
     no step seen committed remotely disappears unless retention may drop it.
