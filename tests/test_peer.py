@@ -269,6 +269,14 @@ def test_a_holder_never_trades_a_newer_save_for_an_older_one_unless_the_owner_ro
     assert {p.name for p in replica.iterdir()} == set(names) | {layout.MANIFEST_NAME}
 
 
+def _job_dirs(tmp_path):
+    """A node job's directories: its nodes' local_dirs under ``nvme``, and the outputs of its two launches."""
+    base, out, out2 = tmp_path / "nvme", tmp_path / "out", tmp_path / "out2"
+    out.mkdir()
+    out2.mkdir()
+    return base, out, out2
+
+
 def _end_daemon(info):
     """SIGKILL a node's daemon (a lost node), unless it has already ended by itself (its job over)."""
     from shardckpt.node.node_registry import pid_alive
@@ -298,9 +306,7 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
     from test_multinode import assert_bitwise
 
     prog = PROGRAMS / "peer_job.py"
-    base, out, out2 = tmp_path / "nvme", tmp_path / "out", tmp_path / "out2"
-    out.mkdir()
-    out2.mkdir()
+    base, out, out2 = _job_dirs(tmp_path)
     host = socket.gethostname()
     try:
         saving = run_nodes(3, 2, prog, "save", base, out, "--steps", "3", "--kill", check=False, log_dir=tmp_path)
@@ -391,9 +397,7 @@ def test_after_a_rollback_the_live_branch_is_replicated_and_survives_a_node_loss
     from test_multinode import assert_bitwise
 
     prog = PROGRAMS / "peer_rollback.py"
-    base, out, out2 = tmp_path / "nvme", tmp_path / "out", tmp_path / "out2"
-    out.mkdir()
-    out2.mkdir()
+    base, out, out2 = _job_dirs(tmp_path)
     host = socket.gethostname()
     try:
         run_nodes(2, 1, prog, "save", base, out, log_dir=tmp_path)
@@ -788,9 +792,7 @@ def test_three_nodes_a_lagging_replica_and_a_node_loss_cost_only_what_was_not_pe
     from test_multinode import assert_bitwise
 
     prog = PROGRAMS / "peer_lag.py"
-    base, out, out2 = tmp_path / "nvme", tmp_path / "out", tmp_path / "out2"
-    out.mkdir()
-    out2.mkdir()
+    base, out, out2 = _job_dirs(tmp_path)
     host = socket.gethostname()
     try:
         run_nodes(3, 1, prog, "save", base, out, log_dir=tmp_path)
