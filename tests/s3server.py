@@ -282,13 +282,26 @@ def stop_uploaders(base, grace_s: float = 0.0) -> None:
     Each gets ``grace_s`` seconds to exit on its own (idle, no trainer left),
     then SIGTERM and up to 30 s to stop.
     """
+    _stop_node_daemons(base, "status.json", grace_s)
+
+
+def stop_peer_daemons(base, grace_s: float = 0.0) -> None:
+    """End the peer daemons that a test's trainers started under ``base`` (as :func:`stop_uploaders`).
+
+    A test that wipes a node's directory to stand for a new instance stops them first: a daemon
+    still lingering there would write its status into the directory being removed.
+    """
+    _stop_node_daemons(base, "peer.json", grace_s)
+
+
+def _stop_node_daemons(base, status_name: str, grace_s: float) -> None:
     import signal as _signal
     import time as _time
     from pathlib import Path as _Path
 
     from shardckpt.node import node_registry as _node_registry
 
-    for status in _Path(base).rglob(f"{_node_registry.STATE_DIR}/status.json"):
+    for status in _Path(base).rglob(f"{_node_registry.STATE_DIR}/{status_name}"):
         body = _node_registry.read_json(str(status))
         pid, start = body.get("pid"), body.get("pid_start")
         # In-process uploads (push/pull/sync --once from a test) record the test's own pid.

@@ -19,35 +19,14 @@ are those the 2-node job recorded when it finished.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers import ROOT, child_env  # noqa: E402
-from s3server import stop_uploaders  # noqa: E402
-
-
-def stop_peer_daemons(base: Path) -> None:
-    """SIGTERM the peer daemons the demo's trainers started under ``base``.
-
-    Node 0's daemon outlives the demo: it keeps retrying to replicate the last
-    step to node 1, which the demo removed, so it never becomes idle and exits.
-    """
-    from shardckpt.node import node_registry
-
-    for status in base.rglob(f"{node_registry.STATE_DIR}/peer.json"):
-        body = node_registry.read_json(str(status))
-        pid, start = body.get("pid"), body.get("pid_start")
-        if isinstance(pid, int) and node_registry.pid_alive(pid, start):
-            os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + 30
-            while node_registry.pid_alive(pid, start) and time.monotonic() < deadline:
-                time.sleep(0.1)
+from s3server import stop_peer_daemons, stop_uploaders  # noqa: E402
 
 
 def test_demo_script_preempts_on_two_ranks_and_resumes_from_the_bucket_on_one_then_from_a_peer(tmp_path):
@@ -59,6 +38,8 @@ def test_demo_script_preempts_on_two_ranks_and_resumes_from_the_bucket_on_one_th
                               capture_output=True, text=True, timeout=600)
     finally:
         stop_uploaders(tmp_path, grace_s=10.0)
+        # Node 0's daemon outlives the demo: it keeps retrying to replicate the last step to node 1, whose
+        # directory the demo removed, so it never becomes idle and exits by itself.
         stop_peer_daemons(tmp_path)
     assert demo.returncode == 0, demo.stdout[-4000:] + demo.stderr[-4000:]
     out = demo.stdout

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import http.client
 import json
 import os
@@ -279,10 +278,13 @@ def _job_dirs(tmp_path):
 
 def _end_daemon(info):
     """SIGKILL a node's daemon (a lost node), unless it has already ended by itself (its job over)."""
+    from helpers import wait_for
     from shardckpt.node.node_registry import pid_alive
 
     if info.get("state") == "running" and pid_alive(info["pid"], info.get("pid_start")):
         os.kill(info["pid"], signal.SIGKILL)
+        # Gone before the caller removes its directory (else a daemon still exiting writes its status there).
+        wait_for(lambda: not pid_alive(info["pid"], info.get("pid_start")), 30, "the SIGKILLed peer daemon to end")
 
 
 def _kill_daemons(base, signum=signal.SIGKILL):

@@ -24,7 +24,7 @@ import shardckpt  # noqa: E402
 from faultproxy import FaultProxy  # noqa: E402
 from helpers import PROGRAMS, free_port, kill_job, run_torchrun, start_torchrun, wait_for  # noqa: E402
 from helpers import child_env as job_env  # noqa: E402
-from s3server import BUCKET, Server, reset_if_used, stop_uploaders  # noqa: E402
+from s3server import BUCKET, Server, reset_if_used, stop_peer_daemons, stop_uploaders  # noqa: E402
 from shardckpt import cli
 from shardckpt.format import layout
 from shardckpt.node import node_registry, uploader
@@ -138,6 +138,7 @@ def test_two_nodes_upload_then_restore_on_new_instances(s3, tmp_path):
         status = wait_uploader_exit(base / node)
         assert status["pending_steps"] == []
 
+    stop_peer_daemons(base)  # the old instances are gone, their daemons with them
     shutil.rmtree(base)
     proxies = [FaultProxy(s3.endpoint) for _ in range(2)]
     logs = [tmp_path / f"restore{i}.log" for i in range(2)]
