@@ -13,7 +13,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from helpers import PROGRAMS, ROOT, child_env, run_two_nodes
@@ -80,29 +79,31 @@ def test_node_local_directories_each_hold_their_ranks_and_restore_from_each_othe
     assert_bitwise(out / "saved.pt", out2 / "restored.pt")
 
 
-@pytest.mark.parametrize("layout_kind", ["shared", "local"])
-def test_one_rank_failing_anywhere_in_the_commit_gives_every_rank_the_same_outcome(tmp_path, layout_kind):
+def test_one_rank_failing_anywhere_in_the_commit_gives_every_rank_the_same_outcome(tmp_path):
+    """A shared directory and node-local ones, one after the other in one job (one launch for both)."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
     # Without replicas: a node keeps its copy of a step another node's newest replica is of, which
     # would make local retention here depend on how far replication got.
-    run_two_nodes(2, PROG, "faults", ckpt, out, "--layout", layout_kind, log_dir=tmp_path,
+    run_two_nodes(2, PROG, "faults", ckpt, out, "--layout", "shared,local", log_dir=tmp_path,
                   env=child_env(SHARDCKPT_PEER_REPLICAS="0"))
     results = outcomes(out)
     assert all(r == results[0] for r in results), results  # one outcome per step, on every rank
-    got = results[0]
-    late = "2" if layout_kind == "local" else "0"
-    assert got["2"] == "failed on rank 1: fault injected at write.done"
-    assert got["4"] == "failed on rank 3: fault injected at write.hashed"
-    assert got["6"] == f"failed on rank {late}: fault injected at commit.manifest_written"
-    assert got["8"] == f"failed on rank {late}: fault injected at commit.renamed"
-    assert got["10"] == "ok"  # retention failed after the commit: a warning, not a failed save
-    assert all(got[str(s)] == "ok" for s in (1, 3, 5, 7, 9, 11))
-    assert got["11-again"] == f"failed on rank {late}: fault injected at commit.renamed"
-    assert got["12"] == "ok"  # and saving goes on
-    assert got["step11_is_first_save"] is True  # the failed re-save put the first copy back
-    assert got["committed"] == [11, 12]  # keep_last=2; the failed steps never existed
-    dirs = [ckpt] if layout_kind == "shared" else [ckpt / "node0", ckpt / "node1"]
-    for d in dirs:
-        assert layout.committed_steps(str(d)) == [11, 12]
-        assert cli.main(["verify", str(d), "--all"]) == 0
+    for layout_kind in ("shared", "local"):
+        got = results[0][layout_kind]
+        late = "2" if layout_kind == "local" else "0"
+        assert got["2"] == "failed on rank 1: fault injected at write.done", layout_kind
+        assert got["4"] == "failed on rank 3: fault injected at write.hashed", layout_kind
+        assert got["6"] == f"failed on rank {late}: fault injected at commit.manifest_written", layout_kind
+        assert got["8"] == f"failed on rank {late}: fault injected at commit.renamed", layout_kind
+        assert got["10"] == "ok", layout_kind  # retention failed after the commit: a warning, not a failed save
+        assert all(got[str(s)] == "ok" for s in (1, 3, 5, 7, 9, 11)), (layout_kind, got)
+        assert got["11-again"] == f"failed on rank {late}: fault injected at commit.renamed", layout_kind
+        assert got["12"] == "ok", layout_kind  # and saving goes on
+        assert got["step11_is_first_save"] is True, layout_kind  # the failed re-save put the first copy back
+        assert got["committed"] == [11, 12], layout_kind  # keep_last=2; the failed steps never existed
+        base = ckpt / layout_kind
+        dirs = [base] if layout_kind == "shared" else [base / "node0", base / "node1"]
+        for d in dirs:
+            assert layout.committed_steps(str(d)) == [11, 12], d
+            assert cli.main(["verify", str(d), "--all"]) == 0

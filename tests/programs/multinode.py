@@ -2,7 +2,7 @@
 
 usage: multinode.py save    DIR OUT --layout shared|local|rank [--steps N]
        multinode.py restore DIR OUT --layout shared|local|rank
-       multinode.py faults  DIR OUT --layout shared|local
+       multinode.py faults  DIR OUT --layout shared,local
        multinode.py resume  DIR OUT --layout shared|local|rank
        multinode.py resave  DIR OUT --layout shared|local|rank
 
@@ -22,8 +22,11 @@ resume:  load() as a relaunched job does, recording what it raised; then a
 resave:  load(step=N-1) and save step N again (another save of the number);
          rank 0 writes OUT/saved.pt.
 faults:  a sequence of saves in which one rank fails at a named point of the
-         commit path (write, hash, commit, retention); every rank records the
-         outcome of every step in OUT/outcome.<rank>.json.
+         commit path (write, hash, commit, retention), once per layout of the
+         comma-separated list, each in DIR/<layout> (one launch for both:
+         the same job twice would start the same processes twice); every
+         rank records the outcome of every step per layout in
+         OUT/outcome.<rank>.json.
 """
 
 import argparse
@@ -69,16 +72,17 @@ def main() -> None:
     parser.add_argument("mode", choices=["save", "restore", "faults", "resume", "resave"])
     parser.add_argument("dir")
     parser.add_argument("out")
-    parser.add_argument("--layout", choices=["shared", "local", "rank"], required=True)
+    parser.add_argument("--layout", required=True, help="shared|local|rank (faults: a comma-separated list)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--corrupt-transfer", action="store_true")
     parser.add_argument("--no-fresh", action="store_true", help="resume: only the load")
     parser.add_argument("--seed", type=int, default=0, help="offsets the data's seed (resave: other bytes)")
     args = parser.parse_args()
+    kinds = args.layout.split(",")
+    if not set(kinds) <= {"shared", "local", "rank"} or (len(kinds) > 1 and args.mode != "faults"):
+        parser.error(f"--layout {args.layout}: shared, local or rank (a list in faults mode only)")
     rank, world = common.init()
-    node = os.environ.get("GROUP_RANK", "0")
-    local_dir = {"shared": args.dir, "local": os.path.join(args.dir, f"node{node}"),
-                 "rank": os.path.join(args.dir, f"rank{rank}")}[args.layout]
+    local_dir = layout_dir(args.dir, kinds[0], rank)
     model, optim = build()
     state = {"model": model, "optimizer": optim, "extra": {"rank_count": world}}
     gen = torch.Generator().manual_seed(100 + rank + 1000 * args.seed)
@@ -138,13 +142,21 @@ def main() -> None:
         if rank == 0:
             torch.save({"step": args.steps, "tensors": tensors}, os.path.join(args.out, "saved.pt"))
     else:
-        run_faults(args, state, model, optim, gen, local_dir, outcome)
+        for kind in kinds:
+            outcome[kind] = {}
+            run_faults(kind, state, model, optim, gen, layout_dir(os.path.join(args.dir, kind), kind, rank), outcome[kind])
     with open(os.path.join(args.out, f"outcome.{rank}.json"), "w") as f:
         json.dump(outcome, f)
     common.finish()
 
 
-def run_faults(args, state, model, optim, gen, local_dir, outcome) -> None:
+def layout_dir(base: str, kind: str, rank: int) -> str:
+    """This rank's checkpoint directory under ``base`` for a layout (see the module's docstring)."""
+    node = os.environ.get("GROUP_RANK", "0")
+    return {"shared": base, "local": os.path.join(base, f"node{node}"), "rank": os.path.join(base, f"rank{rank}")}[kind]
+
+
+def run_faults(kind, state, model, optim, gen, local_dir, outcome) -> None:
     """Every rank saves the same steps; FAULTS says which rank fails where.
 
     The failing rank is a non-committer for write and hash failures, and the
@@ -152,7 +164,7 @@ def run_faults(args, state, model, optim, gen, local_dir, outcome) -> None:
     and retention failures, where one copy may already have committed.
     """
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    late_committer = world // 2 if args.layout == "local" else 0
+    late_committer = world // 2 if kind == "local" else 0
     faults = {
         2: (1, "write.done"),
         4: (world - 1, "write.hashed"),
