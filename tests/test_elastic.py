@@ -3,14 +3,16 @@
 One 8-rank FSDP2 run trains a tiny model (layers of 10 and 30 rows: uneven
 shards at 8 and 3 ranks) to step 20, saving at step 10. From that step:
 
-* 4 ranks, keep-global-batch: accumulation 1 -> 2, trains on to step 20 and
-  saves there (the source of the 4 -> 8 restore);
+* 4 ranks, keep-global-batch: accumulation 1 -> 2, trains on to step 20;
 * 3 ranks, scale_lr/sqrt (global batch 16 -> 6);
 * 1 process without a process group, keep-global-batch (accumulation 8),
   then again with scale_lr/linear;
-* 8 ranks from the 4-rank step 20 (4 -> 8);
 * an 8-rank DDP run (in the 8-rank FSDP2 run's launch) saving at step 10,
   restored on 4 ranks (in the 4-rank run's launch).
+
+And growing: a 4-rank FSDP2 run (accumulation 2, the first launch) saves at
+step 10, restored on 8 ranks (4 -> 8, in the 8-rank launch: one 8-rank
+launch, not two).
 
 Every module and optimizer tensor after a restore must be bitwise equal to
 the saving run's full state at the saved step.
@@ -70,13 +72,18 @@ def _by_job(log: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    # Five launches: jobs that run at the same world size share one (one process group, one start).
+    # Four launches and one plain process: jobs that run at the same world size share a launch (one
+    # process group, one start), and the 4-rank source of the 4 -> 8 restore runs before the 8-rank launch.
     out = tmp_path_factory.mktemp("elastic")
-    fsdp, ddp = out / "ck_fsdp", out / "ck_ddp"
+    fsdp, ddp, grow = out / "ck_fsdp", out / "ck_ddp", out / "ck_grow"
     logs = {}
+    logs.update(_by_job(run_torchrun(
+        4, PROGRAM, out, grow, "--tag", "g4", "--accum", 2, "--save-at", 10, "--total", 10,
+    ).stdout))
     logs.update(_by_job(run_torchrun(
         8, PROGRAM, out, fsdp, "--tag", "f8", "--save-at", 10,
         "+", out, ddp, "--kind", "ddp", "--tag", "d8", "--save-at", 10, "--total", 10, "--shape-in-config",
+        "+", out, grow, "--tag", "g8", "--load-step", 10, "--total", 10,
     ).stdout))
     logs.update(_by_job(run_torchrun(
         4, PROGRAM, out, fsdp, "--tag", "f4", "--load-step", 10, "--save-at", 20,
@@ -90,8 +97,7 @@ def runs(tmp_path_factory):
         "+", out, fsdp, "--kind", "plain", "--tag", "p1lin", "--load-step", 10, "--policy", "linear",
         "--total", 10,
     )
-    logs["f8b"] = run_torchrun(8, PROGRAM, out, fsdp, "--tag", "f8b", "--load-step", 20).stdout
-    assert {"f8", "d8", "f4", "d4"} <= logs.keys(), sorted(logs)
+    assert {"g4", "f8", "d8", "g8", "f4", "d4"} <= logs.keys(), sorted(logs)
     return out, logs
 
 
@@ -125,8 +131,8 @@ def test_fsdp2_8_ranks_restore_bitwise(runs, tag):
 
 def test_fsdp2_4_to_8_bitwise(runs):
     out, _ = runs
-    _assert_bitwise(_load(out, "f4.saved.pt"), _load(out, "f8b.loaded.pt"), "4 -> 8")
-    plan = _plan(out, "f8b")
+    _assert_bitwise(_load(out, "g4.saved.pt"), _load(out, "g8.loaded.pt"), "4 -> 8")
+    plan = _plan(out, "g8")
     assert (plan["saved_world_size"], plan["world_size"]) == (4, 8)
     assert (plan["saved_accum_steps"], plan["accum_steps"], plan["global_batch"]) == (2, 1, 16)
 
@@ -209,8 +215,8 @@ def test_per_rank_state_when_the_world_size_changes(runs):
     assert _load(out, "f4.loaded.pt")["per_rank"] == saved8[:4]
     assert _load(out, "p1.loaded.pt")["per_rank"] == saved8[:1]
     # 4 -> 8: ranks 0..3 restored, ranks 4..7 get fresh(rank).
-    saved4 = _load(out, "f4.saved.pt")["per_rank"]
-    assert [v for v, _ in saved4] == [{"id": r, "samples": 20 + 10 * 4} for r in range(4)]
-    loaded8 = _load(out, "f8b.loaded.pt")["per_rank"]
+    saved4 = _load(out, "g4.saved.pt")["per_rank"]
+    assert [v for v, _ in saved4] == [{"id": r, "samples": 10 * 2 * 2} for r in range(4)]  # 10 steps of 2 x 2
+    loaded8 = _load(out, "g8.loaded.pt")["per_rank"]
     assert loaded8[:4] == saved4
     assert loaded8[4:] == [[{"id": -1, "samples": 0}, False]] * 4
