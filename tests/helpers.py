@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -55,6 +56,27 @@ def torchrun_cmd(nproc: int, script: str | Path, *args: str, nnodes: int = 1, no
                 "--master-addr=127.0.0.1", f"--master-port={port}"]
     cmd += ["--max-restarts=0", "--monitor-interval=0.2", str(script), *map(str, args)]
     return cmd
+
+
+def skip_module_unless_installed(*modules: str, reason: str = "") -> None:
+    """Skip the calling test module unless every one of ``modules`` is installed.
+
+    Found, not imported (``pytest.importorskip`` imports it): every pytest-xdist worker collects every
+    module, and importing a framework the tests only run in their subprocesses costs each worker
+    seconds of CPU for nothing (lightning: about 3 s).
+    """
+    import pytest
+
+    missing = []
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ImportError:  # a parent package is missing
+            found = False
+        if not found:
+            missing.append(name)
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed{': ' + reason if reason else ''}", allow_module_level=True)
 
 
 def child_env(**extra: str) -> dict[str, str]:

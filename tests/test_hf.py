@@ -31,15 +31,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from helpers import PROGRAMS, ROOT, child_env, kill_job, run_torchrun, start_torchrun, wait_for  # noqa: E402
+from helpers import PROGRAMS, ROOT, child_env, kill_job, run_torchrun, skip_module_unless_installed, start_torchrun, wait_for  # noqa: E402
 from s3server import BUCKET, stop_uploaders  # noqa: E402
 
 import shardckpt  # noqa: E402
 from shardckpt.format import layout  # noqa: E402
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
-pytest.importorskip("torchdata")
+skip_module_unless_installed("transformers", "accelerate", "torchdata",
+                             reason="bash scripts/setup.sh installs them; or pip install 'shardckpt[hf]'")
 
 TRAINER = PROGRAMS / "hf_trainer.py"
 ACCELERATE = PROGRAMS / "hf_accelerate.py"
