@@ -10,6 +10,7 @@ config through peek(); save() called on rank 0 only; peek() and
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from helpers import PROGRAMS, ROOT, child_env, kill_job, run_torchrun, start_torchrun, wait_for  # noqa: E402
+from helpers import PROGRAMS, ROOT, child_env, kill_job, run_torchrun, start_torchrun, torchrun_cmd, wait_for  # noqa: E402
 from s3server import BUCKET, stop_uploaders  # noqa: E402
 
 import shardckpt  # noqa: E402
@@ -111,6 +112,23 @@ def test_save_on_rank_0_only_raises_naming_the_rank_that_did_not_call(tmp_path):
     assert 2.5 <= r0["seconds"] < 30  # the bound, not collective_timeout_s (30 min)
     assert r0["logged"] and "waits for 1 of 2 ranks" in r0["logged"][0]
     assert r0["steps"] == r1["steps"] == [1]
+
+
+def test_a_rank_dying_as_the_last_to_check_in_does_not_hold_the_others_for_the_whole_timeout(tmp_path):
+    """Rank 1 dies right after its check-in to save() made it the last to arrive, before it said go: rank 0
+    goes on (every rank arrived) and fails on the dead peer in seconds, not after save_agree_timeout_s, so it
+    leaves before torchrun's grace ends (else torchrun SIGKILLs it, and a restart waits for that)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run(torchrun_cmd(2, PROGRAMS / "one_rank_save.py", tmp_path / "ckpt", out, "last-dies"),
+                          env=child_env(SHARDCKPT_SAVE_AGREE_TIMEOUT_S="120"), cwd=str(ROOT), timeout=180,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.returncode != 0  # rank 1 was killed
+    assert (out / "result.0.json").exists(), f"rank 0 did not get past save(): {proc.stdout[-4000:]}"
+    r0 = json.loads((out / "result.0.json").read_text())
+    assert r0["timeout"] == 120.0 and r0["error"] is not None, r0
+    assert r0["seconds"] < 25, r0  # the first short wait (10 s), then the failed collective
+    assert "Unable to shutdown process" not in proc.stdout, proc.stdout[-4000:]
 
 
 # ------------------------------------------------------------ peek and inspect --values, one process

@@ -25,6 +25,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from shardckpt import _failpoints
+
 
 def is_dist() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -178,6 +180,7 @@ class CheckIn:
         store.set(f"{self._prefix}/at/r{me}", str(n))
         arrived = store.add(f"{base}/count", 1)
         if arrived == size:
+            _failpoints.hit("checkin.arrived")
             store.set(f"{base}/go", "1")
             if n > 1:  # every rank is past the previous call: its keys are no longer read
                 for key in (f"{self._prefix}/{n - 1}/count", f"{self._prefix}/{n - 1}/go"):
@@ -196,8 +199,14 @@ class CheckIn:
                     store.wait([f"{base}/go"], datetime.timedelta(seconds=min(first, left) if i == 0 else left))
                     return None
                 except dist.DistStoreError:
+                    count = store.add(f"{base}/count", 0)
+                    if count == size:
+                        # Every rank arrived and none gave up, but the last one never said go: it died (or
+                        # stalls) right after arriving. Go on as go would have said; a dead rank fails this
+                        # rank's next collective at once, instead of after the whole timeout.
+                        return None
                     if i == 0 and deadline - time.monotonic() > 0:
-                        on_wait(store.add(f"{base}/count", 0) % _GAVE_UP, deadline - time.monotonic())
+                        on_wait(count % _GAVE_UP, deadline - time.monotonic())
             seen = store.add(f"{base}/count", _GAVE_UP)
             if seen % _GAVE_UP == size and seen // _GAVE_UP == 1:
                 # The last rank arrived just now, before anyone gave up: it sets go at once.

@@ -61,7 +61,9 @@ POINTS = (
 # files, before the exchange of file tables), "remote.file_written" (a
 # file:// remote object written under its temporary name, not yet renamed) and
 # "stage.copies_pending" (the writer thread is about to wait for copies still
-# running after save() returned, with overlap_copies).
+# running after save() returned, with overlap_copies) and "checkin.arrived"
+# (the last rank to check in to a save() counted itself, before it tells the
+# others to go on).
 # Also in the uploader: "upload.markers_checked" (the committer saw every node's
 # marker; it checks the objects' identities next, then writes the manifest).
 # Handing data over: "peer.chunk_read" (a chunk of a file about to be sent to
