@@ -59,7 +59,7 @@ POINTS = (
 
 # Also reached, not walked by the soak: "write.hashed" (this rank hashed its
 # files, before the exchange of file tables), "remote.file_written" (a
-# file:// remote object written under its temporary name, not yet renamed) and
+# file:// remote object written under its temporary name, not yet renamed),
 # "stage.copies_pending" (the writer thread is about to wait for copies still
 # running after save() returned, with overlap_copies) and "checkin.arrived"
 # (the last rank to check in to a save() counted itself, before it tells the
