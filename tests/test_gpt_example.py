@@ -10,7 +10,6 @@ config through peek(); save() called on rank 0 only; peek() and
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from helpers import PROGRAMS, ROOT, child_env, kill_job, run_torchrun, start_torchrun, torchrun_cmd, wait_for  # noqa: E402
+from helpers import PROGRAMS, ROOT, child_env, kill_job, run_torchrun, start_torchrun, wait_for  # noqa: E402
 from s3server import BUCKET, stop_uploaders  # noqa: E402
 
 import shardckpt  # noqa: E402
@@ -120,9 +119,8 @@ def test_a_rank_dying_as_the_last_to_check_in_does_not_hold_the_others_for_the_w
     leaves before torchrun's grace ends (else torchrun SIGKILLs it, and a restart waits for that)."""
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.run(torchrun_cmd(2, PROGRAMS / "one_rank_save.py", tmp_path / "ckpt", out, "last-dies"),
-                          env=child_env(SHARDCKPT_SAVE_AGREE_TIMEOUT_S="120"), cwd=str(ROOT), timeout=180,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = run_torchrun(2, PROGRAMS / "one_rank_save.py", tmp_path / "ckpt", out, "last-dies", check=False,
+                        env=child_env(SHARDCKPT_SAVE_AGREE_TIMEOUT_S="120"), timeout=180)
     assert proc.returncode != 0  # rank 1 was killed
     assert (out / "result.0.json").exists(), f"rank 0 did not get past save(): {proc.stdout[-4000:]}"
     r0 = json.loads((out / "result.0.json").read_text())
