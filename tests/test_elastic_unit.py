@@ -53,10 +53,22 @@ def test_scale_lr_rules(rule, expect):
     assert (same.global_batch, same.lr_factor) == (16, 1.0)
 
 
-def test_unknown_shape_plan_and_require_shape():
-    plan = _plan(saved_micro_batch=None)
-    assert plan.global_batch is None and plan.lr_factor == 1.0
-    assert "batch shape unknown" in plan.summary()
+def test_unknown_shape_plan_is_never_exact_and_says_what_to_set(caplog):
+    plan = _plan(saved_micro_batch=None)  # 8 -> 4 ranks: the global batch halves unless something else changes
+    assert plan.global_batch is None and plan.lr_factor == 1.0 and not plan.exact
+    text = plan.summary()
+    assert "batch shape unknown: the global batch becomes x0.5" in text and "set micro_batch_size" in text
+    same_world = _plan(saved_micro_batch=None, world_size=8)
+    assert not same_world.exact and "batch shape unknown" in same_world.summary()
+    # load() logs the first at WARNING (another world size), the second at INFO (nothing changed by itself).
+    for p, level in ((plan, "WARNING"), (same_world, "INFO")):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="shardckpt"):
+            elastic.after_restore({}, step=10, saved_world_size=8, world_size=p.world_size, manifest_metadata={},
+                                  policy=None, config=None, log_plan=True)
+        assert [r.levelname for r in caplog.records if "elastic plan" in r.getMessage()] == [level]
+    with pytest.raises(shardckpt.ConfigError, match="micro_batch_size"):
+        _plan(ElasticPolicy(require_shape=True), saved_micro_batch=None)
     with pytest.raises(shardckpt.ConfigError, match="micro_batch_size"):
         _plan(ElasticPolicy(require_shape=True), saved_micro_batch=None)
 

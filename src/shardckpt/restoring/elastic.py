@@ -131,7 +131,8 @@ class ElasticPlan:
 
     Batch fields are ``None`` when the saved micro-batch is unknown (no
     ``micro_batch_size`` in the config that saved, no ``ResumableSampler`` in
-    the state). ``epoch`` / ``samples_consumed`` are the global data position
+    the state); such a plan is never ``exact``: nothing says that the global
+    batch is kept. ``epoch`` / ``samples_consumed`` are the global data position
     of the first ``ResumableSampler`` in the state (``None`` without one).
     """
 
@@ -178,6 +179,13 @@ class ElasticPlan:
                 f"{self.saved_accum_steps} -> {self.accum_steps}, global batch {self.saved_global_batch} -> "
                 f"{self.global_batch}{'' if self.exact else ' (not exact)'}"
             )
+        elif self.resharded:
+            parts.append(
+                f"batch shape unknown: the global batch becomes x{self.world_size / self.saved_world_size:.6g} unless "
+                f"the micro-batch or the accumulation steps change (not exact; set micro_batch_size and "
+                f"grad_accum_steps in CheckpointConfig, or keep a ResumableSampler in the state, for a plan that "
+                f"keeps it)"
+            )
         else:
             parts.append("batch shape unknown (set micro_batch_size in CheckpointConfig or use a ResumableSampler)")
         parts.append(f"LR x{self.lr_factor:.6g}")
@@ -219,7 +227,7 @@ def compute_plan(
                 f"{policy.batch.value!r} cannot be applied. Remedy: set CheckpointConfig.micro_batch_size (and "
                 f"grad_accum_steps) when saving, or keep a ResumableSampler in the state"
             )
-        return ElasticPlan(**base)
+        return ElasticPlan(**base, exact=False)
     saved_accum = saved_accum_steps or 1
     new_micro = policy.micro_batch or micro_batch or saved_micro_batch
     saved_global = saved_world_size * saved_micro_batch * saved_accum
@@ -481,5 +489,8 @@ def after_restore(
                 world_size,
             )
     if log_plan:
-        (log.warning if not plan.exact else log.info)("shardckpt: %s", plan.summary())
+        # A global batch that changed, or one that nothing says is kept at another world size. (At the same world
+        # size an unknown batch shape changes nothing by itself.)
+        changed = not plan.exact and (plan.resharded or plan.global_batch is not None)
+        (log.warning if changed else log.info)("shardckpt: %s", plan.summary())
     return plan
