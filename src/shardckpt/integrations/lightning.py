@@ -29,6 +29,19 @@ calls the ``on_load_checkpoint`` hooks with it as usual; the module and the
 optimizers are loaded in place by shardckpt, resharded to the current world
 size and strategy. Any other ``ckpt_path`` goes to the strategy unchanged.
 
+What Lightning restores too late is set from the restored state: the
+dataloaders' positions are restored per rank (each rank's loader reads its
+own part of the data), and the epoch their samplers see (``set_epoch``) is
+set before the restored position is applied to them: Lightning calls
+``set_epoch`` only after the training dataloader's iterator was made, so a
+sampler whose order is a function of the epoch would otherwise replay epoch
+0's order in any later epoch. At another world size the plan keeps the
+global batch (``accumulate_grad_batches`` is set for it) and a warning says
+that the data position cannot be mapped.
+
+The final step of a fit that ends at ``max_steps`` (or ``max_epochs``) is
+saved and committed before ``fit()`` returns.
+
 SIGTERM: Lightning's own handler stays in charge. When it stops the loop
 (``SIGTERMException``, raised on every rank at the same batch) the callback
 saves the current step and waits for its commit before the trainer exits.
@@ -44,19 +57,62 @@ import uuid
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.utils.data import DistributedSampler
 
 import shardckpt
 from shardckpt.errors import ConfigError
+from shardckpt.options import record_shape
+from shardckpt.restoring.elastic import ElasticPolicy, OnInexact, PerRank, compute_plan
 
 log = logging.getLogger("shardckpt")
 
 __all__ = ["ShardckptCheckpoint"]
 
 LIGHTNING_KEY = "lightning"
+LOADERS_KEY = "lightning_loaders"
+"""The training dataloaders' states, one entry per rank (saved apart from the loops' state)."""
 MARKER = "lightning-last.json"
+
+
+class LoaderStates(PerRank):
+    """The states of the fit loop's dataloaders, kept per rank.
+
+    Each rank's loader reads its own part of the data, so its state (position,
+    a sampler's generator) is its own: at the same world size every rank gets
+    its own back. At another world size rank ``r`` gets saved rank ``r``'s
+    state, a new rank rank 0's; ``restored`` says whether this rank's own came back.
+    """
+
+    def load_state_dict(self, state: Any) -> None:
+        saved = {int(k[4:]): v for k, v in state.items() if isinstance(k, str) and k.startswith("rank") and k[4:].isdigit()}
+        self.saved_world_size = max(saved) + 1 if saved else 0
+        own = saved.get(self.rank)
+        self.restored = own is not None
+        self.value = own if own is not None else saved.get(0)
+
+
+def _samplers(loader: Any) -> list[Any]:
+    found = {}
+    for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if sampler is not None:
+            found[id(sampler)] = sampler
+    return list(found.values())
+
+
+def _micro_batch(loaders: list[Any]) -> int | None:
+    """The per-rank batch size of the training dataloaders (``None``: unknown, or not one size)."""
+    sizes = set()
+    for loader in loaders:
+        size = getattr(loader, "batch_size", None)
+        if size is None:
+            size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+        sizes.add(size)
+    size = sizes.pop() if len(sizes) == 1 else None
+    return size if isinstance(size, int) and size > 0 else None
 
 
 class ShardckptCheckpoint(ModelCheckpoint):
@@ -101,6 +157,9 @@ class ShardckptCheckpoint(ModelCheckpoint):
         self.restored_step: int | None = None
         """The step the last ``fit(ckpt_path="last")`` restored (``None``: none)."""
         self._last_plan: Any = None
+        self._loaders = LoaderStates()
+        self._restored_data = False  # a restore whose data position is still to be applied to the loaders
+        self._warned_sampler = False
 
     # ------------------------------------------------------------ the checkpointer
 
@@ -118,7 +177,8 @@ class ShardckptCheckpoint(ModelCheckpoint):
 
     @property
     def state_key(self) -> str:
-        return f"ShardckptCheckpoint{{{self.shardckpt_config.local_dir!r}}}"
+        # No path in it: a run resumed from a copied or moved directory finds its callback under the same key.
+        return type(self).__qualname__
 
     def _state(self, trainer: pl.Trainer) -> dict[str, Any]:
         model = trainer.strategy.model if trainer.strategy.model is not None else trainer.lightning_module
@@ -154,6 +214,8 @@ class ShardckptCheckpoint(ModelCheckpoint):
                 checkpoint[type(datamodule).__qualname__] = datamodule_state
         call._call_callbacks_on_save_checkpoint(trainer, checkpoint)
         call._call_lightning_module_hook(trainer, "on_save_checkpoint", checkpoint)
+        # Each rank's loaders read their own part of the data: their states are saved per rank (LoaderStates).
+        self._loaders.value = checkpoint["loops"].get("fit_loop", {}).get("state_dict", {}).pop("combined_loader", None)
         for key in ("state_dict", "optimizer_states"):
             if key in checkpoint:
                 raise ConfigError(
@@ -169,6 +231,11 @@ class ShardckptCheckpoint(ModelCheckpoint):
             return
         state = self._state(trainer)
         state[LIGHTNING_KEY] = self._lightning_content(trainer)
+        state[LOADERS_KEY] = self._loaders
+        # The batch shape the manifest records, for the elastic plan of a resume at another world size.
+        loader = trainer.fit_loop._combined_loader
+        record_shape(self.checkpointer.config, _micro_batch(loader.flattened) if loader is not None else None,
+                     int(trainer.accumulate_grad_batches))
         self.checkpointer.save(state, step, force=True)
         self._last_saved = step
         if wait:
@@ -178,8 +245,12 @@ class ShardckptCheckpoint(ModelCheckpoint):
                            batch_idx: int) -> None:
         step = trainer.global_step
         # Every rank reaches this hook with the same global step: they agree on the due steps.
-        if step > 0 and step % self.every_n_train_steps == 0 and step != self._last_saved:
+        if step > 0 and step != self._last_saved and (step % self.every_n_train_steps == 0 or _last_step(trainer)):
             self._save(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._ckpt is not None:
+            self._ckpt.wait()  # the final step is committed before fit() returns
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         pass  # saves follow optimizer steps only
@@ -199,12 +270,13 @@ class ShardckptCheckpoint(ModelCheckpoint):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._last_saved = None
+        self._restored_data = False
         if self._ckpt is not None:
             ckpt, self._ckpt = self._ckpt, None
             ckpt.close()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"local_dir": os.path.abspath(self.shardckpt_config.local_dir)}
+        return {}  # nothing to restore: Lightning saves no entry for this callback
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass
@@ -246,6 +318,7 @@ class ShardckptCheckpoint(ModelCheckpoint):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = trainer
+        self._wrap_fit_loop(trainer)
         strategy = trainer.strategy
         if id(strategy) in self._wrapped:
             return
@@ -263,6 +336,10 @@ class ShardckptCheckpoint(ModelCheckpoint):
             if not ours(checkpoint_path):
                 return load_checkpoint(checkpoint_path, weights_only=weights_only)
             content = dict(self._peek.values[LIGHTNING_KEY])
+            # This callback has no state (steps saved before it had one keyed by its local_dir: left out, so that
+            # Lightning does not ask for a callback of that key).
+            content["callbacks"] = {k: v for k, v in (content.get("callbacks") or {}).items()
+                                    if k != self.state_key and not k.startswith(f"{self.state_key}{{")}
             # Lightning checks these keys exist; the tensors are restored in place by shardckpt.
             content["state_dict"] = {}
             content["optimizer_states"] = []
@@ -294,7 +371,11 @@ class ShardckptCheckpoint(ModelCheckpoint):
 
     def _restore(self, trainer: pl.Trainer) -> None:
         step, self._pending_step = self._pending_step, None
-        restored = self.checkpointer.load(self._state(trainer), step)
+        state = self._state(trainer)
+        self._loaders.value, self._loaders.restored = None, False
+        if LOADERS_KEY in self._peek.keys:
+            state[LOADERS_KEY] = self._loaders
+        restored = self.checkpointer.load(state, step)
         if restored != step:
             raise shardckpt.CheckpointNotFoundError(
                 f"ckpt_path='last' resolved to step {step} in {self.shardckpt_config.local_dir}, but loading it "
@@ -303,3 +384,117 @@ class ShardckptCheckpoint(ModelCheckpoint):
         self.restored_step = restored
         self._last_saved = restored
         self._last_plan = self.checkpointer.last_plan
+        self._restored_data = True  # applied to the loaders once the fit loop has made them (_apply_restored_data)
+
+    # ------------------------------------------------------------ the data position
+
+    def _wrap_fit_loop(self, trainer: pl.Trainer) -> None:
+        """Run :meth:`_prepare_loaders` where the fit loop applies the restored dataloader states: after it has
+        made the loaders, before it makes their iterators (``FitLoop.setup_data``)."""
+        fit_loop = trainer.fit_loop
+        if id(fit_loop) in self._wrapped:
+            return
+        self._wrapped.add(id(fit_loop))
+        load_states = fit_loop._load_combined_loader_states
+
+        def load_states_hook() -> None:
+            self._prepare_loaders(trainer)
+            load_states()
+
+        fit_loop._load_combined_loader_states = load_states_hook
+
+    def _prepare_loaders(self, trainer: pl.Trainer) -> None:
+        fit_loop = trainer.fit_loop
+        loaders = list(fit_loop._combined_loader.flattened) if fit_loop._combined_loader is not None else []
+        self._check_samplers(trainer, loaders)
+        if not self._restored_data:
+            return
+        self._restored_data = False
+        # Lightning calls set_epoch at the start of each epoch of its loop, which on a resume comes after the
+        # loaders' iterators were made from the restored position: set the restored epoch first.
+        epoch = fit_loop.epoch_progress.current.processed
+        for loader in loaders:
+            for sampler in _samplers(loader):
+                if callable(getattr(sampler, "set_epoch", None)):
+                    sampler.set_epoch(epoch)
+        if self._loaders.value is not None:
+            fit_loop._combined_loader_states_to_load = list(self._loaders.value)
+        plan = self._last_plan
+        if plan is not None:
+            self._keep_global_batch(trainer, plan, loaders)
+            if plan.resharded and fit_loop._combined_loader_states_to_load and trainer.global_rank == 0:
+                log.warning(
+                    "shardckpt: step %d was saved by %d ranks and resumes at %d: each rank's dataloaders get the "
+                    "position saved by the rank of the same number (a new rank: rank 0's), but they read another "
+                    "split of the data now, so the rest of epoch %d is not the samples the saved run had left (some "
+                    "are skipped or seen twice). Model, optimizers, LR schedulers and the step are restored. "
+                    "Remedy: resume at %d ranks for the exact data order.", plan.step, plan.saved_world_size,
+                    plan.world_size, epoch, plan.saved_world_size,
+                )
+
+    def _keep_global_batch(self, trainer: pl.Trainer, plan: Any, loaders: list[Any]) -> None:
+        """Set ``accumulate_grad_batches`` to keep the saved global batch (the loaders' batch size is known now)."""
+        micro = _micro_batch(loaders)
+        if plan.saved_micro_batch is None or micro is None:
+            return  # the plan line said that the batch shape is unknown
+        kept = compute_plan(
+            ElasticPolicy(on_inexact=OnInexact.NEAREST), step=plan.step, saved_world_size=plan.saved_world_size,
+            world_size=plan.world_size, saved_micro_batch=plan.saved_micro_batch,
+            saved_accum_steps=plan.saved_accum_steps, micro_batch=micro,
+        )
+        self._last_plan = dataclasses.replace(kept, rng=plan.rng)
+        accum = int(trainer.accumulate_grad_batches)
+        if kept.accum_steps != accum:
+            trainer.accumulate_grad_batches = kept.accum_steps
+            if trainer.global_rank == 0:
+                (log.info if kept.exact else log.warning)(
+                    "shardckpt: step %d: accumulate_grad_batches %d -> %d: global batch %d -> %d (%d ranks x batch "
+                    "size %d)%s", plan.step, accum, kept.accum_steps, kept.saved_global_batch, kept.global_batch,
+                    plan.world_size, micro, "" if kept.exact else " (not exact: no accumulation keeps it)",
+                )
+        record_shape(self.checkpointer.config, micro, kept.accum_steps)
+
+    def _check_samplers(self, trainer: pl.Trainer, loaders: list[Any]) -> None:
+        """A WARNING, once, for samplers whose order a resume cannot reproduce (each seen to fail: see the guide)."""
+        if self._warned_sampler or trainer.global_rank != 0:
+            return
+        for loader in loaders:
+            for sampler in _samplers(loader):
+                if isinstance(sampler, DistributedSamplerWrapper):
+                    problem = (
+                        f"Lightning replaced the training dataloader's sampler with its {type(sampler).__name__} "
+                        f"(use_distributed_sampler=True): it draws the wrapped sampler's order anew in every "
+                        f"epoch, from state that no checkpoint holds, so a resume in an epoch after the first "
+                        f"continues in another order than the saved run"
+                    )
+                elif (type(sampler).__module__.startswith("torchdata.") and type(sampler).__name__ == "RandomSampler"
+                      and getattr(sampler, "generator", None) is not None
+                      and sampler.generator is getattr(loader, "generator", None)):
+                    problem = (
+                        "the training dataloader's RandomSampler draws from the loader's own generator "
+                        "(StatefulDataLoader(shuffle=True, generator=...)): a resume restores the sampler's "
+                        "generator as of the start of the epoch, not the seed the loader drew from it after the "
+                        "permutation, so every epoch after the one a run resumes in is shuffled differently from "
+                        "the saved run"
+                    )
+                else:
+                    continue
+                self._warned_sampler = True
+                log.warning(
+                    "shardckpt: %s. Remedy: a sampler whose order a checkpoint restores: each rank its part of the "
+                    "data with sampler=torchdata.stateful_dataloader.sampler.RandomSampler(part, "
+                    "generator=torch.Generator().manual_seed(seed)) (a generator of its own) and "
+                    "Trainer(use_distributed_sampler=False), or "
+                    "sampler=torchdata.stateful_dataloader.sampler.StatefulDistributedSampler(dataset, seed=seed), "
+                    "which Lightning keeps.", problem,
+                )
+                return
+
+
+def _last_step(trainer: pl.Trainer) -> bool:
+    """Whether the fit stops after this optimizer step (``max_steps``, or the last batch of ``max_epochs``)."""
+    if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
+        return True
+    max_epochs = trainer.max_epochs
+    return (max_epochs is not None and max_epochs >= 0 and trainer.current_epoch + 1 >= max_epochs
+            and trainer.fit_loop.epoch_loop._num_ready_batches_reached())
