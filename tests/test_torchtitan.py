@@ -1,13 +1,18 @@
 """shardckpt as torchtitan's checkpoint manager: real torchtitan containers, 2 ranks (FSDP2, gloo) then 1.
 
-One 2-rank job (tests/programs/torchtitan_job.py) trains 8 steps with saves at
-3 and 6, then resumes fresh objects from step 6 and trains to 8 again, saving
-step 8; one 1-rank job then resumes the newest step. Each test below checks
-one guarantee on those two runs.
+The job (tests/programs/torchtitan_job.py) trains 12 steps, 4 per epoch of its
+data, saving every 3. One 2-rank launch runs the uninterrupted reference (its
+last step saved model-only, ``last_save_model_only=True``), then the same run
+SIGKILLed at step 7 (step 6 committed: in epoch 1, after the boundary at 4). A
+second launch resumes the killed run to step 12 and then reruns the finished
+reference in its own directory. A 1-rank job then resumes the newest step of
+the resumed run and trains on. Each test below checks one guarantee on those
+runs.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -15,10 +20,12 @@ import sys
 import pytest
 import torch
 
-from helpers import PROGRAMS, child_env, run_torchrun
+from helpers import PROGRAMS, child_env, kill_job, run_torchrun, start_torchrun, wait_for
 from shardckpt.format import layout
 
 JOB = PROGRAMS / "torchtitan_job.py"
+STEPS = 12
+LIGHT_WARNING = "resumed step 9, not the newer step(s) 12: they were saved without optimizer state"
 
 
 def test_importing_shardckpt_and_its_integrations_package_imports_no_framework():
@@ -37,54 +44,103 @@ def runs(tmp_path_factory):
                "'shardckpt[torchtitan]')",
     )
     out = tmp_path_factory.mktemp("torchtitan")
-    ckpt = out / "ckpt"
-    two = run_torchrun(2, JOB, "train", str(out), str(ckpt))
-    # A crashed save of step 9: DCP's files and metadata are there, the commit record is not.
-    shutil.copytree(ckpt / layout.step_dirname(8), ckpt / layout.step_dirname(9))
-    (ckpt / layout.step_dirname(9) / layout.MANIFEST_NAME).unlink()
-    one = run_torchrun(1, JOB, "resume", str(out), str(ckpt))
-    return {
-        "out": out,
-        "ckpt": ckpt,
-        "log2": two.stdout,
-        "log1": one.stdout,
-        "uninterrupted": torch.load(out / "final-uninterrupted.pt"),
-        "resumed": torch.load(out / "final-resumed.pt"),
-        "one": torch.load(out / "resumed-1-rank.pt"),
-    }
+    ref, ckpt = out / "ref", out / "ckpt"
+    log = out / "first.log"
+    proc = start_torchrun(2, JOB, str(out), "ref", f"ckpt={ref}", "model_only=1", "fence=3",
+                          "+", "killed", f"ckpt={ckpt}", "kill=7", log_path=log)
+    try:
+        wait_for(lambda: (out / "killed-reached").exists(), 300, "step 7", proc, log)
+    finally:
+        kill_job(proc)
+    two = run_torchrun(2, JOB, str(out), "resumed", f"ckpt={ckpt}", "+", "again", f"ckpt={ref}", "model_only=1")
+    # A crashed save of step 15: DCP's files and metadata are there, the commit record is not.
+    shutil.copytree(ckpt / layout.step_dirname(12), ckpt / layout.step_dirname(15))
+    (ckpt / layout.step_dirname(15) / layout.MANIFEST_NAME).unlink()
+    one = run_torchrun(1, JOB, str(out), "one", f"ckpt={ckpt}", "shard=0", "steps=14")
+    return {"out": out, "ref": ref, "ckpt": ckpt, "first": log.read_text(), "two": two.stdout, "one": one.stdout}
 
 
 def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def steps(out, tag: str, rank: int) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (out / f"{tag}-rank{rank}.jsonl").read_text().splitlines())}
+
+
+def snap(out, name: str) -> dict:
+    return torch.load(out / f"{name}.pt")
+
+
+def kept_aside(ckpt) -> list[str]:
+    return sorted(p.name for p in ckpt.iterdir() if p.name.startswith(".kept-"))
+
+
 @pytest.mark.slow
-def test_resume_at_two_ranks_is_bitwise_equal_to_the_uninterrupted_run(runs):
-    first, again = runs["uninterrupted"], runs["resumed"]
-    assert again["start"] == 6  # resumed from the newest committed step
-    assert again["dataloader_restored"] is True
-    assert same(first["params"], again["params"])
-    assert same(first["optim"], again["optim"])
+@pytest.mark.parametrize("tag, restored", [("resumed", 6), ("again", 9)])
+def test_a_resume_mid_epoch_trains_every_later_step_as_the_uninterrupted_run(runs, tag, restored):
+    """After a SIGKILL in epoch 1 (step 6 restored) and after a rerun of the finished reference (step 9: its
+    step 12 holds no optimizer state), every later step on every rank — loss, learning rate (warmup + linear
+    decay: a new value every step), the batch and its epoch, across the boundary at 8 — and the final state are
+    those of the uninterrupted run, bit for bit."""
+    out = runs["out"]
+    start = snap(out, f"{tag}-start")
+    assert (start["loaded_step"], start["step"], start["dataloader_restored"]) == (restored, restored, True)
+    for rank in (0, 1):
+        ref, again = steps(out, "ref", rank), steps(out, tag, rank)
+        assert sorted(again) == list(range(restored + 1, STEPS + 1))
+        diverged = [s for s in again if again[s] != ref[s]]
+        assert not diverged, (rank, [(ref[s], again[s]) for s in diverged[:2]])
+    assert {tuple(steps(out, "resumed", 0)[s]["epoch"]) for s in range(7, 13)} == {(1, 1), (2, 2)}
+    first, final = snap(out, "ref-final"), snap(out, f"{tag}-final")
+    assert same(first["params"], final["params"]) and same(first["optim"], final["optim"])
     assert (first["step"], first["ntokens_seen"], first["last_epoch"], first["lr"]) == (
-        again["step"], again["ntokens_seen"], again["last_epoch"], again["lr"])
+        final["step"], final["ntokens_seen"], final["last_epoch"], final["lr"])
+
+
+@pytest.mark.slow
+def test_the_last_step_is_saved_in_full_and_a_resume_takes_it(runs):
+    """With this manager's default (last_save_model_only=False) the run's last step 12 holds the optimizer
+    state: the next run resumes it, not step 9, and no earlier save is ever kept aside."""
+    manifest = layout.read_manifest(str(runs["ckpt"] / layout.step_dirname(STEPS)))
+    assert manifest.kind == "full"
+    assert snap(runs["out"], "one-start")["loaded_step"] == STEPS
+    assert kept_aside(runs["ckpt"]) == []
+    assert LIGHT_WARNING not in runs["one"]
+
+
+@pytest.mark.slow
+def test_a_model_only_last_step_is_named_when_a_resume_passes_it_over(runs):
+    """last_save_model_only=True: the reference's step 12 is light; the rerun resumes step 9 (above) and says
+    which step it passed over and why, and that the earlier save of 12 is kept aside when 12 is saved again."""
+    assert layout.read_manifest(str(runs["ref"] / layout.step_dirname(STEPS))).kind == "light"
+    assert runs["two"].count(LIGHT_WARNING) == 1
+    assert "last_save_model_only=False (this manager's default)" in runs["two"]
+    assert len(kept_aside(runs["ref"])) == 1 and "12" in kept_aside(runs["ref"])[0]
+
+
+@pytest.mark.slow
+def test_nothing_to_resume_is_said_once_per_fresh_start(runs):
+    assert runs["first"].count("nothing to resume") == 2  # the reference and the killed run, on rank 0 only
 
 
 @pytest.mark.slow
 def test_one_rank_restores_the_newest_committed_step_bitwise_never_the_incomplete_one(runs):
-    two, one = runs["resumed"], runs["one"]
-    assert one["step"] == 8  # step 9 has DCP metadata but no commit record: never picked
+    two, one = snap(runs["out"], "resumed-final"), snap(runs["out"], "one-start")
+    assert one["step"] == STEPS  # step 15 has DCP metadata but no commit record: never picked
     assert one["ntokens_seen"] == two["ntokens_seen"] and one["last_epoch"] == two["last_epoch"]
     assert one["lr"] == two["lr"] and one["lr"] > 0
     assert same(two["params"], one["params"])  # FSDP2 shards of 2 ranks into one plain module
     assert same(two["optim"], one["optim"])
     assert "world_size=1" in one["plan"] and "saved_world_size=2" in one["plan"]
+    assert snap(runs["out"], "one-final")["step"] == 14  # and it trains on
 
 
 @pytest.mark.slow
 def test_dataloader_state_is_dropped_with_a_warning_when_the_data_parallel_degree_changes(runs):
-    assert runs["one"]["dataloader_restored"] is False
-    assert "saved at data-parallel degree 2 and this run has 1" in runs["log1"]
-    assert "starts again from the beginning of its shard" in runs["log1"]
+    assert snap(runs["out"], "one-start")["dataloader_restored"] is False
+    assert "saved at data-parallel degree 2 and this run has 1" in runs["one"]
+    assert "starts again from the beginning of its shard" in runs["one"]
 
 
 @pytest.mark.slow
@@ -95,7 +151,7 @@ def test_staging_is_fenced_before_the_optimizer_step(runs):
 
     at_save = torch.load(runs["out"] / "params-at-save-3.pt")
     target = {"model": {k: torch.empty_like(v) for k, v in at_save.items()}}
-    dcp.load(target, storage_reader=dcp.FileSystemReader(str(runs["ckpt"] / layout.step_dirname(3))))
+    dcp.load(target, storage_reader=dcp.FileSystemReader(str(runs["ref"] / layout.step_dirname(3))))
     assert same(at_save, target["model"])
-    final = runs["uninterrupted"]["params"]
+    final = snap(runs["out"], "ref-final")["params"]
     assert not same(at_save, final)  # training did move the parameters after the save

@@ -23,6 +23,12 @@ and the upload to ``remote`` run in the background. Restores reshard to the
 current world size. A dataloader state saved at another data-parallel degree
 cannot be mapped to the new ranks: it is dropped with a warning and every
 rank's dataloader starts from the beginning of its data.
+
+The last step (``save(step, last_step=True)``) is saved in full by default
+(``last_save_model_only=False`` here, unlike torchtitan's own manager), so
+that a resume takes it. With ``last_save_model_only=True`` it is saved without
+optimizer state; a resume then takes the newest full step and a warning names
+the newer model-only step(s) it did not use, and why.
 """
 
 from __future__ import annotations
@@ -43,7 +49,10 @@ from torchtitan.components.checkpointer.base import (
 )
 
 import shardckpt
+from shardckpt import _dist
 from shardckpt.errors import ConfigError
+from shardckpt.format import lineage
+from shardckpt.tiers.steps import LocalSteps, RemoteSteps
 
 log = logging.getLogger("shardckpt")
 
@@ -124,9 +133,19 @@ class ShardckptCheckpointManager(BaseCheckpointManager):
         ``folder`` (relative to the job's dump folder) is the local tier;
         ``interval``, ``keep_latest_k``, ``load_step``, ``load_only``,
         ``enable_first_step_checkpoint`` and ``last_save_model_only`` keep
-        their torchtitan meaning. HF export and seed checkpoints are not
-        offered (use ``shardckpt export`` to write safetensors from a step).
+        their torchtitan meaning (the last with another default). HF export and
+        seed checkpoints are not offered (use ``shardckpt export`` to write
+        safetensors from a step).
         """
+
+        initial_load_model_only: bool = False
+        """Not used (``initial_load_path`` is not supported); ``False`` here so that torchtitan does not warn
+        that it has no effect."""
+
+        last_save_model_only: bool = False
+        """Save the last step without optimizer state (a light step). ``False`` here (torchtitan's own
+        manager: ``True``): the last step is saved in full, so that a resume takes it. With ``True`` a resume
+        takes the newest full step, and a warning names the model-only step(s) after it."""
 
         remote: str | None = None
         """Remote tier, any fsspec URL (``s3://bucket/prefix``); one uploader process per node."""
@@ -273,9 +292,36 @@ class ShardckptCheckpointManager(BaseCheckpointManager):
                     + (f" or {self.config.remote}" if self.config.remote else "")
                     + ". Remedy: pick a step from `shardckpt ls`, or -1 for the newest."
                 )
-            log.info("shardckpt: nothing to resume in %s; a fresh start", self.folder)
-            return False
+            return False  # load() said that there is nothing to resume
+        if step == -1 and _dist.rank() == 0:
+            self._name_newer_light_steps(restored)
         return True
+
+    def _name_newer_light_steps(self, restored: int) -> None:
+        """A WARNING naming the live steps after ``restored`` that were saved without optimizer state
+        (``load()`` resumes the newest full step: those are skipped, and trained again)."""
+        tiers: list[Any] = [LocalSteps(self.ckpt.root)]
+        if self.config.remote:
+            tiers.append(RemoteSteps(self.config.remote, self.ckpt.config.transfer_options()))
+        manifests: dict[int, Any] = {}
+        try:
+            for tier in tiers:
+                for s, manifest in tier.manifests().items():
+                    if s not in manifests or manifest.created > manifests[s].created:
+                        manifests[s] = manifest
+        finally:
+            for tier in tiers:
+                tier.close()
+        live, _abandoned = lineage.classify({s: lineage.info_of(m) for s, m in manifests.items()})
+        light = sorted(s for s in live if s > restored and manifests[s].kind == "light")
+        if light:
+            log.warning(
+                "shardckpt: resumed step %d, not the newer step(s) %s: they were saved without optimizer state (the "
+                "last step with checkpoint.last_save_model_only=True), and a resume needs it. Steps %d..%d are "
+                "trained again; when step %d is saved again, its earlier save is kept aside (`shardckpt gc` removes "
+                "it). Remedy: checkpoint.last_save_model_only=False (this manager's default) saves the last step in "
+                "full.", restored, ", ".join(map(str, light)), restored + 1, light[-1], light[-1],
+            )
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         if self.load_only:
