@@ -10,8 +10,10 @@ processes): ``fit(ckpt_path="last")`` resumes from the newest committed step
 callback commits the current step first.
 
 For a bit-exact resume the dataloader is resumable: a torchdata
-``StatefulDataLoader`` (its position is saved with Lightning's loop state), an
-order that is a function of the epoch, and the loader's own generator.
+``StatefulDataLoader`` (its position is saved per rank), a sampler whose order
+a checkpoint restores (here a ``DistributedSampler``: a function of the epoch,
+which the callback sets before the restored position is applied), and the
+loader's own generator.
 """
 
 from __future__ import annotations
@@ -22,27 +24,10 @@ import os
 import lightning.pytorch as L
 import torch
 import torch.nn as nn
-from torch.utils.data import Sampler, Subset, TensorDataset
+from torch.utils.data import DistributedSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from shardckpt.integrations.lightning import ShardckptCheckpoint
-
-
-class EpochShuffle(Sampler):
-    """A permutation that depends on the epoch only (Lightning calls set_epoch)."""
-
-    def __init__(self, n: int, seed: int = 0) -> None:
-        self.n, self.seed, self.epoch = n, seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.n, generator=g).tolist())
-
-    def __len__(self) -> int:
-        return self.n
 
 
 class Net(L.LightningModule):
@@ -77,9 +62,10 @@ class Net(L.LightningModule):
     def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
         data = TensorDataset(torch.randn(1024, 32, generator=g), torch.randint(0, 4, (1024,), generator=g))
-        shard = Subset(data, range(self.global_rank, len(data), self.trainer.world_size))
-        return StatefulDataLoader(shard, batch_size=16, sampler=EpochShuffle(len(shard)),
-                                  generator=torch.Generator().manual_seed(1))
+        # A DistributedSampler of our own (Lightning keeps it and calls set_epoch): each rank its part, in an order
+        # that is a function of the epoch. The loader's own generator keeps iter() off the global RNG.
+        sampler = DistributedSampler(data, num_replicas=self.trainer.world_size, rank=self.global_rank, seed=0)
+        return StatefulDataLoader(data, batch_size=16, sampler=sampler, generator=torch.Generator().manual_seed(1))
 
 
 def main() -> None:
@@ -102,7 +88,7 @@ def main() -> None:
     torch.manual_seed(0)
     trainer = L.Trainer(accelerator="cpu" if not torch.cuda.is_available() else "auto", devices=world,
                         strategy=strategy, max_steps=args.steps, callbacks=[ckpt], logger=False,
-                        use_distributed_sampler=False, enable_progress_bar=False)
+                        enable_progress_bar=False)
     trainer.fit(Net(fsdp=args.strategy == "fsdp2"), ckpt_path="last")
     if trainer.global_rank == 0:
         print(f"finished {trainer.global_step} steps (resumed from step {ckpt.restored_step}; plan {ckpt.last_plan})")

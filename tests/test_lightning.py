@@ -2,20 +2,19 @@
 
 Per strategy, one 2-rank launch runs an uninterrupted 20-step fit (8 steps per
 epoch, saves every 3 steps, a ``StepLR`` stepping the LR at steps 7 and 14)
-and then the same fit stopped in epoch 1: DDP SIGKILLed at step 11 (step 9
-committed; a crashed save of step 12, DCP files without a commit record, is
-left beside it), FSDP2 stopped by SIGTERM on every rank at step 13 (Lightning's
-own handling; the callback commits step 13). A second launch resumes with
-``fit(ckpt_path="last")`` (DDP from a copy of the directory, uploading to a moto
-S3 server) and must train every step after the restore, across the LR step at
-14 and the epoch boundary at 16, as the uninterrupted fit did: loss, LR and the
-batch on every rank, and the final weights, bit for bit. The two recipes of
-the guide: DDP shuffles each rank's part with torchdata's ``RandomSampler`` and a
-generator that differs by rank (its state is saved per rank), FSDP2 uses
-torchdata's ``StatefulDistributedSampler``. The first DDP launch also runs one
-step with each of two samplers that resume in another order (their warnings).
-A 1-rank job with an empty disk then resumes the DDP run's final step from the
-S3 server.
+and then the same fit SIGKILLed at step 11, in epoch 1 (step 9 committed; a
+crashed save of step 12, DCP files without a commit record, is left beside it).
+A second launch resumes a copy of its directory with ``fit(ckpt_path="last")``
+and must train every step after the restore, across the LR step at 14 and the
+epoch boundary at 16, as the uninterrupted fit did: loss, LR and the batch on
+every rank, and the final weights, bit for bit. The guide's two recipes: DDP
+shuffles each rank's part with torchdata's ``RandomSampler`` and a generator
+that differs by rank (its state is saved per rank), FSDP2 uses torch's
+``DistributedSampler`` (its order is a function of the epoch). The first DDP
+launch also runs one step with each of two samplers that resume in another
+order (their warnings); the resumed DDP fit uploads to a moto S3 server, and a
+1-rank job with an empty disk then resumes its last step from there. The
+resumed FSDP2 fit is started again and stopped by SIGTERM on every rank.
 """
 
 from __future__ import annotations
@@ -37,8 +36,7 @@ from shardckpt.format import layout  # noqa: E402
 pytestmark = pytest.mark.slow
 JOB = PROGRAMS / "lightning_job.py"
 STEPS = 20
-STOPPED_AT = {"ddp": 11, "fsdp2": 13}  # both in epoch 1 (steps 9..16)
-RESTORED = {"ddp": 9, "fsdp2": 13}  # saves every 3 steps; SIGTERM saves the step it stops at
+KILLED_AT, RESTORED = 11, 9  # in epoch 1 (steps 9..16); saves every 3 steps
 SAMPLER_WARNINGS = ("Lightning replaced the training dataloader's sampler with its DistributedSamplerWrapper",
                     "the training dataloader's RandomSampler draws from the loader's own generator")
 
@@ -79,38 +77,47 @@ def committed(ckpt, step: int) -> bool:
     return (ckpt / layout.step_dirname(step) / layout.MANIFEST_NAME).exists()
 
 
-@pytest.fixture(scope="module")
-def ddp(base, s3):
-    out, ckpt = base, base / "ddp-killed"
-    log = out / "ddp-first.log"
-    proc = start_torchrun(
-        2, JOB, str(out), "ddp-ref", f"ckpt={out / 'ddp-ref'}",
-        "+", "ddp-auto", f"ckpt={out / 'ddp-auto'}", "sampler=auto", "steps=1",
-        "+", "ddp-shared", f"ckpt={out / 'ddp-shared'}", "sampler=shared", "steps=1",
-        "+", "ddp-killed", f"ckpt={ckpt}", f"kill={STOPPED_AT['ddp']}", env=child_env(), log_path=log)
+def kill_then_resume(out, strategy: str, first: list[str], resumed: list[str], env: dict) -> dict:
+    """One launch: the uninterrupted fit, ``first`` jobs, then the fit SIGKILLed at step 11 (step 9 committed);
+    a crashed save of step 12 is left beside it. A second launch resumes a copy of its directory, then runs
+    ``resumed`` jobs."""
+    common = [f"strategy={strategy}", "sampler=" + ("rank" if strategy == "ddp" else "dist")]
+    ckpt = out / f"{strategy}-killed"
+    log = out / f"{strategy}-first.log"
+    proc = start_torchrun(2, JOB, str(out), f"{strategy}-ref", f"ckpt={out / f'{strategy}-ref'}", *common, "+",
+                          *first, f"{strategy}-killed", f"ckpt={ckpt}", f"kill={KILLED_AT}", *common,
+                          env=env, log_path=log)
     try:
-        wait_for(lambda: (out / "ddp-killed-reached").exists(), 300, f"step {STOPPED_AT['ddp']}", proc, log)
+        wait_for(lambda: (out / f"{strategy}-killed-reached").exists(), 300, f"step {KILLED_AT}", proc, log)
     finally:
         kill_job(proc)
     # A save of step 12 that crashed after DCP wrote its files and metadata, before the commit record.
-    shutil.copytree(ckpt / layout.step_dirname(9), ckpt / layout.step_dirname(12))
+    shutil.copytree(ckpt / layout.step_dirname(RESTORED), ckpt / layout.step_dirname(12))
     (ckpt / layout.step_dirname(12) / layout.MANIFEST_NAME).unlink()
-    copied = out / "ddp-copied"  # resumed from a copy: nothing in the step may depend on where it was written
+    copied = out / f"{strategy}-copied"  # resumed from a copy: nothing in a step may depend on where it was written
     shutil.copytree(ckpt, copied)
-    job = run_torchrun(2, JOB, str(out), "ddp-resumed", f"ckpt={copied}", f"remote=s3://{BUCKET}/lightning-ddp",
-                       env=child_env(**s3.env()), timeout=300)
+    job = run_torchrun(2, JOB, str(out), f"{strategy}-resumed", f"ckpt={copied}", *common, *resumed, env=env,
+                       timeout=300)
     return {"first": log.read_text(), "resumed": job.stdout}
 
 
 @pytest.fixture(scope="module")
-def fsdp2(base):
+def ddp(base, s3):
+    """Also: one step with each of two samplers that resume in another order (their warnings); the resumed
+    run uploads to the S3 server."""
     out = base
-    common = ["strategy=fsdp2", "sampler=dist"]
-    first = run_torchrun(2, JOB, str(out), "fsdp2-ref", f"ckpt={out / 'fsdp2-ref'}", *common,
-                         "+", "fsdp2-killed", f"ckpt={out / 'fsdp2'}", f"sigterm={STOPPED_AT['fsdp2']}", *common,
-                         timeout=300)
-    job = run_torchrun(2, JOB, str(out), "fsdp2-resumed", f"ckpt={out / 'fsdp2'}", *common, timeout=300)
-    return {"first": first.stdout, "resumed": job.stdout}
+    first = ["ddp-auto", f"ckpt={out / 'ddp-auto'}", "sampler=auto", "steps=1", "+",
+             "ddp-shared", f"ckpt={out / 'ddp-shared'}", "sampler=shared", "steps=1", "+"]
+    return kill_then_resume(out, "ddp", first, [f"remote=s3://{BUCKET}/lightning-ddp"], child_env(**s3.env()))
+
+
+@pytest.fixture(scope="module")
+def fsdp2(base):
+    """Also: the resumed fit is started again to 24 steps and gets SIGTERM on every rank at step 22."""
+    out = base
+    term = ["+", "fsdp2-term", f"ckpt={out / 'fsdp2-copied'}", "strategy=fsdp2", "sampler=dist", "steps=24",
+            "sigterm=22"]
+    return kill_then_resume(out, "fsdp2", [], term, child_env())
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
@@ -119,14 +126,13 @@ def test_a_resume_mid_epoch_after_an_epoch_boundary_trains_every_later_step_as_t
     request.getfixturevalue(strategy)
     resumed = result(base, f"{strategy}-resumed")
     # "last" is the newest committed step, never the crashed step 12 beside it.
-    assert resumed["restored_step"] == RESTORED[strategy]
+    assert resumed["restored_step"] == RESTORED
     # The LightningModule's own hooks: what on_save_checkpoint added came back to on_load_checkpoint.
-    assert resumed["loaded_extra"] == {"saves": RESTORED[strategy] // 3 + (strategy == "fsdp2"),
-                                       "step": RESTORED[strategy]}
+    assert resumed["loaded_extra"] == {"saves": 3, "step": RESTORED}
     assert resumed["global_step"] == STEPS
     for rank in (0, 1):
         ref, again = steps(base, f"{strategy}-ref", rank), steps(base, f"{strategy}-resumed", rank)
-        after = list(range(RESTORED[strategy] + 1, STEPS + 1))
+        after = list(range(RESTORED + 1, STEPS + 1))
         assert sorted(again) == after
         # The comparison spans what a resume must get right: the restore in epoch 1, the LR step at 14 and the
         # epoch boundary at 16 (the sampler's order in epoch 2).
@@ -142,14 +148,16 @@ def test_a_fit_that_ends_at_max_steps_commits_its_final_step(base, ddp, fsdp2):
     for ckpt in (base / "ddp-ref", base / "fsdp2-ref", base / "ddp-copied", base / "ddp-auto", base / "ddp-shared"):
         final = STEPS if ckpt.name in ("ddp-ref", "fsdp2-ref", "ddp-copied") else 1
         assert committed(ckpt, final), ckpt
+    assert committed(base / "ddp-killed", RESTORED) and not committed(base / "ddp-killed", 12)
 
 
 def test_sigterm_saves_the_step_when_lightning_stops_the_fit(base, fsdp2):
-    """SIGTERM on every rank at step 13 (not a multiple of every_n_train_steps=3): Lightning's own handler
-    stops the loop on all ranks together; the callback commits step 13 before the process exits."""
-    assert result(base, "fsdp2-killed")["global_step"] == 13
-    assert committed(base / "fsdp2", 13)
-    assert "SIGTERM: step 13 committed" in fsdp2["first"]
+    """SIGTERM on every rank at step 22 (not a multiple of every_n_train_steps=3): Lightning's own handler
+    stops the loop on all ranks together; the callback commits step 22 before the process exits."""
+    term = result(base, "fsdp2-term")
+    assert (term["restored_step"], term["global_step"]) == (STEPS, 22)
+    assert committed(base / "fsdp2-copied", 22) and not committed(base / "fsdp2-copied", 23)
+    assert "SIGTERM: step 22 committed" in fsdp2["resumed"]
 
 
 def test_a_run_resumed_from_a_copied_directory_finds_its_callback_state(ddp):

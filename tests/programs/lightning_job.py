@@ -12,8 +12,8 @@ A job is ``TAG key=value ...``:
 - ``sampler=rank|dist|shared|auto``: the guide's two recipes — each rank
   shuffles its own part of the data with torchdata's ``RandomSampler`` and a
   generator of its own, seeded by rank (``use_distributed_sampler=False``), or
-  torchdata's ``StatefulDistributedSampler`` (Lightning keeps a
-  ``DistributedSampler`` it finds) — and two traps: ``shuffle=True`` in a
+  a ``DistributedSampler`` of the user's (Lightning keeps it and calls
+  ``set_epoch``) — and two traps: ``shuffle=True`` in a
   ``StatefulDataLoader`` with a ``generator`` (the sampler shares it), each rank
   its own part; the same without a part of its own, where Lightning replaces
   the sampler (its ``DistributedSamplerWrapper``);
@@ -44,9 +44,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import flat_tensors, jobs  # noqa: E402
 
 import lightning.pytorch as L  # noqa: E402
-from torch.utils.data import Subset, TensorDataset  # noqa: E402
+from torch.utils.data import DistributedSampler, Subset, TensorDataset  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
-from torchdata.stateful_dataloader.sampler import RandomSampler, StatefulDistributedSampler  # noqa: E402
+from torchdata.stateful_dataloader.sampler import RandomSampler  # noqa: E402
 
 from shardckpt.integrations.lightning import ShardckptCheckpoint  # noqa: E402
 
@@ -101,7 +101,7 @@ class Tiny(L.LightningModule):
         if self.sampler == "auto":  # Lightning replaces the sampler by its DistributedSamplerWrapper
             return StatefulDataLoader(data, batch_size=BATCH, shuffle=True, generator=loader_rng)
         if self.sampler == "dist":  # a DistributedSampler of the user's: Lightning keeps it and calls set_epoch
-            return StatefulDataLoader(data, batch_size=BATCH, sampler=StatefulDistributedSampler(data, seed=0),
+            return StatefulDataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, seed=0),
                                       generator=loader_rng)
         # Each rank its own part (the Trainer is told use_distributed_sampler=False).
         data = Subset(data, range(self.global_rank, SAMPLES, self.trainer.world_size))

@@ -61,7 +61,6 @@ from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from torch.utils.data import DistributedSampler
 
 import shardckpt
 from shardckpt.errors import ConfigError
@@ -88,7 +87,8 @@ class LoaderStates(PerRank):
     """
 
     def load_state_dict(self, state: Any) -> None:
-        saved = {int(k[4:]): v for k, v in state.items() if isinstance(k, str) and k.startswith("rank") and k[4:].isdigit()}
+        saved = {int(k[4:]): v for k, v in state.items()
+                 if isinstance(k, str) and k.startswith("rank") and k[4:].isdigit()}
         self.saved_world_size = max(saved) + 1 if saved else 0
         own = saved.get(self.rank)
         self.restored = own is not None
@@ -384,7 +384,7 @@ class ShardckptCheckpoint(ModelCheckpoint):
         self.restored_step = restored
         self._last_saved = restored
         self._last_plan = self.checkpointer.last_plan
-        self._restored_data = True  # applied to the loaders once the fit loop has made them (_apply_restored_data)
+        self._restored_data = True  # applied to the loaders once the fit loop has made them (_prepare_loaders)
 
     # ------------------------------------------------------------ the data position
 
@@ -448,9 +448,10 @@ class ShardckptCheckpoint(ModelCheckpoint):
             trainer.accumulate_grad_batches = kept.accum_steps
             if trainer.global_rank == 0:
                 (log.info if kept.exact else log.warning)(
-                    "shardckpt: step %d: accumulate_grad_batches %d -> %d: global batch %d -> %d (%d ranks x batch "
-                    "size %d)%s", plan.step, accum, kept.accum_steps, kept.saved_global_batch, kept.global_batch,
-                    plan.world_size, micro, "" if kept.exact else " (not exact: no accumulation keeps it)",
+                    "shardckpt: step %d: accumulate_grad_batches %d -> %d: global batch %d -> %d (%d rank(s) x batch "
+                    "size %d x %d)%s", plan.step, accum, kept.accum_steps, kept.saved_global_batch, kept.global_batch,
+                    plan.world_size, micro, kept.accum_steps,
+                    "" if kept.exact else " (not exact: no accumulation keeps it)",
                 )
         record_shape(self.checkpointer.config, micro, kept.accum_steps)
 
@@ -485,8 +486,7 @@ class ShardckptCheckpoint(ModelCheckpoint):
                     "data with sampler=torchdata.stateful_dataloader.sampler.RandomSampler(part, "
                     "generator=torch.Generator().manual_seed(seed)) (a generator of its own) and "
                     "Trainer(use_distributed_sampler=False), or "
-                    "sampler=torchdata.stateful_dataloader.sampler.StatefulDistributedSampler(dataset, seed=seed), "
-                    "which Lightning keeps.", problem,
+                    "sampler=torch.utils.data.DistributedSampler(dataset, seed=seed), which Lightning keeps.", problem,
                 )
                 return
 
