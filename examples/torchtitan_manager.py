@@ -97,7 +97,7 @@ def main() -> None:
     train_state = TrainState()
 
     config = ShardckptCheckpointManager.Config(enable=True, folder=args.ckpt_dir, interval=args.interval,
-                                               keep_latest_k=3, remote=args.remote, last_save_model_only=False)
+                                               keep_latest_k=3, remote=args.remote)
     checkpointer = config.build(dataloader=dataloader, model_parts=[model], optimizers=optimizers,
                                 lr_schedulers=lr_schedulers, states={"train_state": train_state},
                                 sd_adapter=None, base_folder="")
