@@ -1,20 +1,22 @@
 """ShardckptCheckpoint in a Lightning Trainer: real torchrun jobs on CPU (gloo), DDP and FSDP2.
 
 Per strategy, one 2-rank launch runs an uninterrupted 20-step fit (8 steps per
-epoch, saves every 3 steps, a ``StepLR`` stepping the LR at steps 7 and 14)
-and then the same fit SIGKILLed at step 11, in epoch 1 (step 9 committed; a
-crashed save of step 12, DCP files without a commit record, is left beside it).
-A second launch resumes a copy of its directory with ``fit(ckpt_path="last")``
-and must train every step after the restore, across the LR step at 14 and the
-epoch boundary at 16, as the uninterrupted fit did: loss, LR and the batch on
-every rank, and the final weights, bit for bit. The guide's two recipes: DDP
-shuffles each rank's part with torchdata's ``RandomSampler`` and a generator
-that differs by rank (its state is saved per rank), FSDP2 uses torch's
-``DistributedSampler`` (its order is a function of the epoch). The first DDP
-launch also runs one step with each of two samplers that resume in another
-order (their warnings); the resumed DDP fit uploads to a moto S3 server, and a
-1-rank job with an empty disk then resumes its last step from there. The
-resumed FSDP2 fit is started again and stopped by SIGTERM on every rank.
+epoch, saved every 4 steps, a ``StepLR`` stepping the LR at steps 6, 12, 18)
+and then the same fit, saved every 3 steps, SIGKILLed at step 11, in epoch 1
+(step 9 committed; a crashed save of step 12, DCP files without a commit
+record, is left beside it). A second launch resumes a copy of its directory
+with ``fit(ckpt_path="last")`` and must train every step after the restore,
+across the LR steps at 12 and 18 and the epoch boundary at 16, as the uninterrupted fit
+did: loss, LR and the batch on every rank, and the final weights, bit for bit.
+The guide's two recipes: DDP shuffles each rank's part with torchdata's
+``RandomSampler`` and a generator that differs by rank (its state is saved per
+rank), FSDP2 uses torch's ``DistributedSampler`` (its order is a function of
+the epoch). The first DDP launch also runs one step with each of two samplers
+that resume in another order (their warnings); the resumed DDP fit uploads to a
+moto S3 server, and a 1-rank job with an empty disk then resumes its last step
+from there. The second FSDP2 launch also resumes the uninterrupted fit's step
+16, saved after the last batch of epoch 1, and starts the resumed fit again to
+stop it by SIGTERM on every rank.
 """
 
 from __future__ import annotations
@@ -78,14 +80,14 @@ def committed(ckpt, step: int) -> bool:
 
 
 def kill_then_resume(out, strategy: str, first: list[str], resumed: list[str], env: dict) -> dict:
-    """One launch: the uninterrupted fit, ``first`` jobs, then the fit SIGKILLed at step 11 (step 9 committed);
-    a crashed save of step 12 is left beside it. A second launch resumes a copy of its directory, then runs
-    ``resumed`` jobs."""
+    """One launch: the uninterrupted fit (saved every 4 steps), ``first`` jobs, then the fit SIGKILLed at step 11
+    (saved every 3: step 9 committed); a crashed save of step 12 is left beside it. A second launch resumes a copy
+    of its directory, then runs ``resumed`` jobs."""
     common = [f"strategy={strategy}", "sampler=" + ("rank" if strategy == "ddp" else "dist")]
     ckpt = out / f"{strategy}-killed"
     log = out / f"{strategy}-first.log"
-    proc = start_torchrun(2, JOB, str(out), f"{strategy}-ref", f"ckpt={out / f'{strategy}-ref'}", *common, "+",
-                          *first, f"{strategy}-killed", f"ckpt={ckpt}", f"kill={KILLED_AT}", *common,
+    proc = start_torchrun(2, JOB, str(out), f"{strategy}-ref", f"ckpt={out / f'{strategy}-ref'}", "every=4", *common,
+                          "+", *first, f"{strategy}-killed", f"ckpt={ckpt}", f"kill={KILLED_AT}", *common,
                           env=env, log_path=log)
     try:
         wait_for(lambda: (out / f"{strategy}-killed-reached").exists(), 300, f"step {KILLED_AT}", proc, log)
@@ -96,6 +98,9 @@ def kill_then_resume(out, strategy: str, first: list[str], resumed: list[str], e
     (ckpt / layout.step_dirname(12) / layout.MANIFEST_NAME).unlink()
     copied = out / f"{strategy}-copied"  # resumed from a copy: nothing in a step may depend on where it was written
     shutil.copytree(ckpt, copied)
+    # The uninterrupted fit's steps up to 16, saved after the last batch of epoch 1.
+    shutil.copytree(out / f"{strategy}-ref", out / f"{strategy}-edge")
+    shutil.rmtree(out / f"{strategy}-edge" / layout.step_dirname(STEPS))
     job = run_torchrun(2, JOB, str(out), f"{strategy}-resumed", f"ckpt={copied}", *common, *resumed, env=env,
                        timeout=300)
     return {"first": log.read_text(), "resumed": job.stdout}
@@ -113,40 +118,44 @@ def ddp(base, s3):
 
 @pytest.fixture(scope="module")
 def fsdp2(base):
-    """Also: the resumed fit is started again to 24 steps and gets SIGTERM on every rank at step 22."""
+    """Also: a fit resumed from the uninterrupted fit's step 16 (saved after the last batch of epoch 1), and the
+    resumed fit started again to 24 steps, getting SIGTERM on every rank at step 22."""
     out = base
-    term = ["+", "fsdp2-term", f"ckpt={out / 'fsdp2-copied'}", "strategy=fsdp2", "sampler=dist", "steps=24",
-            "sigterm=22"]
-    return kill_then_resume(out, "fsdp2", [], term, child_env())
+    common = ["strategy=fsdp2", "sampler=dist"]
+    more = ["+", "fsdp2-edge", f"ckpt={out / 'fsdp2-edge'}", "every=4", *common,
+            "+", "fsdp2-term", f"ckpt={out / 'fsdp2-copied'}", "steps=24", "sigterm=22", *common]
+    return kill_then_resume(out, "fsdp2", [], more, child_env())
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_a_resume_mid_epoch_after_an_epoch_boundary_trains_every_later_step_as_the_uninterrupted_fit(
-        request, base, strategy):
+@pytest.mark.parametrize("strategy, tag, restored, epochs", [
+    ("ddp", "resumed", RESTORED, {1, 2}), ("fsdp2", "resumed", RESTORED, {1, 2}), ("fsdp2", "edge", 16, {2})])
+def test_a_resume_after_an_epoch_boundary_trains_every_later_step_as_the_uninterrupted_fit(
+        request, base, strategy, tag, restored, epochs):
+    """Killed in epoch 1 (step 9 restored, mid-epoch) and resumed from the step saved after the last batch of
+    epoch 1 (16): every later step, across the LR step(s) at 12 and 18 and the epoch boundary at 16, on every rank
+    (neither restored step is a multiple of the StepLR's 6 steps: a scheduler that was not restored steps elsewhere)."""
     request.getfixturevalue(strategy)
-    resumed = result(base, f"{strategy}-resumed")
+    resumed = result(base, f"{strategy}-{tag}")
     # "last" is the newest committed step, never the crashed step 12 beside it.
-    assert resumed["restored_step"] == RESTORED
+    assert resumed["restored_step"] == restored
     # The LightningModule's own hooks: what on_save_checkpoint added came back to on_load_checkpoint.
-    assert resumed["loaded_extra"] == {"saves": 3, "step": RESTORED}
+    assert resumed["loaded_extra"] == {"saves": restored // (3 if tag == "resumed" else 4), "step": restored}
     assert resumed["global_step"] == STEPS
     for rank in (0, 1):
-        ref, again = steps(base, f"{strategy}-ref", rank), steps(base, f"{strategy}-resumed", rank)
-        after = list(range(RESTORED + 1, STEPS + 1))
+        ref, again = steps(base, f"{strategy}-ref", rank), steps(base, f"{strategy}-{tag}", rank)
+        after = list(range(restored + 1, STEPS + 1))
         assert sorted(again) == after
-        # The comparison spans what a resume must get right: the restore in epoch 1, the LR step at 14 and the
-        # epoch boundary at 16 (the sampler's order in epoch 2).
-        assert {again[s]["epoch"] for s in after} == {1, 2}
-        assert len({again[s]["lr"] for s in after}) == 2
+        assert {again[s]["epoch"] for s in after} == epochs
+        assert len({again[s]["lr"] for s in after}) >= 2
         diverged = [s for s in after if again[s] != ref[s]]
         assert not diverged, (rank, diverged[:3], [(ref[s], again[s]) for s in diverged[:1]])
-    assert same(params(base, f"{strategy}-ref", "end"), params(base, f"{strategy}-resumed", "end"))
+    assert same(params(base, f"{strategy}-ref", "end"), params(base, f"{strategy}-{tag}", "end"))
 
 
 def test_a_fit_that_ends_at_max_steps_commits_its_final_step(base, ddp, fsdp2):
     """20 steps saved every 3: the last save due by the interval is 18, and step 20 is committed too."""
-    for ckpt in (base / "ddp-ref", base / "fsdp2-ref", base / "ddp-copied", base / "ddp-auto", base / "ddp-shared"):
-        final = STEPS if ckpt.name in ("ddp-ref", "fsdp2-ref", "ddp-copied") else 1
+    for ckpt in (base / "ddp-copied", base / "fsdp2-copied", base / "ddp-auto", base / "ddp-shared"):
+        final = 1 if ckpt.name in ("ddp-auto", "ddp-shared") else STEPS
         assert committed(ckpt, final), ckpt
     assert committed(base / "ddp-killed", RESTORED) and not committed(base / "ddp-killed", 12)
 

@@ -11,9 +11,10 @@
 
 Saving: every rank takes part. After the optimizer step of every
 ``every_n_train_steps``-th global step the callback hands the module, the
-optimizers and Lightning's own checkpoint content (loops' progress and
-dataloader state, callbacks' state, LR schedulers, precision plugin state,
-datamodule state and whatever ``on_save_checkpoint`` hooks add) to a
+optimizers and Lightning's own checkpoint content (loops' progress,
+callbacks' state, LR schedulers, precision plugin state, datamodule state and
+whatever ``on_save_checkpoint`` hooks add; the training dataloaders' states
+under a key of each rank's own) to a
 :class:`shardckpt.Checkpointer`: the step returns once the state is staged
 in host memory; the write, the commit and the upload run in the background.
 The strategy's own ``save_checkpoint`` (and with it the ``CheckpointIO``
@@ -35,9 +36,11 @@ own part of the data), and the epoch their samplers see (``set_epoch``) is
 set before the restored position is applied to them: Lightning calls
 ``set_epoch`` only after the training dataloader's iterator was made, so a
 sampler whose order is a function of the epoch would otherwise replay epoch
-0's order in any later epoch. At another world size the plan keeps the
-global batch (``accumulate_grad_batches`` is set for it) and a warning says
-that the data position cannot be mapped.
+0's order in any later epoch. A loader restored at the end of its epoch (a
+step saved after the epoch's last batch) starts the next epoch, which
+Lightning would otherwise run with no batch. At another world size the plan
+keeps the global batch (``accumulate_grad_batches`` is set for it) and a
+warning says that the data position cannot be mapped.
 
 The final step of a fit that ends at ``max_steps`` (or ``max_epochs``) is
 saved and committed before ``fit()`` returns.
@@ -75,6 +78,8 @@ LIGHTNING_KEY = "lightning"
 LOADERS_KEY = "lightning_loaders"
 """The training dataloaders' states, one entry per rank (saved apart from the loops' state)."""
 MARKER = "lightning-last.json"
+FINISHED = "_iterator_finished"
+"""The key of a torchdata ``StatefulDataLoader``'s state that says its iterator is exhausted."""
 
 
 class LoaderStates(PerRank):
@@ -413,12 +418,14 @@ class ShardckptCheckpoint(ModelCheckpoint):
         # Lightning calls set_epoch at the start of each epoch of its loop, which on a resume comes after the
         # loaders' iterators were made from the restored position: set the restored epoch first.
         epoch = fit_loop.epoch_progress.current.processed
+        if self._loaders.value is not None:
+            fit_loop._combined_loader_states_to_load = list(self._loaders.value)
+        if fit_loop.epoch_loop.batch_progress.is_last_batch:
+            epoch = self._after_last_batch(trainer, epoch)
         for loader in loaders:
             for sampler in _samplers(loader):
                 if callable(getattr(sampler, "set_epoch", None)):
                     sampler.set_epoch(epoch)
-        if self._loaders.value is not None:
-            fit_loop._combined_loader_states_to_load = list(self._loaders.value)
         plan = self._last_plan
         if plan is not None:
             self._keep_global_batch(trainer, plan, loaders)
@@ -431,6 +438,24 @@ class ShardckptCheckpoint(ModelCheckpoint):
                     "Remedy: resume at %d ranks for the exact data order.", plan.step, plan.saved_world_size,
                     plan.world_size, epoch, plan.saved_world_size,
                 )
+
+    def _after_last_batch(self, trainer: pl.Trainer, epoch: int) -> int:
+        """A step saved after the last batch of its epoch: the fit goes on with the next epoch (Lightning moves its
+        loop there), but a restored loader position at the end of the epoch would make that epoch end at once, with
+        no batch (the fit would skip a whole epoch). Mark each loader state as exhausted instead, so that the
+        loader starts the next epoch, and return that epoch's number."""
+        fit_loop = trainer.fit_loop
+        states = fit_loop._combined_loader_states_to_load
+        if all(isinstance(state, dict) and FINISHED in state for state in states):
+            fit_loop._combined_loader_states_to_load = [{**state, FINISHED: True} for state in states]
+        elif trainer.global_rank == 0:
+            log.warning(
+                "shardckpt: step %d was saved after the last batch of epoch %d, and a training dataloader's state is "
+                "not a StatefulDataLoader's: nothing says that it starts epoch %d where the saved run did (Lightning "
+                "runs an epoch whose loader is at its end with no batch). Remedy: a torchdata StatefulDataLoader.",
+                self.restored_step, epoch, epoch + 1,
+            )
+        return epoch + 1
 
     def _keep_global_batch(self, trainer: pl.Trainer, plan: Any, loaders: list[Any]) -> None:
         """Set ``accumulate_grad_batches`` to keep the saved global batch (the loaders' batch size is known now)."""
