@@ -317,7 +317,8 @@ class ShardckptCheckpointManager(BaseCheckpointManager):
         if light:
             log.warning(
                 "shardckpt: resumed step %d, not the newer step(s) %s: they were saved without optimizer state (the "
-                "last step with checkpoint.last_save_model_only=True), and a resume needs it. Steps %d..%d are "
+                "last step with checkpoint.last_save_model_only=True, or light steps of extra full_every), and a "
+                "resume needs it. Steps %d..%d are "
                 "trained again; when step %d is saved again, its earlier save is kept aside (`shardckpt gc` removes "
                 "it). Remedy: checkpoint.last_save_model_only=False (this manager's default) saves the last step in "
                 "full.", restored, ", ".join(map(str, light)), restored + 1, light[-1], light[-1],
