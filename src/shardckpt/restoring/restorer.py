@@ -43,6 +43,7 @@ from shardckpt.restoring import run_config as run_config_mod
 from shardckpt.restoring import targets as targets_mod
 from shardckpt.format import lineage as lineage_mod
 from shardckpt import state as state_mod
+from shardckpt import values as values_mod
 from shardckpt._text import fmt_bytes
 from shardckpt.errors import (
     CorruptCheckpointError,
@@ -373,8 +374,19 @@ class Restorer:
         has_rng = any(p[:3] == (state_mod.RESERVED_KEY, state_mod.RNG, rng_key) for p in saved_paths)
         left = targets_mod.unrestored(top_saved, saved_kinds, kinds_live, set(targets) | rebuild_keys, state_mod.RESERVED_KEY)
         targets_mod.refuse_unrestored(left, step, step_dir, os.path.join(step_dir, layout.MANIFEST_NAME), strict=strict)
+        # Per-rank entries (generators, data loaders): each rank reads its own; a data loader's only at the
+        # world size that saved it. A key holding nothing else that this rank does not read is left as it is.
+        own_entries = values_mod.per_rank_entries(saved_paths)
+        same_world = manifest.world_size == _dist.world_size()
+        unread = {k for k, e in own_entries.items() if e["only"] and (rank not in e["ranks"] or (e["whole"] and not same_world))}
+        note = values_mod.per_rank_note(own_entries, manifest.world_size, _dist.world_size())
+        if note and rank == 0:
+            log.warning("shardckpt: step %d: %s", step, note)
 
         def rebuild(path: tuple) -> bool:
+            own = values_mod.path_rank(path)
+            if own is not None and (own[0] != rank or (own[1] and not same_world)):
+                return False
             if path[0] in rebuild_keys:
                 return True
             return has_rng and self.config.capture_rng and path[:3] == (state_mod.RESERVED_KEY, state_mod.RNG, rng_key)
@@ -398,12 +410,13 @@ class Restorer:
         for key, entries in frozen.items():
             targets[key].update(entries)  # the live base, as it is
         kinds_all = dict(kinds_live)
-        for key in rebuild_keys:
+        for key in rebuild_keys - unread:
             kinds_all.setdefault(key, saved_kinds[key])
             # An empty dict (e.g. a disabled GradScaler's state) has no entries in
             # DCP's metadata: it comes back as an empty dict.
             targets.setdefault(key, {})
-        state_mod.restore(state, kinds_all, {k: v for k, v in targets.items() if k in kinds_all}, strict=strict)
+        state_mod.restore(state, kinds_all, {k: v for k, v in targets.items() if k in kinds_all and k not in unread},
+                          strict=strict)
         if self.config.capture_rng:
             if has_rng:
                 state_mod.set_rng_state(targets[state_mod.RESERVED_KEY][state_mod.RNG][rng_key])

@@ -48,6 +48,7 @@ from shardckpt._text import fmt_bytes
 from shardckpt.errors import InsufficientSpaceError, SaveError
 from shardckpt.options import CheckpointConfig, OnDiskFull
 from shardckpt.saving.stage import CopiesRacedError
+from shardckpt.values import FailedElsewhere
 from shardckpt.topology import Topology
 
 log = logging.getLogger("shardckpt")
@@ -79,6 +80,8 @@ class SaveJob:
     """The history this save belongs to (:meth:`StepWriter.lineage_for`); it becomes the writer's once committed."""
     save_id: str = ""
     """This save's identity, the same on every rank (:meth:`StepWriter.partial_dir`)."""
+    later: Any = None
+    """The plain tensors whose content the ranks compare before the write (``values.Later``), or ``None``."""
 
 
 class StepWriter:
@@ -230,13 +233,24 @@ class StepWriter:
         failure: BaseException | None = None
         table: dict[str, Any] = {}
         metadata_bytes: bytes | None = None
+        staged = job.staged
         try:
             if job.fence is not None:
                 job.fence.synchronize()  # on a GPU the copies into the buffers may still run
+        except BaseException as exc:
+            failure = exc
+        if job.later is not None:  # every rank alike: the plain tensors' digests, exchanged before the write
+            try:
+                staged = job.later.settle(staged, self._groups.all_gather_io, failed=failure is not None)
+            except BaseException as exc:
+                failure = failure or exc
+        try:
+            if failure is not None:
+                raise failure
             os.makedirs(partial, exist_ok=True)
             done = self.file_done
             sums = dcp_writer.dcp_write(
-                job.staged, partial, process_group=self._groups.io, io_threads=self.config.io_threads, rank=rank,
+                staged, partial, process_group=self._groups.io, io_threads=self.config.io_threads, rank=rank,
                 on_file=(lambda name, size, digest: done(job, rank, name, size, digest)) if done else None,
             )
             _failpoints.hit("write.done")
@@ -254,7 +268,8 @@ class StepWriter:
         if problems:
             if topo.committer:
                 shutil.rmtree(partial, ignore_errors=True)
-            where, what, disk = next((p for p in problems if p[2]), problems[0])
+            causes = [p for p in problems if not p[1].startswith(FailedElsewhere.__name__ + ":")] or problems
+            where, what, disk = next((p for p in causes if p[2]), causes[0])
             raced = what.startswith(CopiesRacedError.__name__ + ":")  # it names its own remedy
             error = SaveError(
                 f"step {step}: writing {partial} failed on rank {where} ({what}); the partial step was "
