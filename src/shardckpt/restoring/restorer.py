@@ -48,6 +48,7 @@ from shardckpt._text import fmt_bytes
 from shardckpt.errors import (
     CorruptCheckpointError,
     ForeignCheckpointError,
+    MetaDeviceError,
     StateMismatchError,
 )
 from shardckpt.options import CheckpointConfig, OnCorrupt, run_config_of
@@ -316,9 +317,12 @@ class Restorer:
                     "shardckpt: step %d is a light step (no optimizer state): %s keep(s) the state they have; "
                     "load a full step for everything", step, ", ".join(lacking),
                 )
-        targets = state_mod.live_targets(state, kinds_live)
+        try:
+            targets = state_mod.live_targets(state, kinds_live)
+        except MetaDeviceError as exc:  # an optimizer built from meta parameters before to_empty()
+            raise MetaDeviceError(f"cannot restore step {step} from {step_dir}: {exc}", unexpected=exc.unexpected) from None
         meta = targets_mod.meta_entries(state, kinds_live, targets)
-        targets_mod.refuse_meta(self._groups.all_gather_ctl(meta), step, step_dir)
+        targets_mod.refuse_meta(self._groups.all_gather_ctl(meta), step, step_dir, _dist.rank())
         frozen = self._check_frozen(state, step, manifest, targets) if manifest.frozen else {}
         rank = _dist.rank()
         rng_key = state_mod.rng_key(rank)
