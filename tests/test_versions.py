@@ -106,7 +106,7 @@ def test_a_lost_nodes_disk_makes_every_rank_raise_and_start_fresh_keeps_the_surv
 
     out2 = tmp_path / "out2"
     out2.mkdir()
-    run_two_nodes(1, PROG, "resume", base, out2, "--layout", "local", log_dir=tmp_path, env=env)
+    logs = run_two_nodes(1, PROG, "resume", base, out2, "--layout", "local", log_dir=tmp_path, env=env)
     results = [json.loads((out2 / f"outcome.{r}.json").read_text()) for r in range(2)]
     for r, res in enumerate(results):
         error = res.get("error", "")
@@ -117,6 +117,8 @@ def test_a_lost_nodes_disk_makes_every_rank_raise_and_start_fresh_keeps_the_surv
     # start_fresh=True is the deliberate new start: it loads nothing and saves 1 and 2 ...
     # (node 0 still lists the old step 3: kept, abandoned by the new history)
     assert [(res["fresh_restored"], res["fresh_steps"]) for res in results] == [(None, [1, 2, 3]), (None, [1, 2])], results
+    # Starting fresh while committed steps exist is said at WARNING, naming them and why none is resumed.
+    assert "WARNING shardckpt: committed steps exist" in logs[0] and "step 3 (not complete on every rank" in logs[0]
     # ... and every committed file of the surviving node is still there, byte for byte: the
     # earlier saves of steps 1 and 2 were set aside, never replaced.
     after = tree_digest(base / "node0")

@@ -373,7 +373,8 @@ class Checkpointer:
         if self.config.remote is not None:
             tiers.append(RemoteSteps(self.config.remote, self.config.transfer_options()))
         try:
-            return peek_mod.peek_tiers(tiers, step, trust_pickles=trust_pickles)
+            return peek_mod.peek_tiers(tiers, step, trust_pickles=trust_pickles,
+                                       fallback=self.config.on_corrupt == "fallback")
         finally:
             for tier in tiers:
                 tier.close()

@@ -125,8 +125,12 @@ class Restorer:
             if step is not None:
                 self.surveyor.raise_not_found(step, survey)
             if _dist.rank() == 0:
-                log.info("shardckpt: nothing to resume in %s%s; starting fresh", self.root,
-                         " or the remote" if self.config.remote else "")
+                where = f"{self.root}{' or the remote' if self.config.remote else ''}"
+                if survey.infos:  # steps exist: starting fresh is never silent
+                    log.warning("shardckpt: committed steps exist in %s but none is resumed: %s; starting fresh",
+                                where, _why_none(survey, self.config.start_fresh))
+                else:
+                    log.info("shardckpt: nothing to resume in %s; starting fresh", where)
             self.last_plan = None
             self.next_lineage = self._agree_lineage(survey, None)
             return None
@@ -134,6 +138,11 @@ class Restorer:
         for candidate in survey.candidates:
             step_dir = os.path.join(self.root, layout.step_dirname(candidate))
             try:
+                if candidate in survey.conflicts:
+                    raise CorruptCheckpointError(
+                        f"step {candidate} in {step_dir}: {survey.conflicts[candidate]}. Remedy: load another step "
+                        f"(load(state, step=N), or on_corrupt='fallback'); `shardckpt ls` shows the run's history."
+                    )
                 manifest, checked, step_dir = self.sources.complete(candidate, step_dir, survey)
                 self._load_checked(
                     state, candidate, step_dir, manifest, checked, survey, strict=strict, trust_pickles=trust_pickles
@@ -434,6 +443,17 @@ class Restorer:
                     manifest.world_size,
                 )
         return gathered
+
+
+def _why_none(survey: Survey, start_fresh: bool) -> str:
+    """Each committed step and why it is not resumed (a load that starts fresh while steps exist)."""
+    reasons = []
+    for s in sorted(survey.infos):
+        why = survey.abandoned.get(s) or survey.conflicts.get(s) or (
+            "not complete on every rank" + ("; start_fresh=True" if start_fresh else ""))
+        reasons.append(f"step {s} ({why})")
+    shown = "; ".join(reasons[:10])
+    return shown + (f"; ... ({len(reasons) - 10} more)" if len(reasons) > 10 else "")
 
 
 def _shape_mismatches(flat_live: dict[str, Any], metadata: Any) -> list[str]:
