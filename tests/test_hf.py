@@ -20,6 +20,7 @@ several ways and check several guarantees on it:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -231,7 +232,7 @@ def _trainer_parts(tmp_path: Path, **overrides):
     return model, TrainingArguments(**options), Tokens()
 
 
-def test_trainer_best_metric_retention_and_load_best_at_end_and_mapping_errors(tmp_path, monkeypatch):
+def test_trainer_best_metric_retention_and_load_best_at_end_and_mapping_errors(tmp_path, monkeypatch, caplog):
     from transformers import Trainer, TrainerCallback
 
     from shardckpt.integrations.hf import ShardckptTrainer, ShardckptTrainerMixin
@@ -257,11 +258,22 @@ def test_trainer_best_metric_retention_and_load_best_at_end_and_mapping_errors(t
     trainer = Scored(model=model, args=args, train_dataset=data, eval_dataset=data, callbacks=[weights])
     cfg = trainer.checkpointer.config  # built from the TrainingArguments
     assert (cfg.keep_last, cfg.keep_best, cfg.best_metric, cfg.best_mode) == (2, 1, "eval_score", "min")
-    trainer.train(resume_from_checkpoint=True)  # nothing there: starts fresh, no error
+    with caplog.at_level(logging.INFO, logger="shardckpt"):
+        trainer.train(resume_from_checkpoint=True)  # nothing there: starts fresh, no error
     assert trainer.resumed_step is None and trainer.state.global_step == 6
     trainer.checkpointer.close()
     root = tmp_path / "out" / "shardckpt"
     assert committed(root) == [4, 5, 6]  # the last two and the best (score 1.0 at step 4)
+    # The best step as a path, like the stock Trainer's checkpoint folder; loading it at the end logs the two
+    # warnings the guide describes (the keys it leaves out on purpose, and the branch a later save would start).
+    assert trainer.state.best_model_checkpoint == str(root / layout.step_dirname(4))
+    assert os.path.isdir(trainer.state.best_model_checkpoint)
+    at_end = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "step 4" in r.getMessage()]
+    assert len(at_end) == 2, at_end
+    assert "In the checkpoint but not in the state (3): optimizer, sampler, scheduler" in at_end[0]
+    assert "rolled back to step 4" in at_end[1]
+    guide = " ".join((ROOT / "docs" / "guides" / "huggingface.md").read_text().split())
+    assert "In the checkpoint but not in the state" in guide and "rolled back to step N" in guide
     assert all(torch.equal(trainer.model.state_dict()[k], weights.saved[4][k]) for k in weights.saved[4])
     assert not any(torch.equal(weights.saved[6][k], weights.saved[4][k]) for k in ("transformer.wte.weight",))
 
@@ -287,6 +299,37 @@ def test_trainer_best_metric_retention_and_load_best_at_end_and_mapping_errors(t
     assert again.resumed_step == 6 and again.state.global_step == 7
     assert [row["step"] for row in again.state.log_history if "eval_score" in row] == [1, 2, 3, 4, 5, 6]
     again.checkpointer.close()
+
+    # Back to step 5 while 6 and 7 exist: said at once, at WARNING, before the Trainer saves 6 and 7 again.
+    caplog.clear()
+    model, args4, _ = _trainer_parts(tmp_path, max_steps=7, eval_strategy="no", save_total_limit=None,
+                                     metric_for_best_model=None, load_best_model_at_end=False)
+    back = ShardckptTrainer(model=model, args=args4, train_dataset=data,
+                            checkpointer=shardckpt.Checkpointer(local_dir=str(root), keep_last=5))
+    with caplog.at_level(logging.INFO, logger="shardckpt"):
+        back.train(resume_from_checkpoint=5)
+    back.checkpointer.close()
+    assert back.resumed_step == 5 and back.state.global_step == 7
+    lines = [r.getMessage() for r in caplog.records]
+    told = next(i for i, m in enumerate(lines) if "rolled back to step 5" in m)
+    assert caplog.records[told].levelno == logging.WARNING and "steps [6, 7]" in lines[told]
+    assert "replaces it" in lines[told] and "moved aside" in lines[told]
+    aside = [i for i, m in enumerate(lines) if "was kept aside" in m]
+    assert len(aside) == 2 and told < aside[0], lines  # said before the first save that does it
+    assert sorted(p.name.split("-")[1] for p in root.iterdir() if p.name.startswith(".kept-")) == [
+        layout.step_dirname(6), layout.step_dirname(7)]
+
+
+def test_the_trainers_sampler_reports_the_position_it_loaded():
+    """Right after load() the sampler says where the loaded step is (epoch 1), not where the loop was before."""
+    from shardckpt.integrations.hf import TrainerSampler
+
+    sampler = TrainerSampler(96, batch_size=16, rank=0, world_size=1)
+    saved = TrainerSampler(96, batch_size=16, rank=0, world_size=1)
+    saved.loop_position = (1, 32)
+    sampler.loop_position = (0, 0)  # what the loop's count said before the load
+    sampler.load_state_dict(saved.state_dict())
+    assert (sampler.state_dict()["epoch"], sampler.state_dict()["consumed"]) == (1, 32)
 
 
 def test_accelerator_state_holds_what_accelerate_prepared_and_a_loader_resumes_its_position(tmp_path, caplog):

@@ -209,8 +209,10 @@ class Restorer:
                 newer = sorted(s for s in survey.infos if s > step)
                 log.warning(
                     "shardckpt: rolled back to step %d: the next save starts a new branch; steps %s are kept "
-                    "but no longer resumed by default, nor counted by retention (`shardckpt gc` removes them)",
-                    step, newer,
+                    "but no longer resumed by default, nor counted by retention (`shardckpt gc` removes them). A "
+                    "save of one of those step numbers on the new branch replaces it in %s: the earlier save is "
+                    "moved aside (as %s-..., listed by `shardckpt ls`)",
+                    step, newer, self.root, layout.KEPT_PREFIX + layout.step_dirname(newer[0] if newer else step),
                 )
         return agreed
 
