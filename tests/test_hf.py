@@ -50,6 +50,10 @@ def losses_by_step(history_path: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in json.loads(history_path.read_text()) if "loss" in row}
 
 
+def lrs_by_step(history_path: Path) -> dict[int, float]:
+    return {row["step"]: row["learning_rate"] for row in json.loads(history_path.read_text()) if "learning_rate" in row}
+
+
 def samples_by_step(prefix: Path, ranks: int) -> dict[int, list[int]]:
     """Step -> every sample id trained on in that step (all ranks, all micro-batches), sorted."""
     out: dict[int, list[int]] = {}
@@ -85,12 +89,17 @@ def bucket(s3, tmp_path):
 def test_trainer_sigkill_resumes_bitwise_sigterm_commits_and_a_fresh_rank_resumes_from_the_bucket(bucket, tmp_path):
     env = child_env(**bucket.env())
     steps = 12
-    # The reference: never interrupted, 2 ranks, two steps further than the jobs below (constant LR).
+    # The LR rises over 6 warmup steps, then stays: the scheduler's boundary is crossed after every resume below
+    # (the kill comes at step 3 or later), and a scheduler not restored would warm up again.
+    schedule = ("--lr-schedule", "constant_with_warmup", "--warmup-steps", 6)
+    # The reference: never interrupted, 2 ranks, two steps further than the jobs below.
     ref = tmp_path / "ref"
     run_torchrun(2, TRAINER, "--out", ref, "--max-steps", steps + 2, "--history", ref / "history.json",
-                 "--weights", ref / "weights.pt", "--every-step-weights", "--samples", ref / "samples",
+                 "--weights", ref / "weights.pt", "--every-step-weights", "--samples", ref / "samples", *schedule,
                  env=env, timeout=180)
     want_losses = losses_by_step(ref / "history.json")
+    want_lrs = lrs_by_step(ref / "history.json")
+    assert want_lrs[1] < want_lrs[6] < want_lrs[7] == want_lrs[14]  # warmup, then constant
     want_weights = torch.load(ref / "weights.pt")
     want_samples = samples_by_step(ref / "samples", 2)
     assert sorted(want_losses) == list(range(1, steps + 3))
@@ -101,7 +110,7 @@ def test_trainer_sigkill_resumes_bitwise_sigterm_commits_and_a_fresh_rank_resume
     # SIGKILLed (launcher and workers) once step 3 is committed.
     url = f"s3://{BUCKET}/hf-trainer"
     run = tmp_path / "run"
-    args = ("--out", run, "--remote", url, "--max-steps", steps, "--step-sleep", "0.4")
+    args = ("--out", run, "--remote", url, "--max-steps", steps, "--step-sleep", "0.4", *schedule)
     log1 = tmp_path / "first.log"
     proc = start_torchrun(2, TRAINER, *args, "--samples", run / "first", env=env, log_path=log1)
     try:
@@ -137,6 +146,7 @@ def test_trainer_sigkill_resumes_bitwise_sigterm_commits_and_a_fresh_rank_resume
     got_losses = losses_by_step(run / "history.json")
     assert sorted(got_losses) == list(range(1, stopped + 1))
     assert got_losses == {s: want_losses[s] for s in range(1, stopped + 1)}
+    assert lrs_by_step(run / "history.json") == {s: want_lrs[s] for s in range(1, stopped + 1)}
     got_weights = torch.load(run / "weights.pt")[stopped]
     assert all(torch.equal(got_weights[k], want_weights[stopped][k]) for k in want_weights[stopped])
     # The preempted step is committed in the bucket (a machine with an empty disk sees it).
@@ -147,7 +157,7 @@ def test_trainer_sigkill_resumes_bitwise_sigterm_commits_and_a_fresh_rank_resume
     # global batch, and each step trains on exactly the samples the 2-rank run did.
     fresh = tmp_path / "fresh"
     out3 = run_torchrun(1, TRAINER, "--out", fresh, "--remote", url, "--max-steps", steps + 2,
-                        "--samples", fresh / "samples", "--history", fresh / "history.json",
+                        "--samples", fresh / "samples", "--history", fresh / "history.json", *schedule,
                         env=dict(env, SHARDCKPT_UPLOADER="off"), timeout=180).stdout
     assert printed(out3, 0, "resumed ") == str(stopped), out3[-3000:]
     assert printed(out3, 0, "accum ") == "2"
@@ -157,6 +167,7 @@ def test_trainer_sigkill_resumes_bitwise_sigterm_commits_and_a_fresh_rank_resume
     assert sorted(got) == list(range(stopped + 1, steps + 3))
     assert got == {s: want_samples[s] for s in got}
     assert sorted(losses_by_step(fresh / "history.json")) == list(range(1, steps + 3))
+    assert lrs_by_step(fresh / "history.json") == want_lrs  # past the warmup's end, to the last step
 
 
 def test_accelerate_loop_sigkill_resumes_bitwise_and_a_stateful_loader_continues_2_to_1(tmp_path):
