@@ -300,10 +300,13 @@ def test_trainer_best_metric_retention_and_load_best_at_end_and_mapping_errors(t
     # A later run resumes the newest committed step (not a higher crashed one), then trains on.
     crashed = root / layout.step_dirname(60)
     crashed.mkdir()
-    model, args2, _ = _trainer_parts(tmp_path, max_steps=7, eval_strategy="no", save_total_limit=None,
-                                     metric_for_best_model=None, load_best_model_at_end=False)
-    again = ShardckptTrainer(model=model, args=args2, train_dataset=data,
-                             checkpointer=shardckpt.Checkpointer(local_dir=str(root), keep_last=5))
+    def seven_steps():
+        model, args, _ = _trainer_parts(tmp_path, max_steps=7, eval_strategy="no", save_total_limit=None,
+                                        metric_for_best_model=None, load_best_model_at_end=False)
+        return ShardckptTrainer(model=model, args=args, train_dataset=data,
+                                checkpointer=shardckpt.Checkpointer(local_dir=str(root), keep_last=5))
+
+    again = seven_steps()
     with pytest.raises(shardckpt.ConfigError, match="resumes from its checkpointer"):
         again.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-6"))
     again.train(resume_from_checkpoint=True)
@@ -313,10 +316,7 @@ def test_trainer_best_metric_retention_and_load_best_at_end_and_mapping_errors(t
 
     # Back to step 5 while 6 and 7 exist: said at once, at WARNING, before the Trainer saves 6 and 7 again.
     caplog.clear()
-    model, args4, _ = _trainer_parts(tmp_path, max_steps=7, eval_strategy="no", save_total_limit=None,
-                                     metric_for_best_model=None, load_best_model_at_end=False)
-    back = ShardckptTrainer(model=model, args=args4, train_dataset=data,
-                            checkpointer=shardckpt.Checkpointer(local_dir=str(root), keep_last=5))
+    back = seven_steps()
     with caplog.at_level(logging.INFO, logger="shardckpt"):
         back.train(resume_from_checkpoint=5)
     back.checkpointer.close()
