@@ -229,7 +229,7 @@ class StepWriter:
         step, partial = job.step, job.partial
         rank = _dist.rank()
 
-        # 1-2: write and hash
+        # 1-2: write and hash (first, every rank alike, the plain tensors' digests: values.Later)
         failure: BaseException | None = None
         table: dict[str, Any] = {}
         metadata_bytes: bytes | None = None
@@ -239,28 +239,16 @@ class StepWriter:
                 job.fence.synchronize()  # on a GPU the copies into the buffers may still run
         except BaseException as exc:
             failure = exc
-        if job.later is not None:  # every rank alike: the plain tensors' digests, exchanged before the write
+        if job.later is not None:
             try:
                 staged = job.later.settle(staged, self._groups.all_gather_io, failed=failure is not None)
             except BaseException as exc:
                 failure = failure or exc
-        try:
-            if failure is not None:
-                raise failure
-            os.makedirs(partial, exist_ok=True)
-            done = self.file_done
-            sums = dcp_writer.dcp_write(
-                staged, partial, process_group=self._groups.io, io_threads=self.config.io_threads, rank=rank,
-                on_file=(lambda name, size, digest: done(job, rank, name, size, digest)) if done else None,
-            )
-            _failpoints.hit("write.done")
-            table = {name: (size, digest, rank, chunks) for name, (size, digest, chunks) in sums.items()}
-            _failpoints.hit("write.hashed")
-            if rank == 0 and not topo.shared:
-                with open(os.path.join(partial, layout.METADATA_NAME), "rb") as f:
-                    metadata_bytes = f.read()  # every node-local copy holds .metadata
-        except BaseException as exc:  # DCP reports failures as CheckpointException (a BaseException)
-            failure = exc
+        if failure is None:
+            try:
+                table, metadata_bytes = self._write(job, staged, rank)
+            except BaseException as exc:  # DCP reports failures as CheckpointException (a BaseException)
+                failure = exc
 
         # 3: exchange 1
         reports = self._groups.all_gather_io((table, _describe(failure), metadata_bytes, time.time(), _disk(failure)))
@@ -353,6 +341,22 @@ class StepWriter:
                 step, final, fmt_bytes(manifest.total_bytes), job.blocked, time.monotonic() - job.t_start,
             )
         return final
+
+    def _write(self, job: SaveJob, staged: dict[str, Any], rank: int) -> tuple[dict[str, Any], bytes | None]:
+        """This rank's files of the save, checksummed while written: ``(file table, .metadata for the copies)``."""
+        os.makedirs(job.partial, exist_ok=True)
+        done = self.file_done
+        sums = dcp_writer.dcp_write(
+            staged, job.partial, process_group=self._groups.io, io_threads=self.config.io_threads, rank=rank,
+            on_file=(lambda name, size, digest: done(job, rank, name, size, digest)) if done else None,
+        )
+        _failpoints.hit("write.done")
+        table = {name: (size, digest, rank, chunks) for name, (size, digest, chunks) in sums.items()}
+        _failpoints.hit("write.hashed")
+        if rank == 0 and not self.topology.shared:
+            with open(os.path.join(job.partial, layout.METADATA_NAME), "rb") as f:
+                return table, f.read()  # every node-local copy holds .metadata
+        return table, None
 
     def _remedy(self, disk: bool) -> str:
         if disk:
