@@ -160,6 +160,22 @@ def test_unsupported_dict_keys_are_refused_naming_the_key(tmp_path):
         assert ckpt.steps() == [2]
 
 
+def test_a_generator_continues_in_the_live_one_and_a_tuple_holding_one_is_refused(tmp_path):
+    shuffle = torch.Generator().manual_seed(4)
+    torch.rand(2, generator=shuffle)
+    with ckpt_for(tmp_path) as ckpt:
+        with pytest.raises(shardckpt.ConfigError, match=r"step 1: 'pair' is a tuple holding a torch.Generator"):
+            ckpt.save({"pair": (1, shuffle)}, 1)
+        ckpt.save({"shuffle": shuffle, "order": [shuffle]}, 2).wait()
+    expected = torch.rand(3, generator=shuffle)
+    live = torch.Generator().manual_seed(99)
+    state = {"shuffle": live, "order": []}
+    with ckpt_for(tmp_path) as ckpt:
+        assert ckpt.load(state) == 2
+    assert state["shuffle"] is live and torch.equal(torch.rand(3, generator=live), expected)
+    assert torch.equal(torch.rand(3, generator=state["order"][0]), expected)
+
+
 def test_save_error_says_check_the_disk_only_when_the_disk_failed(tmp_path):
     with ckpt_for(tmp_path) as ckpt:
         ckpt.save({"bad": {"fn": lambda: 0}}, 1)  # cannot be pickled: not a disk problem

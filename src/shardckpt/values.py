@@ -168,7 +168,22 @@ def encode_keys(value: Any, where: str, rank: int = 0, _own: bool = False) -> An
     if isinstance(value, list):
         items = [encode_keys(v, f"{where}[{i}]", rank, _own) for i, v in enumerate(value)]
         return items if any(a is not b for a, b in zip(items, value)) else value
+    if isinstance(value, tuple) and _holds_generator(value):
+        raise ConfigError(
+            f"{where} is a tuple holding a torch.Generator: a tuple is stored whole (pickled), and a generator "
+            f"is each rank's own, stored under its rank's key. Remedy: hold it in a list or a dict"
+        )
     return value
+
+
+def _holds_generator(value: Any) -> bool:
+    if isinstance(value, torch.Generator):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_generator(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_generator(v) for v in value)
+    return False
 
 
 def decode_keys(value: Any, rank: int | None = None) -> Any:
