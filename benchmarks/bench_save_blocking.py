@@ -25,6 +25,21 @@ Tools (``--tool``, default all of them, one after another):
                      blocked until its ``staging_completion`` (the optimizer may not step before)
   torch_save         rank 0 gathers the full state and ``torch.save``s it
 
+Plain tensors (group "plain"): each rank holds as many bytes as its local shards in a
+dict of plain tensors, the same values on every rank (a replica: DCP writes one copy).
+shardckpt compares plain values across ranks by content (an xxh3-128 digest of each
+tensor's staged bytes, taken in the background writer before the write):
+
+  floor_plain                 copy of the plain tensors into preallocated host buffers
+  shardckpt_plain             ``shardckpt.save`` of the plain tensors (compared by digest); extra
+                              columns: ``compare_s``, the part of the blocked time spent comparing
+                              the plain values (``values.agree``, timed around the call),
+                              ``digest_s``, the time hashing those tensors takes on one rank
+                              (off the blocked path; measured after each save), ``committed_s``
+  shardckpt_plain_uncompared  the same tensors wrapped in ``shardckpt.PerRank`` (never compared):
+                              its blocked time against ``shardckpt_plain`` is what the comparison
+                              adds to the time the loop waits
+
 Each rank's RSS high-water mark is reset before every tool and reported
 (largest rank), with its growth over the tool's saves as a multiple of the
 rank's staged bytes (one copy of the state: 1.0×); ``benchmarks/run.py`` starts a fresh torchrun per tool and
@@ -59,10 +74,16 @@ TOOLS = {
     "dcp_async_process": "dcp.async_save (process)",
     "dcp_async_staged": "dcp.async_save (DefaultStager, async staging)",
     "torch_save": "rank-0 torch.save of the full state",
+    "floor_plain": "copy of the plain tensors into preallocated host buffers (floor)",
+    "shardckpt_plain": "shardckpt.save of plain tensors (compared by digest)",
+    "shardckpt_plain_uncompared": "shardckpt.save of the same tensors in PerRank (not compared)",
 }
+PLAIN = {"floor_plain", "shardckpt_plain", "shardckpt_plain_uncompared"}
+"""The tools of the group "plain" (their ratios are to ``floor_plain``)."""
 # Host memory a tool needs beyond the model, as a multiple of the whole state (all ranks of the node).
 MEMORY = {"floor": 1.0, "shardckpt": 1.0, "dcp_save": 0.3, "dcp_async": 1.0, "dcp_async_process": 2.0,
-          "dcp_async_staged": 1.0, "torch_save": 1.3}
+          "dcp_async_staged": 1.0, "torch_save": 1.3, "floor_plain": 2.0, "shardckpt_plain": 2.0,
+          "shardckpt_plain_uncompared": 2.0}
 
 
 def build_model(total_bytes: int, world: int) -> nn.Module:
@@ -96,6 +117,13 @@ class Context:
         self.rank = dist.get_rank()
         self.side = dist.new_group(backend="gloo")
         self.local_shards = [p.to_local() for p in model.parameters()]
+
+    def plain(self) -> dict[str, torch.Tensor]:
+        """As many bytes as this rank's local shards, as plain tensors with the same values on every rank."""
+        if not hasattr(self, "_plain"):
+            generator = torch.Generator().manual_seed(1)
+            self._plain = {f"t{i}": torch.randn(t.shape, generator=generator) for i, t in enumerate(self.local_shards)}
+        return self._plain
 
     def rounds(self) -> range:
         return range(self.repeat + 1)  # round 0 is the warm-up
@@ -136,6 +164,58 @@ def shardckpt_save(ctx: Context) -> Iterator[float]:
             handle.wait()
     finally:
         ckpt.close()
+
+
+def floor_plain(ctx: Context) -> Iterator[float]:
+    tensors = list(ctx.plain().values())
+    buffers = [torch.empty_like(t) for t in tensors]
+    for _ in ctx.rounds():
+        dist.barrier()
+        t0 = time.perf_counter()
+        for b, t in zip(buffers, tensors):
+            b.copy_(t)
+        yield time.perf_counter() - t0
+
+
+def shardckpt_plain(ctx: Context, *, compared: bool = True) -> Iterator[tuple[float, dict]]:
+    from shardckpt import values
+
+    spent = [0.0]
+    agree = values.agree
+
+    def timed_agree(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return agree(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t
+
+    values.agree = timed_agree  # the blocked time's share spent comparing (save() calls values.agree)
+    plain = ctx.plain()
+    state = {"tensors": plain if compared else shardckpt.PerRank(plain)}
+    name = "plain" if compared else "plain_uncompared"
+    ckpt = shardckpt.Checkpointer(local_dir=ctx.path(name), keep_last=1, preemption_signals=())
+    try:
+        for i in ctx.rounds():
+            dist.barrier()
+            spent[0] = 0.0
+            t0 = time.perf_counter()
+            handle = ckpt.save(state, i)
+            blocked = time.perf_counter() - t0
+            compare = spent[0]
+            handle.wait()
+            committed = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            for t in plain.values():
+                values.digest(t)
+            yield blocked, {"compare_s": compare, "digest_s": time.perf_counter() - t1, "committed_s": committed}
+    finally:
+        values.agree = agree
+        ckpt.close()
+
+
+def shardckpt_plain_uncompared(ctx: Context) -> Iterator[tuple[float, dict]]:
+    return shardckpt_plain(ctx, compared=False)
 
 
 def dcp_save(ctx: Context) -> Iterator[float]:
@@ -207,6 +287,9 @@ RUNNERS: dict[str, Tool] = {
     "dcp_async_process": dcp_async_process,
     "dcp_async_staged": dcp_async_staged,
     "torch_save": torch_save,
+    "floor_plain": floor_plain,
+    "shardckpt_plain": shardckpt_plain,
+    "shardckpt_plain_uncompared": shardckpt_plain_uncompared,
 }
 
 
@@ -279,7 +362,8 @@ def main() -> None:
                 continue
             times, extra = measure(ctx, name)
             if rank == 0:
-                common.add_row(result, TOOLS[name], times, floor=name == "floor", **extra)
+                common.add_row(result, TOOLS[name], times, floor=name in ("floor", "floor_plain"),
+                               group="plain" if name in PLAIN else "", **extra)
                 print(f"{TOOLS[name]}: median {statistics.median(times):.3f} s, first {extra['first_s']:.3f} s",
                       flush=True)
         if rank == 0:

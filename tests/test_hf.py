@@ -20,6 +20,7 @@ several ways and check several guarantees on it:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -47,6 +48,10 @@ ONE_SERVER = pytest.mark.parametrize("s3", ["moto"], indirect=True)
 
 def losses_by_step(history_path: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in json.loads(history_path.read_text()) if "loss" in row}
+
+
+def lrs_by_step(history_path: Path) -> dict[int, float]:
+    return {row["step"]: row["learning_rate"] for row in json.loads(history_path.read_text()) if "learning_rate" in row}
 
 
 def samples_by_step(prefix: Path, ranks: int) -> dict[int, list[int]]:
@@ -84,12 +89,17 @@ def bucket(s3, tmp_path):
 def test_trainer_sigkill_resumes_bitwise_sigterm_commits_and_a_fresh_rank_resumes_from_the_bucket(bucket, tmp_path):
     env = child_env(**bucket.env())
     steps = 12
-    # The reference: never interrupted, 2 ranks, two steps further than the jobs below (constant LR).
+    # The LR rises over 6 warmup steps, then stays: the scheduler's boundary is crossed after every resume below
+    # (the kill comes at step 3 or later), and a scheduler not restored would warm up again.
+    schedule = ("--lr-schedule", "constant_with_warmup", "--warmup-steps", 6)
+    # The reference: never interrupted, 2 ranks, two steps further than the jobs below.
     ref = tmp_path / "ref"
     run_torchrun(2, TRAINER, "--out", ref, "--max-steps", steps + 2, "--history", ref / "history.json",
-                 "--weights", ref / "weights.pt", "--every-step-weights", "--samples", ref / "samples",
+                 "--weights", ref / "weights.pt", "--every-step-weights", "--samples", ref / "samples", *schedule,
                  env=env, timeout=180)
     want_losses = losses_by_step(ref / "history.json")
+    want_lrs = lrs_by_step(ref / "history.json")
+    assert want_lrs[1] < want_lrs[6] < want_lrs[7] == want_lrs[14]  # warmup, then constant
     want_weights = torch.load(ref / "weights.pt")
     want_samples = samples_by_step(ref / "samples", 2)
     assert sorted(want_losses) == list(range(1, steps + 3))
@@ -100,7 +110,7 @@ def test_trainer_sigkill_resumes_bitwise_sigterm_commits_and_a_fresh_rank_resume
     # SIGKILLed (launcher and workers) once step 3 is committed.
     url = f"s3://{BUCKET}/hf-trainer"
     run = tmp_path / "run"
-    args = ("--out", run, "--remote", url, "--max-steps", steps, "--step-sleep", "0.4")
+    args = ("--out", run, "--remote", url, "--max-steps", steps, "--step-sleep", "0.4", *schedule)
     log1 = tmp_path / "first.log"
     proc = start_torchrun(2, TRAINER, *args, "--samples", run / "first", env=env, log_path=log1)
     try:
@@ -136,6 +146,7 @@ def test_trainer_sigkill_resumes_bitwise_sigterm_commits_and_a_fresh_rank_resume
     got_losses = losses_by_step(run / "history.json")
     assert sorted(got_losses) == list(range(1, stopped + 1))
     assert got_losses == {s: want_losses[s] for s in range(1, stopped + 1)}
+    assert lrs_by_step(run / "history.json") == {s: want_lrs[s] for s in range(1, stopped + 1)}
     got_weights = torch.load(run / "weights.pt")[stopped]
     assert all(torch.equal(got_weights[k], want_weights[stopped][k]) for k in want_weights[stopped])
     # The preempted step is committed in the bucket (a machine with an empty disk sees it).
@@ -146,7 +157,7 @@ def test_trainer_sigkill_resumes_bitwise_sigterm_commits_and_a_fresh_rank_resume
     # global batch, and each step trains on exactly the samples the 2-rank run did.
     fresh = tmp_path / "fresh"
     out3 = run_torchrun(1, TRAINER, "--out", fresh, "--remote", url, "--max-steps", steps + 2,
-                        "--samples", fresh / "samples", "--history", fresh / "history.json",
+                        "--samples", fresh / "samples", "--history", fresh / "history.json", *schedule,
                         env=dict(env, SHARDCKPT_UPLOADER="off"), timeout=180).stdout
     assert printed(out3, 0, "resumed ") == str(stopped), out3[-3000:]
     assert printed(out3, 0, "accum ") == "2"
@@ -156,6 +167,7 @@ def test_trainer_sigkill_resumes_bitwise_sigterm_commits_and_a_fresh_rank_resume
     assert sorted(got) == list(range(stopped + 1, steps + 3))
     assert got == {s: want_samples[s] for s in got}
     assert sorted(losses_by_step(fresh / "history.json")) == list(range(1, steps + 3))
+    assert lrs_by_step(fresh / "history.json") == want_lrs  # past the warmup's end, to the last step
 
 
 def test_accelerate_loop_sigkill_resumes_bitwise_and_a_stateful_loader_continues_2_to_1(tmp_path):
@@ -231,7 +243,7 @@ def _trainer_parts(tmp_path: Path, **overrides):
     return model, TrainingArguments(**options), Tokens()
 
 
-def test_trainer_best_metric_retention_and_load_best_at_end_and_mapping_errors(tmp_path, monkeypatch):
+def test_trainer_best_metric_retention_and_load_best_at_end_and_mapping_errors(tmp_path, monkeypatch, caplog):
     from transformers import Trainer, TrainerCallback
 
     from shardckpt.integrations.hf import ShardckptTrainer, ShardckptTrainerMixin
@@ -257,11 +269,22 @@ def test_trainer_best_metric_retention_and_load_best_at_end_and_mapping_errors(t
     trainer = Scored(model=model, args=args, train_dataset=data, eval_dataset=data, callbacks=[weights])
     cfg = trainer.checkpointer.config  # built from the TrainingArguments
     assert (cfg.keep_last, cfg.keep_best, cfg.best_metric, cfg.best_mode) == (2, 1, "eval_score", "min")
-    trainer.train(resume_from_checkpoint=True)  # nothing there: starts fresh, no error
+    with caplog.at_level(logging.INFO, logger="shardckpt"):
+        trainer.train(resume_from_checkpoint=True)  # nothing there: starts fresh, no error
     assert trainer.resumed_step is None and trainer.state.global_step == 6
     trainer.checkpointer.close()
     root = tmp_path / "out" / "shardckpt"
     assert committed(root) == [4, 5, 6]  # the last two and the best (score 1.0 at step 4)
+    # The best step as a path, like the stock Trainer's checkpoint folder; loading it at the end logs the two
+    # warnings the guide describes (the keys it leaves out on purpose, and the branch a later save would start).
+    assert trainer.state.best_model_checkpoint == str(root / layout.step_dirname(4))
+    assert os.path.isdir(trainer.state.best_model_checkpoint)
+    at_end = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "step 4" in r.getMessage()]
+    assert len(at_end) == 2, at_end
+    assert "In the checkpoint but not in the state (3): optimizer, sampler, scheduler" in at_end[0]
+    assert "rolled back to step 4" in at_end[1]
+    guide = " ".join((ROOT / "docs" / "guides" / "huggingface.md").read_text().split())
+    assert "In the checkpoint but not in the state" in guide and "rolled back to step N" in guide
     assert all(torch.equal(trainer.model.state_dict()[k], weights.saved[4][k]) for k in weights.saved[4])
     assert not any(torch.equal(weights.saved[6][k], weights.saved[4][k]) for k in ("transformer.wte.weight",))
 
@@ -277,16 +300,47 @@ def test_trainer_best_metric_retention_and_load_best_at_end_and_mapping_errors(t
     # A later run resumes the newest committed step (not a higher crashed one), then trains on.
     crashed = root / layout.step_dirname(60)
     crashed.mkdir()
-    model, args2, _ = _trainer_parts(tmp_path, max_steps=7, eval_strategy="no", save_total_limit=None,
-                                     metric_for_best_model=None, load_best_model_at_end=False)
-    again = ShardckptTrainer(model=model, args=args2, train_dataset=data,
-                             checkpointer=shardckpt.Checkpointer(local_dir=str(root), keep_last=5))
+    def seven_steps():
+        model, args, _ = _trainer_parts(tmp_path, max_steps=7, eval_strategy="no", save_total_limit=None,
+                                        metric_for_best_model=None, load_best_model_at_end=False)
+        return ShardckptTrainer(model=model, args=args, train_dataset=data,
+                                checkpointer=shardckpt.Checkpointer(local_dir=str(root), keep_last=5))
+
+    again = seven_steps()
     with pytest.raises(shardckpt.ConfigError, match="resumes from its checkpointer"):
         again.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-6"))
     again.train(resume_from_checkpoint=True)
     assert again.resumed_step == 6 and again.state.global_step == 7
     assert [row["step"] for row in again.state.log_history if "eval_score" in row] == [1, 2, 3, 4, 5, 6]
     again.checkpointer.close()
+
+    # Back to step 5 while 6 and 7 exist: said at once, at WARNING, before the Trainer saves 6 and 7 again.
+    caplog.clear()
+    back = seven_steps()
+    with caplog.at_level(logging.INFO, logger="shardckpt"):
+        back.train(resume_from_checkpoint=5)
+    back.checkpointer.close()
+    assert back.resumed_step == 5 and back.state.global_step == 7
+    lines = [r.getMessage() for r in caplog.records]
+    told = next(i for i, m in enumerate(lines) if "rolled back to step 5" in m)
+    assert caplog.records[told].levelno == logging.WARNING and "steps [6, 7]" in lines[told]
+    assert "replaces it" in lines[told] and "moved aside" in lines[told]
+    aside = [i for i, m in enumerate(lines) if "was kept aside" in m]
+    assert len(aside) == 2 and told < aside[0], lines  # said before the first save that does it
+    assert sorted(p.name.split("-")[1] for p in root.iterdir() if p.name.startswith(".kept-")) == [
+        layout.step_dirname(6), layout.step_dirname(7)]
+
+
+def test_the_trainers_sampler_reports_the_position_it_loaded():
+    """Right after load() the sampler says where the loaded step is (epoch 1), not where the loop was before."""
+    from shardckpt.integrations.hf import TrainerSampler
+
+    sampler = TrainerSampler(96, batch_size=16, rank=0, world_size=1)
+    saved = TrainerSampler(96, batch_size=16, rank=0, world_size=1)
+    saved.loop_position = (1, 32)
+    sampler.loop_position = (0, 0)  # what the loop's count said before the load
+    sampler.load_state_dict(saved.state_dict())
+    assert (sampler.state_dict()["epoch"], sampler.state_dict()["consumed"]) == (1, 32)
 
 
 def test_accelerator_state_holds_what_accelerate_prepared_and_a_loader_resumes_its_position(tmp_path, caplog):

@@ -9,6 +9,7 @@ the two. A ``file://`` remote never shows a half-written object.
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ import shardckpt  # noqa: E402
 from helpers import PROGRAMS, ROOT, child_env, run_torchrun  # noqa: E402
 from s3server import BUCKET, reset_if_used, stop_uploaders  # noqa: E402
 from shardckpt import _failpoints, cli
-from shardckpt.format import layout
+from shardckpt.format import layout, manifest_schema
 from shardckpt.tiers import remote_commit  # noqa: E402
 from shardckpt import stores  # noqa: E402
 
@@ -137,3 +138,83 @@ def test_file_remote_killed_while_writing_shows_no_object(tmp_path):
     assert cli.main(["push", "--local", str(local_dir), "--remote", f"file://{mount}"]) == 0
     assert remote_steps(f"file://{mount}") == [1]
     layout.verify_files(str(step_dir), layout.read_manifest(str(step_dir)))
+
+
+# ------------------------------------------------------------ one process: two rollbacks, a lineage that cannot be
+
+
+def _net(value: float) -> torch.nn.Linear:
+    net = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.fill_(value)
+    return net
+
+
+def _saves(local_dir: Path, steps, *, load: int | None = None) -> int | None:
+    """One instance: load ``load`` (when given), then save each step with the model's values set to it."""
+    net = _net(-1.0)
+    with shardckpt.Checkpointer(local_dir=str(local_dir), keep_last=None, preemption_signals=()) as ckpt:
+        loaded = ckpt.load({"model": net}, step=load) if load is not None else None
+        for step in steps:
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.fill_(float(step))
+            ckpt.save({"model": net}, step).wait()
+    return loaded
+
+
+def _resumed(local_dir: Path, **kw) -> tuple[int | None, float]:
+    net = _net(-1.0)
+    with shardckpt.Checkpointer(local_dir=str(local_dir), preemption_signals=(), **kw) as ckpt:
+        step = ckpt.load({"model": net})
+    return step, float(net.weight[0, 0])
+
+
+def test_after_two_rollbacks_the_branch_of_the_last_one_is_resumed(tmp_path):
+    """Save 10, 20, 30; roll back to 10 and save 25, 26; roll back to 20 and save 21: the run resumes 21, and
+    the branch the second rollback left (25, 26) is abandoned although its numbers are higher."""
+    _saves(tmp_path, [10, 20, 30])
+    assert _saves(tmp_path, [25, 26], load=10) == 10
+    assert _saves(tmp_path, [21], load=20) == 20
+    assert _resumed(tmp_path) == (21, 21.0)
+    with shardckpt.Checkpointer(local_dir=str(tmp_path), preemption_signals=()) as ckpt:
+        assert ckpt.peek().step == 21
+    assert cli.main(["gc", str(tmp_path), "--keep-last", "10"]) == 0
+    assert layout.committed_steps(str(tmp_path)) == [10, 20, 21]  # 25, 26 and 30 were abandoned
+
+
+def _relineage(local_dir: Path, step: int, lineage: dict) -> None:
+    """Another lineage in a step's manifest, sealed again: a manifest as a bug (or a hand) could write it."""
+    path = local_dir / layout.step_dirname(step) / layout.MANIFEST_NAME
+    body = json.loads(path.read_text())
+    body["lineage"] = lineage
+    path.write_text(manifest_schema.seal(body))
+
+
+def test_a_sealed_manifest_whose_lineage_does_not_fit_is_an_error_never_a_fresh_start(tmp_path, caplog):
+    # The only step, on a branch its history never started: once load() returned None (logged at INFO).
+    only = tmp_path / "only"
+    _saves(only, [5])
+    _relineage(only, 5, {"branch": "x", "forks": []})
+    with pytest.raises(shardckpt.CorruptCheckpointError, match=r"step 5: manifest .*step_0000000005.* lineage"):
+        _resumed(only)
+    with pytest.raises(shardckpt.CorruptCheckpointError, match="step 5"):
+        shardckpt.Checkpointer(local_dir=str(only), preemption_signals=()).peek()
+    with pytest.raises(shardckpt.CorruptCheckpointError, match="step 5"):  # nothing to fall back to
+        _resumed(only, on_corrupt="fallback")
+    # A step below the step its branch started from, and two steps recording another history of one branch.
+    runs = tmp_path / "runs"
+    _saves(runs, [10, 20, 30])
+    _relineage(runs, 10, {"branch": "b", "forks": [[5, "b"]]})
+    _relineage(runs, 20, {"branch": "b", "forks": [[5, "b"]]})
+    _relineage(runs, 30, {"branch": "b", "forks": [[8, "b"]]})
+    with pytest.raises(shardckpt.CorruptCheckpointError) as err:
+        _resumed(runs)
+    assert "step 30" in str(err.value) and "started at step 8" in str(err.value) and "step 10" in str(err.value)
+    with caplog.at_level(logging.WARNING, logger="shardckpt"):
+        assert _resumed(runs, on_corrupt="fallback") == (20, 20.0)
+    assert "step 30" in caplog.text and "falling back" in caplog.text
+    _relineage(runs, 20, {"branch": "b", "forks": [[25, "b"]]})
+    with pytest.raises(shardckpt.CorruptCheckpointError, match=r"step 20: manifest .* below step 25"):
+        shardckpt.Checkpointer(local_dir=str(runs), preemption_signals=()).load({"model": _net(0.0)}, step=20)

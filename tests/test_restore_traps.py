@@ -79,6 +79,21 @@ def test_a_model_on_the_meta_device_is_refused_naming_every_entry_then_loads_aft
     assert state["meta"] == {"epoch": 3, "best": 0.5}
 
 
+def test_an_optimizer_built_before_to_empty_is_refused_naming_meta_and_to_empty(tmp_path):
+    """The guide's own order, broken: the optimizer holds the meta parameters that to_empty() replaced."""
+    _trained(tmp_path)
+    with torch.device("meta"):
+        model = _model(1)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.to_empty(device="cpu")
+    with pytest.raises(shardckpt.MetaDeviceError) as err:
+        _ckpt(tmp_path).load({"model": model, "optimizer": optim, "meta": {}})
+    message = str(err.value)
+    assert "step 20" in message and str(tmp_path) in message and "'optimizer'" in message
+    assert "meta device" in message and "created before `to_empty()`" in message
+    assert "then create the optimizer" in message
+
+
 def test_a_plain_tensor_value_on_meta_is_refused(tmp_path):
     _trained(tmp_path)
     state = {"model": _model(1), "meta": {"epoch": 0, "best": torch.empty(3, device="meta")}}

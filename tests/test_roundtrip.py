@@ -45,6 +45,9 @@ def test_roundtrip_bitwise(roundtrips, mode):
     assert len(meta["params"]) == 6 and "to_empty" in meta["message"], meta
     for name in meta["params"]:
         assert f"model.{name}" in meta["message"] and f"optimizer.state.{name}.exp_avg" in meta["message"], name
+    for other in meta["other_ranks"]:  # printed once per job: the other ranks point at rank 0's list
+        assert "meta device" in other and "rank 0's error lists them" in other and "to_empty" in other, other
+        assert len(other) < 400 and not any(name in other for name in meta["params"]), other
     # keep_last=2: only the two newest steps remain, and no leftovers.
     names = sorted(p.name for p in ckpt_dir.iterdir())
     assert names == ["step_0000000002", "step_0000000003"]

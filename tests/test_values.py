@@ -47,24 +47,65 @@ def ddp_values(tmp_path_factory):
     finally:
         if mounted:
             os.system(f"umount {small}")
-    return proc.stdout, ranks, mounted
+    return proc.stdout, ranks, mounted, base / "own"
+
 
 
 def test_values_that_differ_by_rank_save_rank_0s_with_one_warning(ddp_values):
-    log, ranks, _mounted = ddp_values
+    log, ranks, _mounted, _own = ddp_values
     assert "not in md" not in log and "SaveError" not in log, log[-3000:]
     warned = [line for line in log.splitlines() if "differs across ranks" in line]
-    assert len(warned) == 1, log[-3000:]  # two saves, one warning
-    assert "'meta'" in warned[0] and "rank(s) 1" in warned[0] and "rank 0" in warned[0]
-    assert "PerRank" in warned[0] and "broadcast" in warned[0] and "saving rank 0's value" in warned[0]
+    by_key = {key: [line for line in warned if f" {key!r} differs" in line] for key in ("meta", "stats", "notes", "meter")}
+    assert all(len(lines) == 1 for lines in by_key.values()) and len(warned) == 4, warned  # two saves each
+    assert "stats.big" in by_key["stats"][0] and "content digest" in by_key["stats"][0]
+    assert "rank(s) 1" in by_key["meta"][0] and "rank 0" in by_key["meta"][0]
+    for line in warned:
+        assert "PerRank" in line and "broadcast" in line and "saving rank 0's value" in line
     for got in ranks:
         assert got["restored"] == 2
         assert got["best_val_loss"][0] == "Tensor" and abs(got["best_val_loss"][1] - 3.65) < 1e-6  # rank 0's
         assert got["lr"] == 0.5 and got["iter_num"] == 7
+        own = got["own"]
+        assert own["loaded"] == 5
+        # A 1,000-element tensor (once compared by shape only) and a 5,000-character string (over 4 KiB, the
+        # same length on both ranks): rank 0's on every rank, and the state of a stateful object too.
+        assert own["big"] == [pytest.approx(3.65), pytest.approx(3.65), [1000]] and own["same"]
+        assert own["text"] == ["aaa", 5000] and own["meter"] == [1.0, 1.0]
+
+
+def test_generators_and_samplers_come_back_to_the_rank_that_saved_them(ddp_values, caplog):
+    """A per-rank shuffle generator and a sampler's per-rank position: each rank's own, never a warning."""
+    log, ranks, _mounted, own_dir = ddp_values
+    assert "'data' differs" not in log and "'sampler' differs" not in log
+    for rank, got in enumerate(ranks):
+        own = got["own"]
+        assert own["shuffle_next"] == own["shuffle_expected"] and own["shuffle_same_object"], own
+        assert own["epoch"] == 2
+        assert own["sampler"][0] == 10 * rank + 3 and own["sampler"][1] == own["sampler"][2], own
+    assert ranks[0]["own"]["shuffle_next"] != ranks[1]["own"]["shuffle_next"]
+    # The same step at 1 rank: rank 0's generator comes back; the sampler's per-rank position belongs to
+    # the 2-rank layout: it is left as it is, and one warning says so.
+    sys.path.insert(0, str(PROGRAMS))
+    from common import TinyNet
+    from plain_values import Meter, RankSampler
+
+    shuffle, sampler = torch.Generator().manual_seed(999), RankSampler(7)
+    before = sampler.order.clone()
+    state = {"model": TinyNet(width=4), "stats": {}, "notes": [], "data": {"shuffle": shuffle, "epoch": 0}, "sampler": sampler,
+             "meter": Meter(-1.0)}
+    with caplog.at_level(logging.WARNING, logger="shardckpt"):
+        with ckpt_for(own_dir) as ckpt:
+            assert ckpt.load(state) == 5
+    assert torch.randn(4, generator=shuffle).tolist() == ranks[0]["own"]["shuffle_expected"]
+    assert sampler.pos == 0 and torch.equal(sampler.order, before)
+    assert float(state["stats"]["big"][0]) == pytest.approx(3.65) and state["data"]["epoch"] == 2
+    note = messages(caplog, "saved by 2 ranks, restored by 1")
+    assert len(note) == 1 and "'sampler'" in note[0] and "not restored" in note[0] and "ResumableSampler" in note[0]
+    assert "'data'" in note[0] and "dropped" in note[0]
 
 
 def test_int_keys_round_trip_under_ddp_and_save_again(ddp_values):
-    _log, ranks, _mounted = ddp_values
+    _log, ranks, _mounted, _own = ddp_values
     for got in ranks:
         assert got["itos_keys"] == ["0", "1", "10"]  # reprs: ints, not '0'
         assert got["itos"] == {"0": "a", "1": "b", "10": "z"} and got["itos_same_object"]
@@ -74,7 +115,7 @@ def test_int_keys_round_trip_under_ddp_and_save_again(ddp_values):
 
 def test_empty_dicts_and_a_lambda_schedulers_state_round_trip(ddp_values):
     """DCP writes nothing for an empty dict: without care the key is gone after a restore."""
-    _log, ranks, _mounted = ddp_values
+    _log, ranks, _mounted, _own = ddp_values
     for got in ranks:
         assert got["empties"] == [{}, {"empty": {}, "lists": [{}, []]}]
         assert got["sched"]["last_epoch"] == 3
@@ -82,7 +123,7 @@ def test_empty_dicts_and_a_lambda_schedulers_state_round_trip(ddp_values):
 
 
 def test_ddp_replicas_count_once_in_the_free_space_estimate(ddp_values):
-    log, ranks, mounted = ddp_values
+    log, ranks, mounted, _own = ddp_values
     if not mounted:
         pytest.skip("needs root to mount a small tmpfs")
     # 1.6 MB of parameters on a 3 MiB disk at 2 ranks: fits once, not once per rank.
@@ -117,6 +158,22 @@ def test_unsupported_dict_keys_are_refused_naming_the_key(tmp_path):
         assert ckpt.steps() == []
         ckpt.save({"meta": {"pairs": {"a": 2}}}, 2).wait()  # the instance goes on
         assert ckpt.steps() == [2]
+
+
+def test_a_generator_continues_in_the_live_one_and_a_tuple_holding_one_is_refused(tmp_path):
+    shuffle = torch.Generator().manual_seed(4)
+    torch.rand(2, generator=shuffle)
+    with ckpt_for(tmp_path) as ckpt:
+        with pytest.raises(shardckpt.ConfigError, match=r"step 1: 'pair' is a tuple holding a torch.Generator"):
+            ckpt.save({"pair": (1, shuffle)}, 1)
+        ckpt.save({"shuffle": shuffle, "order": [shuffle]}, 2).wait()
+    expected = torch.rand(3, generator=shuffle)
+    live = torch.Generator().manual_seed(99)
+    state = {"shuffle": live, "order": []}
+    with ckpt_for(tmp_path) as ckpt:
+        assert ckpt.load(state) == 2
+    assert state["shuffle"] is live and torch.equal(torch.rand(3, generator=live), expected)
+    assert torch.equal(torch.rand(3, generator=state["order"][0]), expected)
 
 
 def test_save_error_says_check_the_disk_only_when_the_disk_failed(tmp_path):

@@ -106,7 +106,7 @@ def test_a_lost_nodes_disk_makes_every_rank_raise_and_start_fresh_keeps_the_surv
 
     out2 = tmp_path / "out2"
     out2.mkdir()
-    run_two_nodes(1, PROG, "resume", base, out2, "--layout", "local", log_dir=tmp_path, env=env)
+    logs = run_two_nodes(1, PROG, "resume", base, out2, "--layout", "local", log_dir=tmp_path, env=env)
     results = [json.loads((out2 / f"outcome.{r}.json").read_text()) for r in range(2)]
     for r, res in enumerate(results):
         error = res.get("error", "")
@@ -117,6 +117,8 @@ def test_a_lost_nodes_disk_makes_every_rank_raise_and_start_fresh_keeps_the_surv
     # start_fresh=True is the deliberate new start: it loads nothing and saves 1 and 2 ...
     # (node 0 still lists the old step 3: kept, abandoned by the new history)
     assert [(res["fresh_restored"], res["fresh_steps"]) for res in results] == [(None, [1, 2, 3]), (None, [1, 2])], results
+    # Starting fresh while committed steps exist is said at WARNING, naming them and why none is resumed.
+    assert "WARNING shardckpt: committed steps exist" in logs[0] and "step 3 (not complete on every rank" in logs[0]
     # ... and every committed file of the surviving node is still there, byte for byte: the
     # earlier saves of steps 1 and 2 were set aside, never replaced.
     after = tree_digest(base / "node0")
@@ -174,16 +176,18 @@ def test_a_stale_local_copy_never_beats_the_live_version(s3, tmp_path, caplog, c
     opts = dict(remote=url, drain_timeout_s=60, keep_last=None)
     with ckpt(tmp_path / "machine-a", **opts) as a:  # machine A: steps 1-3
         save_values(a, net, [(1, 1.0), (2, 2.0), (3, 3.0)])
+    stale = layout.version_of(layout.read_manifest(str(tmp_path / "machine-a" / layout.step_dirname(2))))
     with ckpt(tmp_path / "machine-b", **opts) as b:  # machine B, empty disk: rolls back to 1, saves 2 again
         assert b.load({"model": net}, step=1) == 1
         save_values(b, net, [(2, 20.0)])
-    # A comes back with its old disk: the live version of step 2 is B's.
+    # A comes back with its old disk: the live version of step 2 is B's, and its bytes are what A restores.
     back = Net()
     with caplog.at_level(logging.WARNING, logger="shardckpt"):
         with ckpt(tmp_path / "machine-a", **opts) as a:
             assert a.load({"model": back}) == 2
+            assert back.value() == 20.0  # B's save of step 2, not A's stale 2.0 beside it
             save_values(a, back, [(4, 40.0)])
-    assert back.value() == 40.0 and "kept aside" in caplog.text
+    assert "kept aside" in caplog.text
     # What it loaded was B's 20.0, and its stale step 2 is kept aside, not read as the step.
     local2 = layout.read_manifest(str(tmp_path / "machine-a" / layout.step_dirname(2)))
     with ckpt(tmp_path / "machine-c", remote=url, uploader="off") as c:
@@ -193,6 +197,10 @@ def test_a_stale_local_copy_never_beats_the_live_version(s3, tmp_path, caplog, c
     assert layout.version_of(local2) == layout.version_of(remote2)
     kept = [n for n in os.listdir(tmp_path / "machine-a") if n.startswith(layout.KEPT_PREFIX)]
     assert kept and kept[0].startswith(f"{layout.KEPT_PREFIX}{layout.step_dirname(2)}-"), kept
+    # What was kept aside is A's own earlier save, whole: nothing of it was mixed into the live step.
+    aside = layout.read_manifest(str(tmp_path / "machine-a" / kept[0]))
+    assert layout.version_of(aside) == stale != layout.version_of(local2)
+    layout.verify_files(str(tmp_path / "machine-a" / kept[0]), aside)
     # `ls` lists it and `gc` (the remedy the log names) removes it; the live steps stay.
     capsys.readouterr()
     assert cli.main(["ls", str(tmp_path / "machine-a")]) == 0

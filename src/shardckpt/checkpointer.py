@@ -232,10 +232,10 @@ class Checkpointer:
                 state, _dist.rank(), self.config.capture_rng, light=kind == LIGHT,
                 trainable_only=self.config.trainable_only,
             )
-            captured = values.agree(captured, kinds, self._groups, step, self._warned_values)
+            own_keys = {k for k, v in state.items() if isinstance(v, elastic_mod.PerRank)} | {state_mod.RESERVED_KEY}
+            captured, later = values.agree(captured, kinds, self._groups, step, self._warned_values, own=own_keys)
             if self._saves == 0:
                 preflight.note_missing_optimizer(state)
-            own_keys = {k for k, v in state.items() if isinstance(v, elastic_mod.PerRank)} | {state_mod.RESERVED_KEY}
             if not self._writer.space_ok(step, *split_bytes(captured, own_keys)):
                 return None
             self._writer.prepare()
@@ -260,7 +260,7 @@ class Checkpointer:
         job = SaveJob(step, staged, kinds, self._writer.partial_dir(step), user_md, t_start, blocked,
                       kind=kind, metrics=preflight.metrics(metrics), upload=self._upload_this(decision.preempt),
                       frozen=self._frozen or {}, run=self._run_record(), fence=fence, lineage=lineage,
-                      save_id=self._writer.save_id())
+                      save_id=self._writer.save_id(), later=later)
         self._saves += 1
         self._policy.record_blocked(blocked)
         future = self._executor.submit(self._writer.write_and_commit, job)
@@ -373,7 +373,8 @@ class Checkpointer:
         if self.config.remote is not None:
             tiers.append(RemoteSteps(self.config.remote, self.config.transfer_options()))
         try:
-            return peek_mod.peek_tiers(tiers, step, trust_pickles=trust_pickles)
+            return peek_mod.peek_tiers(tiers, step, trust_pickles=trust_pickles,
+                                       fallback=self.config.on_corrupt == "fallback")
         finally:
             for tier in tiers:
                 tier.close()

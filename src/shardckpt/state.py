@@ -10,6 +10,12 @@ back into the live objects. Kinds:
 * ``value``     plain values: tensors, numbers, strings, containers of them
 * ``rng``       per-rank RNG state, stored under a per-rank key (DCP keeps one
   copy of a key saved by several ranks, so per-rank state needs its own key)
+
+A data loader or sampler with ``state_dict()`` (other than a
+:class:`~shardckpt.ResumableSampler`, whose position is global) is stateful
+and per rank by nature: its state is captured as :class:`values.Own` and
+stored under this rank's key (see :mod:`shardckpt.values`), as is every
+``torch.Generator`` in a plain value or a stateful object's state.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from shardckpt.errors import ConfigError
-from shardckpt.values import decode_key, decode_keys
+from shardckpt.data import ResumableSampler
+from shardckpt.errors import ConfigError, MetaDeviceError
+from shardckpt.values import Own, decode_key, decode_keys
 
 try:  # numpy is optional
     import numpy as np
@@ -64,6 +71,13 @@ def classify(state: Mapping[str, Any]) -> dict[str, str]:
     return kinds
 
 
+def per_rank_by_nature(value: Any) -> bool:
+    """A data loader or sampler whose state is each rank's own position (not a ResumableSampler's global one)."""
+    from torch.utils.data import DataLoader, Sampler
+
+    return isinstance(value, (DataLoader, Sampler)) and not isinstance(value, ResumableSampler)
+
+
 def pair_optimizers(state: Mapping[str, Any], kinds: Mapping[str, str]) -> dict[str, str]:
     """Optimizer key -> key of the module that owns its parameters."""
     modules = {k: state[k] for k, kind in kinds.items() if kind == MODULE}
@@ -75,6 +89,14 @@ def pair_optimizers(state: Mapping[str, Any], kinds: Mapping[str, str]) -> dict[
         owners = [
             mk for mk, module in modules.items() if any(id(p) in params for p in module.parameters())
         ]
+        if not owners and any(p.device.type == "meta" for group in state[key].param_groups for p in group["params"]):
+            raise MetaDeviceError(
+                f"optimizer {key!r} holds parameters on the meta device that belong to no module in the state: "
+                f"it was created before `to_empty()`, which gave the module new parameters. Remedy: build the "
+                f"model on meta, (shard it,) call `model.to_empty(device=...)`, then create the optimizer from "
+                f"model.parameters(), then load().",
+                unexpected=[key],
+            )
         if len(owners) != 1:
             found = "no module" if not owners else f"several modules ({', '.join(owners)})"
             raise ConfigError(
@@ -117,7 +139,7 @@ def capture(
                 continue
             sd[key] = get_optimizer_state_dict(state[pairs[key]], value)
         elif kind == STATEFUL:
-            sd[key] = value.state_dict()
+            sd[key] = Own(value.state_dict()) if per_rank_by_nature(value) else value.state_dict()
         else:
             sd[key] = value
     if light:
@@ -256,7 +278,7 @@ def restore(
         elif kind == OPTIMIZER:
             set_optimizer_state_dict(state[pairs[key]], state[key], value, options=options)
         elif kind == STATEFUL:
-            state[key].load_state_dict(decode_keys(value))
+            state[key].load_state_dict(decode_keys(value))  # a per-rank state: this rank's own
         else:
             value = decode_keys(value)
             state[key] = fill_in_place(state[key], value) if key in state else value
@@ -285,6 +307,9 @@ def fill_in_place(live: Any, loaded: Any) -> Any:
                 live[i] = fill_in_place(live[i], v)
         else:
             live[:] = list(loaded)
+        return live
+    if isinstance(live, torch.Generator) and isinstance(loaded, torch.Generator) and live.device == loaded.device:
+        live.set_state(loaded.get_state())  # a generator the caller holds continues from the saved state
         return live
     if (
         isinstance(live, torch.Tensor)

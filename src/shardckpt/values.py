@@ -1,4 +1,4 @@
-"""Plain values in a save: their dict keys' types, and one value for every rank.
+"""Plain values in a save: their dict keys' types, one value for every rank, and what belongs to one rank.
 
 DCP stores nested dicts under string paths, so a key's type is lost on the
 way (``{0: "a"}`` comes back as ``{"0": "a"}``) and keys whose strings
@@ -13,27 +13,49 @@ that holds nothing else (``LambdaLR``'s ``lr_lambdas: [{}]``): the key would be
 missing from what is restored. :func:`encode_keys` writes an empty dict as the
 leaf :data:`EMPTY_DICT` and :func:`decode_keys` turns it back into ``{}``.
 
-DCP also keeps one copy of an entry that several ranks save under the same
-name, written by whichever rank its planner picks; when the ranks' values
-differ (a metric computed on rank 0 only), that is an arbitrary rank's value,
-and when their types differ (a 0-d tensor on one rank, a float on another)
-the planner fails. :func:`agree` compares the plain values of every rank at
-save (one ``all_gather`` over the ``ctl`` side group) and keeps rank 0's where
-they differ: the other ranks leave that key out of what they write.
+**One value for every rank.** DCP keeps one copy of an entry that several
+ranks save under the same name, written by whichever rank its planner picks;
+when the ranks' values differ (a metric computed on rank 0 only), that is an
+arbitrary rank's value, and when their types differ (a 0-d tensor on one
+rank, a float on another) the planner fails. :func:`agree` compares the plain
+values and the stateful objects' state of every rank at save, **by content at
+any size**, and keeps rank 0's where they differ (one WARNING per key): small
+leaves by value, pickled leaves over 4 KiB by a digest of their bytes (one
+``all_gather`` over the ``ctl`` side group, on the main thread), and tensors
+over 64 elements by an xxh3-128 digest of their bytes, taken in the
+background writer from the staged copy before anything is written
+(:class:`Later`; ``save()`` does not wait for it). A plain value differing
+by rank is left out by the other ranks; a stateful object's entry held by
+several ranks is kept from the lowest of them (entries that only some ranks
+hold, a state keyed by rank, are each rank's own). DTensor shards and the
+state of modules and optimizers are DCP's to reconcile and are not compared.
+
+**What belongs to one rank.** Some values are per rank by nature: a
+``torch.Generator`` anywhere in a plain value or a stateful object's state (a
+per-rank shuffle generator), and the state of a data loader or sampler
+(``torch.utils.data.DataLoader`` / ``Sampler`` with ``state_dict()``, other
+than :class:`shardckpt.ResumableSampler`, whose position is global). Those
+are saved under a key of their own rank, ``#rank:<r>``, and each rank reads
+back its own (:func:`rank_of`). At another world size a generator follows
+the RNG rule (rank ``r`` gets saved rank ``r``'s; a new rank keeps its
+current state), and a data loader's or sampler's per-rank state is not
+applied at all (its position belongs to the saved layout):
+:func:`per_rank_note` says which in one WARNING.
 """
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import logging
 import math
 import pickle
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import xxhash
 
 from shardckpt import _dist
-from shardckpt.errors import ConfigError
+from shardckpt.errors import ConfigError, SaveError
 
 MODULE, OPTIMIZER, STATEFUL, VALUE, RNG = "module", "optimizer", "stateful", "value", "rng"
 """The kinds of a state key (recorded in the manifest's ``keys`` table)."""
@@ -44,8 +66,39 @@ log = logging.getLogger("shardckpt")
 _TAG = "#"
 EMPTY_DICT = "\x00shardckpt:empty-dict\x00"
 """The leaf an empty dict is saved as (DCP writes nothing for an empty dict)."""
+_RANK = "#rank:"
+"""The key of a per-rank entry: ``#rank:<r>`` holds rank ``r``'s value."""
+_GENERATOR = "#generator:"
+"""The key of a ``torch.Generator``'s state: ``{"#generator:<device type>": get_state()}``."""
 _SMALL_PICKLE = 4096  # plain leaves up to this size are compared by value, larger ones by digest
-_SMALL_TENSOR = 64  # tensors with up to this many elements are compared by value, larger ones by shape/dtype
+_SMALL_TENSOR = 64  # tensors with up to this many elements are compared by value, larger ones by digest
+
+
+class Own:
+    """A captured value that belongs to this rank: :func:`encode_keys` stores it under ``#rank:<r>``."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def rank_of(part: Any) -> int | None:
+    """The rank a ``#rank:<r>`` path element names, else ``None``."""
+    if isinstance(part, str) and part.startswith(_RANK) and part[len(_RANK):].isdigit():
+        return int(part[len(_RANK):])
+    return None
+
+
+def path_rank(path: tuple) -> tuple[int, bool] | None:
+    """``(rank, whole)`` of a saved path inside a per-rank entry, else ``None``; ``whole``: the
+    entry is a whole object's per-rank state (a data loader's), not a generator."""
+    for i, part in enumerate(path):
+        r = rank_of(part)
+        if r is not None:
+            after = path[i + 1] if i + 1 < len(path) else None
+            return r, not (isinstance(after, str) and after.startswith(_GENERATOR))
+    return None
 
 
 # ------------------------------------------------------------------ dict keys
@@ -87,13 +140,20 @@ def decode_key(key: Any) -> Any:
     return key  # not ours
 
 
-def encode_keys(value: Any, where: str) -> Any:
+def encode_keys(value: Any, where: str, rank: int = 0, _own: bool = False) -> Any:
     """``value`` with every dict key DCP would turn into a string written as a tagged string.
 
     Walks dicts and lists (what DCP walks into; a tuple is stored whole, its
-    keys intact). Returns ``value`` itself when nothing needs a tag: the
-    caller's objects are never changed.
+    keys intact). A ``torch.Generator`` becomes its state under this rank's
+    key (``{"#rank:<r>": {"#generator:cpu": state}}``), an :class:`Own`
+    value its content under this rank's key. Returns ``value`` itself when
+    nothing needs a tag: the caller's objects are never changed.
     """
+    if isinstance(value, Own):
+        return {f"{_RANK}{rank}": encode_keys(value.value, where, rank, True)}
+    if isinstance(value, torch.Generator):
+        body = {f"{_GENERATOR}{value.device.type}": value.get_state()}
+        return body if _own else {f"{_RANK}{rank}": body}
     if isinstance(value, dict):
         if not value:
             return EMPTY_DICT
@@ -101,27 +161,68 @@ def encode_keys(value: Any, where: str) -> Any:
         changed = False
         for k, v in value.items():
             name = _encode_key(k, where)
-            item = encode_keys(v, f"{where}[{k!r}]")
+            item = encode_keys(v, f"{where}[{k!r}]", rank, _own)
             changed |= name is not k or item is not v
             out[name] = item
         return out if changed else value
     if isinstance(value, list):
-        items = [encode_keys(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        items = [encode_keys(v, f"{where}[{i}]", rank, _own) for i, v in enumerate(value)]
         return items if any(a is not b for a, b in zip(items, value)) else value
+    if isinstance(value, tuple) and _holds_generator(value):
+        raise ConfigError(
+            f"{where} is a tuple holding a torch.Generator: a tuple is stored whole (pickled), and a generator "
+            f"is each rank's own, stored under its rank's key. Remedy: hold it in a list or a dict"
+        )
     return value
 
 
-def decode_keys(value: Any) -> Any:
-    """The inverse of :func:`encode_keys` (in place for dicts and lists, which are freshly loaded)."""
+def _holds_generator(value: Any) -> bool:
+    if isinstance(value, torch.Generator):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_generator(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_generator(v) for v in value)
+    return False
+
+
+def decode_keys(value: Any, rank: int | None = None) -> Any:
+    """The inverse of :func:`encode_keys` (in place for dicts and lists, which are freshly loaded).
+
+    A per-rank entry becomes ``rank``'s value (default: this process's rank);
+    a rank without one is left out of its dict (``None`` for a whole value).
+    """
+    out = _decode(value, _dist.rank() if rank is None else rank)
+    return None if out is _ABSENT else out
+
+
+class _Absent:
+    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+        return "<absent>"
+
+
+_ABSENT = _Absent()
+
+
+def _decode(value: Any, rank: int) -> Any:
     if isinstance(value, str) and value == EMPTY_DICT:
         return {}
     if isinstance(value, dict):
-        items = [(decode_key(k), decode_keys(v)) for k, v in value.items()]
+        if value and all(rank_of(k) is not None for k in value):
+            own = value.get(f"{_RANK}{rank}", _ABSENT)
+            return _ABSENT if own is _ABSENT else _decode(own, rank)
+        if len(value) == 1:
+            (name, state), = value.items()
+            if isinstance(name, str) and name.startswith(_GENERATOR) and isinstance(state, torch.Tensor):
+                generator = torch.Generator(device=name[len(_GENERATOR):])
+                generator.set_state(state.to(torch.uint8).cpu())
+                return generator
+        items = [(decode_key(k), _decode(v, rank)) for k, v in value.items()]
         value.clear()
-        value.update(items)
+        value.update((k, v) for k, v in items if v is not _ABSENT)
         return value
     if isinstance(value, list):
-        value[:] = [decode_keys(v) for v in value]
+        value[:] = [None if item is _ABSENT else item for item in (_decode(v, rank) for v in value)]
     return value
 
 
@@ -129,11 +230,11 @@ def decode_keys(value: Any) -> Any:
 
 
 def _leaf(value: Any) -> tuple:
-    """What is compared across ranks for one leaf DCP stores."""
+    """What is compared across ranks for one leaf DCP stores (a 3-tuple for a tensor: by digest, later)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):  # shards differ by rank by design: compare the global shape
-        return ("dtensor", tuple(value.shape), str(value.dtype))
+        return ("dtensor", tuple(value.shape), str(value.dtype), "shards")
     if isinstance(value, torch.Tensor):
         if value.numel() <= _SMALL_TENSOR:
             return ("tensor", tuple(value.shape), str(value.dtype), value.detach().cpu().tolist())
@@ -145,7 +246,11 @@ def _leaf(value: Any) -> tuple:
         return (kind, "unpicklable")
     if len(blob) <= _SMALL_PICKLE:
         return (kind, "value", value)
-    return (kind, "digest", len(blob), hashlib.sha256(blob).hexdigest())
+    return (kind, "digest", len(blob), xxhash.xxh3_128_hexdigest(blob))
+
+
+def _later(leaf: tuple | None) -> bool:
+    return leaf is not None and leaf[0] == "tensor" and len(leaf) == 3
 
 
 def _same(a: tuple | None, b: tuple | None) -> bool:
@@ -167,45 +272,105 @@ def _same(a: tuple | None, b: tuple | None) -> bool:
         return False
 
 
-def _show(leaf: tuple | None) -> str:
+def _show(leaf: tuple | None, digest: str | None = None) -> str:
     if leaf is None:
         return "absent"
     if leaf[0] in ("tensor", "dtensor"):
         shape = "x".join(map(str, leaf[1])) or "0-d"
-        body = f" {leaf[3]!r}" if len(leaf) > 3 else ""
-        return f"{leaf[0]} {shape} {leaf[2].replace('torch.', '')}{body}"[:80]
+        body = f" {leaf[3]!r}" if len(leaf) > 3 and leaf[0] == "tensor" else ""
+        body += f" (content digest {digest[:12]})" if digest else ""
+        return f"{leaf[0]} {shape} {leaf[2].replace('torch.', '')}{body}"[:100]
     kind = leaf[0].rpartition(".")[2]
     if leaf[1] == "value":
         return f"{kind} {leaf[2]!r}"[:80]
+    if leaf[1] == "digest":
+        return f"{kind} of {leaf[2]} bytes (digest {leaf[3][:12]})"
     return kind
 
 
-def _summaries(key: str, value: Any) -> dict[str, tuple]:
+def _summaries(key: str, value: Any) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """``({fqn: leaf}, {fqn: path})`` of ``value`` as DCP flattens it, per-rank entries left out."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    flat, _ = flatten_state_dict({key: value})
-    return {fqn: _leaf(item) for fqn, item in flat.items()}
+    flat, paths = flatten_state_dict({key: value})
+    keep = [fqn for fqn in flat if path_rank(paths[fqn]) is None]
+    return {fqn: _leaf(flat[fqn]) for fqn in keep}, {fqn: tuple(paths[fqn]) for fqn in keep}
+
+
+def _without(value: Any, path: tuple) -> Any:
+    """``value`` without the leaf at ``path`` (containers on the way copied; a list goes whole)."""
+    if not path or not isinstance(value, dict) or path[0] not in value:
+        return _ABSENT
+    rest = _without(value[path[0]], path[1:])
+    out = dict(value)
+    if rest is _ABSENT:
+        del out[path[0]]
+    else:
+        out[path[0]] = rest
+    return out
+
+
+class _Keys:
+    """The outcome of one comparison: which ranks leave out what, one warning per key."""
+
+    def __init__(self, kinds: dict[str, str], step: int, warned: set[str], sharded: set[str]) -> None:
+        self.kinds, self.step, self.warned, self.sharded = kinds, step, warned, sharded
+
+    def resolve(self, out: dict[str, Any], key: str, differ: dict[int, list[tuple[tuple, str, int]]]) -> dict[str, Any]:
+        """Apply the differences of ``key`` (``{rank: [(path, description, reference rank)]}``) to ``out``."""
+        rank = _dist.rank()
+        stateful = self.kinds.get(key) == STATEFUL
+        first = next(iter(differ.values()))[0]
+        message = (
+            f"{'the state of' if stateful else 'the plain value'} {key!r} differs across ranks (rank(s) "
+            f"{', '.join(map(str, sorted(differ)))} differ from rank {first[2]}; e.g. {first[1]})"
+        )
+        remedy = (
+            "Remedy: wrap a value that belongs to each rank in shardckpt.PerRank(...), or make it the same on every "
+            "rank before save() (e.g. torch.distributed.broadcast_object_list from rank 0)"
+        )
+        if not stateful and key in self.sharded:  # leaving the key out would leave out this rank's shards too
+            raise ConfigError(f"step {self.step}: nothing was saved: {message}. {remedy}.")
+        if rank in differ and key in out:
+            if stateful:
+                for path, _text, _ref in differ[rank]:
+                    pruned = _without({key: out[key]}, path)
+                    out[key] = pruned[key] if pruned is not _ABSENT and key in pruned else {}
+            else:
+                out.pop(key)
+        if key not in self.warned:
+            self.warned.add(key)
+            if rank == 0:
+                log.warning("shardckpt: step %d: %s; saving rank %d's value. %s", self.step, message, first[2], remedy)
+        return out
 
 
 def agree(
-    captured: dict[str, Any], kinds: dict[str, str], groups: _dist.SideGroups, step: int, warned: set[str]
-) -> dict[str, Any]:
-    """Tag dict keys, then make every rank save rank 0's plain values (collective over ``ctl``).
+    captured: dict[str, Any], kinds: dict[str, str], groups: _dist.SideGroups, step: int, warned: set[str],
+    own: set[str] | frozenset[str] = frozenset(),
+) -> tuple[dict[str, Any], "Later | None"]:
+    """Tag dict keys, then make every rank save one value per entry (collective over ``ctl``).
 
-    Returns the state dict to write (``captured`` with tagged keys; on ranks
-    other than 0, without the plain values that differ from rank 0's). A key
-    refused on any rank raises :class:`ConfigError` on every rank. ``warned``
-    holds the keys already warned about (one warning per key and instance).
+    Returns the state dict to write (``captured`` with tagged keys and
+    per-rank entries; on the ranks whose plain values differ from rank 0's,
+    without them) and the tensors whose content is compared later, in the
+    background (:class:`Later`; ``None`` when there are none). A key refused
+    on any rank raises :class:`ConfigError` on every rank. ``warned`` holds the
+    keys already warned about (one warning per key and instance); ``own``:
+    keys each rank saves under keys of its own (``PerRank``), not compared.
     """
     out = dict(captured)
+    rank = _dist.rank()
     error = None
     mine: dict[str, dict[str, tuple]] = {}
+    paths: dict[str, dict[str, tuple]] = {}
+    sharded: set[str] = set()
     try:
         for key, kind in kinds.items():
             if kind in (VALUE, STATEFUL) and key in out:
-                out[key] = encode_keys(out[key], repr(key))
-            if kind == VALUE and key in out:
-                mine[key] = _summaries(key, out[key])
+                out[key] = encode_keys(out[key], repr(key), rank)
+                if key not in own:
+                    mine[key], paths[key] = _summaries(key, out[key])
     except ConfigError as exc:
         error = str(exc)
     except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange below, then all raise
@@ -213,44 +378,150 @@ def agree(
     if _dist.world_size() == 1:
         if error is not None:
             raise ConfigError(f"step {step}: {error}")
-        return out
+        return out, None
     gathered = groups.all_gather_ctl((mine, error))
     errors = [(r, e) for r, (_m, e) in enumerate(gathered) if e is not None]
     if errors:
         ranks = ", ".join(str(r) for r, _e in errors)
         raise ConfigError(f"step {step}: nothing was saved; on rank(s) {ranks}: {errors[0][1]}")
-    first = gathered[0][0]
-    rank = _dist.rank()
-    for key in sorted(set().union(*(set(m) for m, _e in gathered))):
-        ref = first.get(key, {})
-        differ: dict[int, list[str]] = {}
-        for r, (theirs, _e) in enumerate(gathered[1:], start=1):
-            leaves = theirs.get(key, {})
-            diffs = [
-                f"{fqn}: rank 0 {_show(ref.get(fqn))}, rank {r} {_show(leaves.get(fqn))}"
-                for fqn in sorted(set(ref) | set(leaves))
-                if not _same(ref.get(fqn), leaves.get(fqn))
-            ]
-            if diffs:
-                differ[r] = diffs
-        if not differ:
+    summaries = [m for m, _e in gathered]
+    for key in set().union(*summaries):
+        if any(leaf[0] == "dtensor" for m in summaries for leaf in m.get(key, {}).values()):
+            sharded.add(key)
+    keys = _Keys(kinds, step, warned, sharded)
+    later: list[tuple[str, str, tuple, str]] = []
+    for key in sorted(set().union(*summaries)):
+        stateful = kinds.get(key) == STATEFUL
+        leaves = [m.get(key, {}) for m in summaries]
+        differ: dict[int, list[tuple[tuple, str, int]]] = {}
+        for fqn in sorted(set().union(*leaves)):
+            holders = [r for r, held in enumerate(leaves) if fqn in held]
+            ref = holders[0] if stateful else 0
+            a = leaves[ref].get(fqn)
+            compare_later = False
+            for r, held in enumerate(leaves):
+                b = held.get(fqn)
+                if r == ref or (b is None and (stateful or a is None)):
+                    continue
+                if _later(a) and _later(b) and a == b:
+                    compare_later = True  # same shape and dtype: the bytes decide, in the background
+                elif not _same(a, b):
+                    where = paths.get(key, {}).get(fqn, (key,) + tuple(fqn.split(".")[1:]))
+                    differ.setdefault(r, []).append((where, f"{fqn}: rank {ref} {_show(a)}, rank {r} {_show(b)}", ref))
+            if compare_later:  # the path is empty where this rank does not hold it: it reports no digest
+                later.append((key, fqn, paths.get(key, {}).get(fqn, ()), _show(a)))
+        if differ:
+            out = keys.resolve(out, key, differ)
+    return out, (Later(keys, later) if later else None)
+
+
+@dataclasses.dataclass
+class Later:
+    """Tensors over 64 elements of plain values and stateful objects, of one shape and dtype on every
+    rank that holds them: compared by an xxh3-128 digest of their staged bytes in the background writer,
+    before the write (``save()`` does not wait for the digest)."""
+
+    keys: _Keys
+    leaves: list[tuple[str, str, tuple, str]]
+    """``(key, fqn, path, shown)`` in the same order on every rank (the path empty where this rank has none)."""
+
+    def digests(self, staged: dict[str, Any]) -> list[str | None]:
+        out: list[str | None] = []
+        for key, _fqn, path, _shown in self.leaves:
+            node: Any = staged.get(key) if path else None
+            for part in path[1:]:
+                if isinstance(node, dict) and part in node:
+                    node = node[part]
+                elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+                    node = node[part]
+                else:
+                    node = None
+                    break
+            out.append(digest(node) if isinstance(node, torch.Tensor) else None)
+        return out
+
+    def settle(self, staged: dict[str, Any], gather: Callable[[Any], list[Any]], *, failed: bool) -> dict[str, Any]:
+        """What this rank writes of ``staged`` once every rank's digests are known (collective: every
+        rank calls it once per save, ``failed`` or not; a failure anywhere raises on every rank)."""
+        mine = None if failed else self.digests(staged)
+        gathered = gather(mine)
+        lost = [r for r, d in enumerate(gathered) if d is None]
+        if lost:
+            raise FailedElsewhere(f"step {self.keys.step}: rank(s) {', '.join(map(str, lost))} failed before writing")
+        out = dict(staged)
+        by_key: dict[str, dict[int, list[tuple[tuple, str, int]]]] = {}
+        for i, (key, fqn, path, shown) in enumerate(self.leaves):
+            values = [d[i] for d in gathered]
+            holders = [r for r, v in enumerate(values) if v is not None]
+            if not holders:
+                continue
+            ref = holders[0] if self.keys.kinds.get(key) == STATEFUL else 0
+            if values[ref] is None:
+                continue
+            for r in holders:
+                if values[r] != values[ref]:
+                    text = f"{fqn}: {shown} everywhere, content digest rank {ref} {values[ref][:12]}, rank {r} {values[r][:12]}"
+                    by_key.setdefault(key, {}).setdefault(r, []).append((path or (key,), text, ref))
+        for key in sorted(by_key):
+            out = self.keys.resolve(out, key, by_key[key])
+        return out
+
+
+class FailedElsewhere(SaveError):
+    """This rank did not write because another rank failed before the write (that rank's error is the cause)."""
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """xxh3-128 of a tensor's bytes (a contiguous CPU copy where it is not one)."""
+    data = tensor.detach()
+    if data.device.type != "cpu":
+        data = data.cpu()
+    data = data.contiguous()
+    if data.dim() == 0:
+        data = data.reshape(1)
+    return xxhash.xxh3_128_hexdigest(data.view(torch.uint8).numpy())
+
+
+# ---------------------------------------------------------- per-rank entries after a restore
+
+
+def per_rank_entries(saved_paths: list[tuple]) -> dict[str, dict[str, Any]]:
+    """``{key: {"ranks": {...}, "whole": bool, "only": bool}}`` of the keys holding per-rank entries:
+    which ranks saved one, whether it is a whole object's state (a data loader's), and whether the key
+    holds nothing else."""
+    out: dict[str, dict[str, Any]] = {}
+    shared: set[str] = set()
+    for path in saved_paths:
+        found = path_rank(path)
+        if found is None:
+            shared.add(str(path[0]))
             continue
-        sharded = any(leaf[0] == "dtensor" for m, _e in gathered for leaf in m.get(key, {}).values())
-        example = next(iter(differ.values()))[0]
-        message = (
-            f"the plain value {key!r} differs across ranks (rank(s) {', '.join(map(str, sorted(differ)))} differ "
-            f"from rank 0; e.g. {example})"
-        )
-        remedy = (
-            f"Remedy: wrap a value that belongs to each rank in shardckpt.PerRank(...), or make it the same on every "
-            f"rank before save() (e.g. torch.distributed.broadcast_object_list from rank 0)"
-        )
-        if sharded:  # leaving the key out would leave out this rank's shards too
-            raise ConfigError(f"step {step}: nothing was saved: {message}. {remedy}.")
-        if rank != 0:
-            out.pop(key, None)
-        if key not in warned:
-            warned.add(key)
-            if rank == 0:
-                log.warning("shardckpt: step %d: %s; saving rank 0's value. %s", step, message, remedy)
+        entry = out.setdefault(str(path[0]), {"ranks": set(), "whole": False, "only": True})
+        entry["ranks"].add(found[0])
+        entry["whole"] |= found[1] and len(path) > 1 and rank_of(path[1]) is not None
+    for key, entry in out.items():
+        entry["only"] = key not in shared
     return out
+
+
+def per_rank_note(entries: dict[str, dict[str, Any]], saved_world: int, world: int) -> str | None:
+    """One line on what a world-size change does to the per-rank entries (``None`` at the same size)."""
+    if saved_world == world or not entries:
+        return None
+    whole = sorted(k for k, e in entries.items() if e["whole"])
+    gens = sorted(k for k, e in entries.items() if not e["whole"])
+    parts = []
+    if whole:
+        parts.append(f"the per-rank state of {', '.join(map(repr, whole))} (a data loader's or sampler's position "
+                     f"belongs to the {saved_world}-rank layout) is not restored on any rank: it keeps its current "
+                     f"state (a shardckpt.ResumableSampler keeps a global position across world sizes)")
+    if gens:
+        what = f"the random generator(s) in {', '.join(map(repr, gens))}"
+        if world > saved_world:
+            lo, hi = saved_world, world - 1
+            parts.append(f"{what}: rank(s) {lo}{'' if lo == hi else f'..{hi}'} have no saved state and keep their "
+                         f"current one")
+        else:
+            lo, hi = world, saved_world - 1
+            parts.append(f"{what}: the states saved by rank(s) {lo}{'' if lo == hi else f'..{hi}'} are dropped")
+    return f"saved by {saved_world} ranks, restored by {world}: " + "; ".join(parts)

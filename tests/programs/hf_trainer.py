@@ -70,6 +70,9 @@ def main() -> None:
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--save-steps", type=int, default=1)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--lr-schedule", default="constant", help="lr_scheduler_type (one that does not depend on max_steps "
+                   "when runs of different lengths are compared, e.g. constant_with_warmup)")
+    p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--samples", default=None, help="prefix; rank r appends to PREFIX.rank<r>.jsonl")
     p.add_argument("--history", default=None)
     p.add_argument("--weights", default=None)
@@ -78,7 +81,8 @@ def main() -> None:
 
     args = TrainingArguments(
         output_dir=a.out, max_steps=a.max_steps, per_device_train_batch_size=a.per_device,
-        gradient_accumulation_steps=a.accum, learning_rate=3e-3, lr_scheduler_type="constant", warmup_steps=0,
+        gradient_accumulation_steps=a.accum, learning_rate=3e-3, lr_scheduler_type=a.lr_schedule,
+        warmup_steps=a.warmup_steps,
         save_strategy="steps", save_steps=a.save_steps, logging_steps=1, report_to="none", use_cpu=True,
         seed=0, remove_unused_columns=False, disable_tqdm=True, dataloader_num_workers=0,
         ddp_find_unused_parameters=False, ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,

@@ -2,7 +2,9 @@
 
 usage: plain_values.py OUT_DIR SMALL_DIR      (SMALL_DIR: a 3 MiB filesystem, or - when there is none)
 
-Writes OUT_DIR/rank<r>.json with what each rank saw.
+Writes OUT_DIR/rank<r>.json with what each rank saw. OUT_DIR/own holds a step
+with values that differ by rank at any size and per-rank state (a generator, a
+sampler), which the test also restores at 1 rank.
 """
 
 import functools
@@ -19,6 +21,71 @@ import shardckpt
 
 def warmup(step: int, n: int) -> float:
     return min(1.0, (step + 1) / n)
+
+
+class RankSampler(torch.utils.data.Sampler):
+    """A sampler of the user's own with a per-rank position and order (per rank by nature)."""
+
+    def __init__(self, rank: int) -> None:
+        self.pos = 0
+        self.order = torch.randperm(300, generator=torch.Generator().manual_seed(rank))
+
+    def __iter__(self):
+        return iter(self.order[self.pos:].tolist())
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos, "order": self.order}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos, self.order = int(state["pos"]), state["order"]
+
+
+class Meter:
+    """A stateful object whose state differs by rank: rank 0's is kept, with a warning."""
+
+    def __init__(self, value: float) -> None:
+        self.sums = torch.full((200,), value)
+
+    def state_dict(self) -> dict:
+        return {"sums": self.sums, "count": 7}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sums = state["sums"]
+
+
+def own_values(out_dir: str, rank: int, model) -> dict:
+    """Values differing by rank at any size and per-rank state: saved at step 5, loaded into fresh objects."""
+    big = torch.full((1000,), 3.65 if rank == 0 else 1e9)  # more than 64 elements
+    text = ("a" if rank == 0 else "b") * 5000  # over 4 KiB pickled, the same length on every rank
+    shuffle = torch.Generator().manual_seed(100 + rank)
+    torch.randn(3, generator=shuffle)
+    sampler = RankSampler(rank)
+    sampler.pos = 10 * rank + 3
+    state = {"model": model, "stats": {"big": big, "same": torch.arange(500.0)}, "notes": [text],
+             "data": {"shuffle": shuffle, "epoch": 2}, "sampler": sampler, "meter": Meter(float(rank + 1))}
+    ckpt_dir = os.path.join(out_dir, "own")
+    with shardckpt.Checkpointer(local_dir=ckpt_dir, keep_last=None, preemption_signals=()) as ckpt:
+        ckpt.save(state, 4).wait()
+        ckpt.save(state, 5).wait()  # a second save: one warning per key in all
+    expected = torch.randn(4, generator=shuffle).tolist()
+    fresh = {"model": model, "stats": {}, "notes": [], "data": {"shuffle": torch.Generator().manual_seed(999), "epoch": 0},
+             "sampler": RankSampler(7), "meter": Meter(-1.0)}
+    live_generator = fresh["data"]["shuffle"]
+    with shardckpt.Checkpointer(local_dir=ckpt_dir, keep_last=None, preemption_signals=()) as ckpt:
+        loaded = ckpt.load(fresh)
+    stats = fresh["stats"]
+    return {
+        "loaded": loaded,
+        "big": [float(stats["big"][0]), float(stats["big"][-1]), list(stats["big"].shape)],
+        "text": [fresh["notes"][0][:3], len(fresh["notes"][0])],
+        "same": bool(torch.equal(stats["same"], torch.arange(500.0))),
+        "shuffle_next": torch.randn(4, generator=fresh["data"]["shuffle"]).tolist(),
+        "shuffle_expected": expected,
+        "shuffle_same_object": fresh["data"]["shuffle"] is live_generator,
+        "epoch": fresh["data"]["epoch"],
+        "sampler": [fresh["sampler"].pos, fresh["sampler"].order[:5].tolist(), sampler.order[:5].tolist()],
+        "meter": [float(fresh["meter"].sums[0]), float(fresh["meter"].sums[-1])],
+    }
 
 
 def main() -> None:
@@ -66,7 +133,10 @@ def main() -> None:
     result["steps"] = ckpt2.steps()
     ckpt2.close()
 
-    # 2. DDP replicas on a small disk: the step fits once, not once per rank.
+    # 2. Values that differ by rank at any size; a generator and a sampler that belong to each rank.
+    result["own"] = own_values(out_dir, rank, model)
+
+    # 3. DDP replicas on a small disk: the step fits once, not once per rank.
     if small_dir != "-":
         torch.manual_seed(1)
         big = DistributedDataParallel(nn.Linear(1000, 400))  # 1.6 MB of parameters, no optimizer

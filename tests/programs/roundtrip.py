@@ -59,6 +59,9 @@ def meta_attempt(mode: str, ckpt_dir: str) -> dict:
     ckpt.close()
     out["params"] = [n for n, _p in model.named_parameters()]
     out["still_meta"] = all(p.is_meta for p in model.parameters())
+    messages = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(messages, out.get("message"))
+    out["other_ranks"] = messages[1:]  # what the other ranks print: the list once per job, on rank 0
     return out
 
 

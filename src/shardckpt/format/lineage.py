@@ -114,13 +114,43 @@ def head(infos: Mapping[int, StepInfo]) -> StepInfo | None:
     return max(infos.values(), key=lambda i: (i.created, i.step))
 
 
+def conflicts(infos: Mapping[int, StepInfo]) -> dict[int, str]:
+    """Steps whose recorded history contradicts the others': ``{step: why}``.
+
+    Every manifest records the chain of forks that led to its branch; a
+    branch started once, so every step that names a branch must record the
+    same forks up to it. The first step (by creation) naming a branch
+    defines its history; a later step recording another one cannot be
+    placed in the run's history (its manifest was edited, or written by a
+    bug) and is not resumed.
+    """
+    history: dict[str, tuple[tuple[tuple[int, str], ...], int]] = {}
+    out: dict[int, str] = {}
+    for info in sorted(infos.values(), key=lambda i: (i.created, i.step)):
+        forks = info.lineage.forks
+        for i, (_at, branch) in enumerate(forks):
+            prefix = forks[: i + 1]
+            known, by = history.setdefault(branch, (prefix, info.step))
+            if known != prefix:
+                out[info.step] = (
+                    f"its lineage says branch {branch!r} started at step {prefix[-1][0]} after "
+                    f"{[list(f) for f in prefix[:-1]]}, but step {by} records it started at step {known[-1][0]} after "
+                    f"{[list(f) for f in known[:-1]]}: the step cannot be placed in the run's history"
+                )
+                break
+    return out
+
+
 def classify(infos: Mapping[int, StepInfo]) -> tuple[list[int], dict[int, str]]:
-    """The live steps (oldest first) and the abandoned ones with a reason for each."""
+    """The live steps (oldest first) and the abandoned ones with a reason for each (a step whose
+    lineage contradicts the others', :func:`conflicts`, is never live nor the head)."""
+    bad = conflicts(infos)
+    abandoned: dict[int, str] = {s: f"unusable: {why}" for s, why in bad.items()}
+    infos = {s: i for s, i in infos.items() if s not in bad}
     top = head(infos)
     if top is None:
-        return [], {}
+        return [], abandoned
     live: list[int] = []
-    abandoned: dict[int, str] = {}
     for step in sorted(infos):
         why = excluded_by(top.lineage, step, infos[step].lineage)
         if why is None:

@@ -202,6 +202,28 @@ def _lineage(value: Any) -> None:
         _str(pair[1], f"lineage.forks[{i}] branch")
 
 
+def _lineage_fits(body: dict[str, Any]) -> None:
+    """The lineage agrees with itself and with the step: the step is on the branch of its last fork (the
+    first branch ``""`` without forks), every fork starts another branch, the step is not below the step
+    its branch started from (``shardckpt.format.lineage``)."""
+    lineage = body.get("lineage") or {}
+    if not lineage:
+        return  # manifests from before rollbacks were tracked: the first branch
+    forks = lineage.get("forks", [])
+    branch = lineage.get("branch", "")
+    expected = forks[-1][1] if forks else ""
+    if branch != expected:
+        raise _Invalid(
+            f"lineage.branch is {branch!r}, but its history says {expected!r} (the branch of its last fork, or the "
+            f"first branch \"\" when it has none)"
+        )
+    names = [name for _step, name in forks]
+    if "" in names or len(set(names)) != len(names):
+        raise _Invalid(f"lineage.forks start the first branch \"\" or one branch twice ({names})")
+    if forks and body["step"] < forks[-1][0]:
+        raise _Invalid(f"the step is below step {forks[-1][0]}, where its branch {branch!r} started")
+
+
 def _metrics(value: Any) -> None:
     if value is None:
         return
@@ -330,6 +352,7 @@ def decode(data: bytes | str, where: str, *, expected_format: str, step: int | N
         for name, check in _FIELDS.items():
             if name in body:
                 check(body[name])
+        _lineage_fits(body)
     except _Invalid as exc:
         raise refuse(f"is invalid: {exc}", step) from None
     for name, value in body.items():

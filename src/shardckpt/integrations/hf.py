@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 import shardckpt
 from shardckpt import CheckpointNotFoundError, ConfigError, ResumableSampler
+from shardckpt.format import layout
 from shardckpt.integrations.accelerate import LoaderState, _rank0, _scheduler, _unwrap, _world_size, accelerator_state, apply_plan
 
 log = logging.getLogger("shardckpt")
@@ -112,6 +113,10 @@ class TrainerSampler(ResumableSampler):
         if self.loop_position is not None:
             state["epoch"], state["consumed"] = self.loop_position
         return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.loop_position = None  # the position just loaded is the true one, not the loop's of before
 
 
 class _PreemptionVote:
@@ -479,10 +484,14 @@ class ShardckptTrainerMixin:
         self._sc_save(force=True)
 
     def _load_best_model(self) -> None:
+        # Only the model, as the stock Trainer: load() says at WARNING which keys of the step it leaves out and
+        # that a later save would start a branch (both as docs/guides/huggingface.md describes).
         self.checkpointer.wait()
         step = self.checkpointer.load({"model": self.model_wrapped}, "best", strict=False)
         if _rank0():
-            log.info("shardckpt: loaded the best model, step %s (%s)", step, self.checkpointer.config.best_metric)
+            log.info("shardckpt: load_best_model_at_end: loaded the model of the best step %s (%s); the optimizer, "
+                     "scheduler and data position keep their end-of-training state", step,
+                     self.checkpointer.config.best_metric)
 
     # ---- what a save holds
 
@@ -541,8 +550,9 @@ class ShardckptTrainerMixin:
         best = self.checkpointer.config.best_metric
         if best and best not in numbers and f"eval_{best}" in numbers:
             numbers[best] = numbers[f"eval_{best}"]
-        if self.state.best_global_step:
-            self.state.best_model_checkpoint = f"{self.checkpointer.root} step {self.state.best_global_step}"
+        if self.state.best_global_step:  # the best step's directory, as the Trainer's own checkpoint-N folder
+            self.state.best_model_checkpoint = os.path.join(self.checkpointer.root,
+                                                            layout.step_dirname(int(self.state.best_global_step)))
         handle = self.checkpointer.save(self._sc_state(), step, force=force, metrics=numbers or None)
         if handle is not None:
             self._sc_saved_step = step

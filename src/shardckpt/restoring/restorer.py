@@ -43,10 +43,12 @@ from shardckpt.restoring import run_config as run_config_mod
 from shardckpt.restoring import targets as targets_mod
 from shardckpt.format import lineage as lineage_mod
 from shardckpt import state as state_mod
+from shardckpt import values as values_mod
 from shardckpt._text import fmt_bytes
 from shardckpt.errors import (
     CorruptCheckpointError,
     ForeignCheckpointError,
+    MetaDeviceError,
     StateMismatchError,
 )
 from shardckpt.options import CheckpointConfig, OnCorrupt, run_config_of
@@ -123,8 +125,12 @@ class Restorer:
             if step is not None:
                 self.surveyor.raise_not_found(step, survey)
             if _dist.rank() == 0:
-                log.info("shardckpt: nothing to resume in %s%s; starting fresh", self.root,
-                         " or the remote" if self.config.remote else "")
+                where = f"{self.root}{' or the remote' if self.config.remote else ''}"
+                if survey.infos:  # steps exist: starting fresh is never silent
+                    log.warning("shardckpt: committed steps exist in %s but none is resumed: %s; starting fresh",
+                                where, _why_none(survey, self.config.start_fresh))
+                else:
+                    log.info("shardckpt: nothing to resume in %s; starting fresh", where)
             self.last_plan = None
             self.next_lineage = self._agree_lineage(survey, None)
             return None
@@ -132,6 +138,11 @@ class Restorer:
         for candidate in survey.candidates:
             step_dir = os.path.join(self.root, layout.step_dirname(candidate))
             try:
+                if candidate in survey.conflicts:
+                    raise CorruptCheckpointError(
+                        f"step {candidate} in {step_dir}: {survey.conflicts[candidate]}. Remedy: load another step "
+                        f"(load(state, step=N), or on_corrupt='fallback'); `shardckpt ls` shows the run's history."
+                    )
                 manifest, checked, step_dir = self.sources.complete(candidate, step_dir, survey)
                 self._load_checked(
                     state, candidate, step_dir, manifest, checked, survey, strict=strict, trust_pickles=trust_pickles
@@ -198,8 +209,10 @@ class Restorer:
                 newer = sorted(s for s in survey.infos if s > step)
                 log.warning(
                     "shardckpt: rolled back to step %d: the next save starts a new branch; steps %s are kept "
-                    "but no longer resumed by default, nor counted by retention (`shardckpt gc` removes them)",
-                    step, newer,
+                    "but no longer resumed by default, nor counted by retention (`shardckpt gc` removes them). A "
+                    "save of one of those step numbers on the new branch replaces it in %s: the earlier save is "
+                    "moved aside (as %s-..., listed by `shardckpt ls`)",
+                    step, newer, self.root, layout.KEPT_PREFIX + layout.step_dirname(newer[0] if newer else step),
                 )
         return agreed
 
@@ -315,9 +328,12 @@ class Restorer:
                     "shardckpt: step %d is a light step (no optimizer state): %s keep(s) the state they have; "
                     "load a full step for everything", step, ", ".join(lacking),
                 )
-        targets = state_mod.live_targets(state, kinds_live)
+        try:
+            targets = state_mod.live_targets(state, kinds_live)
+        except MetaDeviceError as exc:  # an optimizer built from meta parameters before to_empty()
+            raise MetaDeviceError(f"cannot restore step {step} from {step_dir}: {exc}", unexpected=exc.unexpected) from None
         meta = targets_mod.meta_entries(state, kinds_live, targets)
-        targets_mod.refuse_meta(self._groups.all_gather_ctl(meta), step, step_dir)
+        targets_mod.refuse_meta(self._groups.all_gather_ctl(meta), step, step_dir, _dist.rank())
         frozen = self._check_frozen(state, step, manifest, targets) if manifest.frozen else {}
         rank = _dist.rank()
         rng_key = state_mod.rng_key(rank)
@@ -373,8 +389,19 @@ class Restorer:
         has_rng = any(p[:3] == (state_mod.RESERVED_KEY, state_mod.RNG, rng_key) for p in saved_paths)
         left = targets_mod.unrestored(top_saved, saved_kinds, kinds_live, set(targets) | rebuild_keys, state_mod.RESERVED_KEY)
         targets_mod.refuse_unrestored(left, step, step_dir, os.path.join(step_dir, layout.MANIFEST_NAME), strict=strict)
+        # Per-rank entries (generators, data loaders): each rank reads its own; a data loader's only at the
+        # world size that saved it. A key holding nothing else that this rank does not read is left as it is.
+        own_entries = values_mod.per_rank_entries(saved_paths)
+        same_world = manifest.world_size == _dist.world_size()
+        unread = {k for k, e in own_entries.items() if e["only"] and (rank not in e["ranks"] or (e["whole"] and not same_world))}
+        note = values_mod.per_rank_note(own_entries, manifest.world_size, _dist.world_size())
+        if note and rank == 0:
+            log.warning("shardckpt: step %d: %s", step, note)
 
         def rebuild(path: tuple) -> bool:
+            own = values_mod.path_rank(path)
+            if own is not None and (own[0] != rank or (own[1] and not same_world)):
+                return False
             if path[0] in rebuild_keys:
                 return True
             return has_rng and self.config.capture_rng and path[:3] == (state_mod.RESERVED_KEY, state_mod.RNG, rng_key)
@@ -398,12 +425,13 @@ class Restorer:
         for key, entries in frozen.items():
             targets[key].update(entries)  # the live base, as it is
         kinds_all = dict(kinds_live)
-        for key in rebuild_keys:
+        for key in rebuild_keys - unread:
             kinds_all.setdefault(key, saved_kinds[key])
             # An empty dict (e.g. a disabled GradScaler's state) has no entries in
             # DCP's metadata: it comes back as an empty dict.
             targets.setdefault(key, {})
-        state_mod.restore(state, kinds_all, {k: v for k, v in targets.items() if k in kinds_all}, strict=strict)
+        state_mod.restore(state, kinds_all, {k: v for k, v in targets.items() if k in kinds_all and k not in unread},
+                          strict=strict)
         if self.config.capture_rng:
             if has_rng:
                 state_mod.set_rng_state(targets[state_mod.RESERVED_KEY][state_mod.RNG][rng_key])
@@ -417,6 +445,17 @@ class Restorer:
                     manifest.world_size,
                 )
         return gathered
+
+
+def _why_none(survey: Survey, start_fresh: bool) -> str:
+    """Each committed step and why it is not resumed (a load that starts fresh while steps exist)."""
+    reasons = []
+    for s in sorted(survey.infos):
+        why = survey.abandoned.get(s) or survey.conflicts.get(s) or (
+            "not complete on every rank" + ("; start_fresh=True" if start_fresh else ""))
+        reasons.append(f"step {s} ({why})")
+    shown = "; ".join(reasons[:10])
+    return shown + (f"; ... ({len(reasons) - 10} more)" if len(reasons) > 10 else "")
 
 
 def _shape_mismatches(flat_live: dict[str, Any], metadata: Any) -> list[str]:

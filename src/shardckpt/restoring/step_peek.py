@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import pickle
 from typing import Any
 
@@ -26,9 +27,11 @@ import torch
 from shardckpt.format import layout, lineage
 from shardckpt import state as state_mod
 from shardckpt import values as values_mod
-from shardckpt.errors import CheckpointNotFoundError, UntrustedCheckpointError
+from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UntrustedCheckpointError
 from shardckpt.format.safe_pickle import safe_load_metadata
 from shardckpt.tiers.steps import LocalSteps, Steps
+
+log = logging.getLogger("shardckpt")
 
 VALUE_TENSOR_LIMIT = 1 << 20
 """Tensors among the plain values up to this many bytes are read; larger ones are only described."""
@@ -66,7 +69,8 @@ class StepPeek:
 
 
 def choose(manifests: dict[int, layout.Manifest], loadable: set[int]) -> int | None:
-    """The step ``load()`` resumes by default: newest live, full before light, among ``loadable``."""
+    """The step ``load()`` resumes by default: newest live, full before light, among ``loadable``
+    (a step whose lineage contradicts the others' is never live: ``lineage.conflicts``)."""
     live, _abandoned = lineage.classify({s: lineage.info_of(m) for s, m in manifests.items()})
     pool = [s for s in live if s in loadable]
     if not pool:
@@ -74,11 +78,17 @@ def choose(manifests: dict[int, layout.Manifest], loadable: set[int]) -> int | N
     return max(pool, key=lambda s: (manifests[s].kind == "full", s))
 
 
-def peek_tiers(tiers: list[Steps], step: int | None, *, trust_pickles: bool = False) -> StepPeek | None:
+def peek_tiers(
+    tiers: list[Steps], step: int | None, *, trust_pickles: bool = False, fallback: bool = False
+) -> StepPeek | None:
     """Look at ``step`` (``None``: the default choice) on the first of ``tiers`` that holds it whole.
 
     Returns ``None`` when there is no step to resume (``step=None``); a step
-    asked for that no tier holds raises :class:`CheckpointNotFoundError`.
+    asked for that no tier holds raises :class:`CheckpointNotFoundError`. A
+    committed step newer than the default choice that cannot be used (its
+    manifest unreadable everywhere, or its lineage contradicting the others')
+    raises :class:`CorruptCheckpointError` naming it, as ``load()`` would;
+    with ``fallback`` (``on_corrupt="fallback"``) a WARNING names it instead.
     """
     found: dict[int, tuple[layout.Manifest, Steps]] = {}
     for tier in tiers:
@@ -88,6 +98,7 @@ def peek_tiers(tiers: list[Steps], step: int | None, *, trust_pickles: bool = Fa
                 found[s] = (manifest, tier)
     if step is None:
         chosen = choose({s: m for s, (m, _t) in found.items()}, set(found))
+        _unusable_newer(tiers, found, -1 if chosen is None else chosen, fallback)
         if chosen is None:
             return None
         step = chosen
@@ -99,6 +110,21 @@ def peek_tiers(tiers: list[Steps], step: int | None, *, trust_pickles: bool = Fa
         )
     manifest, tier = found[step]
     return read_step(tier, manifest, trust_pickles=trust_pickles)
+
+
+def _unusable_newer(tiers: list[Steps], found: dict[int, tuple[layout.Manifest, Steps]], chosen: int,
+                   fallback: bool) -> None:
+    bad = {s: why for tier in tiers for s, why in getattr(tier, "unreadable", {}).items() if s not in found}
+    bad.update(lineage.conflicts({s: lineage.info_of(m) for s, (m, _t) in found.items()}))
+    newer = sorted(s for s in bad if s > chosen)
+    if not newer:
+        return
+    what = (f"step {newer[-1]}, newer than {f'step {chosen}' if chosen >= 0 else 'every usable step'}, cannot be "
+            f"used: {bad[newer[-1]]}")
+    if not fallback or chosen < 0:  # as load(): a fallback needs a step to fall back to
+        raise CorruptCheckpointError(f"{what}. Remedy: pass the step to look at (peek(step=N)), or set "
+                                     f"on_corrupt='fallback' to go on with the newest usable one.")
+    log.warning("shardckpt: %s; on_corrupt='fallback': looking at step %d", what, chosen)
 
 
 def read_step(tier: Steps, manifest: layout.Manifest, *, trust_pickles: bool = False) -> StepPeek:

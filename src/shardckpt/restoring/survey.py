@@ -47,6 +47,9 @@ class Survey:
     """Per rank: steps whose copy in its directory is another save than the one that counts."""
     remote_unreadable: dict[int, str] = dataclasses.field(default_factory=dict)
     """Steps committed on the remote whose manifest cannot be read (held by no rank), with the reason."""
+    conflicts: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Steps whose lineage contradicts the run's other steps (``lineage.conflicts``), with the reason:
+    never resumed; loading one raises :class:`CorruptCheckpointError`."""
 
 
 class Surveyor:
@@ -116,6 +119,7 @@ class Surveyor:
         if error is not None:
             self._remote_unlisted(error, gathered)
         self.remote_committed = remote_steps
+        conflicts = lineage_mod.conflicts(merged)  # never the head, never live: a load of one raises (restorer.py)
         live, abandoned = lineage_mod.classify(merged)
         stale = [
             {s for s, body in g["infos"].items() if lineage_mod.StepInfo.from_json(s, body).version != merged[s].version}
@@ -133,13 +137,14 @@ class Surveyor:
         if step == "best":
             step = self._best(live, merged, loadable)
         if step is not None:
-            ok = step in unreadable_everywhere or step in remote_unreadable or (step in merged and loadable(step))
+            ok = (step in unreadable_everywhere or step in remote_unreadable or step in conflicts
+                  or (step in merged and loadable(step)))
             candidates = [step] if ok else []
         else:
             newest_live = max((s for s in live if loadable(s)), default=-1)
             # A step whose manifest no rank (nor the remote) can read is listed when it is newer than
             # every live step (most likely the last save): verification then reports it.
-            broken = {s for s in unreadable_everywhere | set(remote_unreadable) if s > newest_live}
+            broken = {s for s in unreadable_everywhere | set(remote_unreadable) | set(conflicts) if s > newest_live}
             pool = {s for s in live if loadable(s)} | broken
             unassembled = [s for s in live if s > newest_live and not loadable(s)]
             if unassembled and not self._unassembled(max(unassembled), gathered, stale, newest_live):
@@ -151,7 +156,7 @@ class Surveyor:
         if candidates and all(r is not None and r[0] == candidates[0] for r in reports):
             verified[candidates[0]] = [r[1] for r in reports if r[1]]
         return Survey(merged, live, abandoned, candidates, remote_steps, per_rank_missing, verified, stale,
-                      remote_unreadable)
+                      remote_unreadable, conflicts)
 
     def _unassembled(self, step: int, gathered: list[dict[str, Any]], stale: list[set[int]], older: int) -> bool:
         """The newest live step cannot be assembled from what this job has: raise on every rank.

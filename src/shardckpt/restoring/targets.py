@@ -61,13 +61,22 @@ def meta_entries(state: Mapping[str, Any], kinds: Mapping[str, str], targets: Ma
     return sorted(out)
 
 
-def refuse_meta(per_rank: list[list[str]], step: int, step_dir: str) -> None:
+def refuse_meta(per_rank: list[list[str]], step: int, step_dir: str, rank: int = 0) -> None:
     """Raise :class:`MetaDeviceError` when any rank's state holds meta tensors (``per_rank``:
-    :func:`meta_entries` of every rank, the same list on every rank)."""
+    :func:`meta_entries` of every rank, the same list on every rank). Rank 0's error lists the
+    entries; the other ranks' errors are one short line pointing at it (the job prints the list once)."""
     ranks = [r for r, names in enumerate(per_rank) if names]
     if not ranks:
         return
     names = sorted({n for r in ranks for n in per_rank[r]})
+    if rank != 0:
+        raise MetaDeviceError(
+            f"cannot restore step {step} from {step_dir}: {len(names)} entr{'y' if len(names) == 1 else 'ies'} of "
+            f"the state to load into {'is' if len(names) == 1 else 'are'} on the meta device (rank 0's error lists "
+            f"them). Nothing was loaded. Remedy: `model.to_empty(device=...)` before load(), then create the "
+            f"optimizer from its parameters.",
+            unexpected=names,
+        )
     shown = ", ".join(names[:_SHOWN]) + (f", ... ({len(names) - _SHOWN} more)" if len(names) > _SHOWN else "")
     optim = [n for n in names if ".state." in n]
     where = "" if len(per_rank) <= 1 else f" on rank(s) {', '.join(map(str, ranks[:16]))}"

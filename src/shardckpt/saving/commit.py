@@ -48,6 +48,7 @@ from shardckpt._text import fmt_bytes
 from shardckpt.errors import InsufficientSpaceError, SaveError
 from shardckpt.options import CheckpointConfig, OnDiskFull
 from shardckpt.saving.stage import CopiesRacedError
+from shardckpt.values import FailedElsewhere
 from shardckpt.topology import Topology
 
 log = logging.getLogger("shardckpt")
@@ -79,6 +80,8 @@ class SaveJob:
     """The history this save belongs to (:meth:`StepWriter.lineage_for`); it becomes the writer's once committed."""
     save_id: str = ""
     """This save's identity, the same on every rank (:meth:`StepWriter.partial_dir`)."""
+    later: Any = None
+    """The plain tensors whose content the ranks compare before the write (``values.Later``), or ``None``."""
 
 
 class StepWriter:
@@ -226,27 +229,26 @@ class StepWriter:
         step, partial = job.step, job.partial
         rank = _dist.rank()
 
-        # 1-2: write and hash
+        # 1-2: write and hash (first, every rank alike, the plain tensors' digests: values.Later)
         failure: BaseException | None = None
         table: dict[str, Any] = {}
         metadata_bytes: bytes | None = None
+        staged = job.staged
         try:
             if job.fence is not None:
                 job.fence.synchronize()  # on a GPU the copies into the buffers may still run
-            os.makedirs(partial, exist_ok=True)
-            done = self.file_done
-            sums = dcp_writer.dcp_write(
-                job.staged, partial, process_group=self._groups.io, io_threads=self.config.io_threads, rank=rank,
-                on_file=(lambda name, size, digest: done(job, rank, name, size, digest)) if done else None,
-            )
-            _failpoints.hit("write.done")
-            table = {name: (size, digest, rank, chunks) for name, (size, digest, chunks) in sums.items()}
-            _failpoints.hit("write.hashed")
-            if rank == 0 and not topo.shared:
-                with open(os.path.join(partial, layout.METADATA_NAME), "rb") as f:
-                    metadata_bytes = f.read()  # every node-local copy holds .metadata
-        except BaseException as exc:  # DCP reports failures as CheckpointException (a BaseException)
+        except BaseException as exc:
             failure = exc
+        if job.later is not None:
+            try:
+                staged = job.later.settle(staged, self._groups.all_gather_io, failed=failure is not None)
+            except BaseException as exc:
+                failure = failure or exc
+        if failure is None:
+            try:
+                table, metadata_bytes = self._write(job, staged, rank)
+            except BaseException as exc:  # DCP reports failures as CheckpointException (a BaseException)
+                failure = exc
 
         # 3: exchange 1
         reports = self._groups.all_gather_io((table, _describe(failure), metadata_bytes, time.time(), _disk(failure)))
@@ -254,7 +256,8 @@ class StepWriter:
         if problems:
             if topo.committer:
                 shutil.rmtree(partial, ignore_errors=True)
-            where, what, disk = next((p for p in problems if p[2]), problems[0])
+            causes = [p for p in problems if not p[1].startswith(FailedElsewhere.__name__ + ":")] or problems
+            where, what, disk = next((p for p in causes if p[2]), causes[0])
             raced = what.startswith(CopiesRacedError.__name__ + ":")  # it names its own remedy
             error = SaveError(
                 f"step {step}: writing {partial} failed on rank {where} ({what}); the partial step was "
@@ -338,6 +341,22 @@ class StepWriter:
                 step, final, fmt_bytes(manifest.total_bytes), job.blocked, time.monotonic() - job.t_start,
             )
         return final
+
+    def _write(self, job: SaveJob, staged: dict[str, Any], rank: int) -> tuple[dict[str, Any], bytes | None]:
+        """This rank's files of the save, checksummed while written: ``(file table, .metadata for the copies)``."""
+        os.makedirs(job.partial, exist_ok=True)
+        done = self.file_done
+        sums = dcp_writer.dcp_write(
+            staged, job.partial, process_group=self._groups.io, io_threads=self.config.io_threads, rank=rank,
+            on_file=(lambda name, size, digest: done(job, rank, name, size, digest)) if done else None,
+        )
+        _failpoints.hit("write.done")
+        table = {name: (size, digest, rank, chunks) for name, (size, digest, chunks) in sums.items()}
+        _failpoints.hit("write.hashed")
+        if rank == 0 and not self.topology.shared:
+            with open(os.path.join(job.partial, layout.METADATA_NAME), "rb") as f:
+                return table, f.read()  # every node-local copy holds .metadata
+        return table, None
 
     def _remedy(self, disk: bool) -> str:
         if disk:
