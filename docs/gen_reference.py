@@ -54,6 +54,12 @@ OTHER_VARIABLES: dict[str, str] = {
         "A label of the failure domain of this node (`rack-7`, a zone): the peer tier sends this node's "
         "replicas to nodes of other domains first. Default: none."
     ),
+    "SHARDCKPT_CHECK_RESUME": (
+        "Set by `shardckpt check-resume` for the runs it makes (a JSON object: the check's checkpoint directory, "
+        "where each rank records, the step the run stops after). While set, every `Checkpointer`'s `local_dir` and "
+        "`remote` point into the check's directory, whatever the script passes, and every `save()` call records "
+        "digests of its state ([the guide](../guides/check-resume.md)). Unset in normal runs."
+    ),
     "SHARDCKPT_FAILPOINTS": (
         "Testing only: named fault points at which the process kills itself (`name`, `name@N`), raises "
         "(`raise:name`) or damages bytes in transit (`flip:name`). Unset in production."

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardckpt import _dist, _failpoints, topology, values
+from shardckpt import _dist, _failpoints, resume_probe, state_digest, topology, values
 from shardckpt.saving import preflight
 from shardckpt.restoring import step_peek as peek_mod
 from shardckpt.tiers.steps import LocalSteps, RemoteSteps
@@ -151,6 +151,7 @@ class Checkpointer:
         self._durability = DurabilityLog(self.root, peer_on=lambda: self._peer.on,
                                          remote=self._uploads is not None and self._uploads.active)
         self._policy.install_signal_handlers()
+        self._probe = resume_probe.recorder(self.root)  # None unless `shardckpt check-resume` runs this process
 
     # ---------------------------------------------------------------- public
 
@@ -207,6 +208,16 @@ class Checkpointer:
         saves the model and the small state without optimizer state (``None``:
         as ``full_every`` says; a preemption save is always full).
         """
+        if self._probe is None:
+            return self._save(state, step, force=force, metadata=metadata, metrics=metrics, light=light)
+        # `shardckpt check-resume`: the digests of what this call was given (before its write runs beside them)
+        digests = self._probe.digest(lambda: state_digest.digest(state, _dist.rank()))
+        handle = self._save(state, step, force=force, metadata=metadata, metrics=metrics, light=light)
+        self._probe.saved(_dist.rank(), _dist.world_size(), step, handle is not None, digests, metrics, self.wait)
+        return handle
+
+    def _save(self, state: dict[str, Any], step: int, *, force: bool, metadata: dict[str, Any] | None,
+              metrics: dict[str, float] | None, light: bool | None) -> SaveHandle | None:
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
@@ -353,6 +364,8 @@ class Checkpointer:
             self._writer.continue_lineage(self._restorer.next_lineage, self._restorer.newest_created, restored)
         if restored is not None:
             self._policy.last_saved_step = restored
+        if self._probe is not None:
+            self._probe.loaded(_dist.rank(), restored)
         return restored
 
     def peek(self, step: int | None = None, *, trust_pickles: bool = False) -> "StepPeek | None":

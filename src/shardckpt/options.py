@@ -15,6 +15,7 @@ import os
 import signal
 from typing import Any
 
+from shardckpt import resume_probe
 from shardckpt.errors import ConfigError
 from shardckpt.format import codec
 from shardckpt.stores import TransferOptions
@@ -71,10 +72,12 @@ class CheckpointConfig:
     """Everything a :class:`shardckpt.Checkpointer` can be told."""
 
     local_dir: str = "checkpoints"
-    """Fast tier (node-local NVMe or any local path). One sub-directory per step."""
+    """Fast tier (node-local NVMe or any local path). One sub-directory per step.
+    In a run made by ``shardckpt check-resume`` it points into the check's own directory, whatever is given."""
 
     remote: str | None = None
-    """Optional remote tier, any fsspec URL (``s3://bucket/prefix``, ``file:///mnt/nfs/run``)."""
+    """Optional remote tier, any fsspec URL (``s3://bucket/prefix``, ``file:///mnt/nfs/run``).
+    In a run made by ``shardckpt check-resume`` a ``file://`` directory of the check, whatever is given."""
 
     every_steps: int | None = None
     """Save when ``step % every_steps == 0``. ``None`` with ``every_seconds`` also
@@ -332,6 +335,8 @@ class CheckpointConfig:
         if not self.local_dir:
             raise ConfigError("local_dir must name a directory")
         self.local_dir = os.fspath(self.local_dir)
+        # Under `shardckpt check-resume` (only there) both point into the check's own directory, whatever was given.
+        self.local_dir, self.remote = resume_probe.redirect(self.local_dir, self.remote)
         for name in ("every_steps", "keep_every"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
