@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from shardckpt.check_resume import descendants, kill_tree  # noqa: F401 - descendants: for the tests and benchmarks
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = Path(__file__).resolve().parent / "programs"
@@ -119,52 +120,10 @@ def start_torchrun(nproc: int, script: str | Path, *args: str, env: dict | None 
     )
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (torchrun starts its workers in their own sessions)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def kill_job(proc: subprocess.Popen) -> None:
-    """SIGKILL a job started by start_torchrun: the launcher and every worker at once.
-
-    Returns once every one of them is gone (a zombie at most): SIGKILL is
-    delivered at once but a big process takes a while to exit, and tests
-    check right after that no trainer is alive.
-    """
-    victims = [proc.pid, *descendants(proc.pid)]
-    for pid in victims:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=30)
-    deadline = time.monotonic() + 30
-    while [pid for pid in victims if _running(pid)] and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def _running(pid: int) -> bool:
-    """``pid`` exists and has not exited (not a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+    """SIGKILL a job started by start_torchrun: the launcher and every worker at once; returns once every one
+    of them is gone (tests check right after that no trainer is alive)."""
+    kill_tree(proc)
 
 
 def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, log_path=None) -> None:

@@ -9,6 +9,7 @@ Looking at checkpoints, on either tier (a local directory or a remote URL)::
     shardckpt gc SRC --keep-last N [--keep-every K] [--keep-abandoned] [--dry-run]
     shardckpt status DIR [--json]                   the node's uploader: pending steps, lag, last error
     shardckpt adopt DCP_DIR --into DIR --step N     commit a copy of a stock DCP checkpoint
+    shardckpt check-resume [--steps N] [--kill-after STEP] -- COMMAND   a script resumes exactly? (check_resume.py)
 
 Moving steps between tiers::
 
@@ -21,7 +22,7 @@ fails verification, nothing is committed, a step is not committed remotely
 yet); 2 the command could not run (bad arguments, no such directory, the
 remote unreachable). Errors are one line with the remedy; ``--debug`` adds
 the traceback. ``ls``, ``inspect`` (without ``--keys`` / ``--values``), ``verify``, ``gc``,
-``status``, ``sync``, ``push`` and ``pull`` do not import torch.
+``status``, ``sync``, ``push``, ``pull`` and ``check-resume`` do not import torch.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import socket
 import sys
 from typing import Any, Sequence
 
+from shardckpt import check_resume
 from shardckpt._version import __version__
 from shardckpt.format import layout, lineage, retention
 from shardckpt._text import fmt_bytes
@@ -360,11 +362,6 @@ def cmd_gc(args: argparse.Namespace) -> int:
         tier.close()
 
 
-def _latest_peer(root: str, steps: list[int]) -> int | None:
-    """The newest step of the live branch whose files this node's peer daemon replicated (the same save)."""
-    return peer_daemon.latest_replicated(root)
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     root = os.path.abspath(args.dir)
     if not os.path.isdir(root):
@@ -393,7 +390,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "last_error_time": info.get("last_error_time"),
         "peer": peer_daemon.node_status(root),
     }
-    body["latest_peer"] = _latest_peer(root, steps)
+    body["latest_peer"] = peer_daemon.latest_replicated(root)  # the newest step its peer daemon replicated
     if args.json:
         _print_json(body)
         return OK if url else BAD
@@ -654,6 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_transfer_args(p)
     p.add_argument("--step", type=int, help="step to fetch (default: the newest live step on the remote)")
     p.set_defaults(func=cmd_pull)
+    check_resume.add_parser(sub)
     return parser
 
 
