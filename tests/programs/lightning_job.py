@@ -90,6 +90,7 @@ class Tiny(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint):
         self.loaded_extra = checkpoint.get("tiny_extra")
+        self.saves = self.loaded_extra["saves"]  # the count goes on where the saved run left it
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
