@@ -12,9 +12,9 @@ several ways and check several guarantees on it:
   fresh machine with 1 rank and an empty disk resumes from the bucket with
   the accumulation doubled and trains on exactly the samples the 2-rank run
   trained on at each step.
-- accelerate loop with a StatefulDataLoader (2 workers per rank), 2 ranks:
-  SIGKILL and a relaunch end bitwise equal to a run never interrupted, the
-  registered object included; 2 -> 1 continues the global data position.
+- accelerate loop with a StatefulDataLoader (2 workers per rank): a 2-rank
+  run's step resumed by 1 rank continues the global data position (the 2-rank
+  SIGKILL and resume, bitwise, is a case of tests/test_check_resume.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -170,41 +171,22 @@ def test_trainer_sigkill_resumes_bitwise_sigterm_commits_and_a_fresh_rank_resume
     assert lrs_by_step(fresh / "history.json") == want_lrs  # past the warmup's end, to the last step
 
 
-def test_accelerate_loop_sigkill_resumes_bitwise_and_a_stateful_loader_continues_2_to_1(tmp_path):
+def test_accelerate_loop_a_stateful_loader_continues_2_to_1(tmp_path):
+    """A 2-rank run's step 14 resumed by 1 rank with the same 2 workers: the loader state does not fit, the
+    sampler's global position does, and each step trains on the samples the 2-rank run did. (That the 2-rank
+    job resumes bitwise after a SIGKILL, each rank's own loader state with its workers included, is
+    tests/test_check_resume.py's accelerate case.)"""
     env = child_env()
-    steps = 14  # 12 steps per epoch at 2 ranks x 4: the job crosses an epoch
+    steps = 14  # 12 steps per epoch at 2 ranks x 4: the resume is in the second epoch
     ref = tmp_path / "ref"
     run_torchrun(2, ACCELERATE, "--ckpt", ref / "ckpt", "--steps", steps + 2, "--samples", ref / "samples",
-                 "--weights", ref / "weights.pt", "--weights-step", steps, env=env, timeout=180)
-    ckpt = tmp_path / "ckpt"
-    args = ("--ckpt", ckpt, "--steps", steps)
-    log1 = tmp_path / "first.log"
-    proc = start_torchrun(2, ACCELERATE, *args, "--samples", tmp_path / "first", "--step-sleep", "0.4",
-                          env=env, log_path=log1)
-    try:
-        wait_for(lambda: any(s >= 3 for s in committed(ckpt)), 120, "step 3 committed", proc, log1)
-    finally:
-        kill_job(proc)
-    killed_at = max(committed(ckpt))
-    assert killed_at < steps
-    out = run_torchrun(2, ACCELERATE, *args, "--samples", tmp_path / "second", "--weights", tmp_path / "weights.pt",
-                       env=env, timeout=180).stdout
-    for rank in (0, 1):
-        assert printed(out, rank, "resumed step ") == str(killed_at), out[-3000:]
-        assert printed(out, rank, "exact loader ") == "True"  # each rank's own loader state, workers included
-        assert printed(out, rank, "counter ") == str(killed_at)  # the object registered with accelerate
-    # Bitwise: every micro-batch after the resume (ids and loss, per rank) and the final weights.
-    for rank in (0, 1):
-        want = [json.loads(x) for x in Path(f"{ref}/samples.rank{rank}.jsonl").read_text().splitlines()]
-        got = [json.loads(x) for x in Path(f"{tmp_path}/second.rank{rank}.jsonl").read_text().splitlines()]
-        assert got and got == [row for row in want if killed_at < row["step"] <= steps]
-    final, expected = torch.load(tmp_path / "weights.pt"), torch.load(ref / "weights.pt")
-    assert final["counter"] == steps
-    assert all(torch.equal(final["weights"][k], expected["weights"][k]) for k in expected["weights"])
-
-    # 2 -> 1 with the same 2 workers: the loader state does not fit, the sampler's global position does.
-    out1 = run_torchrun(1, ACCELERATE, "--ckpt", ckpt, "--steps", steps + 2, "--samples", tmp_path / "one",
+                 env=env, timeout=180)
+    for later in (steps + 1, steps + 2):  # the run as it was at step 14 (it saves every step)
+        shutil.rmtree(ref / "ckpt" / layout.step_dirname(later))
+    out1 = run_torchrun(1, ACCELERATE, "--ckpt", ref / "ckpt", "--steps", steps + 2, "--samples", tmp_path / "one",
                         env=env, timeout=180).stdout
+    assert printed(out1, 0, "resumed step ") == str(steps), out1[-3000:]
+    assert printed(out1, 0, "counter ") == str(steps)  # the object registered with accelerate
     assert printed(out1, 0, "exact loader ") == "False" and printed(out1, 0, "accum ") == "2", out1[-3000:]
     assert "restored the sampler's global position only (epoch 1, sample 16)" in out1
     got1 = samples_by_step(tmp_path / "one", 1)

@@ -3,11 +3,11 @@
 Dropout, a shuffled sampler with a global position, AdamW and a warmup+cosine
 schedule: everything that must be restored for a bit-exact resume.
 
-usage: train.py CKPT_DIR OUT_DIR TOTAL_STEPS [--pause-after N]
+usage: train.py CKPT_DIR OUT_DIR TOTAL_STEPS [--every N] [--step-sleep S]
 
 Writes OUT_DIR/losses.rank<r>.json ({step: loss}) and, at the end,
-OUT_DIR/final.pt (rank 0: model weights). With --pause-after N it writes
-OUT_DIR/paused once step N is committed and then sleeps, waiting to be killed.
+OUT_DIR/final.pt (rank 0: model weights); OUT_DIR/preempted (the step) when
+SIGTERM stopped it.
 """
 
 import argparse
@@ -29,7 +29,6 @@ def main() -> None:
     parser.add_argument("ckpt_dir")
     parser.add_argument("out_dir")
     parser.add_argument("total_steps", type=int)
-    parser.add_argument("--pause-after", type=int, default=None)
     parser.add_argument("--every", type=int, default=None, help="save every N steps (default: every step)")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step")
     args = parser.parse_args()
@@ -75,7 +74,7 @@ def main() -> None:
             losses[str(step)] = loss.item()
             with open(losses_path, "w") as f:
                 json.dump(losses, f)
-            handle = ckpt.save(state, step)
+            ckpt.save(state, step)
             if ckpt.preempted:  # SIGTERM arrived: the step is committed, leave now
                 if rank == 0:
                     with open(os.path.join(args.out_dir, "preempted"), "w") as f:
@@ -84,12 +83,6 @@ def main() -> None:
                 common.finish()
                 return
             time.sleep(args.step_sleep)
-            if args.pause_after is not None and step == args.pause_after:
-                handle.wait()
-                if rank == 0:
-                    open(os.path.join(args.out_dir, "paused"), "w").close()
-                while True:  # wait here to be SIGKILLed
-                    time.sleep(1)
             if step >= total:
                 break
     ckpt.close()
