@@ -21,7 +21,8 @@ and ``<!-- perf:end -->`` in FILE with a summary (``benchmarks/report.py``
 does the same from existing results without running anything).
 
 Cases (``--only``): blocked, durable, restore, remote_restore, remote_durable,
-training, elastic, history, need_only, commit_requests, peer, peer_training, restore_kinds (a fixed size: 1 GiB, ``--quick`` 128 MiB). ``--sizes`` (GiB) sizes the local-disk cases (default 1,4,8;
+training, elastic, history, need_only, commit_requests, peer, peer_training, restore_kinds and check_resume (a fixed
+size: 1 GiB, ``--quick`` 128 MiB). ``--sizes`` (GiB) sizes the local-disk cases (default 1,4,8;
 an 8 GiB state and its staging copy need about 17 GiB of RAM); the S3 cases
 use ``--remote-sizes`` (moto holds objects in RAM: 0.5 GiB at most).
 ``--quick`` runs small sizes and few repeats (minutes on 2 cores): a check
@@ -166,6 +167,14 @@ CASES = [
          "lists, beside numbers and strings) and a stateful object, each against reading that step's files "
          "(floor).",
          lambda a: ["--kinds", "--gib", "0.125" if a.quick else "1", "--repeats", repeats(a, 2, 5)],
+         sizes=None, memory=2.2, disk=1.3),
+    Case("check_resume", "What shardckpt check-resume costs", "bench_check_resume.py",
+         "One process, a module of 1 GiB fp32 (`--quick` 128 MiB): the time `save()` blocks in a normal run (floor) "
+         "and under the check, where every call also records digests of the state (xxh3-64 over every tensor, the "
+         "structure, the RNG); the digest alone; xxh3-64 over the same bytes. Then the wall time of `shardckpt "
+         "check-resume --steps 12 --kill-after 7` on `tests/programs/resume_script.py` (three runs) against one "
+         "plain run of the script to step 12 (floor).",
+         lambda a: ["--gib", "0.125" if a.quick else "1", "--repeats", repeats(a, 2, 5)],
          sizes=None, memory=2.2, disk=1.3),
 ]
 BY_NAME = {c.name: c for c in CASES}
