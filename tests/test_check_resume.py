@@ -10,7 +10,8 @@ processes or torchrun jobs on gloo), every save() call recorded by every rank.
   key that differs there with what it means: a generator not in the state
   (model), a scheduler not in the state (the learning rate), a loop whose epoch
   counter is not saved and resets the sampler's position (data position).
-- A script that never calls save(): exit 2. A nondeterministic script under
+- A resume that takes an older step than the newest committed one: exit 1. A
+  script that never calls save(): exit 2. A nondeterministic script under
   ``--reference-twice``: reported as such.
 - The resume matrix: DDP, FSDP2, the Hugging Face Trainer, an accelerate loop,
   Lightning DDP and torchtitan's manager, each a 2-rank job killed mid-epoch
@@ -48,11 +49,13 @@ def said(proc: subprocess.CompletedProcess) -> str:
 
 def test_a_correct_script_resumes_exactly_and_its_own_checkpoints_are_untouched(tmp_path):
     own, workdir = tmp_path / "own-checkpoints", tmp_path / "check"
-    proc = check(workdir, [sys.executable, SCRIPT, own])
+    # Every other save is light (no optimizer state): the kill after step 8 resumes step 7, the newest full one.
+    proc = check(workdir, [sys.executable, SCRIPT, own], kill=8, env=child_env(SHARDCKPT_FULL_EVERY="2"))
     assert proc.returncode == 0, said(proc)
     first = proc.stdout.splitlines()[0]
     assert first.startswith("shardckpt check-resume: equal: steps 8..12 on every rank (1 rank, 5 save() calls "
-                            "compared; killed after step 7, resumed from step 7)"), said(proc)
+                            "compared; killed after step 8, resumed from step 7)"), said(proc)
+    assert "  note: step 8 committed too, light (without optimizer state" in proc.stdout, said(proc)
     for key in ("model [model]", "optimizer [optimizer]", "scheduler [LR scheduler]", "sampler [data position]",
                 "noise [stateful object]", "rng [random generators]", "the reported loss"):
         assert key in proc.stdout, key
@@ -113,6 +116,13 @@ def test_a_planted_fault_is_named_at_the_first_step_after_the_resume(tmp_path, f
                                   f"(killed after step 7, resumed from step 7); {keys}\n"), said(proc)
     assert f"  rank 0: {detail}" in proc.stdout, said(proc)
     assert f"what it usually means: {meaning}" in proc.stdout, said(proc)
+
+
+def test_a_resume_that_skips_a_newer_committed_step_fails(tmp_path):
+    proc = check(tmp_path / "check", [sys.executable, SCRIPT, tmp_path / "own", "--fault", "older"])
+    assert proc.returncode == 1, said(proc)
+    assert proc.stdout.startswith("shardckpt check-resume: resume failed: the resumed run restored step 6, but step 7 "
+                                  "was committed (a full step) when the job was killed"), said(proc)
 
 
 def test_a_script_that_never_saves_cannot_be_checked(tmp_path):

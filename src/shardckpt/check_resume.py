@@ -362,15 +362,21 @@ def _settle(where: str) -> None:
             os.kill(pid, signal.SIGTERM)
 
 
-def _committed(ckpt: str) -> dict[str, list[int]]:
-    """Checkpointer tag -> its committed full steps, after the kill."""
+def _committed(ckpt: str) -> dict[str, dict[int, str]]:
+    """Checkpointer tag -> its committed steps and their kinds (full, light), after the kill."""
     out = {}
     for name in sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else []:
         root = os.path.join(ckpt, name)
         if os.path.isdir(root) and not name.endswith(".remote"):
-            out[name] = [s for s in layout.committed_steps(root)
-                         if (m := layout.read_manifest(os.path.join(root, layout.step_dirname(s)))) and m.kind == FULL]
+            manifests = {s: layout.read_manifest(os.path.join(root, layout.step_dirname(s)))
+                         for s in layout.committed_steps(root)}
+            out[name] = {s: m.kind for s, m in manifests.items() if m is not None}
     return out
+
+
+def _newer(committed: dict[str, dict[int, str]], tag: str, step: int | None, full: bool) -> list[int]:
+    return sorted(s for s, kind in committed.get(tag, {}).items()
+                  if step is not None and s > step and (kind == FULL) == full)
 
 
 # ------------------------------------------------------------------ the verdict
@@ -387,7 +393,7 @@ def _equal_text(equal: list[int]) -> str:
     return f"equal at steps {equal[0]}..{equal[-1]}" if equal else "no step before it compared"
 
 
-def _resumed_from(resumed: Run, committed: dict[str, list[int]], ref: Run) -> int:
+def _resumed_from(resumed: Run, committed: dict[str, dict[int, str]], ref: Run) -> int:
     loaded = compare.loads(resumed.records)
     first = min((int(r["step"]) for r in resumed.records if r.get("event") == "save"), default=None)
     if not loaded:
@@ -400,7 +406,7 @@ def _resumed_from(resumed: Run, committed: dict[str, list[int]], ref: Run) -> in
         return first - 1
     steps = set(loaded.values())
     if steps == {None}:
-        newest = max((max(s) for s in committed.values() if s), default=None)
+        newest = max((max(s) for s in committed.values() if s), default=None)  # any kind
         raise NotChecked(f"resume failed: the resumed run's load() found nothing to resume, though step {newest} "
                          f"was committed by the killed run under the same local_dir (redirected). Does the script "
                          f"load from another Checkpointer than the one that saves?", BAD)
@@ -409,7 +415,7 @@ def _resumed_from(resumed: Run, committed: dict[str, list[int]], ref: Run) -> in
                          f"{', '.join(f'rank {r}: {s}' for (_t, r), s in sorted(loaded.items()))}", BAD)
     step = steps.pop()
     for (tag, _rank), got in loaded.items():
-        newer = [s for s in committed.get(tag, []) if got is not None and s > got]
+        newer = _newer(committed, tag, got, full=True)
         if newer:
             raise NotChecked(f"resume failed: the resumed run restored step {got}, but step {max(newer)} was "
                              f"committed (a full step) when the job was killed: the resume skipped a newer step "
@@ -417,7 +423,7 @@ def _resumed_from(resumed: Run, committed: dict[str, list[int]], ref: Run) -> in
     return int(step)
 
 
-def _verdict(refs: list[Run], killed: Run, resumed: Run, committed: dict[str, list[int]],
+def _verdict(refs: list[Run], killed: Run, resumed: Run, committed: dict[str, dict[int, str]],
              skip: frozenset[tuple[str, str]], twice: bool) -> int:
     ref = refs[0]
     start = _resumed_from(resumed, committed, ref)
@@ -425,12 +431,16 @@ def _verdict(refs: list[Run], killed: Run, resumed: Run, committed: dict[str, li
     diff, equal = compare.first_difference(resumed.records, ref.records, start, upto, "resumed", skip)
     killed_at = max(int(s["step"]) for s in killed.stops.values())
     how = f"killed after step {killed_at}, resumed from step {start}"
+    light = sorted({s for tag in committed for s in _newer(committed, tag, start, full=False)})
+    notes = [f"  note: step{'s' if len(light) > 1 else ''} {', '.join(map(str, light))} committed too, light "
+             f"(without optimizer state: full_every, save(light=True), torchtitan's last_save_model_only), which "
+             f"load() does not resume by default; the resume took step {start}"] if light else []
     if diff is not None:
         lines = [f"DIFFERS at step {diff.step}, "
                  + ("the first step after the resume" if diff.step == start + 1 or not equal
                     else f"after {len(equal)} equal step(s) ({_equal_text(equal)})")
                  + f" ({how}); differing: {', '.join(diff.keys()) or 'the reported metrics'}",
-                 *diff.lines("resumed"), f"  what it usually means: {compare.meaning(diff, twice)}"]
+                 *diff.lines("resumed"), f"  what it usually means: {compare.meaning(diff, twice)}", *notes]
         return _print(BAD, "\n".join(lines))
     if not equal:
         raise NotChecked(f"not checked: no save() call after step {start} to compare ({how}; the runs stopped at "
@@ -446,4 +456,4 @@ def _verdict(refs: list[Run], killed: Run, resumed: Run, committed: dict[str, li
     if skip:
         lines.append(f"  not compared: {', '.join(sorted(f'{k}.{p}' for k, p in skip))} (never seeded: they differ "
                      f"between two runs from scratch; were they used, what they feed would differ)")
-    return _print(OK, "\n".join(lines))
+    return _print(OK, "\n".join(lines + notes))

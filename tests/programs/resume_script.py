@@ -12,7 +12,8 @@ checker stops it (or ``--steps N``). ``--fault``, each a classic way for a resum
 * ``data``: the loop's epoch counter is not in the state, and its ``set_epoch()`` at
   each epoch's start resets the sampler's saved position;
 * ``nosave``: never calls ``save()`` (and ends after 30 steps);
-* ``nondeterministic``: the noise generator is seeded from the process id.
+* ``nondeterministic``: the noise generator is seeded from the process id;
+* ``older``: resumes the oldest step it holds, not the newest.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class GeneratorState:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("ckpt")
-    p.add_argument("--fault", choices=["generator", "scheduler", "data", "nosave", "nondeterministic"])
+    p.add_argument("--fault", choices=["generator", "scheduler", "data", "nosave", "nondeterministic", "older"])
     p.add_argument("--fsdp2", action="store_true")
     p.add_argument("--remote", default=None)
     p.add_argument("--steps", type=int, default=None, help="end after this step (default: train until stopped)")
@@ -86,7 +87,8 @@ def main() -> None:
     if a.fault != "generator":
         state["noise"] = GeneratorState(noise)
     ckpt = shardckpt.Checkpointer(local_dir=a.ckpt, remote=a.remote, keep_last=2)
-    step = ckpt.load(state) or 0
+    older = min(ckpt.steps()) if a.fault == "older" and ckpt.steps() else None
+    step = ckpt.load(state, older) or 0
     for epoch in itertools.count():  # the sampler moves to its next epoch itself at the end of one
         if a.fault == "data":
             sampler.set_epoch(epoch)  # from a counter that starts at 0 again after the resume
