@@ -13,8 +13,8 @@ processes or torchrun jobs on gloo), every save() call recorded by every rank.
 - A resume that takes an older step than the newest committed one: exit 1. A
   script that never calls save(): exit 2. A nondeterministic script under
   ``--reference-twice``: reported as such.
-- The resume matrix: DDP, FSDP2, the Hugging Face Trainer, an accelerate loop,
-  Lightning DDP and torchtitan's manager, each a 2-rank job killed mid-epoch
+- The resume matrix: DDP and FSDP2 (one job: a model of each), the Hugging
+  Face Trainer, an accelerate loop, Lightning DDP and torchtitan's manager, each a 2-rank job killed mid-epoch
   after an epoch boundary (Lightning: in its first epoch, until its epoch
   boundary resume is fixed; torchtitan's data has no epochs) and compared
   step by step, bitwise, with an uninterrupted run: exit 0.
@@ -154,8 +154,9 @@ def _installed(*modules: str) -> bool:
 
 def _matrix():
     # (case, command for tmp_path, --steps, --kill-after, the first step compared, ranks, modules it needs)
-    yield "ddp", lambda t: torchrun_cmd(2, SCRIPT, t / "own"), 12, 7, 8, 2, ()
-    yield "fsdp2", lambda t: torchrun_cmd(2, SCRIPT, t / "own", "--fsdp2"), 12, 7, 8, 2, ()
+    # One job for both wrappers: a DDP model and an FSDP2-sharded one, each with its own AdamW (each compared
+    # on its own key, at the cost of one job).
+    yield "ddp-and-fsdp2", lambda t: torchrun_cmd(2, SCRIPT, t / "own", "--fsdp2"), 12, 7, 8, 2, ()
     # One process (transformers' import is the cost of a rank), 96 samples, 8 a step: an epoch of 12 steps.
     yield ("hf-trainer", lambda t: [sys.executable, PROGRAMS / "hf_trainer.py", "--out", t / "out", "--per-device",
                                     "8", "--max-steps", "1000"], 16, 14, 15, 1, ("transformers",))
@@ -184,3 +185,7 @@ def test_resume_matrix(tmp_path, case, command, steps, kill, first, ranks, needs
     assert proc.stdout.startswith(f"shardckpt check-resume: equal: steps {first}..{steps} on every rank ({ranks} "
                                   f"rank{'s' if ranks > 1 else ''}, "), said(proc)
     assert f"killed after step {kill}, resumed from step {kill})" in proc.stdout, said(proc)
+    if case == "ddp-and-fsdp2":
+        assert "  compared: model [model], noise [stateful object], optimizer [optimizer], rng [random generators], " \
+               "sampler [data position], scheduler [LR scheduler], sharded [model], sharded_optimizer [optimizer]" \
+               in proc.stdout, said(proc)

@@ -384,7 +384,7 @@ def _newer(committed: dict[str, dict[int, str]], tag: str, step: int | None, ful
 
 def _nondeterministic(diff: compare.Difference, which: str, equal: list[int]) -> int:
     lines = [f"nondeterministic: {which} differ at step {diff.step} ({_equal_text(equal)}): "
-             f"{', '.join(diff.keys()) or 'the metrics'} differ.", *diff.lines("second"),
+             f"{', '.join(diff.keys()) or 'the metrics'} differ.", *diff.lines(),
              f"  what it means: {compare.NONDETERMINISM}"]
     return _print(BAD, "\n".join(lines))
 
@@ -440,7 +440,7 @@ def _verdict(refs: list[Run], killed: Run, resumed: Run, committed: dict[str, di
                  + ("the first step after the resume" if diff.step == start + 1 or not equal
                     else f"after {len(equal)} equal step(s) ({_equal_text(equal)})")
                  + f" ({how}); differing: {', '.join(diff.keys()) or 'the reported metrics'}",
-                 *diff.lines("resumed"), f"  what it usually means: {compare.meaning(diff, twice)}", *notes]
+                 *diff.lines(), f"  what it usually means: {compare.meaning(diff, twice)}", *notes]
         return _print(BAD, "\n".join(lines))
     if not equal:
         raise NotChecked(f"not checked: no save() call after step {start} to compare ({how}; the runs stopped at "

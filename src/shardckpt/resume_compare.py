@@ -65,8 +65,8 @@ class KeyDiff:
             return f"{label} is missing in the {self.missing} run's state"
         notes = []
         if self.lr is not None:
-            notes.append(f"learning rate {_fmt(self.lr[0])} (reference {_fmt(self.lr[1])})")
-        notes += [f"{name} {_fmt(a)} (reference {_fmt(b)})" for name, (a, b) in sorted(self.values.items())][:6]
+            notes.append("learning rate " + _pair(*self.lr))
+        notes += [f"{name} {_pair(a, b)}" for name, (a, b) in sorted(self.values.items())][:6]
         rest = [p for p in self.parts if p not in self.values]
         if rest and self.nparts > 1:
             shown = ", ".join(rest[:4]) + (f", ... ({len(rest)} of {self.nparts} differ)" if len(rest) > 4 else "")
@@ -81,11 +81,11 @@ class LaneDiff:
     keys: list[KeyDiff] = dataclasses.field(default_factory=list)
     metrics: dict[str, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
 
-    def text(self, run: str) -> str:
+    def text(self) -> str:
         if self.missing:
             return f"no save() call of this step in the {self.missing} run"
         parts = [k.text() for k in self.keys]
-        parts += [f"reported {name} {_fmt(a)} (reference {_fmt(b)})" for name, (a, b) in sorted(self.metrics.items())]
+        parts += [f"reported {name} {_pair(a, b)}" for name, (a, b) in sorted(self.metrics.items())]
         return "; ".join(parts)
 
 
@@ -93,7 +93,6 @@ class LaneDiff:
 class Difference:
     step: int
     lanes: list[LaneDiff]
-    compared: int  # steps compared before this one (equal)
 
     def roles(self) -> set[str]:
         found = set()
@@ -113,28 +112,31 @@ class Difference:
         found = {k.key: k for lane in self.lanes for k in lane.keys}
         return [key for key, _ in sorted(found.items(), key=lambda kv: (_priority(kv[1]), kv[0]))]
 
-    def lines(self, run: str) -> list[str]:
+    def lines(self) -> list[str]:
         """One line per group of lanes that differ alike (``ranks 0, 1: ...``)."""
-        tags = {lane.lane[0] for lane in self.lanes}
-        grouped: dict[str, list[Lane]] = {}
+        several = len({lane.lane[0] for lane in self.lanes}) > 1
+        grouped: dict[tuple[str, str], list[int]] = {}
         for lane in self.lanes:
-            grouped.setdefault(lane.text(run), []).append(lane.lane)
+            grouped.setdefault((lane.lane[0], lane.text()), []).append(lane.lane[1])
         out = []
-        for text, lanes in grouped.items():
-            ranks = ", ".join(str(rank) for _tag, rank in sorted(lanes, key=lambda x: x[1]))
-            where = f"rank{'s' if len(lanes) > 1 else ''} {ranks}"
-            if len(tags) > 1:
-                where += f" (checkpointer {lanes[0][0]})"
-            out.append(f"  {where}: {text}")
+        for (tag, text), ranks in grouped.items():
+            where = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
+            out.append(f"  {where}{f' (checkpointer {tag})' if several else ''}: {text}")
         return out
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: Any, short: bool = True) -> str:
     if isinstance(value, float):
-        return f"{value:.6g}"
+        return f"{value:.6g}" if short else repr(value)
     if isinstance(value, list):
-        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+        return "[" + ", ".join(_fmt(v, short) for v in value) + "]"
     return repr(value) if isinstance(value, str) else str(value)
+
+
+def _pair(mine: Any, ref: Any) -> str:
+    """``mine (reference ref)``, floats to 6 digits unless it takes all of them to tell the two apart."""
+    short = _fmt(mine) != _fmt(ref)
+    return f"{_fmt(mine, short)} (reference {_fmt(ref, short)})"
 
 
 def _key_diff(key: str, a: dict[str, Any] | None, b: dict[str, Any] | None, run: str,
@@ -188,7 +190,7 @@ def first_difference(mine: list[dict[str, Any]], ref: list[dict[str, Any]], afte
         diffs = [d for lane in lanes if (d := compare_step(sa.get(lane, {}).get(step), sb.get(lane, {}).get(step),
                                                            lane, run, skip)) is not None]
         if diffs:
-            return Difference(step, diffs, len(equal)), equal
+            return Difference(step, diffs), equal
         equal.append(step)
     return None, equal
 

@@ -1,7 +1,7 @@
 """A training script of the usual shape for ``shardckpt check-resume``: it trains until it is stopped.
 
 ``resume_script.py CKPT_DIR [--remote URL] [--fault KIND] [--fsdp2]``: one process, or every
-rank under torchrun (DDP; FSDP2 with ``--fsdp2``). A tiny model with dropout,
+rank under torchrun (DDP; with ``--fsdp2`` a second model beside it, sharded by FSDP2). A tiny model with dropout,
 AdamW, a LambdaLR schedule, a shuffled ResumableSampler (40 samples, 8 per
 step over all ranks: an epoch of 5 steps), input noise from a generator of its
 own, and the loss reported to ``save(..., metrics=)``. It loops until the
@@ -64,16 +64,19 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = TinyNet(width=16, dropout=0.2)
-    if a.fsdp2:
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sharded = None
+    if a.fsdp2:  # a second model, sharded by FSDP2 over the ranks, trained beside the first
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        sharded = TinyNet(width=16, dropout=0.2)
         mesh = init_device_mesh("cpu", (world,))
-        fully_shard(model.fc1, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    elif world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        fully_shard(sharded.fc1, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        sharded_optimizer = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.2 * s))
     g = torch.Generator().manual_seed(7)
     dataset = TensorDataset(torch.randn(SAMPLES, 8, generator=g), torch.randn(SAMPLES, 2, generator=g))
@@ -82,6 +85,8 @@ def main() -> None:
     torch.manual_seed(100 + rank)  # dropout masks differ by rank
 
     state = {"model": model, "optimizer": optimizer, "sampler": sampler}
+    if sharded is not None:
+        state.update(sharded=sharded, sharded_optimizer=sharded_optimizer)
     if a.fault != "scheduler":
         state["scheduler"] = scheduler
     if a.fault != "generator":
@@ -99,9 +104,14 @@ def main() -> None:
             x = x + 0.1 * torch.randn(x.shape, generator=noise)
             loss = torch.nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()
+            if sharded is not None:
+                loss = loss + torch.nn.functional.mse_loss(sharded(x), y)
+                sharded_optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             scheduler.step()
+            if sharded is not None:
+                sharded_optimizer.step()
             if a.fault != "nosave":
                 ckpt.save(state, step, metrics={"loss": loss.item()})
             if step == (30 if a.fault == "nosave" else a.steps):
