@@ -125,9 +125,13 @@ def cmd_check_resume(args: argparse.Namespace) -> int:
     except NotChecked as problem:
         return _print(problem.code, str(problem))
     t0 = time.monotonic()
+    # SIGTERM to the checker ends its job too (the job runs in a session of its own, which a kill of the
+    # checker's process group does not reach): the finally clauses below kill it and clean up.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         code = _check(command, steps, kill, workdir, args)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         _settle(workdir)
         if args.keep:
             print(f"{PREFIX}: logs, records and checkpoints kept in {workdir}", file=sys.stderr)
