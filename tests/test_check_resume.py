@@ -4,8 +4,9 @@ Each test runs the command itself (``python -m shardckpt check-resume ... --
 COMMAND``): three real runs of COMMAND (reference, SIGKILLed, resumed; plain
 processes or torchrun jobs on gloo), every save() call recorded by every rank.
 
-- A correct plain script resumes exactly (exit 0); its own ``local_dir`` and
-  its S3 remote (an endpoint where nothing listens) are never touched.
+- A correct plain script resumes exactly (exit 0) and its own ``local_dir`` is
+  never created; with every other save light, the kill after a light step
+  resumes the full one before it and the verdict names the light one.
 - Planted faults, each exit 1 naming the first step after the resume and the
   key that differs there with what it means: a generator not in the state
   (model), a scheduler not in the state (the learning rate), a loop whose epoch
@@ -14,10 +15,10 @@ processes or torchrun jobs on gloo), every save() call recorded by every rank.
   script that never calls save(): exit 2. A nondeterministic script under
   ``--reference-twice``: reported as such.
 - The resume matrix: DDP and FSDP2 (one job: a model of each), the Hugging
-  Face Trainer, an accelerate loop, Lightning DDP and torchtitan's manager, each a 2-rank job killed mid-epoch
-  after an epoch boundary (Lightning: in its first epoch, until its epoch
-  boundary resume is fixed; torchtitan's data has no epochs) and compared
-  step by step, bitwise, with an uninterrupted run: exit 0.
+  Face Trainer (one process), an accelerate loop with a StatefulDataLoader,
+  Lightning DDP and FSDP2, torchtitan's manager; each job killed mid-epoch
+  after an epoch boundary and compared step by step, bitwise, with an
+  uninterrupted run: exit 0.
 """
 
 from __future__ import annotations
@@ -164,12 +165,15 @@ def _matrix():
     yield ("accelerate", lambda t: torchrun_cmd(2, PROGRAMS / "hf_accelerate.py", "--ckpt", t / "own", "--steps",
                                                  "1000", "--samples", t / "samples"), 16, 14, 15, 2,
            ("accelerate", "torchdata"))
-    # An epoch of 6 steps, a save every 2: killed in the first epoch (see the module's docstring).
-    yield ("lightning-ddp", lambda t: torchrun_cmd(2, PROGRAMS / "lightning_job.py", t, t / "own", "ddp", "run",
-                                                    "-", "-", "1000"), 8, 4, 6, 2, ("lightning", "torchdata"))
-    # FSDP2, a save every 3 steps; a data loader without epochs.
-    yield ("torchtitan", lambda t: torchrun_cmd(2, PROGRAMS / "torchtitan_job.py", "loop", t, t / "own"), 12, 6, 7,
-           2, ("torchtitan",))
+    # 64 samples, 4 a rank and step: an epoch of 8 steps; a save every 2.
+    for strategy in ("ddp", "fsdp2"):
+        yield (f"lightning-{strategy}",
+               lambda t, strategy=strategy: torchrun_cmd(2, PROGRAMS / "lightning_job.py", t, "run",
+                                                          f"ckpt={t / 'own'}", f"strategy={strategy}", "every=2",
+                                                          "steps=1000"), 16, 10, 12, 2, ("lightning", "torchdata"))
+    # FSDP2, a save every 3 steps; each rank's data part re-looped every 4 steps.
+    yield ("torchtitan", lambda t: torchrun_cmd(2, PROGRAMS / "torchtitan_job.py", t, "run", f"ckpt={t / 'own'}",
+                                                 "steps=1000000"), 12, 6, 7, 2, ("torchtitan",))
 
 
 MATRIX = list(_matrix())
