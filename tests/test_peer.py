@@ -387,11 +387,25 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
         _kill_daemons(base)
 
 
+def _private_files(root):
+    """Every path of the tier's directories under ``root`` whose mode lets anyone but its owner in."""
+    loose = []
+    for top in (root / ".shardckpt-remote", root / replicas.REPLICAS_DIR):
+        for here, dirs, files in os.walk(top):
+            for path, want in [(here, 0o700)] + [(os.path.join(here, f), 0o600) for f in files]:
+                mode = os.stat(path).st_mode & 0o777
+                if mode != want:
+                    loose.append(f"{path}: {mode:o}")
+    return loose
+
+
 def test_after_a_rollback_the_live_branch_is_replicated_and_survives_a_node_loss(tmp_path):
     """2 nodes x 1 rank save 10, 20, 30, roll back to 10 and save 11, 12 (30 is the highest number, 12 the
     live head). close() returns once 12 is peer-durable; node 1 is then lost (daemon and disk) and node 0
     alone resumes step 12 bitwise from its own files and node 1's replica. Node 0's daemon, told by that
-    launch that the tier is off, retries nobody and exits after its linger."""
+    launch that the tier is off, retries nobody and exits after its linger. Under umask 022 every directory
+    of the tier is 0700 and every file in it 0600 (the state directory, peers.json, status files, logs,
+    lock, keys, replicas)."""
     import shutil
     import socket
 
@@ -401,8 +415,13 @@ def test_after_a_rollback_the_live_branch_is_replicated_and_survives_a_node_loss
     prog = PROGRAMS / "peer_rollback.py"
     base, out, out2 = _job_dirs(tmp_path)
     host = socket.gethostname()
+    old_umask = os.umask(0o022)
     try:
         run_nodes(2, 1, prog, "save", base, out, log_dir=tmp_path)
+        os.umask(old_umask)
+        for node in ("node0", "node1"):
+            assert (base / node / ".shardckpt-remote" / peer_daemon.PEERS_NAME).exists()
+            assert _private_files(base / node) == [], node
         held = base / "node0" / replicas.REPLICAS_DIR / replicas.owner_dirname(f"{host}:1")
         mine = layout.read_manifest(str(base / "node1" / layout.step_dirname(12)))
         assert layout.read_manifest(str(held / layout.step_dirname(12))) is not None, \
@@ -428,6 +447,7 @@ def test_after_a_rollback_the_live_branch_is_replicated_and_survives_a_node_loss
         wait_for(lambda: json.loads(status.read_text()).get("state") == "exited", 30,
                  "node 0's daemon to end by itself, its job over")
     finally:
+        os.umask(old_umask)
         _kill_daemons(base)
 
 
@@ -762,9 +782,22 @@ def test_an_operators_ca_replaces_the_nodes_own_keys(endpoint, tmp_path, monkeyp
     half = shardckpt.CheckpointConfig(local_dir=str(owner), peer_tls_ca=str(pki / "ca.pem"))
     with pytest.raises(tls.PeerTLSError, match="peer_tls_cert, peer_tls_key and peer_tls_ca"):
         PeerTier(half, str(owner), registered=True)._identity("owner:0")
+    # A key file that others can read, and one of mode 0600 that belongs to another user: each message
+    # names its own problem (a mode to tighten, an owner to change), never the other's.
     (pki / "owner.key").chmod(0o640)
-    with pytest.raises(tls.PeerTLSError, match="chmod 600"):
+    with pytest.raises(tls.PeerTLSError, match="readable by other users \\(mode 640\\).*Remedy: chmod 600") as info:
         tier._identity("owner:0")
+    assert "another user" not in str(info.value)
+    (pki / "owner.key").chmod(0o600)
+    if os.getuid() == 0:  # only root can give a file to another user
+        os.chown(pki / "owner.key", 65534, -1)
+        with pytest.raises(tls.PeerTLSError, match="belongs to another user \\(owner uid 65534.*Remedy: chown") as info:
+            tier._identity("owner:0")
+        assert "readable by other users" not in str(info.value)
+    else:
+        from helpers import UNCHECKED
+
+        UNCHECKED.append("a key owned by another user is named as such (needs root to chown)")
 
 
 def _newest_complete(base, survivors, lost):

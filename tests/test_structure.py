@@ -8,6 +8,7 @@ Rules (docs/concepts/architecture.md):
 * no module over 700 lines;
 * ``format/`` and ``dcp/`` import no tier, store, daemon or higher layer;
 * ``stores/`` imports only ``format/``, ``errors`` and the leaf helpers;
+* ``tiers/`` never imports ``node/`` (the daemons sit above the tiers they use);
 * nothing below the facade imports the facade (``checkpointer``, ``cli``,
   ``export``) or the package root.
 
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent / "src" / PACKAGE
 MAX_LINES = 700
 MAX_INNER_IMPORTS = 5
 FACADE = {f"{PACKAGE}.checkpointer", f"{PACKAGE}.cli", f"{PACKAGE}.export", PACKAGE, f"{PACKAGE}.__main__"}
-LEAVES = {f"{PACKAGE}.errors", f"{PACKAGE}._failpoints", f"{PACKAGE}._text"}
+LEAVES = {f"{PACKAGE}.errors", f"{PACKAGE}._failpoints", f"{PACKAGE}._text", f"{PACKAGE}._proc"}
 """Modules that import nothing of the package: any layer may use them."""
 LOWER_LAYERS = ("format", "dcp", "stores", "tiers", "saving", "restoring", "state", "node")
 OVERSIZE_ALLOWED: set[str] = set()
@@ -164,6 +165,12 @@ def test_format_and_dcp_import_no_tier():
 def test_stores_import_only_the_format_and_errors():
     bad = [f"{m} -> {t}" for m, edges in GRAPH.items() if _layer(m) == "stores"
            for t, _i, _l in edges if t not in LEAVES and _layer(t) not in ("format", "stores")]
+    assert bad == []
+
+
+def test_tiers_never_import_the_node_daemons():
+    bad = [f"{m} -> {t}" for m, edges in GRAPH.items() if _layer(m) == "tiers"
+           for t, _i, _l in edges if _layer(t) == "node"]
     assert bad == []
 
 

@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Any
 
-from shardckpt.format import layout, lineage
+from shardckpt.format import layout, lineage, node_state
 from shardckpt.format.replicas import committed_replicas, manifest_or_none, placement
 from shardckpt.node.node_registry import daemon_logging, process_record, read_json, state_dir, trainers_alive
 from shardckpt.node.peer_service import PeerService, PeerHTTPServer, serve
@@ -46,10 +46,9 @@ from shardckpt.stores.peer_client import PeerClient, PeerError
 
 log = logging.getLogger("shardckpt")
 
-PEERS_NAME = "peers.json"
-AGREED_NAME = "peer-agreed.json"
-"""The newest step complete across any single node's loss, as the job's nodes agreed at a save (by the trainer)."""
-STATUS_NAME = "peer.json"
+PEERS_NAME = node_state.PEERS_NAME
+AGREED_NAME = node_state.AGREED_NAME
+STATUS_NAME = node_state.PEER_STATUS_NAME
 LOCK_NAME = "peer.lock"
 LOCK_WAIT_S = 15.0
 """How long a new daemon waits for the lock of one that is exiting (it shuts its endpoint down first)."""
@@ -100,8 +99,8 @@ class PeerDaemon:
         self._stop.set()
 
     def run(self) -> int:
-        os.makedirs(state_dir(self.root), exist_ok=True)
-        fd = os.open(os.path.join(state_dir(self.root), LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        node_state.make_state_dir(self.root)
+        fd = os.open(os.path.join(state_dir(self.root), LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
         # A trainer starts a daemon when none reports itself running: one still holding the lock is
         # on its way out (its status says so); wait for it rather than leave the node without one.
         end = time.monotonic() + LOCK_WAIT_S
@@ -291,21 +290,12 @@ class PeerDaemon:
         if read_json(path) == body:
             return
         try:
-            layout.atomic_write_text(path, json.dumps(body, indent=1))
+            node_state.write_private(path, json.dumps(body, indent=1))
         except OSError as exc:
             log.warning("shardckpt: cannot write the peer status under %s: %s", self.root, exc)
 
 
-def replicated(root: str, step: int, manifest: layout.Manifest | None = None) -> dict[str, Any] | None:
-    """What this node's daemon recorded of sending its files of ``step``, for the version committed
-    here (``{"holders", "time", "seconds"}``); ``None`` when not replicated (or another save was)."""
-    info = read_json(os.path.join(state_dir(root), STATUS_NAME))
-    sent = (info.get("replicated") or {}).get(str(step))
-    if manifest is None:
-        manifest = manifest_or_none(os.path.join(root, layout.step_dirname(step)))
-    if not sent or manifest is None or sent.get("version") != layout.version_of(manifest):
-        return None
-    return sent
+replicated = node_state.replicated
 
 
 def latest_replicated(root: str) -> int | None:

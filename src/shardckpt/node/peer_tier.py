@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from shardckpt import _dist
-from shardckpt.format import layout, lineage, replicas
+from shardckpt.format import lineage, node_state, replicas
 from shardckpt.node import peer_daemon
 from shardckpt.stores import peer_client, tls
 from shardckpt.node.node_registry import pid_alive, read_json, register_trainer, state_dir, unregister_trainer
@@ -126,7 +126,7 @@ class PeerTier:
             except tls.PeerTLSError as exc:
                 log.error("shardckpt: the peer tier of %s: %s", self.root, exc)
             written = f"{time.time():.6f}-{os.getpid()}"
-            layout.atomic_write_text(os.path.join(state_dir(self.root), peer_daemon.PEERS_NAME), _json({
+            node_state.write_private(os.path.join(state_dir(self.root), peer_daemon.PEERS_NAME), _json({
                 "nodes": self.nodes, "replicas": self.replicas, "bandwidth": self.config.peer_bandwidth,
                 "keep_last": self.config.keep_last, "tls": self.identity.to_json(), "written": written,
             }))
@@ -166,7 +166,7 @@ class PeerTier:
         that there is no job to replicate to (it stops retrying, and exits after its linger)."""
         path = os.path.join(state_dir(self.root), peer_daemon.PEERS_NAME)
         if os.path.exists(path) and (read_json(path).get("nodes") or read_json(path).get("replicas")):
-            layout.atomic_write_text(path, _json({"nodes": [], "replicas": 0, "written": time.time()}))
+            node_state.write_private(path, _json({"nodes": [], "replicas": 0, "written": time.time()}))
             log.info("shardckpt: the peer tier is off in this launch; the peer daemon of %s stops replicating",
                      self.root)
 
@@ -181,7 +181,7 @@ class PeerTier:
         return tls.node_identity(state_dir(self.root), node)
 
     def _start(self, node: str, domain: str | None) -> dict[str, Any]:
-        os.makedirs(state_dir(self.root), exist_ok=True)
+        node_state.make_state_dir(self.root)
         self.identity = self._identity(node)
         if not self._registered:
             self._trainer_file = register_trainer(self.root)
@@ -298,8 +298,8 @@ class PeerTier:
         if self.committer:
             path = os.path.join(state_dir(self.root), peer_daemon.AGREED_NAME)
             try:
-                os.makedirs(state_dir(self.root), exist_ok=True)
-                layout.atomic_write_text(path, _json({"step": found[0], "version": found[1]}))
+                node_state.make_state_dir(self.root)
+                node_state.write_private(path, _json({"step": found[0], "version": found[1]}))
             except OSError as exc:  # the daemon keeps its replicas from the earlier point: nothing is lost
                 log.warning("shardckpt: cannot write %s: %s; the peer daemon keeps the replicas it holds from "
                             "an earlier step", path, exc)

@@ -30,7 +30,7 @@ import uuid
 from typing import Any, Callable
 
 from shardckpt.format import layout, lineage, step_dirs
-from shardckpt.node import peer_daemon
+from shardckpt.format import node_state
 from shardckpt.tiers import compressed, remote_commit
 from shardckpt.tiers.missing import read_committed
 from shardckpt.errors import CorruptCheckpointError, RemoteError, ShardckptError
@@ -307,7 +307,7 @@ class LocalSteps(Steps):
         """``local``, ``peer`` once this node's peer daemon replicated it, ``remote`` once the uploader
         marked it committed there."""
         found = ["local"]
-        if peer_daemon.replicated(self.root, step, manifest):
+        if node_state.replicated(self.root, step, manifest):
             found.append("peer")
         try:
             with open(os.path.join(self.step_where(step), remote_commit.UPLOADED_NAME), encoding="utf-8") as f:
