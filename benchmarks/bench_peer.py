@@ -45,7 +45,7 @@ import common  # noqa: E402  (puts src/ on sys.path)
 import shardckpt  # noqa: E402
 from shardckpt.format import layout
 from shardckpt.format import replicas  # noqa: E402
-from shardckpt.node import peer_service  # noqa: E402
+from shardckpt.node import peer_server, peer_service  # noqa: E402
 from shardckpt.stores import peer_client, tls  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
@@ -140,7 +140,7 @@ def main() -> None:
         client_ctx = tls.client_context(ids["owner"], certs)
         members = {ids["owner"].fingerprint: "bench:0", ids["holder"].fingerprint: "holder:0"}
         service = peer_service.PeerService(holder, "holder:0", server_ctx, members)
-        endpoint = peer_service.serve(service, "127.0.0.1")
+        endpoint = peer_server.serve(service, "127.0.0.1")
         client = peer_client.PeerClient(f"127.0.0.1:{endpoint.server_address[1]}", client_ctx,
                                         expect=ids["holder"].fingerprint)
         sink_dir = str(tmp / "sink")

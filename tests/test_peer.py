@@ -9,6 +9,9 @@ import os
 import re
 import shutil
 import signal
+import socket
+import ssl
+import threading
 import time
 
 import pytest
@@ -17,9 +20,10 @@ import torch.nn as nn
 
 import shardckpt
 from shardckpt import cli
+from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format import layout
 from shardckpt.format import replicas
-from shardckpt.node import peer_daemon, peer_service
+from shardckpt.node import peer_daemon, peer_server, peer_service
 from shardckpt.stores import peer_client, tls
 
 class Job:
@@ -37,7 +41,7 @@ class Job:
     def serve(self, who, root):
         service = peer_service.PeerService(str(root), f"{who}:0", tls.server_context(self.ids[who], self.certs),
                                            self.members)
-        server = peer_service.serve(service, "127.0.0.1")
+        server = peer_server.serve(service, "127.0.0.1")
         return server, f"127.0.0.1:{server.server_address[1]}"
 
 
@@ -64,6 +68,40 @@ def _raw(addr, method, path, body=b"", headers=None, context=None):
         return "reset", b""  # refused while the body was still being sent
     finally:
         conn.close()
+
+
+def _routes(step, name, owner, tag):
+    """Every route of the endpoint, as (method, path)."""
+    return [("GET", "/v1/steps"), ("GET", f"/v1/local/{step}/{name}"), ("GET", f"/v1/local/{step}/"),
+            ("GET", f"/v1/replica/{owner}/{step}/{name}"), ("GET", f"/v1/replica/{owner}/{step}/"),
+            ("POST", f"/v1/replica/{owner}/{step}/{tag}/begin"), ("PUT", f"/v1/replica/{owner}/{step}/{tag}/f/{name}"),
+            ("POST", f"/v1/replica/{owner}/{step}/{tag}/commit")]
+
+
+def _answer_or_closed(addr, method, path, context, secret):
+    """One request with ``context``: ``None`` when the connection was refused or closed before any answer,
+    else the status (403 expected); fails when any bytes of ``secret`` (a file's content) came back."""
+    host, port = addr.rsplit(":", 1)
+    conn = http.client.HTTPSConnection(host, int(port), timeout=30, context=context)
+    try:
+        conn.request(method, path, body=b"{}" if method != "GET" else None)
+        resp = conn.getresponse()
+        body = resp.read()
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+    assert secret[:64] not in body and resp.status != 200, (method, path, resp.status, body[:200])
+    return resp.status
+
+
+def _quiet(fn):
+    def run():
+        try:
+            fn()
+        except (OSError, ValueError):
+            pass
+    return run
 
 
 @pytest.fixture
@@ -105,7 +143,7 @@ def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path
     client.get_file(1, big, str(got), manifest.files[big], owner="owner:0")  # checked on the way
     assert got.read_bytes() == data
     wrong_entry = layout.FileEntry(manifest.files[big].size, layout.checksum_bytes(b"other"), 0)
-    with pytest.raises(peer_client.PeerError, match="not the manifest's"):
+    with pytest.raises(CorruptCheckpointError, match="not the manifest.s"):
         client.get_file(1, big, str(tmp_path / "refused"), wrong_entry, owner="owner:0")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("refused")]
     # peer_bandwidth: a replica of N bytes at R bytes/s takes at least N / R seconds to send.
@@ -127,6 +165,23 @@ def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path
         plain.request("GET", "/v1/steps")
         plain.getresponse().read()
     plain.close()
+    # A TLS client presenting no certificate at all: the handshake itself is refused (the endpoint's TLS
+    # requires one), so no route answers it, and no byte of any file reaches it.
+    bare = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    bare.check_hostname = False
+    bare.load_verify_locations(cadata=job.ids["holder"].cert_pem)
+    tag = replicas.version_tag(manifest)
+    for method, path in _routes(1, big, "owner_0", tag):
+        assert _answer_or_closed(addr, method, path, bare, data) is None, (method, path)
+    a, b = socket.socketpair()
+    with a, b:
+        server_side = tls.server_context(job.ids["holder"], job.certs).wrap_socket(
+            a, server_side=True, do_handshake_on_connect=False)
+        client_side = bare.wrap_socket(b, do_handshake_on_connect=False)
+        threading.Thread(target=_quiet(client_side.do_handshake), daemon=True).start()
+        with pytest.raises(ssl.SSLError):
+            server_side.settimeout(10)
+            server_side.do_handshake()
     # A job member writes its own replicas only: not another node's, not an owner named "..".
     begin = f"/v1/replica/second_0/1/{replicas.version_tag(manifest)}/begin"
     assert _raw(addr, "POST", begin, manifest.to_json().encode(), context=member)[0] == 403
@@ -134,6 +189,11 @@ def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path
         path = f"/v1/replica/{owner_name}/1/{replicas.version_tag(manifest)}/begin"
         assert _raw(addr, "POST", path, manifest.to_json().encode(), context=member)[0] in (400, 403, 404)
     assert not (tmp_path / "1").exists() and not (holder / "1").exists()
+    # A member's read of another directory through an owner named "../..": 400, and no byte of it.
+    for path in (f"/v1/replica/..%2F..%2F{owner.name}/1/{big}", f"/v1/replica/..%2F..%2F{owner.name}/1/",
+                 f"/v1/replica/..%2F..%2F{owner.name}%2F.shardckpt-replicas%2F..%2F/1/{big}"):
+        status, body = _raw(addr, "GET", path, context=member)
+        assert status == 400 and data[:64] not in body, (path, status, body[:200])
     # Paths out of the replica and step directories, from a job member.
     for path in ("/v1/local/1/..%2F..%2Fholder%2F.shardckpt-remote%2Fpeer-key.pem",
                  "/v1/replica/../1/" + big, "/v1/replica/owner_0/1/..", "/v1/local/1/%2Fetc%2Fpasswd",
@@ -642,31 +702,145 @@ def _start_daemon(root, node, fd_limit):
     return proc
 
 
-def test_a_strangers_idle_connections_do_not_stop_replication_and_replicas_stay_private(tmp_path):
-    """Two daemons at a 256 open-file limit; a stranger opens 600 idle connections to each (a bounded
-    loop, 127.0.0.1 only) and keeps them open. The owner's next step still becomes peer-durable (the
-    endpoint caps connections and closes those that do not finish a handshake); the refusals are logged
-    at a bounded rate. Under umask 022 every replica file and folder and every key file is private."""
-    import socket
-    import threading
+class _IdleFlood:
+    """Strangers holding TCP connections open without a byte of TLS: ``per_source`` of them from each source
+    address, each opened again as soon as the endpoint closes it (one thread, a selector; bounded by stop())."""
 
+    def __init__(self, addr, sources, per_source):
+        import selectors
+
+        self.target = (addr.rsplit(":", 1)[0], int(addr.rsplit(":", 1)[1]))
+        self.sources, self.per_source = sources, per_source
+        self.sel = selectors.DefaultSelector()
+        self.reopened = 0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _open(self, source):
+        try:
+            sock = socket.create_connection(self.target, timeout=5, source_address=(source, 0))
+        except OSError:
+            return
+        sock.setblocking(False)
+        self.sel.register(sock, 1, source)  # EVENT_READ: the endpoint closed it
+
+    def _run(self):
+        for source in self.sources:
+            for _ in range(self.per_source):
+                self._open(source)
+        while not self.stopped.is_set():
+            for key, _mask in self.sel.select(0.1):
+                try:
+                    gone = not key.fileobj.recv(1)
+                except BlockingIOError:
+                    gone = False
+                except OSError:
+                    gone = True
+                if gone:
+                    self.sel.unregister(key.fileobj)
+                    key.fileobj.close()
+                    self.reopened += 1
+                    self._open(key.data)
+        for key in list(self.sel.get_map().values()):
+            key.fileobj.close()
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stopped.set()
+        self.thread.join(timeout=30)
+
+
+def _client_hello():
+    """The first flight of a TLS 1.3 client (stdlib ssl through memory buffers), to replay as is."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ctx.wrap_bio(incoming, outgoing)
+    with pytest.raises(ssl.SSLWantReadError):
+        obj.do_handshake()
+    return outgoing.read()
+
+
+def _hello_flood(addr, source, seconds, most, in_flight=32):
+    """Replay one ClientHello on new connections from ``source`` (``in_flight`` at a time) for ``seconds`` or
+    ``most`` connections; each closes once the endpoint answered or closed. Returns how many were sent and how
+    many the endpoint answered with a ServerHello (a handshake it worked on)."""
+    import selectors
+
+    hello = _client_hello()
+    target = (addr.rsplit(":", 1)[0], int(addr.rsplit(":", 1)[1]))
+    sel = selectors.DefaultSelector()
+    sent = worked = 0
+    end = time.monotonic() + seconds
+
+    def start():
+        nonlocal sent
+        sock = socket.socket()
+        sock.bind((source, 0))
+        sock.setblocking(False)
+        sock.connect_ex(target)
+        sel.register(sock, selectors.EVENT_WRITE, "connecting")
+        sent += 1
+
+    for _ in range(in_flight):
+        start()
+    while time.monotonic() < end and sel.get_map():
+        for key, _mask in sel.select(0.1):
+            sock = key.fileobj
+            if key.data == "connecting":
+                try:
+                    sock.send(hello)
+                    sel.modify(sock, selectors.EVENT_READ, "sent")
+                    continue
+                except OSError:
+                    pass
+            else:
+                try:
+                    worked += bool(sock.recv(65536))
+                except OSError:
+                    pass
+            sel.unregister(sock)
+            sock.close()
+            if sent < most and time.monotonic() < end:
+                start()
+    for key in list(sel.get_map().values()):
+        key.fileobj.close()
+    return sent, worked
+
+
+def _cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_strangers_flooding_the_endpoint_neither_stop_replication_nor_take_its_cpu(tmp_path):
+    """Two nodes' daemons. Strangers hold 16 idle connections from each of five addresses (127.0.0.1, the
+    member's own, and 127.0.0.2-5), each reopened as soon as the holder's endpoint drops it; meanwhile the
+    owner saves three steps: each is peer-durable within 60 s. Then a flood of one replayed ClientHello from
+    127.0.0.6 (3 s, at most 20000 connections): every request of the member is still answered, and the
+    endpoint spends a bounded share of a core on it. Refusals are logged at a bounded rate; under umask 022
+    every replica file and folder and every key file is private."""
     from helpers import wait_for
     from shardckpt.node.node_registry import register_trainer, state_dir
 
     scratch, owner, holder = tmp_path / "scratch", tmp_path / "owner", tmp_path / "holder"
-    with shardckpt.Checkpointer(local_dir=str(scratch), preemption_signals=()) as ckpt:
-        for step in (1, 2):
+    with shardckpt.Checkpointer(local_dir=str(scratch), keep_last=10, preemption_signals=()) as ckpt:
+        for step in (1, 2, 3, 4):
             ckpt.save({"model": nn.Linear(64, 64)}, step)
     old_umask = os.umask(0o022)
-    procs, flood = [], []
+    procs = []
     try:
         ids = {}
         for root, name in ((owner, "owner"), (holder, "holder")):
             os.makedirs(state_dir(str(root)))
             ids[name] = tls.node_identity(state_dir(str(root)), f"{name}:0")
             register_trainer(str(root))  # this process stands for the node's trainer
-            procs.append(_start_daemon(root, f"{name}:0", 256))
-        os.rename(scratch / layout.step_dirname(1), owner / layout.step_dirname(1))
+            procs.append(_start_daemon(root, f"{name}:0", 1024))
         addrs = {}
         for root, name in ((owner, "owner"), (holder, "holder")):
             status = root / ".shardckpt-remote" / peer_daemon.STATUS_NAME
@@ -675,26 +849,52 @@ def test_a_strangers_idle_connections_do_not_stop_replication_and_replicas_stay_
         nodes = [{"node": f"{n}:0", "addr": addrs[n], "domain": None, "cert": ids[n].cert_pem} for n in addrs]
         for root, name in ((owner, "owner"), (holder, "holder")):
             layout.atomic_write_text(os.path.join(state_dir(str(root)), peer_daemon.PEERS_NAME), json.dumps(
-                {"nodes": nodes, "replicas": 1, "keep_last": 2, "tls": ids[name].to_json(), "written": "w1"}))
-        wait_for(lambda: peer_daemon.replicated(str(owner), 1), 60, "step 1 replicated")
+                {"nodes": nodes, "replicas": 1, "keep_last": 10, "tls": ids[name].to_json(), "written": "w1"}))
 
-        # The stranger: 600 idle connections to each daemon, held open.
-        def connect(addr):
-            host, port = addr.rsplit(":", 1)
-            for _ in range(600):
+        sources = ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]
+        with _IdleFlood(addrs["holder"], sources, 16) as idle:
+            # Every stranger's connection dropped at its deadline and reopened at least once: the flood is on.
+            wait_for(lambda: idle.reopened >= 80, 30, "the strangers' connections to turn over")
+            for step in (1, 2, 3):
+                os.rename(scratch / layout.step_dirname(step), owner / layout.step_dirname(step))
+                wait_for(lambda: peer_daemon.replicated(str(owner), step), 60,
+                         f"step {step} peer-durable through 16 idle connections from each of {sources}")
+
+        # The member, from 127.0.0.1 (its own address), while one address floods ClientHellos.
+        member = peer_client.PeerClient(addrs["holder"], tls.client_context(ids["owner"], [ids["holder"].cert_pem]),
+                                        expect=ids["holder"].fingerprint, connections=1)
+        answered, failed, done = [], [], threading.Event()
+
+        def ask():
+            while not done.is_set():
+                t0 = time.monotonic()
                 try:
-                    flood.append(socket.create_connection((host, int(port)), timeout=5))
-                except OSError:
-                    pass
+                    member.list_steps()
+                    member.close()  # each request on a new connection: a new handshake during the flood
+                    answered.append(time.monotonic() - t0)
+                except peer_client.PeerError as exc:
+                    failed.append(str(exc))
+                time.sleep(0.05)
 
-        threads = [threading.Thread(target=connect, args=(a,)) for a in addrs.values()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert len(flood) >= 600, len(flood)
-        os.rename(scratch / layout.step_dirname(2), owner / layout.step_dirname(2))
-        wait_for(lambda: peer_daemon.replicated(str(owner), 2), 60, "step 2 peer-durable through the flood")
+        holder_pid = procs[1].pid
+        cpu0, t0 = _cpu_seconds(holder_pid), time.monotonic()
+        asker = threading.Thread(target=ask, daemon=True)
+        asker.start()
+        sent, worked = _hello_flood(addrs["holder"], "127.0.0.6", 3.0, 20000)
+        cpu, wall = _cpu_seconds(holder_pid) - cpu0, time.monotonic() - t0
+        done.set()
+        asker.join(timeout=60)
+        print(f"ClientHello flood: {sent} connections in {wall:.1f} s, {worked} given a handshake; the endpoint's "
+              f"process used {cpu:.2f} s of CPU "
+              f"({cpu / wall:.0%} of a core); member requests: {len(answered)} answered "
+              f"(median {sorted(answered)[len(answered) // 2] * 1000:.0f} ms), {len(failed)} failed")
+        assert sent >= 500 and not failed and len(answered) >= 10, (sent, failed[:3], len(answered))
+        # The flooding address got its budget of handshakes (a burst, then a rate), not one per ClientHello.
+        budget = 1.2 * (peer_server.HANDSHAKE_BURST + peer_server.HANDSHAKES_PER_S * wall)  # 20 %: the clock's edges
+        assert worked <= budget, f"the endpoint worked on {worked} of {sent} replayed ClientHellos (budget {budget:.0f})"
+        assert cpu / wall < 0.5, f"the endpoint spent {cpu / wall:.0%} of a core on a ClientHello flood"
+        os.rename(scratch / layout.step_dirname(4), owner / layout.step_dirname(4))
+        wait_for(lambda: peer_daemon.replicated(str(owner), 4), 60, "step 4 peer-durable after the flood")
         assert all(p.poll() is None for p in procs)  # neither daemon fell over
         log_text = (holder / ".shardckpt-remote" / "peer.log").read_text()
         assert "refused" in log_text and log_text.count("refused") <= 30, log_text[-3000:]
@@ -705,13 +905,11 @@ def test_a_strangers_idle_connections_do_not_stop_replication_and_replicas_stay_
             assert os.stat(here).st_mode & 0o077 == 0, here
             for name in files:
                 assert os.stat(os.path.join(here, name)).st_mode & 0o077 == 0, os.path.join(here, name)
-        assert layout.committed_steps(str(base / "owner_0")) == [1, 2]
+        assert layout.committed_steps(str(base / "owner_0")) == [1, 2, 3, 4]
         for identity in ids.values():
             assert os.stat(identity.key_path).st_mode & 0o777 == 0o600
     finally:
         os.umask(old_umask)
-        for s in flood:
-            s.close()
         for p in procs:
             p.terminate()
         for p in procs:
@@ -754,11 +952,12 @@ def test_an_operators_ca_replaces_the_nodes_own_keys(endpoint, tmp_path, monkeyp
         key_path.chmod(0o600)
         return tls.load_identity(str(pki / f"{name}.pem"), str(key_path), str(pki / "ca.pem"))
 
-    holder_id, owner_id = issue("holder"), issue("owner")
+    holder_id, owner_id, outsider_id = issue("holder"), issue("owner"), issue("outsider")
     (tmp_path / "ca-holder").mkdir()
+    shutil.copytree(owner / layout.step_dirname(1), tmp_path / "ca-holder" / layout.step_dirname(1))  # its own step
     service = peer_service.PeerService(str(tmp_path / "ca-holder"), "holder:0", tls.server_context(holder_id, []),
                                        {owner_id.fingerprint: "owner:0"})
-    server = peer_service.serve(service, "127.0.0.1")
+    server = peer_server.serve(service, "127.0.0.1")
     addr = f"127.0.0.1:{server.server_address[1]}"
     try:
         step_dir = owner / layout.step_dirname(1)
@@ -771,6 +970,17 @@ def test_an_operators_ca_replaces_the_nodes_own_keys(endpoint, tmp_path, monkeyp
         mine = tls.client_context(job.ids["owner"], [holder_id.cert_pem])
         with pytest.raises(peer_client.PeerError):
             peer_client.PeerClient(addr, mine).list_steps()
+        # A certificate the CA signed for something that is not a node of this job: every route, reads as
+        # writes, is refused (the connection closed, or 403), and no byte of any file reaches it.
+        big = max(names, key=lambda n: manifest.files[n].size)
+        secret = (step_dir / big).read_bytes()
+        before = _tree(tmp_path / "ca-holder")
+        outsider = tls.client_context(outsider_id, [])
+        for method, path in _routes(1, big, "owner_0", replicas.version_tag(manifest)):
+            assert _answer_or_closed(addr, method, path, outsider, secret) in (None, 403), (method, path)
+        with pytest.raises(peer_client.PeerError):
+            peer_client.PeerClient(addr, outsider).list_steps()
+        assert _tree(tmp_path / "ca-holder") == before
     finally:
         server.shutdown()
         server.server_close()

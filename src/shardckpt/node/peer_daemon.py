@@ -40,7 +40,8 @@ from typing import Any
 from shardckpt.format import layout, lineage, node_state
 from shardckpt.format.replicas import committed_replicas, manifest_or_none, placement
 from shardckpt.node.node_registry import daemon_logging, process_record, read_json, state_dir, trainers_alive
-from shardckpt.node.peer_service import PeerService, PeerHTTPServer, serve
+from shardckpt.node.peer_server import PeerServer, serve
+from shardckpt.node.peer_service import PeerService
 from shardckpt.stores import tls
 from shardckpt.stores.peer_client import PeerClient, PeerError
 
@@ -85,13 +86,14 @@ class PeerDaemon:
         self._nodes_seen: str | None = None
         self._stop = threading.Event()
         self._lock_fd: int | None = None
-        self._server: PeerHTTPServer | None = None
+        self._server: PeerServer | None = None
         self._alone_since: float | None = None
         self._failing_since: float | None = None
         self._tls_seen: Any = None
         self._client_ctx: ssl.SSLContext | None = None
         self._members: dict[str, str] = {}
         self._tls_failed = False
+        self._clients: dict[tuple[str, str | None, int], PeerClient] = {}
         self._peers_loaded: Any = None
         """The ``written`` stamp of the peers.json whose certificates the endpoint serves with now."""
 
@@ -132,6 +134,8 @@ class PeerDaemon:
                 self._stop.wait(self.poll_s)
             return 0
         finally:
+            for client in self._clients.values():
+                client.close()
             if self._server is not None:
                 self._server.shutdown()
                 self._server.server_close()
@@ -255,7 +259,7 @@ class PeerDaemon:
         for holder in holders:
             try:
                 expect = tls.fingerprint(holder["cert"]) if holder.get("cert") else None
-                client = PeerClient(holder["addr"], self._client_ctx, expect=expect)
+                client = self._client(holder["addr"], expect)
                 self.sent_bytes += client.put_replica(self.node, step_dir, manifest, names, config.get("bandwidth"),
                                                       live=live)
                 reached.append(holder["node"])
@@ -276,6 +280,19 @@ class PeerDaemon:
         log.info("shardckpt: step %d peer-durable: replicated to %s in %.2f s", step, ", ".join(reached),
                  time.monotonic() - t0)
         return False
+
+    def _client(self, addr: str, expect: str | None) -> PeerClient:
+        """The client of a holder, kept from one step to the next (its connections are reused); clients of
+        other addresses, certificates or TLS contexts are closed."""
+        key = (addr, expect, id(self._client_ctx))
+        client = self._clients.get(key)
+        if client is None:
+            for old in self._clients.values():
+                if old.addr == addr:
+                    old.close()
+            self._clients = {k: c for k, c in self._clients.items() if c.addr != addr}
+            client = self._clients[key] = PeerClient(addr, self._client_ctx, expect=expect)
+        return client
 
     def _write_status(self, state: str) -> None:
         body = {
