@@ -13,16 +13,18 @@ step, a SIGTERM step included):
                             and fsynced on the receiving side (no hashing, no HTTP, no encryption)
   raw TLS socket copy       the same over one mutual TLS 1.3 connection (the nodes' P-256 certificates,
                             pinned): what the encryption alone costs
-  shardckpt replica (TLS)   ``PeerClient.put_replica``: HTTPS requests on one mutual TLS 1.3 connection
-                            (the owner's xxh3 checksum checked on the holder), fsynced, committed
-                            manifest last
+  shardckpt replica (TLS)   ``PeerClient.put_replica``: HTTPS requests on kept mutual TLS 1.3 connections,
+                            one per file in flight (up to 4), the owner's xxh3 checksum checked on the
+                            holder, fsynced, committed manifest last
   xxh3 of the bytes         the manifest checksum alone, once
 
 Group ``restore`` (a node lost, its replacement restores at the same world size):
 
   local disk (floor)        ``Checkpointer(local_dir=owner).load``: the node kept its disk
-  from a peer               an empty ``local_dir``: its files fetched from the holder's replica over
-                            the endpoint (``fetch_own_replica``, TLS, each file checked), then ``load``
+  from a peer               an empty ``local_dir``: its files taken from the holder's replica over the
+                            endpoint through the restore's own step view (``restoring/views.py``:
+                            ``PeerStore``, one connection per file in flight, each file checked), then
+                            ``load``
   from S3 (moto)            an empty ``local_dir`` restoring from ``remote=s3://...``
 
 Every restore loads into zeroed parameters and is compared with the saved state.
@@ -46,7 +48,10 @@ import shardckpt  # noqa: E402
 from shardckpt.format import layout
 from shardckpt.format import replicas  # noqa: E402
 from shardckpt.node import peer_server, peer_service  # noqa: E402
+from shardckpt.restoring import views  # noqa: E402
 from shardckpt.stores import peer_client, tls  # noqa: E402
+from shardckpt.stores.peer import PeerStore  # noqa: E402
+from shardckpt.tiers.steps import StepView  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
@@ -185,9 +190,15 @@ def main() -> None:
                 zero()
                 common.fresh_dir(target)
 
+            version = layout.version_of(manifest)
+
             def from_peer() -> None:
-                if peer_client.fetch_own_replica(target, "owner:0", [("holder:0", client)]) is None:
-                    raise RuntimeError("no replica was fetched")
+                store = PeerStore(peer_client.PeerClient(client.addr, client_ctx, expect=client.expect), "owner:0")
+                offered = views.manifest_on(store, 1, version, where="the holder's replica")
+                copy = views.CopyFill(target, 1, version, stale=False)
+                copy.fill([views.View("peer", "the holder's replica", StepView(store, offered))])
+                copy.commit()
+                store.close()
                 with shardckpt.Checkpointer(local_dir=target, preemption_signals=()) as c:
                     c.load(state)
 

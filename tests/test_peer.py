@@ -24,6 +24,7 @@ from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format import layout
 from shardckpt.format import replicas
 from shardckpt.node import peer_daemon, peer_server, peer_service
+from shardckpt.restoring import views
 from shardckpt.stores import peer_client, tls
 
 class Job:
@@ -68,6 +69,16 @@ def _raw(addr, method, path, body=b"", headers=None, context=None):
         return "reset", b""  # refused while the body was still being sent
     finally:
         conn.close()
+
+
+def _tier(job, me, nodes):
+    """What a restore's peer views read of a node's peer tier: this node's name and TLS context, and the
+    job's nodes as ``(name, address, whose certificate is pinned there)``."""
+    import types
+
+    return types.SimpleNamespace(
+        on=True, committer=True, node_name=f"{me}:0", client_context=tls.client_context(job.ids[me], job.certs),
+        nodes=[{"node": f"{n}:0", "addr": a, "cert": job.ids[c].cert_pem} for n, a, c in nodes])
 
 
 def _routes(step, name, owner, tag):
@@ -279,16 +290,24 @@ def test_answers_come_only_from_the_node_pinned_for_the_address(endpoint, tmp_pa
         threading.Thread(target=server.serve_forever, daemon=True).start()
         try:
             fake = f"127.0.0.1:{server.server_address[1]}"
-            clients = [("holder:0", job.client("owner", fake, expect="holder")),
-                       ("second:0", job.client("owner", addr, expect="holder"))]
+            # The node expected at the fake address is the holder; the real holder is listed after it.
+            tier = _tier(job, "owner", [("holder", fake, "holder"), ("second", addr, "holder")])
             fresh = tmp_path / f"replacement-{mode}"
             fresh.mkdir()
             # The forged answer is never read; the real holder (second in the list) gives step 1, checked.
-            assert peer_client.fetch_own_replica(str(fresh), "owner:0", clients) == (1, ["second:0"])
+            peers = views.Peers(lambda: tier)
+            offered = peers.views(1, layout.version_of(manifest))
+            assert [v.name for v in offered] == ["peer second:0 (its replica of owner_0)"]
+            copy = views.CopyFill(str(fresh), 1, layout.version_of(manifest), stale=False)
+            copy.fill(offered)
+            copy.commit()
+            peers.close()
+            assert copy.report == {"peer": {"files": len(names), "bytes": sum(manifest.files[n].size for n in names),
+                                            "refused": 0}}
             layout.verify_files(str(fresh / layout.step_dirname(1)),
                                 layout.read_manifest(str(fresh / layout.step_dirname(1))), names)
             with pytest.raises(peer_client.PeerError):
-                clients[0][1].list_steps()
+                job.client("owner", fake, expect="holder").list_steps()
         finally:
             server.shutdown()
             server.server_close()
@@ -415,10 +434,21 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
 
         shutil.rmtree(base / "node2")
         logs = run_nodes(2, 2, prog, "restore", base, out2, "--then-replace", log_dir=tmp_path)
-        assert "using the replicas of other nodes' files" in "".join(logs), logs[0][-3000:]
+        lost_files = {n for n, e in layout.read_manifest(str(base / "node0" / layout.step_dirname(3))).files.items()
+                      if e.rank in (4, 5)}
         for r in range(4):
             o = json.loads((out2 / f"outcome.{r}.json").read_text())
             assert o["restored"] == 3, o
+            # Each survivor kept its own files and took the other two nodes' from the replicas it holds (node 0
+            # holds node 2's: the ring) and the other survivor's daemon (its copy, its replicas), never over
+            # the process group; nothing refused.
+            taken = o["sources"]
+            assert all(v["refused"] == 0 for v in taken.values()) and "other nodes" not in taken, taken
+            assert taken["own disk"]["files"] == len(lost_files) + 1, taken  # its two ranks' files, .metadata
+            got = sum(taken.get(kind, {}).get("files", 0) for kind in ("replicas here", "peer"))
+            assert got == 2 * len(lost_files), taken
+            if r < 2:
+                assert taken["replicas here"]["files"] >= len(lost_files), taken
             plan = o["plan"]
             assert (plan["saved_world_size"], plan["world_size"]) == (6, 4), plan
             assert (plan["saved_accum_steps"], plan["accum_steps"], plan["global_batch"]) == (2, 3, 24), plan
@@ -435,12 +465,16 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
         # step 5's by close().
         for step, said in ((2, saving[0]), (5, logs[0])):
             assert re.search(rf"shardckpt: step {step}: local \d+\.\d s, peer \d+\.\d s$", said, re.M), said[-3000:]
-        # Node 1 replaced by one with an empty disk, at the same world size: its files of step 5 come
-        # from node 0's replica over the peer endpoint (no remote is configured), bitwise.
-        assert "fetched from the replica on" in logs[1], logs[1][-3000:]
+        # Node 1 replaced by one with an empty disk, at the same world size: every file of step 5 comes to
+        # it over the peer endpoint from node 0 (its own files from node 0's replica of them; no remote is
+        # configured), bitwise.
+        step5 = layout.read_manifest(str(base / "node0" / layout.step_dirname(5)))
         for r in range(4):
             o = json.loads((out2 / f"replaced.{r}.json").read_text())
             assert o["restored"] == 5 and o["plan"]["saved_world_size"] == 4, o
+            if r >= 2:
+                size = sum(e.size for e in step5.files.values())
+                assert o["sources"] == {"peer": {"files": len(step5.files), "bytes": size, "refused": 0}}, o["sources"]
         assert_bitwise(out2 / "saved2.pt", out2 / "restored2.pt")
         assert layout.committed_steps(str(base / "node1")) == [5]
     finally:
@@ -529,72 +563,84 @@ def test_replicas_go_round_the_ring_and_off_the_owners_failure_domain():
 
 
 @pytest.mark.parametrize("s3", ["moto"], indirect=True)
-def test_a_corrupt_replica_file_falls_through_to_the_remote_for_that_file_only(s3, tmp_path, caplog):
-    """A holder's copy of a step lacks the owner's shard file, which it holds as a replica (sent through
-    the endpoint); the replica rots on the holder's disk. The restore takes the other files as they
-    are and fetches that one file from the remote, where the step is committed."""
-    import logging
-    import shutil
-
+def test_a_replica_of_another_save_is_never_used_and_a_rotten_one_gives_way_to_the_remote(s3, tmp_path):
+    """A holder's copy of step 1 (save Y) holds only ``.metadata``; it holds the owner's two shard files of Y
+    as a replica (one of them rotten on its disk) and another node's replica of *another save* X of step 1.
+    The restore takes the good replica file (a link, no copy), the rotten one from the remote where Y is
+    committed, and nothing of X: the restored state is Y's, X's replica is left as it was."""
     from s3server import BUCKET
     from shardckpt import stores
     from shardckpt.node import uploader
 
     s3.reset()
-    owner, holder, url = tmp_path / "owner", tmp_path / "holder", f"s3://{BUCKET}/peerfall"
+    owner, other, holder = tmp_path / "owner", tmp_path / "other", tmp_path / "holder"
+    url = f"s3://{BUCKET}/peerfall"
     torch.manual_seed(0)
     model = nn.Linear(64, 64)
     with shardckpt.Checkpointer(local_dir=str(owner), preemption_signals=()) as ckpt:
         ckpt.save({"model": model}, 1)
+    with shardckpt.Checkpointer(local_dir=str(other), preemption_signals=()) as ckpt:
+        ckpt.save({"model": nn.Linear(64, 64)}, 1)  # save X: the same step number, other bytes
     store = stores.open_store(url, shardckpt.CheckpointConfig(local_dir=str(owner)).transfer_options())
     assert uploader.Uploader(str(owner), store, node="owner:0", once=True, poll_s=0.05).run() == 0
-    step_dir = owner / layout.step_dirname(1)
-    manifest = layout.read_manifest(str(step_dir))
+    step_dir, x_dir = owner / layout.step_dirname(1), other / layout.step_dirname(1)
+    manifest, x_manifest = layout.read_manifest(str(step_dir)), layout.read_manifest(str(x_dir))
+    assert layout.version_of(manifest) != layout.version_of(x_manifest)
+    shards = sorted(n for n in manifest.files if n.startswith("__"))
+    assert len(shards) == 2 and sorted(n for n in x_manifest.files if n.startswith("__")) == shards
     mine = holder / layout.step_dirname(1)
     mine.mkdir(parents=True)
-    for name in (layout.METADATA_NAME, layout.MANIFEST_NAME):  # the holder's copy: all but the shard file
+    for name in (layout.METADATA_NAME, layout.MANIFEST_NAME):  # the holder's copy: all but the shard files
         shutil.copy2(step_dir / name, mine / name)
     job = Job(tmp_path)
     server, addr = job.serve("holder", holder)
     try:
-        job.client("owner", addr, expect="holder").put_replica("owner:0", str(step_dir), manifest, ["__0_0.distcp"])
+        job.client("owner", addr, expect="holder").put_replica("owner:0", str(step_dir), manifest, shards)
+        job.client("second", addr, expect="holder").put_replica("second:0", str(x_dir), x_manifest, shards)
     finally:
         server.shutdown()
         server.server_close()
-    rotten = holder / replicas.REPLICAS_DIR / "owner_0" / layout.step_dirname(1) / "__0_0.distcp"
+    held = holder / replicas.REPLICAS_DIR / "owner_0" / layout.step_dirname(1)
+    rotten = held / shards[0]
     data = bytearray(rotten.read_bytes())
     data[len(data) // 2] ^= 0x20
     rotten.write_bytes(bytes(data))
+    x_held = holder / replicas.REPLICAS_DIR / "second_0"
+    x_before = _tree(x_held)
     metadata_inode = os.stat(mine / layout.METADATA_NAME).st_ino
 
     fresh = nn.Linear(64, 64)
-    caplog.set_level(logging.INFO, logger="shardckpt")
     with shardckpt.Checkpointer(local_dir=str(holder), remote=url, uploader="off", preemption_signals=()) as ckpt:
         assert ckpt.load({"model": fresh}) == 1
+        used = ckpt.last_sources
     for key, value in model.state_dict().items():
         assert torch.equal(value, fresh.state_dict()[key]), key
-    said = caplog.text
-    assert "using the replicas of other nodes' files" in said and "step 1: 1 file(s)" in said, said
-    assert "replaced 1 file(s)" in said and "(__0_0.distcp)" in said, said
-    layout.verify_files(str(mine), manifest)  # the holder's step now holds the remote's good copy
-    assert os.stat(mine / layout.METADATA_NAME).st_ino == metadata_inode  # the other file was not fetched
+    size = {n: manifest.files[n].size for n in shards}
+    assert used == {"own disk": {"files": 1, "bytes": manifest.files[layout.METADATA_NAME].size, "refused": 0},
+                    "replicas here": {"files": 1, "bytes": size[shards[1]], "refused": 1},
+                    "remote": {"files": 1, "bytes": size[shards[0]], "refused": 0}}, used
+    layout.verify_files(str(mine), manifest)  # the holder's step: Y's files, the rotten one from the remote
+    assert os.stat(mine / shards[1]).st_ino == os.stat(held / shards[1]).st_ino  # linked, not copied
+    assert os.stat(mine / layout.METADATA_NAME).st_ino == metadata_inode  # its own file was not fetched
+    assert _tree(x_held) == x_before  # the replica of the other save, left alone
 
 
-def test_a_replacement_node_takes_its_replica_from_a_good_holder_of_the_same_version(endpoint, tmp_path):
-    """fetch_own_replica: each file is checked against the manifest (a rotten replica gives way to the
-    next holder); a replica is not brought back when a peer's own copy of that step is another save."""
+def test_a_replacement_node_takes_its_files_from_the_peers_views_of_the_chosen_save(endpoint, tmp_path):
+    """A node with an empty disk completes the save the survey chose from its peers' views: each file checked
+    against the manifest as it arrives (a rotten replica file gives way to the next holder's), committed
+    manifest last with no partial directory left; a peer's own copy of another save of that step number is
+    never offered, while its replica of the chosen save is."""
     owner, holder, addr, job = endpoint
     step_dir = owner / layout.step_dirname(1)
     manifest = layout.read_manifest(str(step_dir))
+    version = layout.version_of(manifest)
     names = layout.copy_files(str(step_dir), manifest)[0]
     second = tmp_path / "second"
     second.mkdir()
     server, second_addr = job.serve("second", second)
     try:
-        clients = [("holder:0", job.client("owner", addr, expect="holder")),
-                   ("second:0", job.client("owner", second_addr, expect="second"))]
-        for _name, client in clients:
-            client.put_replica("owner:0", str(step_dir), manifest, names)
+        for where, who in ((addr, "holder"), (second_addr, "second")):
+            job.client("owner", where, expect=who).put_replica("owner:0", str(step_dir), manifest, names)
         big = max(names, key=lambda n: manifest.files[n].size)
         rotten = holder / replicas.REPLICAS_DIR / "owner_0" / layout.step_dirname(1) / big
         data = bytearray(rotten.read_bytes())
@@ -607,18 +653,23 @@ def test_a_replacement_node_takes_its_replica_from_a_good_holder_of_the_same_ver
         assert not tier.protects(1)  # the tier is off
         tier.replicas = 1
         assert tier.protects(1) and tier.protects(2)
-        fresh = tmp_path / "replacement"
-        fresh.mkdir()
-        assert peer_client.fetch_own_replica(str(fresh), "owner:0", clients) == (1, ["holder:0", "second:0"])
-        layout.verify_files(str(fresh / layout.step_dirname(1)), layout.read_manifest(str(fresh / layout.step_dirname(1))), names)
-        assert [p.name for p in fresh.iterdir()] == [layout.step_dirname(1)]  # no partial directory left
-        # The second holder's own step 1 is another save of that number: the replica is not taken.
+        # The second holder's own step 1 is another save of that number.
         with shardckpt.Checkpointer(local_dir=str(second), preemption_signals=()) as ckpt:
             ckpt.save({"model": nn.Linear(16, 8)}, 1)
-        other = tmp_path / "replacement2"
-        other.mkdir()
-        assert peer_client.fetch_own_replica(str(other), "owner:0", clients) is None
-        assert layout.committed_steps(str(other)) == []
+        peers = views.Peers(lambda: _tier(job, "owner", [("owner", "127.0.0.1:9", "owner"), ("holder", addr, "holder"),
+                                                          ("second", second_addr, "second")]))
+        offered = peers.views(1, version)
+        assert [v.name for v in offered] == ["peer holder:0 (its replica of owner_0)",
+                                             "peer second:0 (its replica of owner_0)"]
+        fresh = tmp_path / "replacement"
+        fresh.mkdir()
+        copy = views.CopyFill(str(fresh), 1, version, stale=False)
+        copy.fill(offered)
+        copy.commit()
+        peers.close()
+        assert copy.report["peer"]["files"] == len(names) and copy.report["peer"]["refused"] == 1, copy.report
+        layout.verify_files(str(fresh / layout.step_dirname(1)), layout.read_manifest(str(fresh / layout.step_dirname(1))), names)
+        assert [p.name for p in fresh.iterdir()] == [layout.step_dirname(1)]  # no partial directory left
     finally:
         server.shutdown()
         server.server_close()

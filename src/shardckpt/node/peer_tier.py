@@ -81,6 +81,11 @@ class PeerTier:
     def on(self) -> bool:
         return self.replicas > 0
 
+    @property
+    def node_name(self) -> str:
+        """This node's name in the job (set on its committer by :meth:`launch`)."""
+        return self._node
+
     def launch(self, topology: Topology, groups: _dist.SideGroups) -> None:
         """Decide, start and connect the tier (collective over ``ctl``; every rank calls it at the same point)."""
         if not _dist.is_dist():
@@ -207,35 +212,6 @@ class PeerTier:
                 f"see {os.path.join(state_dir(self.root), 'peer.log')}"
             )
         return info
-
-    def fetch_own(self, groups: _dist.SideGroups) -> None:
-        """Before a load's survey (collective over ``ctl``): a node whose directory lacks the newest step
-        that a peer holds a replica of its files of brings them back over the peer endpoint first (a
-        replacement node with an empty disk); the survey then finds the step complete on every node."""
-        if not self.on:
-            return
-        result: tuple[int, list[str]] | None = None
-        error: str | None = None
-        if self.committer:
-            me = _dist.node_id()
-            try:
-                if self.client_context is None:
-                    raise tls.PeerTLSError(f"the peer tier of {self.root} has no usable TLS identity on this node")
-                clients = [(n["node"], peer_client.PeerClient(n["addr"], self.client_context,
-                                                              expect=tls.fingerprint(n["cert"])))
-                           for n in self.nodes if n["node"] != me]
-                result = peer_client.fetch_own_replica(self.root, me, clients)
-            except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange below
-                error = f"node {me}: {type(exc).__name__}: {exc}"
-        gathered = groups.all_gather_ctl((result, error))
-        if _dist.rank() == 0:
-            for fetched, err in gathered:
-                if err:
-                    log.warning("shardckpt: bringing back a node's files from its peers failed: %s", err)
-            done = [f for f, _e in gathered if f]
-            if done:
-                log.info("shardckpt: %d node(s) brought back their files of step(s) %s from peer replicas",
-                         len(done), sorted({f[0] for f in done}))
 
     def daemon_info(self) -> dict[str, Any] | None:
         """The running daemon's status (address, what it replicated), ``None`` when none runs."""

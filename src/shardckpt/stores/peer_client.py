@@ -20,7 +20,6 @@ import http.client
 import json
 import logging
 import os
-import shutil
 import ssl
 import threading
 import time
@@ -370,77 +369,3 @@ class _Throttle:
             ahead = self.sent / self.rate - (time.monotonic() - self.t0)
         if ahead > 0:
             time.sleep(ahead)
-
-
-def fetch_own_replica(root: str, node: str, peers: list[tuple[str, PeerClient]]) -> tuple[int, list[str]] | None:
-    """Bring back this node's files of its newest step from a peer holding its replica (a replacement node).
-
-    The peers' listings say which steps they hold of ``node`` (by version) and
-    which versions of each step they hold themselves. The step taken is the
-    newest replica of ``node`` that is newer than every step committed in
-    ``root`` and that no peer holds another version of (a replica of an
-    earlier save of that number is never brought back). Its manifest and
-    files are read from the holder (each file checked against the manifest on
-    the way) into a partial directory of ``root``, committed by renaming the
-    manifest into place last, then the directory; a holder that fails gives
-    way to the next. Returns ``(step, [holder nodes tried])`` or ``None``
-    when nothing is to be fetched.
-    """
-    mine = owner_dirname(node)
-    offers: dict[int, dict[str, list[tuple[str, PeerClient]]]] = {}
-    held: dict[int, set[str]] = {}
-    for name, client in peers:
-        try:
-            listing = client.list_steps()
-        except PeerError as exc:
-            log.warning("shardckpt: node %s cannot list the steps of peer %s: %s", node, name, exc)
-            continue
-        for s, version in (listing.get("local") or {}).items():
-            held.setdefault(int(s), set()).add(version)
-        for s, version in ((listing.get("replicas") or {}).get(mine) or {}).items():
-            offers.setdefault(int(s), {}).setdefault(version, []).append((name, client))
-    newest_here = max(layout.committed_steps(root), default=-1)
-    for step in sorted((s for s in offers if s > newest_here), reverse=True):
-        if len(offers[step]) != 1 or not held.get(step, set()) <= set(offers[step]):
-            continue  # two saves of this number among the replicas, or a peer's own step is another save
-        tried = []
-        version, holders = next(iter(offers[step].items()))
-        for holder, client in holders:
-            tried.append(holder)
-            try:
-                _fetch_step(root, step, node, client, version)
-                return step, tried
-            except (PeerError, CorruptCheckpointError, OSError) as exc:
-                log.warning("shardckpt: node %s: step %d from the replica on node %s failed, trying the next "
-                            "holder: %s", node, step, holder, exc)
-        return None
-    return None
-
-
-def _fetch_step(root: str, step: int, node: str, client: PeerClient, version: str) -> None:
-    text = client.get(step, layout.MANIFEST_NAME, owner=node).decode("utf-8", errors="replace")
-    manifest = layout.Manifest.from_json(text, f"the replica of node {node} step {step} on {client.addr}")
-    if manifest.step != step or layout.version_of(manifest) != version:
-        raise CorruptCheckpointError(f"the replica of step {step} on {client.addr} is no longer the save it listed "
-                                     f"({version}); not used")
-    final = os.path.join(root, layout.step_dirname(step))
-    partial = os.path.join(root, layout.partial_dirname(step, f"peer{uuid.uuid4().hex[:8]}"))
-    os.makedirs(partial)
-    try:
-        names = client.held_files(step, owner=node)
-        unknown = [n for n in names if n not in manifest.files or "/" in n]
-        if unknown:
-            raise CorruptCheckpointError(f"the replica of step {step} on {client.addr} holds files its manifest "
-                                         f"does not name: {unknown[:3]}")
-        for name in names:
-            client.get_file(step, name, os.path.join(partial, name), manifest.files[name], owner=node)
-        layout.atomic_write_text(os.path.join(partial, layout.MANIFEST_NAME), text)
-        layout.fsync_dir(partial)
-        if os.path.lexists(final):
-            raise OSError(f"{final} appeared while step {step} was fetched from {client.addr}; not replaced")
-        os.rename(partial, final)
-        layout.fsync_dir(root)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
-    log.info("shardckpt: node %s: step %d (%d file(s)) fetched from the replica on %s", node, step, len(names),
-             client.addr)
