@@ -113,10 +113,20 @@ class Sources:
         """Steps this rank reads from a sparse copy (need-only fetch from the remote, ``ranged.py``)."""
         self.surveyed: dict[int, layout.Manifest] = {}
         """Remote manifests read by this rank's survey (rank 0): the chosen step's is not read again."""
-        self.report: dict[str, dict[str, int]] = {}
+        self._report: dict[str, dict[str, int]] = {}
+        self._read_sparse: ranged.SparseStep | None = None
+
+    @property
+    def report(self) -> dict[str, dict[str, int]]:
         """Where the last completed step's bytes came from on this rank's copy: per kind of source
         (``own disk``, ``replicas here``, ``peer``, ``other nodes``, ``remote``), the files and bytes taken
-        from it and the files it offered that failed their check (``refused``)."""
+        from it and the files it offered that failed their check (``refused``). A need-only copy counts
+        the bytes its node fetched from the remote for the read."""
+        out = {kind: dict(got) for kind, got in self._report.items()}
+        if self._read_sparse is not None:
+            out[REMOTE] = {"files": len(self._read_sparse.manifest.files), "bytes": self._read_sparse.fetched_bytes,
+                           "refused": 0}
+        return out
 
     def close(self) -> None:
         for provider in self.providers:
@@ -156,7 +166,7 @@ class Sources:
         """
         received: set[str] = set()
         self.sparse.pop(step, None)
-        self.report = {}
+        self._report, self._read_sparse = {}, None
         if step in survey.remote_unreadable:
             raise CorruptCheckpointError(
                 f"step {step} is committed on the remote {stores.safe_url(self.config.remote)}, but it cannot be "
@@ -184,10 +194,11 @@ class Sources:
             raise CorruptCheckpointError(errors[0] + (f" ({len(errors) - 1} more)" if len(errors) > 1 else ""))
         if manifest is None:
             raise_not_found(self.config, self.root, self.topology, step, survey)
-        if not self.report:
-            self.report = {"own disk": {"files": len(manifest.files), "bytes": sum(e.size for e in manifest.files.values()),
-                                        "refused": 0}}
         sparse = self.sparse.get(step)
+        self._read_sparse = sparse
+        if not self._report and sparse is None:
+            self._report = {"own disk": {"files": len(manifest.files),
+                                         "bytes": sum(e.size for e in manifest.files.values()), "refused": 0}}
         return manifest, received, (sparse.dir if sparse is not None else step_dir)
 
     def _gather(self, step: int, survey: Survey) -> set[str]:
@@ -232,11 +243,11 @@ class Sources:
                                                 copy.report if copy else {}))
             _raise_first([d[0] for d in done], more=" ({} more node(s) failed too)")
             mine = done[topo.copy[0]]
-            self.report = mine[2]
-            if topo.committer and self.report:
+            self._report = mine[2]
+            if topo.committer and self._report:
                 log.info("shardckpt: step %d: this node's copy from %s", step, "; ".join(
                     f"{kind}: {got['files']} file(s), {fmt_bytes(got['bytes'])}"
-                    + (f", {got['refused']} refused" if got["refused"] else "") for kind, got in self.report.items()))
+                    + (f", {got['refused']} refused" if got["refused"] else "") for kind, got in self._report.items()))
             return set(mine[1])
         finally:
             if copy is not None:
@@ -303,7 +314,7 @@ class Sources:
             try:
                 steps_mod.fetch_step(self.store(), self.root, step, names=names)
                 manifest = layout.read_manifest(step_dir)
-                got = self.report.setdefault(REMOTE, {"files": 0, "bytes": 0, "refused": 0})
+                got = self._report.setdefault(REMOTE, {"files": 0, "bytes": 0, "refused": 0})
                 got["files"] += len(names)
                 got["bytes"] += sum(manifest.files[n].size for n in names) if manifest is not None else 0
                 log.warning(

@@ -23,7 +23,7 @@ from typing import Any, Callable
 from shardckpt.errors import CorruptCheckpointError, ObjectNotFoundError, RemoteError
 from shardckpt.format import layout
 from shardckpt.format.replicas import owner_dirname
-from shardckpt.stores.base import Deadline, OnBytes, Store, range_past_end
+from shardckpt.stores.base import Deadline, OnBytes, Store, range_past_end, run_in_pool
 from shardckpt.stores.peer_client import PeerClient, PeerError
 
 
@@ -162,12 +162,7 @@ class PeerStore(Store):
             return [job() for job in jobs]
         with concurrent.futures.ThreadPoolExecutor(min(len(jobs), self.client.connections),
                                                    thread_name_prefix="shardckpt-peer-get") as pool:
-            futures = [pool.submit(job) for job in jobs]
-            try:
-                return [f.result() for f in futures]
-            finally:
-                for f in futures:
-                    f.cancel()
+            return run_in_pool(pool, jobs)
 
     def close(self) -> None:
         self.client.close()
