@@ -30,7 +30,8 @@ Group ``restore`` (a node lost, its replacement restores at the same world size)
   from S3 (moto)            an empty ``local_dir`` restoring from ``remote=s3://...``
 
 Every restore loads into zeroed parameters and is compared with the saved state.
-The CPU seconds of the receiving process are reported per tool (``cpu_s``).
+The CPU seconds of the receiving process (``cpu_s``) and of the sending one (``cpu_here_s``; for a
+restore, the one restoring) are reported per tool: what the work costs whatever else shares the cores.
 """
 
 from __future__ import annotations
@@ -163,13 +164,16 @@ class Receiver:
 
 
 def with_cpu(receiver: Receiver, fn):
-    """``fn`` timed, with the receiving process's CPU seconds during it."""
+    """``fn`` timed, with the CPU seconds of the receiving process (``cpu_s``) and of this one (``cpu_here_s``)
+    during it: what the work costs whatever else the shared cores run."""
     def run() -> common.Measured:
-        c0 = receiver.cpu()
+        c0, h0 = receiver.cpu(), os.times()
         t0 = time.perf_counter()
         fn()
         took = time.perf_counter() - t0
-        return common.Measured(took, {"cpu_s": receiver.cpu() - c0})
+        h1 = os.times()
+        return common.Measured(took, {"cpu_s": receiver.cpu() - c0,
+                                      "cpu_here_s": h1.user + h1.system - h0.user - h0.system})
 
     return run
 
@@ -279,9 +283,9 @@ def main() -> None:
                     c.load(state)
 
             rows = common.compare(result, [
-                common.Tool("local disk (floor)", from_disk, before=zero, after=check, floor=True),
+                common.Tool("local disk (floor)", with_cpu(receiver, from_disk), before=zero, after=check, floor=True),
                 common.Tool("from a peer", with_cpu(receiver, from_peer), before=empty, after=check),
-                common.Tool("from S3 (moto)", from_s3, before=empty, after=check),
+                common.Tool("from S3 (moto)", with_cpu(receiver, from_s3), before=empty, after=check),
             ], args.repeats, group="restore")
             for row in rows:
                 row["extra"]["s_per_gib"] = common.GIB / nbytes * statistics.median(row["values"])
