@@ -252,6 +252,8 @@ class Sources:
         finally:
             if copy is not None:
                 copy.abandon()
+            for provider in self.providers:
+                provider.close()  # their connections: a restore's, not kept open on the peers afterwards
 
     def _fetch_rest(self, step: int, copy: CopyFill | None) -> layout.Manifest | None:
         """Each copy's committer takes what its copy still lacks from the remote (whole files through its
