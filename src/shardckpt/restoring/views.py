@@ -66,19 +66,23 @@ class Provider(Protocol):
         """Release connections."""
 
 
+def _manifest_of(store: stores.Store, step: int) -> layout.Manifest | None:
+    """The committed manifest of ``step`` on ``store`` (``None``: none there); raises when unreadable."""
+    key = stores.join(layout.step_dirname(step), layout.MANIFEST_NAME)
+    data = store.get_bytes(key, stores.Deadline(60))
+    manifest = None if data is None else layout.Manifest.from_json(data, store.where(key))
+    return manifest if manifest is not None and manifest.step == step else None
+
+
 def manifest_on(store: stores.Store, step: int, version: str, *, where: str) -> layout.Manifest | None:
     """The manifest of ``step`` on ``store`` when it is of the save ``version``, else ``None`` (absent, of
     another save, or unreadable: a warning names it)."""
-    key = stores.join(layout.step_dirname(step), layout.MANIFEST_NAME)
     try:
-        data = store.get_bytes(key, stores.Deadline(60))
-        if data is None:
-            return None
-        manifest = layout.Manifest.from_json(data, store.where(key))
+        manifest = _manifest_of(store, step)
     except (CorruptCheckpointError, RemoteError, OSError) as exc:
         log.warning("shardckpt: step %d: %s cannot be read (%s); not used", step, where, stores.redact(str(exc)))
         return None
-    if manifest.step != step or layout.version_of(manifest) != version:
+    if manifest is None or layout.version_of(manifest) != version:
         return None  # another save of that step number: never a source of this one
     return manifest
 
@@ -114,10 +118,10 @@ class ReplicasHere:
                 if step is None:
                     continue
                 try:
-                    manifest = layout.read_manifest(store.path(name))
-                except CorruptCheckpointError:
-                    continue
-                if manifest is None or manifest.step != step:
+                    manifest = _manifest_of(store, step)
+                except (CorruptCheckpointError, OSError):
+                    continue  # an unreadable replica offers nothing
+                if manifest is None:
                     continue
                 names = out.setdefault(step, {}).setdefault(layout.version_of(manifest), [])
                 names.extend(n for n in held_sizes(store, step, manifest) if n not in names)
