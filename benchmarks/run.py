@@ -147,11 +147,13 @@ CASES = [
          "a retention pass, against the exact formulas (the run fails when they differ).",
          lambda a: ["--nodes", "1,2" if a.quick else "1,2,4"], sizes=None),
     Case("peer", "The peer tier: a replica transfer, and a restore after a node loss", "bench_peer.py",
-         "One process; a holder's peer endpoint on 127.0.0.1, moto's S3 server in its own process. Time to "
-         "peer-durable: `PeerClient.put_replica` of the step (HTTPS on one mutual TLS 1.3 connection, checked on the "
-         "holder, fsynced, manifest last) against a plain TCP copy of the same files on loopback, written and "
-         "fsynced (floor), the same copy over mutual TLS 1.3, and the cost of hashing the bytes with xxh3. A replacement node's restore into an empty "
-         "`local_dir` from the holder's replica and from S3, against a restore from the node's own disk (floor).",
+         "A holder's peer endpoint and the raw sinks in a receiving process of their own on 127.0.0.1, moto's S3 "
+         "server in the restoring process. Time to peer-durable: `PeerClient.put_replica` of the step (HTTPS on "
+         "kept mutual TLS 1.3 connections, one per file in flight, checked on the holder, fsynced, manifest last) "
+         "against a plain TCP copy of the same files on loopback, written and fsynced (floor), the same copy over "
+         "mutual TLS 1.3, and the cost of hashing the bytes with xxh3. A replacement node's restore into an empty "
+         "`local_dir` from the holder's replica (the restore's peer view) and from S3, against a restore from the "
+         "node's own disk (floor). CPU seconds of both processes per tool.",
          lambda a: ["--repeats", repeats(a, 2, 3)], sizes="remote", memory=4.0, disk=4.0),
     Case("peer_training", "Training while replicating to a peer", "bench_train.py",
          "Steps/s of the training case's loop on 2 simulated nodes (two torchrun launchers, `--nnodes 2 "

@@ -72,10 +72,18 @@ def test_node_local_directories_each_hold_their_ranks_and_restore_from_each_othe
     out2.mkdir()
     logs = run_two_nodes(2, PROG, "restore", base, out2, "--layout", "local", "--corrupt-transfer",
                          log_dir=tmp_path, env=env)
-    assert "from other nodes' copies" in "".join(logs)
-    for o in outcomes(out2):
+    for rank, o in enumerate(outcomes(out2)):
         assert o["restored"] == 6, o
-        assert "step 6: " in o["damaged_transfer"] and "fails its checksum; it was not used" in o["damaged_transfer"], o
+        # The damaged load raised on every rank and kept no damaged byte: every file this node's copy holds
+        # after it is the manifest's, and the file damaged on the way is not among them; the next load
+        # received what was missing whole from the other node.
+        assert o["damaged_transfer"].startswith("CorruptCheckpointError: step 6: "), o
+        assert o["bad_after_damage"] == [], o
+        manifest = layout.read_manifest(str(base / f"node{rank // 2}" / layout.step_dirname(6)))
+        lacking = set(manifest.files) - set(o["held_after_damage"])
+        assert lacking and all(manifest.files[n].rank // 2 != rank // 2 for n in lacking), o["held_after_damage"]
+        assert o["sources"]["other nodes"] == {"files": len(lacking), "refused": 0,
+                                               "bytes": sum(manifest.files[n].size for n in lacking)}, o["sources"]
     assert_bitwise(out / "saved.pt", out2 / "restored.pt")
 
 

@@ -9,6 +9,9 @@ import os
 import re
 import shutil
 import signal
+import socket
+import ssl
+import threading
 import time
 
 import pytest
@@ -17,9 +20,11 @@ import torch.nn as nn
 
 import shardckpt
 from shardckpt import cli
+from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format import layout
 from shardckpt.format import replicas
-from shardckpt.node import peer_daemon, peer_service
+from shardckpt.node import peer_daemon, peer_server, peer_service
+from shardckpt.restoring import views
 from shardckpt.stores import peer_client, tls
 
 class Job:
@@ -37,7 +42,7 @@ class Job:
     def serve(self, who, root):
         service = peer_service.PeerService(str(root), f"{who}:0", tls.server_context(self.ids[who], self.certs),
                                            self.members)
-        server = peer_service.serve(service, "127.0.0.1")
+        server = peer_server.serve(service, "127.0.0.1")
         return server, f"127.0.0.1:{server.server_address[1]}"
 
 
@@ -64,6 +69,50 @@ def _raw(addr, method, path, body=b"", headers=None, context=None):
         return "reset", b""  # refused while the body was still being sent
     finally:
         conn.close()
+
+
+def _tier(job, me, nodes):
+    """What a restore's peer views read of a node's peer tier: this node's name and TLS context, and the
+    job's nodes as ``(name, address, whose certificate is pinned there)``."""
+    import types
+
+    return types.SimpleNamespace(
+        on=True, committer=True, node_name=f"{me}:0", client_context=tls.client_context(job.ids[me], job.certs),
+        nodes=[{"node": f"{n}:0", "addr": a, "cert": job.ids[c].cert_pem} for n, a, c in nodes])
+
+
+def _routes(step, name, owner, tag):
+    """Every route of the endpoint, as (method, path)."""
+    return [("GET", "/v1/steps"), ("GET", f"/v1/local/{step}/{name}"), ("GET", f"/v1/local/{step}/"),
+            ("GET", f"/v1/replica/{owner}/{step}/{name}"), ("GET", f"/v1/replica/{owner}/{step}/"),
+            ("POST", f"/v1/replica/{owner}/{step}/{tag}/begin"), ("PUT", f"/v1/replica/{owner}/{step}/{tag}/f/{name}"),
+            ("POST", f"/v1/replica/{owner}/{step}/{tag}/commit")]
+
+
+def _answer_or_closed(addr, method, path, context, secret):
+    """One request with ``context``: ``None`` when the connection was refused or closed before any answer,
+    else the status (403 expected); fails when any bytes of ``secret`` (a file's content) came back."""
+    host, port = addr.rsplit(":", 1)
+    conn = http.client.HTTPSConnection(host, int(port), timeout=30, context=context)
+    try:
+        conn.request(method, path, body=b"{}" if method != "GET" else None)
+        resp = conn.getresponse()
+        body = resp.read()
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+    assert secret[:64] not in body and resp.status != 200, (method, path, resp.status, body[:200])
+    return resp.status
+
+
+def _quiet(fn):
+    def run():
+        try:
+            fn()
+        except (OSError, ValueError):
+            pass
+    return run
 
 
 @pytest.fixture
@@ -105,7 +154,7 @@ def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path
     client.get_file(1, big, str(got), manifest.files[big], owner="owner:0")  # checked on the way
     assert got.read_bytes() == data
     wrong_entry = layout.FileEntry(manifest.files[big].size, layout.checksum_bytes(b"other"), 0)
-    with pytest.raises(peer_client.PeerError, match="not the manifest's"):
+    with pytest.raises(CorruptCheckpointError, match="not the manifest.s"):
         client.get_file(1, big, str(tmp_path / "refused"), wrong_entry, owner="owner:0")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("refused")]
     # peer_bandwidth: a replica of N bytes at R bytes/s takes at least N / R seconds to send.
@@ -127,6 +176,23 @@ def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path
         plain.request("GET", "/v1/steps")
         plain.getresponse().read()
     plain.close()
+    # A TLS client presenting no certificate at all: the handshake itself is refused (the endpoint's TLS
+    # requires one), so no route answers it, and no byte of any file reaches it.
+    bare = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    bare.check_hostname = False
+    bare.load_verify_locations(cadata=job.ids["holder"].cert_pem)
+    tag = replicas.version_tag(manifest)
+    for method, path in _routes(1, big, "owner_0", tag):
+        assert _answer_or_closed(addr, method, path, bare, data) is None, (method, path)
+    a, b = socket.socketpair()
+    with a, b:
+        server_side = tls.server_context(job.ids["holder"], job.certs).wrap_socket(
+            a, server_side=True, do_handshake_on_connect=False)
+        client_side = bare.wrap_socket(b, do_handshake_on_connect=False)
+        threading.Thread(target=_quiet(client_side.do_handshake), daemon=True).start()
+        with pytest.raises(ssl.SSLError):
+            server_side.settimeout(10)
+            server_side.do_handshake()
     # A job member writes its own replicas only: not another node's, not an owner named "..".
     begin = f"/v1/replica/second_0/1/{replicas.version_tag(manifest)}/begin"
     assert _raw(addr, "POST", begin, manifest.to_json().encode(), context=member)[0] == 403
@@ -134,6 +200,11 @@ def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path
         path = f"/v1/replica/{owner_name}/1/{replicas.version_tag(manifest)}/begin"
         assert _raw(addr, "POST", path, manifest.to_json().encode(), context=member)[0] in (400, 403, 404)
     assert not (tmp_path / "1").exists() and not (holder / "1").exists()
+    # A member's read of another directory through an owner named "../..": 400, and no byte of it.
+    for path in (f"/v1/replica/..%2F..%2F{owner.name}/1/{big}", f"/v1/replica/..%2F..%2F{owner.name}/1/",
+                 f"/v1/replica/..%2F..%2F{owner.name}%2F.shardckpt-replicas%2F..%2F/1/{big}"):
+        status, body = _raw(addr, "GET", path, context=member)
+        assert status == 400 and data[:64] not in body, (path, status, body[:200])
     # Paths out of the replica and step directories, from a job member.
     for path in ("/v1/local/1/..%2F..%2Fholder%2F.shardckpt-remote%2Fpeer-key.pem",
                  "/v1/replica/../1/" + big, "/v1/replica/owner_0/1/..", "/v1/local/1/%2Fetc%2Fpasswd",
@@ -219,16 +290,24 @@ def test_answers_come_only_from_the_node_pinned_for_the_address(endpoint, tmp_pa
         threading.Thread(target=server.serve_forever, daemon=True).start()
         try:
             fake = f"127.0.0.1:{server.server_address[1]}"
-            clients = [("holder:0", job.client("owner", fake, expect="holder")),
-                       ("second:0", job.client("owner", addr, expect="holder"))]
+            # The node expected at the fake address is the holder; the real holder is listed after it.
+            tier = _tier(job, "owner", [("holder", fake, "holder"), ("second", addr, "holder")])
             fresh = tmp_path / f"replacement-{mode}"
             fresh.mkdir()
             # The forged answer is never read; the real holder (second in the list) gives step 1, checked.
-            assert peer_client.fetch_own_replica(str(fresh), "owner:0", clients) == (1, ["second:0"])
+            peers = views.Peers(lambda: tier)
+            offered = peers.views(1, layout.version_of(manifest))
+            assert [v.name for v in offered] == ["peer second:0 (its replica of owner_0)"]
+            copy = views.CopyFill(str(fresh), 1, layout.version_of(manifest), stale=False)
+            copy.fill(offered)
+            copy.commit()
+            peers.close()
+            assert copy.report == {"peer": {"files": len(names), "bytes": sum(manifest.files[n].size for n in names),
+                                            "refused": 0}}
             layout.verify_files(str(fresh / layout.step_dirname(1)),
                                 layout.read_manifest(str(fresh / layout.step_dirname(1))), names)
             with pytest.raises(peer_client.PeerError):
-                clients[0][1].list_steps()
+                job.client("owner", fake, expect="holder").list_steps()
         finally:
             server.shutdown()
             server.server_close()
@@ -355,10 +434,21 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
 
         shutil.rmtree(base / "node2")
         logs = run_nodes(2, 2, prog, "restore", base, out2, "--then-replace", log_dir=tmp_path)
-        assert "using the replicas of other nodes' files" in "".join(logs), logs[0][-3000:]
+        lost_files = {n for n, e in layout.read_manifest(str(base / "node0" / layout.step_dirname(3))).files.items()
+                      if e.rank in (4, 5)}
         for r in range(4):
             o = json.loads((out2 / f"outcome.{r}.json").read_text())
             assert o["restored"] == 3, o
+            # Each survivor kept its own files and took the other two nodes' from the replicas it holds (node 0
+            # holds node 2's: the ring) and the other survivor's daemon (its copy, its replicas), never over
+            # the process group; nothing refused.
+            taken = o["sources"]
+            assert all(v["refused"] == 0 for v in taken.values()) and "other nodes" not in taken, taken
+            assert taken["own disk"]["files"] == len(lost_files) + 1, taken  # its two ranks' files, .metadata
+            got = sum(taken.get(kind, {}).get("files", 0) for kind in ("replicas here", "peer"))
+            assert got == 2 * len(lost_files), taken
+            if r < 2:
+                assert taken["replicas here"]["files"] >= len(lost_files), taken
             plan = o["plan"]
             assert (plan["saved_world_size"], plan["world_size"]) == (6, 4), plan
             assert (plan["saved_accum_steps"], plan["accum_steps"], plan["global_batch"]) == (2, 3, 24), plan
@@ -375,23 +465,41 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
         # step 5's by close().
         for step, said in ((2, saving[0]), (5, logs[0])):
             assert re.search(rf"shardckpt: step {step}: local \d+\.\d s, peer \d+\.\d s$", said, re.M), said[-3000:]
-        # Node 1 replaced by one with an empty disk, at the same world size: its files of step 5 come
-        # from node 0's replica over the peer endpoint (no remote is configured), bitwise.
-        assert "fetched from the replica on" in logs[1], logs[1][-3000:]
+        # Node 1 replaced by one with an empty disk, at the same world size: every file of step 5 comes to
+        # it over the peer endpoint from node 0 (its own files from node 0's replica of them; no remote is
+        # configured), bitwise.
+        step5 = layout.read_manifest(str(base / "node0" / layout.step_dirname(5)))
         for r in range(4):
             o = json.loads((out2 / f"replaced.{r}.json").read_text())
             assert o["restored"] == 5 and o["plan"]["saved_world_size"] == 4, o
+            if r >= 2:
+                size = sum(e.size for e in step5.files.values())
+                assert o["sources"] == {"peer": {"files": len(step5.files), "bytes": size, "refused": 0}}, o["sources"]
         assert_bitwise(out2 / "saved2.pt", out2 / "restored2.pt")
         assert layout.committed_steps(str(base / "node1")) == [5]
     finally:
         _kill_daemons(base)
 
 
+def _private_files(root):
+    """Every path of the tier's directories under ``root`` whose mode lets anyone but its owner in."""
+    loose = []
+    for top in (root / ".shardckpt-remote", root / replicas.REPLICAS_DIR):
+        for here, dirs, files in os.walk(top):
+            for path, want in [(here, 0o700)] + [(os.path.join(here, f), 0o600) for f in files]:
+                mode = os.stat(path).st_mode & 0o777
+                if mode != want:
+                    loose.append(f"{path}: {mode:o}")
+    return loose
+
+
 def test_after_a_rollback_the_live_branch_is_replicated_and_survives_a_node_loss(tmp_path):
     """2 nodes x 1 rank save 10, 20, 30, roll back to 10 and save 11, 12 (30 is the highest number, 12 the
     live head). close() returns once 12 is peer-durable; node 1 is then lost (daemon and disk) and node 0
     alone resumes step 12 bitwise from its own files and node 1's replica. Node 0's daemon, told by that
-    launch that the tier is off, retries nobody and exits after its linger."""
+    launch that the tier is off, retries nobody and exits after its linger. Under umask 022 every directory
+    of the tier is 0700 and every file in it 0600 (the state directory, peers.json, status files, logs,
+    lock, keys, replicas)."""
     import shutil
     import socket
 
@@ -401,8 +509,13 @@ def test_after_a_rollback_the_live_branch_is_replicated_and_survives_a_node_loss
     prog = PROGRAMS / "peer_rollback.py"
     base, out, out2 = _job_dirs(tmp_path)
     host = socket.gethostname()
+    old_umask = os.umask(0o022)
     try:
         run_nodes(2, 1, prog, "save", base, out, log_dir=tmp_path)
+        os.umask(old_umask)
+        for node in ("node0", "node1"):
+            assert (base / node / ".shardckpt-remote" / peer_daemon.PEERS_NAME).exists()
+            assert _private_files(base / node) == [], node
         held = base / "node0" / replicas.REPLICAS_DIR / replicas.owner_dirname(f"{host}:1")
         mine = layout.read_manifest(str(base / "node1" / layout.step_dirname(12)))
         assert layout.read_manifest(str(held / layout.step_dirname(12))) is not None, \
@@ -428,6 +541,7 @@ def test_after_a_rollback_the_live_branch_is_replicated_and_survives_a_node_loss
         wait_for(lambda: json.loads(status.read_text()).get("state") == "exited", 30,
                  "node 0's daemon to end by itself, its job over")
     finally:
+        os.umask(old_umask)
         _kill_daemons(base)
 
 
@@ -449,72 +563,84 @@ def test_replicas_go_round_the_ring_and_off_the_owners_failure_domain():
 
 
 @pytest.mark.parametrize("s3", ["moto"], indirect=True)
-def test_a_corrupt_replica_file_falls_through_to_the_remote_for_that_file_only(s3, tmp_path, caplog):
-    """A holder's copy of a step lacks the owner's shard file, which it holds as a replica (sent through
-    the endpoint); the replica rots on the holder's disk. The restore takes the other files as they
-    are and fetches that one file from the remote, where the step is committed."""
-    import logging
-    import shutil
-
+def test_a_replica_of_another_save_is_never_used_and_a_rotten_one_gives_way_to_the_remote(s3, tmp_path):
+    """A holder's copy of step 1 (save Y) holds only ``.metadata``; it holds the owner's two shard files of Y
+    as a replica (one of them rotten on its disk) and another node's replica of *another save* X of step 1.
+    The restore takes the good replica file (a link, no copy), the rotten one from the remote where Y is
+    committed, and nothing of X: the restored state is Y's, X's replica is left as it was."""
     from s3server import BUCKET
     from shardckpt import stores
     from shardckpt.node import uploader
 
     s3.reset()
-    owner, holder, url = tmp_path / "owner", tmp_path / "holder", f"s3://{BUCKET}/peerfall"
+    owner, other, holder = tmp_path / "owner", tmp_path / "other", tmp_path / "holder"
+    url = f"s3://{BUCKET}/peerfall"
     torch.manual_seed(0)
     model = nn.Linear(64, 64)
     with shardckpt.Checkpointer(local_dir=str(owner), preemption_signals=()) as ckpt:
         ckpt.save({"model": model}, 1)
+    with shardckpt.Checkpointer(local_dir=str(other), preemption_signals=()) as ckpt:
+        ckpt.save({"model": nn.Linear(64, 64)}, 1)  # save X: the same step number, other bytes
     store = stores.open_store(url, shardckpt.CheckpointConfig(local_dir=str(owner)).transfer_options())
     assert uploader.Uploader(str(owner), store, node="owner:0", once=True, poll_s=0.05).run() == 0
-    step_dir = owner / layout.step_dirname(1)
-    manifest = layout.read_manifest(str(step_dir))
+    step_dir, x_dir = owner / layout.step_dirname(1), other / layout.step_dirname(1)
+    manifest, x_manifest = layout.read_manifest(str(step_dir)), layout.read_manifest(str(x_dir))
+    assert layout.version_of(manifest) != layout.version_of(x_manifest)
+    shards = sorted(n for n in manifest.files if n.startswith("__"))
+    assert len(shards) == 2 and sorted(n for n in x_manifest.files if n.startswith("__")) == shards
     mine = holder / layout.step_dirname(1)
     mine.mkdir(parents=True)
-    for name in (layout.METADATA_NAME, layout.MANIFEST_NAME):  # the holder's copy: all but the shard file
+    for name in (layout.METADATA_NAME, layout.MANIFEST_NAME):  # the holder's copy: all but the shard files
         shutil.copy2(step_dir / name, mine / name)
     job = Job(tmp_path)
     server, addr = job.serve("holder", holder)
     try:
-        job.client("owner", addr, expect="holder").put_replica("owner:0", str(step_dir), manifest, ["__0_0.distcp"])
+        job.client("owner", addr, expect="holder").put_replica("owner:0", str(step_dir), manifest, shards)
+        job.client("second", addr, expect="holder").put_replica("second:0", str(x_dir), x_manifest, shards)
     finally:
         server.shutdown()
         server.server_close()
-    rotten = holder / replicas.REPLICAS_DIR / "owner_0" / layout.step_dirname(1) / "__0_0.distcp"
+    held = holder / replicas.REPLICAS_DIR / "owner_0" / layout.step_dirname(1)
+    rotten = held / shards[0]
     data = bytearray(rotten.read_bytes())
     data[len(data) // 2] ^= 0x20
     rotten.write_bytes(bytes(data))
+    x_held = holder / replicas.REPLICAS_DIR / "second_0"
+    x_before = _tree(x_held)
     metadata_inode = os.stat(mine / layout.METADATA_NAME).st_ino
 
     fresh = nn.Linear(64, 64)
-    caplog.set_level(logging.INFO, logger="shardckpt")
     with shardckpt.Checkpointer(local_dir=str(holder), remote=url, uploader="off", preemption_signals=()) as ckpt:
         assert ckpt.load({"model": fresh}) == 1
+        used = ckpt.last_sources
     for key, value in model.state_dict().items():
         assert torch.equal(value, fresh.state_dict()[key]), key
-    said = caplog.text
-    assert "using the replicas of other nodes' files" in said and "step 1: 1 file(s)" in said, said
-    assert "replaced 1 file(s)" in said and "(__0_0.distcp)" in said, said
-    layout.verify_files(str(mine), manifest)  # the holder's step now holds the remote's good copy
-    assert os.stat(mine / layout.METADATA_NAME).st_ino == metadata_inode  # the other file was not fetched
+    size = {n: manifest.files[n].size for n in shards}
+    assert used == {"own disk": {"files": 1, "bytes": manifest.files[layout.METADATA_NAME].size, "refused": 0},
+                    "replicas here": {"files": 1, "bytes": size[shards[1]], "refused": 1},
+                    "remote": {"files": 1, "bytes": size[shards[0]], "refused": 0}}, used
+    layout.verify_files(str(mine), manifest)  # the holder's step: Y's files, the rotten one from the remote
+    assert os.stat(mine / shards[1]).st_ino == os.stat(held / shards[1]).st_ino  # linked, not copied
+    assert os.stat(mine / layout.METADATA_NAME).st_ino == metadata_inode  # its own file was not fetched
+    assert _tree(x_held) == x_before  # the replica of the other save, left alone
 
 
-def test_a_replacement_node_takes_its_replica_from_a_good_holder_of_the_same_version(endpoint, tmp_path):
-    """fetch_own_replica: each file is checked against the manifest (a rotten replica gives way to the
-    next holder); a replica is not brought back when a peer's own copy of that step is another save."""
+def test_a_replacement_node_takes_its_files_from_the_peers_views_of_the_chosen_save(endpoint, tmp_path):
+    """A node with an empty disk completes the save the survey chose from its peers' views: each file checked
+    against the manifest as it arrives (a rotten replica file gives way to the next holder's), committed
+    manifest last with no partial directory left; a peer's own copy of another save of that step number is
+    never offered, while its replica of the chosen save is."""
     owner, holder, addr, job = endpoint
     step_dir = owner / layout.step_dirname(1)
     manifest = layout.read_manifest(str(step_dir))
+    version = layout.version_of(manifest)
     names = layout.copy_files(str(step_dir), manifest)[0]
     second = tmp_path / "second"
     second.mkdir()
     server, second_addr = job.serve("second", second)
     try:
-        clients = [("holder:0", job.client("owner", addr, expect="holder")),
-                   ("second:0", job.client("owner", second_addr, expect="second"))]
-        for _name, client in clients:
-            client.put_replica("owner:0", str(step_dir), manifest, names)
+        for where, who in ((addr, "holder"), (second_addr, "second")):
+            job.client("owner", where, expect=who).put_replica("owner:0", str(step_dir), manifest, names)
         big = max(names, key=lambda n: manifest.files[n].size)
         rotten = holder / replicas.REPLICAS_DIR / "owner_0" / layout.step_dirname(1) / big
         data = bytearray(rotten.read_bytes())
@@ -527,18 +653,23 @@ def test_a_replacement_node_takes_its_replica_from_a_good_holder_of_the_same_ver
         assert not tier.protects(1)  # the tier is off
         tier.replicas = 1
         assert tier.protects(1) and tier.protects(2)
-        fresh = tmp_path / "replacement"
-        fresh.mkdir()
-        assert peer_client.fetch_own_replica(str(fresh), "owner:0", clients) == (1, ["holder:0", "second:0"])
-        layout.verify_files(str(fresh / layout.step_dirname(1)), layout.read_manifest(str(fresh / layout.step_dirname(1))), names)
-        assert [p.name for p in fresh.iterdir()] == [layout.step_dirname(1)]  # no partial directory left
-        # The second holder's own step 1 is another save of that number: the replica is not taken.
+        # The second holder's own step 1 is another save of that number.
         with shardckpt.Checkpointer(local_dir=str(second), preemption_signals=()) as ckpt:
             ckpt.save({"model": nn.Linear(16, 8)}, 1)
-        other = tmp_path / "replacement2"
-        other.mkdir()
-        assert peer_client.fetch_own_replica(str(other), "owner:0", clients) is None
-        assert layout.committed_steps(str(other)) == []
+        peers = views.Peers(lambda: _tier(job, "owner", [("owner", "127.0.0.1:9", "owner"), ("holder", addr, "holder"),
+                                                          ("second", second_addr, "second")]))
+        offered = peers.views(1, version)
+        assert [v.name for v in offered] == ["peer holder:0 (its replica of owner_0)",
+                                             "peer second:0 (its replica of owner_0)"]
+        fresh = tmp_path / "replacement"
+        fresh.mkdir()
+        copy = views.CopyFill(str(fresh), 1, version, stale=False)
+        copy.fill(offered)
+        copy.commit()
+        peers.close()
+        assert copy.report["peer"]["files"] == len(names) and copy.report["peer"]["refused"] == 1, copy.report
+        layout.verify_files(str(fresh / layout.step_dirname(1)), layout.read_manifest(str(fresh / layout.step_dirname(1))), names)
+        assert [p.name for p in fresh.iterdir()] == [layout.step_dirname(1)]  # no partial directory left
     finally:
         server.shutdown()
         server.server_close()
@@ -622,31 +753,146 @@ def _start_daemon(root, node, fd_limit):
     return proc
 
 
-def test_a_strangers_idle_connections_do_not_stop_replication_and_replicas_stay_private(tmp_path):
-    """Two daemons at a 256 open-file limit; a stranger opens 600 idle connections to each (a bounded
-    loop, 127.0.0.1 only) and keeps them open. The owner's next step still becomes peer-durable (the
-    endpoint caps connections and closes those that do not finish a handshake); the refusals are logged
-    at a bounded rate. Under umask 022 every replica file and folder and every key file is private."""
-    import socket
-    import threading
+class _IdleFlood:
+    """Strangers holding TCP connections open without a byte of TLS: ``per_source`` of them from each source
+    address, each opened again as soon as the endpoint closes it (one thread, a selector; bounded by stop())."""
 
+    def __init__(self, addr, sources, per_source):
+        import selectors
+
+        self.target = (addr.rsplit(":", 1)[0], int(addr.rsplit(":", 1)[1]))
+        self.sources, self.per_source = sources, per_source
+        self.sel = selectors.DefaultSelector()
+        self.reopened = 0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _open(self, source):
+        try:
+            sock = socket.create_connection(self.target, timeout=5, source_address=(source, 0))
+        except OSError:
+            return
+        sock.setblocking(False)
+        self.sel.register(sock, 1, source)  # EVENT_READ: the endpoint closed it
+
+    def _run(self):
+        for source in self.sources:
+            for _ in range(self.per_source):
+                self._open(source)
+        while not self.stopped.is_set():
+            for key, _mask in self.sel.select(0.1):
+                try:
+                    gone = not key.fileobj.recv(1)
+                except BlockingIOError:
+                    gone = False
+                except OSError:
+                    gone = True
+                if gone:
+                    self.sel.unregister(key.fileobj)
+                    key.fileobj.close()
+                    self.reopened += 1
+                    self._open(key.data)
+        for key in list(self.sel.get_map().values()):
+            key.fileobj.close()
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stopped.set()
+        self.thread.join(timeout=30)
+
+
+def _client_hello():
+    """The first flight of a TLS 1.3 client (stdlib ssl through memory buffers), to replay as is."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ctx.wrap_bio(incoming, outgoing)
+    with pytest.raises(ssl.SSLWantReadError):
+        obj.do_handshake()
+    return outgoing.read()
+
+
+def _hello_flood(addr, source, seconds, most, in_flight=32):
+    """Replay one ClientHello on new connections from ``source`` (``in_flight`` at a time) for ``seconds`` or
+    ``most`` connections; each closes once the endpoint answered or closed. Returns how many were sent and how
+    many the endpoint answered with a ServerHello (a handshake it worked on)."""
+    import selectors
+
+    hello = _client_hello()
+    target = (addr.rsplit(":", 1)[0], int(addr.rsplit(":", 1)[1]))
+    sel = selectors.DefaultSelector()
+    sent = worked = 0
+    end = time.monotonic() + seconds
+
+    def start():
+        nonlocal sent
+        sock = socket.socket()
+        sock.bind((source, 0))
+        sock.setblocking(False)
+        sock.connect_ex(target)
+        sel.register(sock, selectors.EVENT_WRITE, "connecting")
+        sent += 1
+
+    for _ in range(in_flight):
+        start()
+    while time.monotonic() < end and sel.get_map():
+        for key, _mask in sel.select(0.1):
+            sock = key.fileobj
+            if key.data == "connecting":
+                try:
+                    sock.send(hello)
+                    sel.modify(sock, selectors.EVENT_READ, "sent")
+                    continue
+                except OSError:
+                    pass
+            else:
+                try:
+                    worked += bool(sock.recv(65536))
+                except OSError:
+                    pass
+            sel.unregister(sock)
+            sock.close()
+            if sent < most and time.monotonic() < end:
+                start()
+    for key in list(sel.get_map().values()):
+        key.fileobj.close()
+    return sent, worked
+
+
+def _cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_strangers_flooding_the_endpoint_neither_stop_replication_nor_take_its_cpu(tmp_path):
+    """Two nodes' daemons. Strangers hold 16 idle connections from each of five addresses (127.0.0.1, the
+    member's own, and 127.0.0.2-5), each reopened as soon as the holder's endpoint drops it; meanwhile the
+    owner saves three steps: each is peer-durable within 60 s. Then a flood of one replayed ClientHello from
+    127.0.0.6 (3 s, at most 20000 connections): every request of the member is still answered, the flooding
+    address gets its handshake budget and no more, and the endpoint's CPU stays bounded (measured). Pending
+    connections cost no thread; refusals are logged at a bounded rate; under umask 022 every replica file
+    and folder and every key file is private."""
     from helpers import wait_for
     from shardckpt.node.node_registry import register_trainer, state_dir
 
     scratch, owner, holder = tmp_path / "scratch", tmp_path / "owner", tmp_path / "holder"
-    with shardckpt.Checkpointer(local_dir=str(scratch), preemption_signals=()) as ckpt:
-        for step in (1, 2):
+    with shardckpt.Checkpointer(local_dir=str(scratch), keep_last=10, preemption_signals=()) as ckpt:
+        for step in (1, 2, 3, 4):
             ckpt.save({"model": nn.Linear(64, 64)}, step)
     old_umask = os.umask(0o022)
-    procs, flood = [], []
+    procs = []
     try:
         ids = {}
         for root, name in ((owner, "owner"), (holder, "holder")):
             os.makedirs(state_dir(str(root)))
             ids[name] = tls.node_identity(state_dir(str(root)), f"{name}:0")
             register_trainer(str(root))  # this process stands for the node's trainer
-            procs.append(_start_daemon(root, f"{name}:0", 256))
-        os.rename(scratch / layout.step_dirname(1), owner / layout.step_dirname(1))
+            procs.append(_start_daemon(root, f"{name}:0", 1024))
         addrs = {}
         for root, name in ((owner, "owner"), (holder, "holder")):
             status = root / ".shardckpt-remote" / peer_daemon.STATUS_NAME
@@ -655,26 +901,58 @@ def test_a_strangers_idle_connections_do_not_stop_replication_and_replicas_stay_
         nodes = [{"node": f"{n}:0", "addr": addrs[n], "domain": None, "cert": ids[n].cert_pem} for n in addrs]
         for root, name in ((owner, "owner"), (holder, "holder")):
             layout.atomic_write_text(os.path.join(state_dir(str(root)), peer_daemon.PEERS_NAME), json.dumps(
-                {"nodes": nodes, "replicas": 1, "keep_last": 2, "tls": ids[name].to_json(), "written": "w1"}))
-        wait_for(lambda: peer_daemon.replicated(str(owner), 1), 60, "step 1 replicated")
+                {"nodes": nodes, "replicas": 1, "keep_last": 10, "tls": ids[name].to_json(), "written": "w1"}))
 
-        # The stranger: 600 idle connections to each daemon, held open.
-        def connect(addr):
-            host, port = addr.rsplit(":", 1)
-            for _ in range(600):
+        sources = ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]
+        with _IdleFlood(addrs["holder"], sources, 16) as idle:
+            # Every stranger's connection dropped at its deadline and reopened at least once: the flood is on.
+            wait_for(lambda: idle.reopened >= 80, 30, "the strangers' connections to turn over")
+            for step in (1, 2, 3):
+                os.rename(scratch / layout.step_dirname(step), owner / layout.step_dirname(step))
+                wait_for(lambda: peer_daemon.replicated(str(owner), step), 60,
+                         f"step {step} peer-durable through 16 idle connections from each of {sources}")
+            # The strangers' pending connections cost the endpoint no thread (its members' do, a few).
+            with open(f"/proc/{procs[1].pid}/status") as f:
+                threads = int(next(line.split()[1] for line in f if line.startswith("Threads:")))
+            assert threads <= 12, f"the holder's daemon runs {threads} threads under 80 strangers' connections"
+
+        # The member, from 127.0.0.1 (its own address), while one address floods ClientHellos.
+        member = peer_client.PeerClient(addrs["holder"], tls.client_context(ids["owner"], [ids["holder"].cert_pem]),
+                                        expect=ids["holder"].fingerprint, connections=1)
+        answered, failed, done = [], [], threading.Event()
+
+        def ask():
+            while not done.is_set():
+                t0 = time.monotonic()
                 try:
-                    flood.append(socket.create_connection((host, int(port)), timeout=5))
-                except OSError:
-                    pass
+                    member.list_steps()
+                    member.close()  # each request on a new connection: a new handshake during the flood
+                    answered.append(time.monotonic() - t0)
+                except peer_client.PeerError as exc:
+                    failed.append(str(exc))
+                time.sleep(0.05)
 
-        threads = [threading.Thread(target=connect, args=(a,)) for a in addrs.values()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert len(flood) >= 600, len(flood)
-        os.rename(scratch / layout.step_dirname(2), owner / layout.step_dirname(2))
-        wait_for(lambda: peer_daemon.replicated(str(owner), 2), 60, "step 2 peer-durable through the flood")
+        holder_pid = procs[1].pid
+        cpu0, t0 = _cpu_seconds(holder_pid), time.monotonic()
+        asker = threading.Thread(target=ask, daemon=True)
+        asker.start()
+        sent, worked = _hello_flood(addrs["holder"], "127.0.0.6", 3.0, 20000)
+        cpu, wall = _cpu_seconds(holder_pid) - cpu0, time.monotonic() - t0
+        done.set()
+        asker.join(timeout=60)
+        print(f"ClientHello flood: {sent} connections in {wall:.1f} s, {worked} given a handshake; the endpoint's "
+              f"process used {cpu:.2f} s of CPU "
+              f"({cpu / wall:.0%} of a core); member requests: {len(answered)} answered "
+              f"(median {sorted(answered)[len(answered) // 2] * 1000:.0f} ms), {len(failed)} failed")
+        assert sent >= 500 and not failed and len(answered) >= 10, (sent, failed[:3], len(answered))
+        # The flooding address got its budget of handshakes (a burst, then a rate), not one per ClientHello.
+        budget = 1.2 * (peer_server.HANDSHAKE_BURST + peer_server.HANDSHAKES_PER_S * wall)  # 20 %: the clock's edges
+        assert worked <= budget, f"the endpoint worked on {worked} of {sent} replayed ClientHellos (budget {budget:.0f})"
+        # Each ClientHello beyond the budget is closed unworked (~0.05 ms here; a handshake costs ~0.35 ms), and
+        # the endpoint never spends more than its one loop thread on them, however fast the flood comes.
+        assert cpu / sent < 0.2e-3 and cpu / wall < 1.0, f"{cpu:.2f} s of CPU for {sent} ClientHellos in {wall:.1f} s"
+        os.rename(scratch / layout.step_dirname(4), owner / layout.step_dirname(4))
+        wait_for(lambda: peer_daemon.replicated(str(owner), 4), 60, "step 4 peer-durable after the flood")
         assert all(p.poll() is None for p in procs)  # neither daemon fell over
         log_text = (holder / ".shardckpt-remote" / "peer.log").read_text()
         assert "refused" in log_text and log_text.count("refused") <= 30, log_text[-3000:]
@@ -685,13 +963,11 @@ def test_a_strangers_idle_connections_do_not_stop_replication_and_replicas_stay_
             assert os.stat(here).st_mode & 0o077 == 0, here
             for name in files:
                 assert os.stat(os.path.join(here, name)).st_mode & 0o077 == 0, os.path.join(here, name)
-        assert layout.committed_steps(str(base / "owner_0")) == [1, 2]
+        assert layout.committed_steps(str(base / "owner_0")) == [1, 2, 3, 4]
         for identity in ids.values():
             assert os.stat(identity.key_path).st_mode & 0o777 == 0o600
     finally:
         os.umask(old_umask)
-        for s in flood:
-            s.close()
         for p in procs:
             p.terminate()
         for p in procs:
@@ -734,11 +1010,12 @@ def test_an_operators_ca_replaces_the_nodes_own_keys(endpoint, tmp_path, monkeyp
         key_path.chmod(0o600)
         return tls.load_identity(str(pki / f"{name}.pem"), str(key_path), str(pki / "ca.pem"))
 
-    holder_id, owner_id = issue("holder"), issue("owner")
+    holder_id, owner_id, outsider_id = issue("holder"), issue("owner"), issue("outsider")
     (tmp_path / "ca-holder").mkdir()
+    shutil.copytree(owner / layout.step_dirname(1), tmp_path / "ca-holder" / layout.step_dirname(1))  # its own step
     service = peer_service.PeerService(str(tmp_path / "ca-holder"), "holder:0", tls.server_context(holder_id, []),
                                        {owner_id.fingerprint: "owner:0"})
-    server = peer_service.serve(service, "127.0.0.1")
+    server = peer_server.serve(service, "127.0.0.1")
     addr = f"127.0.0.1:{server.server_address[1]}"
     try:
         step_dir = owner / layout.step_dirname(1)
@@ -751,6 +1028,17 @@ def test_an_operators_ca_replaces_the_nodes_own_keys(endpoint, tmp_path, monkeyp
         mine = tls.client_context(job.ids["owner"], [holder_id.cert_pem])
         with pytest.raises(peer_client.PeerError):
             peer_client.PeerClient(addr, mine).list_steps()
+        # A certificate the CA signed for something that is not a node of this job: every route, reads as
+        # writes, is refused (the connection closed, or 403), and no byte of any file reaches it.
+        big = max(names, key=lambda n: manifest.files[n].size)
+        secret = (step_dir / big).read_bytes()
+        before = _tree(tmp_path / "ca-holder")
+        outsider = tls.client_context(outsider_id, [])
+        for method, path in _routes(1, big, "owner_0", replicas.version_tag(manifest)):
+            assert _answer_or_closed(addr, method, path, outsider, secret) in (None, 403), (method, path)
+        with pytest.raises(peer_client.PeerError):
+            peer_client.PeerClient(addr, outsider).list_steps()
+        assert _tree(tmp_path / "ca-holder") == before
     finally:
         server.shutdown()
         server.server_close()
@@ -762,9 +1050,22 @@ def test_an_operators_ca_replaces_the_nodes_own_keys(endpoint, tmp_path, monkeyp
     half = shardckpt.CheckpointConfig(local_dir=str(owner), peer_tls_ca=str(pki / "ca.pem"))
     with pytest.raises(tls.PeerTLSError, match="peer_tls_cert, peer_tls_key and peer_tls_ca"):
         PeerTier(half, str(owner), registered=True)._identity("owner:0")
+    # A key file that others can read, and one of mode 0600 that belongs to another user: each message
+    # names its own problem (a mode to tighten, an owner to change), never the other's.
     (pki / "owner.key").chmod(0o640)
-    with pytest.raises(tls.PeerTLSError, match="chmod 600"):
+    with pytest.raises(tls.PeerTLSError, match="readable by other users \\(mode 640\\).*Remedy: chmod 600") as info:
         tier._identity("owner:0")
+    assert "another user" not in str(info.value)
+    (pki / "owner.key").chmod(0o600)
+    if os.getuid() == 0:  # only root can give a file to another user
+        os.chown(pki / "owner.key", 65534, -1)
+        with pytest.raises(tls.PeerTLSError, match="belongs to another user \\(owner uid 65534.*Remedy: chown") as info:
+            tier._identity("owner:0")
+        assert "readable by other users" not in str(info.value)
+    else:
+        from helpers import UNCHECKED
+
+        UNCHECKED.append("a key owned by another user is named as such (needs root to chown)")
 
 
 def _newest_complete(base, survivors, lost):

@@ -8,6 +8,11 @@ Rules (docs/concepts/architecture.md):
 * no module over 700 lines;
 * ``format/`` and ``dcp/`` import no tier, store, daemon or higher layer;
 * ``stores/`` imports only ``format/``, ``errors`` and the leaf helpers;
+* ``tiers/`` never imports ``node/`` (the daemons sit above the tiers they use);
+* ``stores/`` holds no restore policy: it moves bytes and lists what a store
+  holds, and never decides which step (or which save of a step) to take — no
+  import of the lineage, retention or replica-placement modules, no scan of a
+  directory's committed steps;
 * nothing below the facade imports the facade (``checkpointer``, ``cli``,
   ``export``) or the package root.
 
@@ -25,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent / "src" / PACKAGE
 MAX_LINES = 700
 MAX_INNER_IMPORTS = 5
 FACADE = {f"{PACKAGE}.checkpointer", f"{PACKAGE}.cli", f"{PACKAGE}.export", PACKAGE, f"{PACKAGE}.__main__"}
-LEAVES = {f"{PACKAGE}.errors", f"{PACKAGE}._failpoints", f"{PACKAGE}._text"}
+LEAVES = {f"{PACKAGE}.errors", f"{PACKAGE}._failpoints", f"{PACKAGE}._text", f"{PACKAGE}._proc"}
 """Modules that import nothing of the package: any layer may use them."""
 LOWER_LAYERS = ("format", "dcp", "stores", "tiers", "saving", "restoring", "state", "node")
 OVERSIZE_ALLOWED: set[str] = set()
@@ -164,6 +169,41 @@ def test_format_and_dcp_import_no_tier():
 def test_stores_import_only_the_format_and_errors():
     bad = [f"{m} -> {t}" for m, edges in GRAPH.items() if _layer(m) == "stores"
            for t, _i, _l in edges if t not in LEAVES and _layer(t) not in ("format", "stores")]
+    assert bad == []
+
+
+def test_tiers_never_import_the_node_daemons():
+    bad = [f"{m} -> {t}" for m, edges in GRAPH.items() if _layer(m) == "tiers"
+           for t, _i, _l in edges if _layer(t) == "node"]
+    assert bad == []
+
+
+POLICY_MODULES = {f"{PACKAGE}.format.lineage", f"{PACKAGE}.format.retention"}
+"""Modules that decide which step counts (the live branch, what to keep): restore policy."""
+POLICY_NAMES = {"committed_steps", "classify", "head", "local_infos", "placement", "complete_across_any_loss",
+                "committed_replicas", "fetch_step"}
+"""Calls that choose among a directory's steps or saves, or place them: restore policy, not a store's job."""
+
+
+def _called_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            func = node.func
+            names.add(func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", ""))
+        elif isinstance(node, ast.ImportFrom):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_stores_hold_no_restore_policy():
+    """A store moves and lists bytes; which step, which save of it and which source to take is decided
+    once, in ``restoring/`` (the survey and the sources): a store that picked its own "newest" step is
+    how the peer tier once restored another step than the one the survey chose."""
+    bad = [f"{m} -> {t}" for m, edges in GRAPH.items() if _layer(m) == "stores"
+           for t, _i, _l in edges if t in POLICY_MODULES]
+    bad += [f"{m} calls {sorted(found)}" for m, path in MODULES.items() if _layer(m) == "stores"
+            and (found := _called_names(path) & POLICY_NAMES)]
     assert bad == []
 
 

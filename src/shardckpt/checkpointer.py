@@ -146,7 +146,7 @@ class Checkpointer:
             if self._uploads.active:
                 self._writer.file_done = self._file_done
         self._peer = PeerTier(self.config, self.root, registered=self._uploads is not None and self._uploads.active)
-        self._restorer.sources.peer = self._peer  # source 3 of a restore: the peer daemons
+        self._restorer.sources.peer = self._peer  # a restore's peer views: the other nodes' daemons
         self._writer.peer_facts, self._writer.peer_agreed = self._peer.facts, self._peer.agree
         self._durability = DurabilityLog(self.root, peer_on=lambda: self._peer.on,
                                          remote=self._uploads is not None and self._uploads.active)
@@ -175,6 +175,13 @@ class Checkpointer:
     def last_plan(self) -> "elastic_mod.ElasticPlan | None":
         """The elastic plan of the last successful ``load()`` (``None`` before one)."""
         return self._restorer.last_plan
+
+    @property
+    def last_sources(self) -> dict[str, dict[str, int]]:
+        """Where the last ``load()``'s bytes came from on this node's copy: per kind of source (``own disk``,
+        ``replicas here``, ``peer``, ``other nodes``, ``remote``), the files and bytes taken from it and the
+        files it offered that failed their check (``refused``); see ``restoring/sources.py``."""
+        return dict(self._restorer.sources.report)
 
     def steps(self) -> list[int]:
         """Committed steps on the local tier, oldest first."""

@@ -39,6 +39,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 import shardckpt
+from shardckpt.format import layout
 from shardckpt import _failpoints
 
 
@@ -104,9 +105,15 @@ def main() -> None:
             _failpoints.arm("peer.chunk_read", _failpoints.FLIP)  # reached by the sending ranks only
             try:
                 outcome["damaged_transfer"] = f"loaded step {ckpt.load(state)}"
-            except shardckpt.CorruptCheckpointError as exc:
-                outcome["damaged_transfer"] = str(exc)
+            except shardckpt.ShardckptError as exc:
+                outcome["damaged_transfer"] = f"{type(exc).__name__}: {exc}"
+            step_dir = os.path.join(local_dir, f"step_{ckpt.steps()[-1]:010d}")
+            outcome["held_after_damage"] = sorted(os.listdir(step_dir))
+            manifest = layout.read_manifest(step_dir)
+            outcome["bad_after_damage"] = [n for n in outcome["held_after_damage"] if n in manifest.files
+                                           and layout.checksum_file(os.path.join(step_dir, n))[1] != manifest.files[n].checksum]
         step = ckpt.load(state)
+        outcome["sources"] = ckpt.last_sources
         ckpt.close()
         outcome.update(restored=step, extra=state["extra"])
         tensors = full_state(model, optim)

@@ -11,7 +11,8 @@ save:    N saves of an FSDP2 model (peer tier on by default: >= 2 nodes, node-lo
          before that save, each node's peer daemon is paused (SIGSTOP): the test
          resumes it once every trainer is dead.
 restore: load the newest step (world size and nodes may differ from the save);
-         rank 0 writes OUT/restored.pt; every rank records the elastic plan.
+         rank 0 writes OUT/restored.pt; every rank records the elastic plan and
+         where its node's copy took the step's files from (``last_sources``).
          With --then-replace (2 nodes): one more step, saved after a SIGTERM (the
          emergency save); when ``preempted`` turns true each node's local rank 0
          records whether its files of that step are committed in the other
@@ -87,6 +88,7 @@ def main() -> None:
     else:
         outcome["restored"] = ckpt.load(state)
         outcome["plan"] = dataclasses.asdict(ckpt.last_plan)
+        outcome["sources"] = ckpt.last_sources
         if not args.then_replace:
             ckpt.close()
         tensors = full_state(model, optim)
@@ -125,7 +127,8 @@ def sigterm_then_replace(args, ckpt, checkpointer, state, model, optim, gen, ste
     torch.distributed.barrier()
     train_step(model, optim, gen)  # the live state moves on: only the load brings the saved one back
     fresh = checkpointer(preemption_signals=())
-    outcome = {"restored": fresh.load(state), "plan": dataclasses.asdict(fresh.last_plan)}
+    outcome = {"restored": fresh.load(state), "plan": dataclasses.asdict(fresh.last_plan),
+               "sources": fresh.last_sources}
     fresh.close()
     tensors = full_state(model, optim)
     if rank == 0:

@@ -366,12 +366,12 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically: tmp file + fsync + rename + dir fsync."""
+def atomic_write_text(path: str, text: str, *, mode: int = 0o644) -> None:
+    """Write ``text`` to ``path`` atomically: tmp file (of ``mode``) + fsync + rename + dir fsync."""
     directory = os.path.dirname(path) or "."
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
     try:
-        os.fchmod(fd, 0o644)
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()

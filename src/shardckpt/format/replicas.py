@@ -14,7 +14,6 @@ step number are told apart by the manifest's version
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import shutil
@@ -23,8 +22,6 @@ from typing import Any
 
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format import layout, lineage
-
-log = logging.getLogger("shardckpt")
 
 REPLICAS_DIR = ".shardckpt-replicas"
 
@@ -66,41 +63,6 @@ def committed_replicas(root: str) -> dict[str, dict[int, layout.Manifest]]:
                 continue
             if manifest is not None:
                 out.setdefault(owner, {})[step] = manifest
-    return out
-
-
-def adopt_replicas(root: str) -> dict[int, list[str]]:
-    """Make the replica files held here count for restore: hard-link them into the local step directory.
-
-    Only into a committed local step of the same version (a replica of another
-    save of that number is left alone), only files the step directory lacks.
-    Each rank of a directory may run it at once: a link is made under a fresh
-    name and renamed into place. Returns ``{step: [names linked]}``.
-    """
-    out: dict[int, list[str]] = {}
-    for owner, steps in committed_replicas(root).items():
-        for step, manifest in steps.items():
-            step_dir = os.path.join(root, layout.step_dirname(step))
-            mine = manifest_or_none(step_dir)
-            if mine is None or layout.version_of(mine) != layout.version_of(manifest):
-                continue
-            held = os.path.join(replicas_root(root), owner, layout.step_dirname(step))
-            for name in layout.absent_files(step_dir, manifest):
-                source = os.path.join(held, name)
-                if "/" in name or file_size(source) != manifest.files[name].size:
-                    continue
-                tmp = os.path.join(step_dir, f".adopt-{uuid.uuid4().hex[:8]}")
-                try:
-                    os.link(source, tmp)
-                    os.replace(tmp, os.path.join(step_dir, name))
-                except OSError as exc:
-                    log.warning("shardckpt: step %d: cannot use the replica file %s of node %s: %s", step, source,
-                                owner, exc)
-                    continue
-                finally:
-                    if os.path.lexists(tmp):
-                        os.unlink(tmp)
-                out.setdefault(step, []).append(name)
     return out
 
 

@@ -20,14 +20,9 @@ import socket
 import time
 from typing import Any
 
-from shardckpt.format import layout
-
-STATE_DIR = ".shardckpt-remote"
-
-
-def state_dir(root: str) -> str:
-    return os.path.join(root, STATE_DIR)
-
+from shardckpt._proc import pid_alive, proc_start  # noqa: F401 - part of this module's interface
+from shardckpt.format import node_state
+from shardckpt.format.node_state import STATE_DIR, make_state_dir, read_json, state_dir  # noqa: F401 - re-exported
 
 
 def daemon_logging() -> None:
@@ -49,54 +44,18 @@ def process_record(state: str, node: str) -> dict[str, Any]:
     return {"state": state, "pid": pid, "pid_start": proc_start(pid), "node": node, "host": socket.gethostname()}
 
 
-def read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            body = json.load(f)
-        return body if isinstance(body, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
 def read_status(root: str) -> dict[str, Any]:
     return read_json(os.path.join(state_dir(root), "status.json"))
 
 
-def proc_start(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    if fields[0] in ("Z", "X"):
-        return None
-    return fields[19]
-
-
-def pid_alive(pid: int, start: str | None = None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    now = proc_start(pid)
-    if os.path.exists("/proc/self/stat"):
-        if now is None:
-            return False  # a zombie
-        if start is not None and now != start:
-            return False  # the pid was reused
-    return True
-
-
 def register_trainer(root: str) -> str:
     """Record this process as a live trainer of the node; returns the file to remove."""
-    directory = os.path.join(state_dir(root), "trainers")
-    os.makedirs(directory, exist_ok=True)
+    make_state_dir(root)
+    directory = node_state.private_dir(os.path.join(state_dir(root), "trainers"))
     pid = os.getpid()
     path = os.path.join(directory, f"{socket.gethostname()}-{pid}.json")
     body = {"pid": pid, "host": socket.gethostname(), "start": proc_start(pid), "time": time.time()}
-    layout.atomic_write_text(path, json.dumps(body))
+    node_state.write_private(path, json.dumps(body))
     return path
 
 

@@ -37,19 +37,19 @@ import threading
 import time
 from typing import Any
 
-from shardckpt.format import layout, lineage
+from shardckpt.format import layout, lineage, node_state
 from shardckpt.format.replicas import committed_replicas, manifest_or_none, placement
 from shardckpt.node.node_registry import daemon_logging, process_record, read_json, state_dir, trainers_alive
-from shardckpt.node.peer_service import PeerService, PeerHTTPServer, serve
+from shardckpt.node.peer_server import PeerServer, serve
+from shardckpt.node.peer_service import PeerService
 from shardckpt.stores import tls
 from shardckpt.stores.peer_client import PeerClient, PeerError
 
 log = logging.getLogger("shardckpt")
 
-PEERS_NAME = "peers.json"
-AGREED_NAME = "peer-agreed.json"
-"""The newest step complete across any single node's loss, as the job's nodes agreed at a save (by the trainer)."""
-STATUS_NAME = "peer.json"
+PEERS_NAME = node_state.PEERS_NAME
+AGREED_NAME = node_state.AGREED_NAME
+STATUS_NAME = node_state.PEER_STATUS_NAME
 LOCK_NAME = "peer.lock"
 LOCK_WAIT_S = 15.0
 """How long a new daemon waits for the lock of one that is exiting (it shuts its endpoint down first)."""
@@ -86,13 +86,14 @@ class PeerDaemon:
         self._nodes_seen: str | None = None
         self._stop = threading.Event()
         self._lock_fd: int | None = None
-        self._server: PeerHTTPServer | None = None
+        self._server: PeerServer | None = None
         self._alone_since: float | None = None
         self._failing_since: float | None = None
         self._tls_seen: Any = None
         self._client_ctx: ssl.SSLContext | None = None
         self._members: dict[str, str] = {}
         self._tls_failed = False
+        self._clients: dict[tuple[str, str | None, int], PeerClient] = {}
         self._peers_loaded: Any = None
         """The ``written`` stamp of the peers.json whose certificates the endpoint serves with now."""
 
@@ -100,8 +101,8 @@ class PeerDaemon:
         self._stop.set()
 
     def run(self) -> int:
-        os.makedirs(state_dir(self.root), exist_ok=True)
-        fd = os.open(os.path.join(state_dir(self.root), LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        node_state.make_state_dir(self.root)
+        fd = os.open(os.path.join(state_dir(self.root), LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
         # A trainer starts a daemon when none reports itself running: one still holding the lock is
         # on its way out (its status says so); wait for it rather than leave the node without one.
         end = time.monotonic() + LOCK_WAIT_S
@@ -133,6 +134,8 @@ class PeerDaemon:
                 self._stop.wait(self.poll_s)
             return 0
         finally:
+            for client in self._clients.values():
+                client.close()
             if self._server is not None:
                 self._server.shutdown()
                 self._server.server_close()
@@ -256,7 +259,7 @@ class PeerDaemon:
         for holder in holders:
             try:
                 expect = tls.fingerprint(holder["cert"]) if holder.get("cert") else None
-                client = PeerClient(holder["addr"], self._client_ctx, expect=expect)
+                client = self._client(holder["addr"], expect)
                 self.sent_bytes += client.put_replica(self.node, step_dir, manifest, names, config.get("bandwidth"),
                                                       live=live)
                 reached.append(holder["node"])
@@ -278,6 +281,19 @@ class PeerDaemon:
                  time.monotonic() - t0)
         return False
 
+    def _client(self, addr: str, expect: str | None) -> PeerClient:
+        """The client of a holder, kept from one step to the next (its connections are reused); clients of
+        other addresses, certificates or TLS contexts are closed."""
+        key = (addr, expect, id(self._client_ctx))
+        client = self._clients.get(key)
+        if client is None:
+            for old in self._clients.values():
+                if old.addr == addr:
+                    old.close()
+            self._clients = {k: c for k, c in self._clients.items() if c.addr != addr}
+            client = self._clients[key] = PeerClient(addr, self._client_ctx, expect=expect)
+        return client
+
     def _write_status(self, state: str) -> None:
         body = {
             **process_record(state, self.node),
@@ -291,21 +307,12 @@ class PeerDaemon:
         if read_json(path) == body:
             return
         try:
-            layout.atomic_write_text(path, json.dumps(body, indent=1))
+            node_state.write_private(path, json.dumps(body, indent=1))
         except OSError as exc:
             log.warning("shardckpt: cannot write the peer status under %s: %s", self.root, exc)
 
 
-def replicated(root: str, step: int, manifest: layout.Manifest | None = None) -> dict[str, Any] | None:
-    """What this node's daemon recorded of sending its files of ``step``, for the version committed
-    here (``{"holders", "time", "seconds"}``); ``None`` when not replicated (or another save was)."""
-    info = read_json(os.path.join(state_dir(root), STATUS_NAME))
-    sent = (info.get("replicated") or {}).get(str(step))
-    if manifest is None:
-        manifest = manifest_or_none(os.path.join(root, layout.step_dirname(step)))
-    if not sent or manifest is None or sent.get("version") != layout.version_of(manifest):
-        return None
-    return sent
+replicated = node_state.replicated
 
 
 def latest_replicated(root: str) -> int | None:

@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from shardckpt import _dist
-from shardckpt.format import layout, lineage, replicas
+from shardckpt.format import lineage, node_state, replicas
 from shardckpt.node import peer_daemon
 from shardckpt.stores import peer_client, tls
 from shardckpt.node.node_registry import pid_alive, read_json, register_trainer, state_dir, unregister_trainer
@@ -81,6 +81,11 @@ class PeerTier:
     def on(self) -> bool:
         return self.replicas > 0
 
+    @property
+    def node_name(self) -> str:
+        """This node's name in the job (set on its committer by :meth:`launch`)."""
+        return self._node
+
     def launch(self, topology: Topology, groups: _dist.SideGroups) -> None:
         """Decide, start and connect the tier (collective over ``ctl``; every rank calls it at the same point)."""
         if not _dist.is_dist():
@@ -126,7 +131,7 @@ class PeerTier:
             except tls.PeerTLSError as exc:
                 log.error("shardckpt: the peer tier of %s: %s", self.root, exc)
             written = f"{time.time():.6f}-{os.getpid()}"
-            layout.atomic_write_text(os.path.join(state_dir(self.root), peer_daemon.PEERS_NAME), _json({
+            node_state.write_private(os.path.join(state_dir(self.root), peer_daemon.PEERS_NAME), _json({
                 "nodes": self.nodes, "replicas": self.replicas, "bandwidth": self.config.peer_bandwidth,
                 "keep_last": self.config.keep_last, "tls": self.identity.to_json(), "written": written,
             }))
@@ -166,7 +171,7 @@ class PeerTier:
         that there is no job to replicate to (it stops retrying, and exits after its linger)."""
         path = os.path.join(state_dir(self.root), peer_daemon.PEERS_NAME)
         if os.path.exists(path) and (read_json(path).get("nodes") or read_json(path).get("replicas")):
-            layout.atomic_write_text(path, _json({"nodes": [], "replicas": 0, "written": time.time()}))
+            node_state.write_private(path, _json({"nodes": [], "replicas": 0, "written": time.time()}))
             log.info("shardckpt: the peer tier is off in this launch; the peer daemon of %s stops replicating",
                      self.root)
 
@@ -181,7 +186,7 @@ class PeerTier:
         return tls.node_identity(state_dir(self.root), node)
 
     def _start(self, node: str, domain: str | None) -> dict[str, Any]:
-        os.makedirs(state_dir(self.root), exist_ok=True)
+        node_state.make_state_dir(self.root)
         self.identity = self._identity(node)
         if not self._registered:
             self._trainer_file = register_trainer(self.root)
@@ -207,35 +212,6 @@ class PeerTier:
                 f"see {os.path.join(state_dir(self.root), 'peer.log')}"
             )
         return info
-
-    def fetch_own(self, groups: _dist.SideGroups) -> None:
-        """Before a load's survey (collective over ``ctl``): a node whose directory lacks the newest step
-        that a peer holds a replica of its files of brings them back over the peer endpoint first (a
-        replacement node with an empty disk); the survey then finds the step complete on every node."""
-        if not self.on:
-            return
-        result: tuple[int, list[str]] | None = None
-        error: str | None = None
-        if self.committer:
-            me = _dist.node_id()
-            try:
-                if self.client_context is None:
-                    raise tls.PeerTLSError(f"the peer tier of {self.root} has no usable TLS identity on this node")
-                clients = [(n["node"], peer_client.PeerClient(n["addr"], self.client_context,
-                                                              expect=tls.fingerprint(n["cert"])))
-                           for n in self.nodes if n["node"] != me]
-                result = peer_client.fetch_own_replica(self.root, me, clients)
-            except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange below
-                error = f"node {me}: {type(exc).__name__}: {exc}"
-        gathered = groups.all_gather_ctl((result, error))
-        if _dist.rank() == 0:
-            for fetched, err in gathered:
-                if err:
-                    log.warning("shardckpt: bringing back a node's files from its peers failed: %s", err)
-            done = [f for f, _e in gathered if f]
-            if done:
-                log.info("shardckpt: %d node(s) brought back their files of step(s) %s from peer replicas",
-                         len(done), sorted({f[0] for f in done}))
 
     def daemon_info(self) -> dict[str, Any] | None:
         """The running daemon's status (address, what it replicated), ``None`` when none runs."""
@@ -298,8 +274,8 @@ class PeerTier:
         if self.committer:
             path = os.path.join(state_dir(self.root), peer_daemon.AGREED_NAME)
             try:
-                os.makedirs(state_dir(self.root), exist_ok=True)
-                layout.atomic_write_text(path, _json({"step": found[0], "version": found[1]}))
+                node_state.make_state_dir(self.root)
+                node_state.write_private(path, _json({"step": found[0], "version": found[1]}))
             except OSError as exc:  # the daemon keeps its replicas from the earlier point: nothing is lost
                 log.warning("shardckpt: cannot write %s: %s; the peer daemon keeps the replicas it holds from "
                             "an earlier step", path, exc)

@@ -25,6 +25,7 @@ from typing import Any
 
 from shardckpt.format import layout
 from shardckpt.tiers.early_upload import EarlyUploads
+from shardckpt.format.node_state import make_state_dir, write_private
 from shardckpt.node.node_registry import daemon_logging, lock_path, process_record, state_dir, trainers_alive
 from shardckpt.errors import RemoteError
 from shardckpt.format import codec
@@ -135,8 +136,8 @@ class Uploader:
     # ---- lifecycle
 
     def acquire_lock(self, wait_s: float = 2.0) -> bool:
-        os.makedirs(state_dir(self.root), exist_ok=True)
-        fd = os.open(lock_path(self.root), os.O_RDWR | os.O_CREAT, 0o644)
+        make_state_dir(self.root)
+        fd = os.open(lock_path(self.root), os.O_RDWR | os.O_CREAT, 0o600)
         end = time.monotonic() + wait_s
         while True:
             try:
@@ -413,8 +414,8 @@ class Uploader:
         self._last_status, self._last_status_time = dict(body), now
         body["updated"] = time.time()
         try:
-            os.makedirs(state_dir(self.root), exist_ok=True)
-            layout.atomic_write_text(os.path.join(state_dir(self.root), "status.json"), json.dumps(body, indent=1))
+            make_state_dir(self.root)
+            write_private(os.path.join(state_dir(self.root), "status.json"), json.dumps(body, indent=1))
         except OSError as exc:
             log.warning("shardckpt: cannot write the uploader status under %s: %s", self.root, exc)
 

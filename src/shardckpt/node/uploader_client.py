@@ -23,6 +23,7 @@ from shardckpt import _dist
 from shardckpt.format import layout
 from shardckpt.tiers import remote_commit
 from shardckpt.node.uploader import failure_text
+from shardckpt.format.node_state import make_state_dir, open_private_log
 from shardckpt.node.node_registry import pid_alive, read_status, register_trainer, state_dir, unregister_trainer, uploader_running
 from shardckpt.options import CheckpointConfig, UploaderMode
 from shardckpt._text import fmt_bytes
@@ -64,13 +65,12 @@ def spawn_uploader(root: str, url: str, args: list[str]) -> None:
 
 def spawn_node_daemon(root: str, entry: str, args: list[str], log_name: str) -> None:
     """Start a per-node daemon (``entry`` is ``module:function`` of this package) detached from the trainer."""
-    directory = state_dir(root)
-    os.makedirs(directory, exist_ok=True)
+    directory = make_state_dir(root)
     env = dict(os.environ)
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(name, None)
     package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # shardckpt/, above node/
-    logfile = open(os.path.join(directory, log_name), "ab")
+    logfile = os.fdopen(open_private_log(os.path.join(directory, log_name)), "ab")
     try:
         cmd = [sys.executable, "-c", _BOOTSTRAP, package_dir, entry, *args]
         launcher = subprocess.Popen(

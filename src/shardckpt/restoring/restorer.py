@@ -6,9 +6,9 @@
     1. survey (``survey.py``): every rank's committed steps, rank 0's remote
        listing, one exchange; which steps are live and which every rank can load
     2. sources.complete(step) (``sources.py``, the ONE place that orders where
-       the bytes come from: this node's disk -> replicas held here -> peer
-       daemons -> other nodes over the process group -> the remote, need-only
-       or whole files); then a size check of every file (a stat, split over
+       the bytes come from: this node's disk -> the step views of real stores
+       (replicas held here, each peer's daemon) -> other nodes over the process
+       group -> the remote, need-only or whole files); then a size check of every file (a stat, split over
        the ranks of each copy): a missing or truncated file stops the step
        before anything is read
     3. match: DCP's metadata read through the restricted unpickler; run id,
@@ -116,7 +116,6 @@ class Restorer:
         """
         strict = self.config.strict if strict is None else strict
         t_start = time.monotonic()
-        self.sources.before_survey()
         survey = self.surveyor.run(step)
         if step == "best" and survey.candidates:
             step = survey.candidates[0]

@@ -2,44 +2,56 @@
 
 The restorer reads as: survey (:mod:`.survey`) -> :meth:`Sources.complete`
 (this module) -> match keys and shapes -> DCP read (``dcp/reader.py``) ->
-apply. For the step chosen by the survey (identified by its save id, never by
-its number alone), the bytes come from, in this order:
+apply. For the save chosen by the survey (identified by its save id, never by
+its number alone), each directory copy takes every file it lacks from the
+first source that holds it, in this order:
 
-1. **this node's disk** (``local_dir/step_<N>/``): whatever the node's own
-   copy holds of that very save is used as it is (a copy holding another save
-   of the number is kept aside and treated as absent);
-2. **replicas held here** (``.shardckpt-replicas/<owner>/``): files of other
-   nodes' copies of the same save that this node's peer daemon received are
-   hard-linked into the step directory (:meth:`Sources.before_survey`);
-3. **peer daemons** (over HTTP, ``stores/peer_client.py``): a node whose disk
-   lacks a newer step that a peer holds a replica of its files of (a
-   replacement node with an empty disk) brings them back first, each file
-   checked against the owner's manifest (:meth:`Sources.before_survey`, run
-   before 2 so that 2 can complete a step brought back);
-4. **other nodes of the job over the process group** (no remote configured,
-   node-local copies): each file a copy lacks is sent by the committer of a
-   copy that has it (:meth:`Sources._exchange_with_peers`);
-5. **the remote** (any store, ``tiers/steps.py``): a copy holding nothing of
-   the step becomes a sparse copy given, during the read, only the byte ranges
-   its ranks read (need-only, chunk-verified, read once per job and shared
-   between nodes: ``tiers/ranged.py``); a copy holding part of it, or a step
-   without chunk checksums, fetches the whole files it lacks, each verified
-   while it downloads (:meth:`Sources._fetch_missing`);
-6. **refetch after a bad read**: a file that fails its size check before the
+1. **this node's disk** (``local_dir/step_<N>/``): what the copy holds of that
+   very save is used as it is (a copy holding another save of the number is
+   kept aside, and completed like a copy holding nothing);
+2. **the step views of this node's copy**, :attr:`Sources.providers` in order,
+   each a :class:`~shardckpt.tiers.steps.StepView` over a real store
+   (:mod:`.views`): the **replicas held here** of other nodes' files
+   (``ReplicaDirStore``), then **each peer** of the job through its daemon
+   (``PeerStore``: its own copy, and the replicas it holds; while the peer
+   tier is on). A view is offered only of the chosen save (its manifest read
+   from that store, of that version and file table); each file is verified
+   against the manifest as it arrives, and one that fails gives way to the
+   next view. A copy holding nothing of the step takes the manifest from the
+   first view too and is committed, manifest last, once complete. Adding a
+   source is adding a provider to that list (a memory tier's goes first);
+3. **other nodes of the job over the process group** (no remote holds the
+   save): each file a copy still lacks is sent by the committer of a copy that
+   has it, checked on arrival (:mod:`.exchange`);
+4. **the remote** (the save committed there, any store, ``tiers/steps.py``):
+   a copy still holding nothing of the step becomes a sparse copy given,
+   during the read, only the byte ranges its ranks read (need-only,
+   chunk-verified, read once per job and shared between nodes:
+   ``tiers/ranged.py``); a copy holding part of it, or a step without chunk
+   checksums, takes the whole files it lacks through the remote's step view,
+   each verified while it downloads;
+5. **refetch after a bad read**: a file that fails its size check before the
    read, or its checksum during the read, is fetched again from the remote
    (when the step is committed there) and the step is read again
    (:meth:`Sources.refetch`); otherwise every rank raises
    :class:`~shardckpt.errors.CorruptCheckpointError` (and with
    ``on_corrupt="fallback"`` the restorer moves on to an older step).
 
+The survey learns what the views hold the way it learns the remote's steps:
+each copy's committer lists its providers' stores (:meth:`Sources.offers`)
+and every node reports what its own daemon serves, so a step is loadable when
+the job's copies, views and remote hold every file of one save — no second
+"newest" is decided anywhere else. :attr:`Sources.report` says, per kind of
+source, what this node's copy took from it (files, bytes) and what it refused.
+
 Which ranks do what: every call here is collective over the ``ctl`` side
 group and every rank calls it alike. Only the *committer* of each directory
-copy (one rank per copy, ``topology.py``) talks to the peer daemons and the
-remote and writes into the copy; files move between nodes only between the
-committers of two copies, point to point; rank 0 lists the remote (in the
-survey). The size check of a copy's files is split over the ranks sharing it.
-Every rank learns every error in the same exchange and raises the same one:
-a corrupt file before a network failure.
+copy (one rank per copy, ``topology.py``) reads the views and the remote and
+writes into the copy; files move between nodes only between the committers of
+two copies, point to point; rank 0 lists the remote (in the survey). The size
+check of a copy's files is split over the ranks sharing it. Every rank learns
+every error in the same exchange and raises the same one: a corrupt file
+before a network failure.
 """
 
 from __future__ import annotations
@@ -47,28 +59,26 @@ from __future__ import annotations
 import logging
 import os
 import time
-import uuid
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from shardckpt import _dist
-from shardckpt import _failpoints
 from shardckpt import stores
 from shardckpt._text import fmt_bytes
 from shardckpt.errors import CorruptCheckpointError, RemoteError
-from shardckpt.format import layout, replicas, step_dirs
+from shardckpt.format import layout
 from shardckpt.options import CheckpointConfig
+from shardckpt.restoring import exchange
 from shardckpt.restoring.survey import Survey, raise_not_found
+from shardckpt.restoring.views import CopyFill, Peers, Provider, ReplicasHere, View
 from shardckpt.tiers import ranged, remote_commit
 from shardckpt.tiers import steps as steps_mod
 from shardckpt.topology import Topology
 
 log = logging.getLogger("shardckpt")
 
-PEER_CHUNK = 64 << 20
-"""Bytes per message when a node-local copy receives a file from another node."""
+OTHER_NODES = "other nodes"
+"""The process group's kind in :attr:`Sources.report`."""
+REMOTE = "remote"
 
 
 def _raise_first(errors: list[tuple[str, str] | None], more: str = "") -> None:
@@ -97,27 +107,51 @@ class Sources:
         """Which ranks share this directory; set by the Checkpointer before the first load."""
         self.peer: Any = None
         """The node's peer tier (``node/peer_tier.py``) when peer replicas are on, set by the Checkpointer."""
+        self.providers: list[Provider] = [ReplicasHere(root), Peers(lambda: self.peer)]
+        """The step views a copy reads from after its own disk, in this order (a memory tier's goes first)."""
         self.sparse: dict[int, ranged.SparseStep] = {}
         """Steps this rank reads from a sparse copy (need-only fetch from the remote, ``ranged.py``)."""
         self.surveyed: dict[int, layout.Manifest] = {}
         """Remote manifests read by this rank's survey (rank 0): the chosen step's is not read again."""
+        self._report: dict[str, dict[str, int]] = {}
+        self._read_sparse: ranged.SparseStep | None = None
+
+    @property
+    def report(self) -> dict[str, dict[str, int]]:
+        """Where the last completed step's bytes came from on this rank's copy: per kind of source
+        (``own disk``, ``replicas here``, ``peer``, ``other nodes``, ``remote``), the files and bytes taken
+        from it and the files it offered that failed their check (``refused``). A need-only copy counts
+        the bytes its node fetched from the remote for the read."""
+        out = {kind: dict(got) for kind, got in self._report.items()}
+        if self._read_sparse is not None:
+            out[REMOTE] = {"files": len(self._read_sparse.manifest.files), "bytes": self._read_sparse.fetched_bytes,
+                           "refused": 0}
+        return out
 
     def close(self) -> None:
+        for provider in self.providers:
+            provider.close()
         if self._store is not None:
             self._store.close()
             self._store = None
 
-    # ------------------------------------------------------------ 2-3. before the survey: peers, replicas
+    # ------------------------------------------------------------ the survey's view of the sources
 
-    def before_survey(self) -> None:
-        """Sources 3 then 2: own files brought back from a peer daemon's replica (collective), then the
-        replicas of other nodes' files held here linked into the step directories they complete."""
-        if self.peer is not None:
-            self.peer.fetch_own(self._groups)
-        adopted = replicas.adopt_replicas(self.root)
-        if adopted:
-            log.info("shardckpt: using the replicas of other nodes' files held in %s: %s", replicas.replicas_root(self.root),
-                     ", ".join(f"step {s}: {len(n)} file(s)" for s, n in sorted(adopted.items())))
+    def offers(self) -> dict[int, dict[str, list[str]]]:
+        """What this copy's providers hold on this node (its committer only): ``{step: {version: [names]}}``."""
+        out: dict[int, dict[str, list[str]]] = {}
+        if not self.topology.committer:
+            return out
+        for provider in self.providers:
+            for step, by_version in provider.offers().items():
+                for version, names in by_version.items():
+                    held = out.setdefault(step, {}).setdefault(version, [])
+                    held.extend(n for n in names if n not in held)
+        return out
+
+    def peers_on(self) -> bool:
+        """Whether every copy can read the other nodes' daemons (the peer tier is on: the same on every rank)."""
+        return bool(self.peer is not None and self.peer.on)
 
     # ------------------------------------------------------------ the chosen step, completed
 
@@ -125,13 +159,14 @@ class Sources:
         """Complete this copy of ``step`` from the sources, in the order of the module's docstring, and
         check its files' presence and sizes (collective over ``ctl``).
 
-        Returns its manifest, the files this rank already checked (downloaded
+        Returns its manifest, the files this rank already checked (received
         and checked on the way; the checksums of the others are checked while
         they are read) and the directory to read (a sparse copy's, for a
         need-only restore).
         """
         received: set[str] = set()
         self.sparse.pop(step, None)
+        self._report, self._read_sparse = {}, None
         if step in survey.remote_unreadable:
             raise CorruptCheckpointError(
                 f"step {step} is committed on the remote {stores.safe_url(self.config.remote)}, but it cannot be "
@@ -141,12 +176,9 @@ class Sources:
             errors = survey.early[step]
             manifest = layout.read_manifest(step_dir)
         else:
-            lacking = any(step in m and m[step] for m in survey.missing) or any(step not in m for m in survey.missing)
-            if lacking and step in survey.remote_steps:
-                if self._open_need_only(step, survey):
-                    received = self._fetch_missing(step, step_dir, stale=step in survey.stale[_dist.rank()])
-            elif lacking:
-                received = self._exchange_with_peers(step, step_dir, survey)
+            lacking = any(step not in m or m[step] for m in survey.missing)
+            if lacking and step in survey.infos:  # (a manifest no copy can read: its own read below says so)
+                received = self._gather(step, survey)
             sparse = self.sparse.get(step)
             if sparse is not None:
                 step_dir, received = sparse.dir, set(sparse.manifest.files)
@@ -163,7 +195,95 @@ class Sources:
         if manifest is None:
             raise_not_found(self.config, self.root, self.topology, step, survey)
         sparse = self.sparse.get(step)
+        self._read_sparse = sparse
+        if not self._report and sparse is None:
+            self._report = {"own disk": {"files": len(manifest.files),
+                                         "bytes": sum(e.size for e in manifest.files.values()), "refused": 0}}
         return manifest, received, (sparse.dir if sparse is not None else step_dir)
+
+    def _gather(self, step: int, survey: Survey) -> set[str]:
+        """Each copy takes what it lacks of ``step``: its views (each committer on its own), then the process
+        group or the remote (collective); copies begun empty are committed manifest last. Returns the
+        names this rank's copy received (each verified on the way)."""
+        topo = self.topology
+        version = survey.infos[step].version
+        on_remote = step in survey.remote_steps
+        copy: CopyFill | None = None
+        stale = step in survey.stale[_dist.rank()]
+        state: tuple[bool, list[str] | None, tuple[str, str] | None, bool] = (False, None, None, stale)
+        try:
+            if topo.committer:
+                try:
+                    copy = CopyFill(self.root, step, version, stale=stale, remote_url=self.config.remote)
+                    if copy.lacking() != []:
+                        copy.fill([v for provider in self.providers for v in provider.views(step, version)])
+                    state = (copy.manifest is not None, copy.lacking(), None, stale)
+                except CorruptCheckpointError as exc:
+                    state = (False, None, ("corrupt", str(exc)), stale)
+                except (RemoteError, OSError) as exc:
+                    state = (False, None, ("remote", stores.redact(str(exc))), stale)
+            gathered = self._groups.all_gather_ctl(state)
+            _raise_first([g[2] for g in gathered], more=" ({} more node(s) failed too)")
+            remote_manifest = None
+            if on_remote:
+                if self._open_need_only(step, version, gathered):
+                    remote_manifest = self._fetch_rest(step, copy)
+            else:
+                received = self._exchange(step, copy, gathered)
+                if copy is not None:
+                    copy.received |= received
+            error: tuple[str, str] | None = None
+            if copy is not None and step not in self.sparse:
+                try:
+                    copy.commit(remote_manifest)
+                    copy.count_own()
+                except (CorruptCheckpointError, OSError) as exc:
+                    error = ("corrupt", str(exc))
+            done = self._groups.all_gather_ctl((error, sorted(copy.received) if copy else [],
+                                                copy.report if copy else {}))
+            _raise_first([d[0] for d in done], more=" ({} more node(s) failed too)")
+            mine = done[topo.copy[0]]
+            self._report = mine[2]
+            if topo.committer and self._report:
+                log.info("shardckpt: step %d: this node's copy from %s", step, "; ".join(
+                    f"{kind}: {got['files']} file(s), {fmt_bytes(got['bytes'])}"
+                    + (f", {got['refused']} refused" if got["refused"] else "") for kind, got in self._report.items()))
+            return set(mine[1])
+        finally:
+            if copy is not None:
+                copy.abandon()
+            for provider in self.providers:
+                provider.close()  # their connections: a restore's, not kept open on the peers afterwards
+
+    def _fetch_rest(self, step: int, copy: CopyFill | None) -> layout.Manifest | None:
+        """Each copy's committer takes what its copy still lacks from the remote (whole files through its
+        step view, each verified while it downloads); all ranks agree. Returns the remote manifest."""
+        error: tuple[str, str] | None = None
+        manifest = None
+        if copy is not None and step not in self.sparse:
+            try:
+                deadline = stores.Deadline(self.config.step_deadline_s)
+                manifest = self._remote_manifest(step, deadline)
+                if manifest is None:
+                    raise RemoteError(f"step {step} is no longer committed on {stores.safe_url(self.config.remote)}")
+                if copy.lacking() != []:
+                    where = stores.safe_url(self.config.remote)
+                    t0 = time.monotonic()
+                    copy.fill([View(REMOTE, where, steps_mod.StepView(self.store(), manifest), listed=False)])
+                    if copy.lacking() != []:  # the remote is the last source: its error is the step's
+                        raise next((e for kind, _n, e in copy.failures if kind == REMOTE),
+                                   CorruptCheckpointError(f"step {step}: files of this node's copy came from no "
+                                                          f"source: {(copy.lacking() or [])[:5]}"))
+                    got = copy.report.get(REMOTE, {})
+                    if got.get("files"):
+                        log.info("shardckpt: fetched %d file(s) of step %d from %s: %s in %.2f s", got["files"],
+                                 step, where, fmt_bytes(got["bytes"]), time.monotonic() - t0)
+            except CorruptCheckpointError as exc:
+                error = ("corrupt", str(exc))
+            except (RemoteError, OSError) as exc:
+                error = ("remote", stores.redact(str(exc)))
+        _raise_first(self._groups.all_gather_ctl(error), more=" ({} more node(s) failed too)")
+        return manifest
 
     def check_share(self, step_dir: str, manifest: layout.Manifest, skip: set[str]) -> tuple[str | None, list[str]]:
         """This rank's share of the size check of its copy (a stat each): (first error, failing files).
@@ -195,6 +315,10 @@ class Sources:
         if self.topology.committer and names:
             try:
                 steps_mod.fetch_step(self.store(), self.root, step, names=names)
+                manifest = layout.read_manifest(step_dir)
+                got = self._report.setdefault(REMOTE, {"files": 0, "bytes": 0, "refused": 0})
+                got["files"] += len(names)
+                got["bytes"] += sum(manifest.files[n].size for n in names) if manifest is not None else 0
                 log.warning(
                     "shardckpt: step %d: replaced %d file(s) of %s that failed verification with the remote's "
                     "copy (%s)", step, len(names), step_dir, ", ".join(names[:5]),
@@ -223,44 +347,17 @@ class Sources:
         surveyed = self.surveyed.get(step)
         return surveyed if surveyed is not None else remote_commit.remote_manifest(self.store(), step, deadline)
 
-    def _fetch_missing(self, step: int, step_dir: str, stale: bool = False) -> set[str]:
-        """Each copy's committer brings missing files of ``step`` from the remote; all ranks agree.
-
-        ``stale``: this directory holds another save of the step number than
-        the one that counts; it is kept aside (never read as the step) and
-        the step is fetched whole. Returns the names this copy fetched
-        (already verified against the manifest while downloading). Collective
-        over the ``ctl`` group.
-        """
-        error: tuple[str, str] | None = None
-        fetched: list[str] = []
-        if self.topology.committer and step not in self.sparse:
-            try:
-                if stale:
-                    kept = step_dirs.keep_aside(self.root, step)
-                    log.warning(
-                        "shardckpt: step %d in %s is another save than the one committed on %s (a stale copy, e.g. "
-                        "from before a rollback elsewhere): kept aside as %s; fetching the live one",
-                        step, step_dir, stores.safe_url(self.config.remote), kept,
-                    )
-                fetched = sorted(steps_mod.fetch_step(self.store(), self.root, step, manifest=self.surveyed.get(step)))
-            except CorruptCheckpointError as exc:
-                error = ("corrupt", str(exc))
-            except (RemoteError, OSError) as exc:
-                error = ("remote", stores.redact(str(exc)))
-        gathered = self._groups.all_gather_ctl((error, fetched))
-        _raise_first([g[0] for g in gathered], more=" ({} more node(s) failed too)")
-        return set(gathered[self.topology.copy[0]][1])
-
-    def _open_need_only(self, step: int, survey: Survey) -> bool:
-        """Copies holding nothing of ``step`` become sparse copies, filled while the step is read
+    def _open_need_only(self, step: int, version: str, gathered: list[Any]) -> bool:
+        """Copies still holding nothing of ``step`` become sparse copies, filled while the step is read
         with only the ranges their ranks read (``ranged.py``). Collective over ``ctl``.
 
-        Returns whether some copy still needs the whole-file fetch (:meth:`_fetch_missing`):
-        a copy holding part of the step or another save of it, or a step without chunk checksums.
+        ``gathered``: each committer's ``(has the manifest, files lacking, error, held another save)`` after
+        its views. Returns whether some copy still needs whole files (:meth:`_fetch_rest`): a copy holding
+        part of the step or another save of it (kept aside: the step is fetched whole, and committed), or a
+        step without chunk checksums.
         """
         topo = self.topology
-        empty = all(step not in survey.missing[r] and step not in survey.stale[r] for r in topo.copy)
+        empty = not gathered[topo.copy[0]][0] and not gathered[topo.copy[0]][3]
         result: tuple[str | None, tuple[str, str] | None, bool] = (None, None, False)
         sparse = None
         if empty and topo.committer:
@@ -268,7 +365,7 @@ class Sources:
                 store = self.store()
                 source = steps_mod.StepView.of_step(store, step)
                 sparse = ranged.SparseStep.open(
-                    self.root, survey.infos[step].version,
+                    self.root, version,
                     lambda: self._remote_manifest(step, source.deadline), source, metadata=False,
                 )
                 result = (None if sparse is None else sparse.dir, None, sparse is not None and sparse.has_metadata())
@@ -276,15 +373,14 @@ class Sources:
                 result = (None, ("corrupt", str(exc)), False)
             except (RemoteError, OSError) as exc:
                 result = (None, ("remote", stores.redact(str(exc))), False)
-        gathered = self._groups.all_gather_ctl(result)
-        _raise_first([e for _d, e, _m in gathered])
-        self._share_metadata(step, sparse, [(r, g[2]) for r, g in enumerate(gathered)
+        answers = self._groups.all_gather_ctl(result)
+        _raise_first([e for _d, e, _m in answers])
+        self._share_metadata(step, sparse, [(r, g[2]) for r, g in enumerate(answers)
                                             if g[0] is not None and topo.copy_of(r)[0] == r])
-        mine = gathered[topo.copy[0]][0]
+        mine = answers[topo.copy[0]][0]
         if mine is not None:
             self.sparse[step] = sparse if sparse is not None else ranged.SparseStep.attach(mine)
-        whole = [r for r, m in enumerate(survey.missing) if step not in m or m[step]]
-        return any(gathered[topo.copy_of(r)[0]][0] is None for r in whole)
+        return any(answers[c][0] is None and (not gathered[c][0] or gathered[c][1]) for c in topo.committers)
 
     def _share_metadata(self, step: int, sparse: "ranged.SparseStep | None", copies: list[tuple[int, bool]]) -> None:
         """The step's ``.metadata`` into every new sparse copy, read from the remote once per job.
@@ -321,10 +417,10 @@ class Sources:
                 for j in range(have, min(2 * have, len(order))):
                     src, dst = order[j - have], order[j]
                     if me == src:
-                        _send_file(path, size, dst, self._groups.ctl)
+                        exchange.send_file(path, size, dst, self._groups.ctl)
                     elif me == dst:
                         try:
-                            _receive_file(path, sparse.manifest.files[layout.METADATA_NAME], src, self._groups.ctl,
+                            exchange.receive_file(path, sparse.manifest.files[layout.METADATA_NAME], src, self._groups.ctl,
                                           step)
                         except CorruptCheckpointError as exc:
                             log.warning("shardckpt: step %d: %s; fetching it from the remote instead", step, exc)
@@ -332,23 +428,26 @@ class Sources:
                 have *= 2
         _raise_first(self._groups.all_gather_ctl(error))
 
-    def _exchange_with_peers(self, step: int, step_dir: str, survey: Survey) -> set[str]:
-        """Node-local copies without a remote: each copy receives the files it lacks from another node.
-
-        Every rank computes the same plan from the survey; only the committer
-        of the copy that has a file and the committer of the copy that lacks
-        it take part in its transfer (point-to-point over the ``ctl`` group),
-        in the plan's order. Each received file is checked against the
-        manifest before it is renamed into place. Returns the names this
-        copy received.
-        """
+    def _exchange(self, step: int, copy: CopyFill | None, gathered: list[Any]) -> set[str]:
+        """Node-local copies without the save on a remote: each copy receives the files it still lacks
+        from another node's copy (:mod:`.exchange`). Returns the names this copy received."""
         topo = self.topology
+        lacking = {c: gathered[c][1] for c in topo.committers if gathered[c][1]}
+        if not lacking:
+            return set()
         plan: list[tuple[str, int, int]] = []
         for dst in topo.committers:
-            for name in sorted(survey.missing[dst].get(step, [])):
-                src = next((c for c in topo.committers if c != dst and step in survey.missing[c]
-                            and name not in survey.missing[c][step]), None)
+            if not gathered[dst][0]:
+                raise CorruptCheckpointError(
+                    f"step {step}: the copy of rank {dst}'s node holds nothing of this save and no source gave it "
+                    f"the step's manifest ({topo.describe()}). Remedy: load an earlier step (load(step=...) or "
+                    f"on_corrupt='fallback'), or configure remote= so that every node's files are uploaded."
+                )
+            for name in lacking.get(dst, []):
+                src = next((c for c in topo.committers if c != dst and gathered[c][0]
+                            and name not in (gathered[c][1] or [])), None)
                 if src is None:
+                    step_dir = os.path.join(self.root, layout.step_dirname(step))
                     elsewhere = "" if topo.shared else f", and no other node's directory of this job has it ({topo.describe()})"
                     raise CorruptCheckpointError(
                         f"step {step}: file {os.path.join(step_dir, name)} named in the manifest is missing{elsewhere}. "
@@ -357,17 +456,18 @@ class Sources:
                     )
                 plan.append((name, src, dst))
         rank = _dist.rank()
-        manifest = layout.read_manifest(step_dir) if any(rank in (s, d) for _n, s, d in plan) else None
+        manifest = copy.manifest if copy is not None else None
         error: str | None = None
         received: list[str] = []
         total = 0
         t0 = time.monotonic()
         for name, src, dst in plan:
             if rank == src:
-                _send_file(os.path.join(step_dir, name), manifest.files[name].size, dst, self._groups.ctl)
+                exchange.send_file(os.path.join(copy.target, name), manifest.files[name].size, dst, self._groups.ctl)
             elif rank == dst:
                 try:
-                    _receive_file(os.path.join(step_dir, name), manifest.files[name], src, self._groups.ctl, step)
+                    exchange.receive_file(os.path.join(copy.target, name), manifest.files[name], src,
+                                          self._groups.ctl, step)
                     received.append(name)
                     total += manifest.files[name].size
                 except (CorruptCheckpointError, OSError) as exc:
@@ -376,90 +476,9 @@ class Sources:
         if errors:
             raise CorruptCheckpointError(errors[0])
         if received:
+            copy.report[OTHER_NODES] = {"files": len(received), "bytes": total, "refused": 0}
             log.info(
                 "shardckpt: step %d: received %d file(s), %s, from other nodes' copies into %s in %.2f s",
-                step, len(received), fmt_bytes(total), step_dir, time.monotonic() - t0,
+                step, len(received), fmt_bytes(total), copy.target, time.monotonic() - t0,
             )
         return set(received)
-
-
-def _send_file(path: str, size: int, dst: int, group: Any) -> None:
-    """Send ``size`` bytes of ``path`` to ``dst`` in chunks; never stops early (the receiver counts on them).
-
-    A file that cannot be read is sent as zeros: the receiver's checksum refuses it.
-    """
-    try:
-        f = open(path, "rb", buffering=0)
-    except OSError:
-        f = None
-    try:
-        sent = 0
-        while sent < size:
-            n = min(PEER_CHUNK, size - sent)
-            buf = torch.zeros(n, dtype=torch.uint8)
-            if f is not None:
-                try:
-                    f.readinto(memoryview(buf.numpy()))
-                except OSError:
-                    f.close()
-                    f = None
-            _failpoints.hit("peer.chunk_read", memoryview(buf.numpy()))
-            dist.send(buf, dst=dst, group=group)
-            sent += n
-    finally:
-        if f is not None:
-            f.close()
-
-
-def _receive_file(path: str, entry: layout.FileEntry, src: int, group: Any, step: int) -> None:
-    """Receive one file from ``src``, check it against the manifest, rename it into place.
-
-    Every chunk is received even when writing fails (the sender goes on
-    sending); the failure is raised afterwards.
-    """
-    tmp = f"{path}.peer-{uuid.uuid4().hex[:8]}"
-    checksum = layout.Checksum.like(entry.checksum)
-    write_error: OSError | None = None
-    f = None
-    try:
-        try:
-            f = open(tmp, "wb")
-        except OSError as exc:
-            write_error = exc
-        received = 0
-        while received < entry.size:
-            n = min(PEER_CHUNK, entry.size - received)
-            buf = torch.empty(n, dtype=torch.uint8)
-            dist.recv(buf, src=src, group=group)
-            view = memoryview(buf.numpy())
-            checksum.update(view)
-            if f is not None and write_error is None:
-                try:
-                    f.write(view)
-                except OSError as exc:
-                    write_error = exc
-            received += n
-        if f is not None and write_error is None:
-            try:
-                f.flush()
-                os.fsync(f.fileno())
-            except OSError as exc:
-                write_error = exc
-        if write_error is not None:
-            raise CorruptCheckpointError(
-                f"step {step}: could not write {path} received from rank {src} ({write_error}). Remedy: free "
-                f"disk space under {os.path.dirname(os.path.dirname(path))}, then load again."
-            ) from write_error
-        if checksum.value() != entry.checksum:
-            raise CorruptCheckpointError(
-                f"step {step}: {os.path.basename(path)} from rank {src}'s copy fails its checksum; it was not "
-                f"used. Remedy: run `shardckpt verify` on that node's local_dir, or load an earlier step."
-            )
-        f.close()
-        f = None
-        os.replace(tmp, path)
-    finally:
-        if f is not None:
-            f.close()
-        if os.path.exists(tmp):
-            os.unlink(tmp)

@@ -1,13 +1,16 @@
 """1. The survey: which committed steps exist where, which are live, which every rank can load.
 
 One exchange over the ``ctl`` side group: every rank reads the manifests of
-its directory, rank 0 lists the remote (the index, ``tiers/remote_index.py``);
-every rank then computes alike which steps are live (``lineage.py``: steps of
-a branch abandoned by a rollback are not resumed by default) and which of
-them every rank can load: complete in its directory, committed on the remote,
-or completable from the other nodes' node-local copies. Steps are compared by
-version (:func:`shardckpt.format.layout.version_of`), never by number alone.
-Where the bytes then come from is :mod:`shardckpt.restoring.sources`.
+its directory, each copy's committer lists what its step views hold on this
+node (the replicas held here: :meth:`Sources.offers`), rank 0 lists the
+remote (the index, ``tiers/remote_index.py``); every rank then computes alike
+which steps are live (``lineage.py``: steps of a branch abandoned by a
+rollback are not resumed by default) and which of them every rank can load:
+complete in its directory, committed on the remote, or one save whose every
+file some copy, view (a replica here, a peer's daemon, which serves what its
+node reported) or node holds. Steps are compared by version
+(:func:`shardckpt.format.layout.version_of`), never by number alone. Where
+the bytes then come from is :mod:`shardckpt.restoring.sources`.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ class Surveyor:
         rank's copy of another save of that number is stale, and is treated as
         absent there (kept aside and replaced when the step is fetched).
         """
-        infos, missing, unreadable = _scan(self.root)
+        infos, missing, present, unreadable = _scan(self.root)
         self.sources.surveyed.clear()
         remote_report: tuple[dict[int, Any], dict[int, str], str | None] | None = None
         if self.config.remote is not None and _dist.rank() == 0:
@@ -93,6 +96,8 @@ class Surveyor:
         payload = {
             "infos": {s: i.to_json() for s, i in infos.items()},
             "missing": missing,
+            "present": present,
+            "offers": self.sources.offers(),
             "unreadable": sorted(unreadable),
             "remote": remote_report,
             "early": early,
@@ -127,10 +132,29 @@ class Surveyor:
         ]
         per_rank_missing = [{s: m for s, m in g["missing"].items() if s not in st} for g, st in zip(gathered, stale)]
 
+        peers_on = self.sources.peers_on()
+
+        def covered(s: int) -> bool:
+            # Every file of this save held somewhere in the job (a copy, a replica here: what each node's
+            # daemon serves its peers too), and every copy lacking the save can read its manifest from a view.
+            version = merged[s].version
+            holders = [r for r, g in enumerate(gathered) if s in g["infos"] and s not in stale[r]]
+            if not holders:
+                return False
+            needed = set(gathered[holders[0]]["present"][s]) | set(gathered[holders[0]]["missing"][s])
+            held: set[str] = set()
+            for r in holders:
+                held.update(gathered[r]["present"][s])
+            for g in gathered:
+                held.update(g["offers"].get(s, {}).get(version, []))
+            lacking = [c for c in self.topology.committers if c not in holders]
+            return needed <= held and all(peers_on or version in gathered[c]["offers"].get(s, {}) for c in lacking)
+
         def loadable(s: int) -> bool:
-            # Committed remotely, or this very save committed in every rank's directory (files a
-            # copy lacks come from another node's copy; fetching says which are nowhere).
-            return s in remote_steps or all(s in m for m in per_rank_missing)
+            # Committed remotely, or this very save committed in every rank's directory (files a copy lacks
+            # come from the views or another node's copy; completing says which are nowhere), or every file
+            # of it held somewhere in the job.
+            return s in remote_steps or all(s in m for m in per_rank_missing) or covered(s)
 
         unreadable_everywhere = set.intersection(*(set(g["unreadable"]) for g in gathered)) if gathered else set()
         remote_unreadable = {s: why for s, why in remote_bad.items() if s not in merged}
@@ -305,10 +329,11 @@ def _ranks(ranks: list[int]) -> str:
     return shown + (f" (+{len(ranks) - 16} more)" if len(ranks) > 16 else "")
 
 
-def _scan(root: str) -> tuple[dict[int, lineage_mod.StepInfo], dict[int, list[str]], set[int]]:
-    """This directory's committed steps: their lineage, the files each lacks, unreadable manifests."""
+def _scan(root: str) -> tuple[dict[int, lineage_mod.StepInfo], dict[int, list[str]], dict[int, list[str]], set[int]]:
+    """This directory's committed steps: their lineage, the files each lacks and holds, unreadable manifests."""
     infos: dict[int, lineage_mod.StepInfo] = {}
     missing: dict[int, list[str]] = {}
+    present: dict[int, list[str]] = {}
     unreadable: set[int] = set()
     for step in layout.committed_steps(root):
         step_dir = os.path.join(root, layout.step_dirname(step))
@@ -322,7 +347,8 @@ def _scan(root: str) -> tuple[dict[int, lineage_mod.StepInfo], dict[int, list[st
         infos[step] = lineage_mod.info_of(manifest)
         # Absent, not merely damaged: a file of the wrong size is verification's to report.
         missing[step] = layout.absent_files(step_dir, manifest)
-    return infos, missing, unreadable
+        present[step] = sorted(set(manifest.files) - set(missing[step]))
+    return infos, missing, present, unreadable
 
 
 def _partial_saves(root: str) -> dict[int, list[str]]:

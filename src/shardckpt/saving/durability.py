@@ -20,7 +20,7 @@ import threading
 from typing import Any
 
 from shardckpt.format import layout
-from shardckpt.node import peer_daemon
+from shardckpt.format import node_state
 from shardckpt.tiers import remote_commit
 
 log = logging.getLogger("shardckpt")
@@ -53,7 +53,7 @@ class DurabilityLog:
             return None
         out: dict[str, float | None] = {"local": entry["local"]}
         if self._peer_on():
-            sent = peer_daemon.replicated(self.root, step, manifest)
+            sent = node_state.replicated(self.root, step, manifest)
             out["peer"] = max(entry["local"], sent["time"] - entry["started"]) if sent else None
         if self.remote:
             mark = _upload_mark(self.root, step, manifest)

@@ -46,6 +46,7 @@ restore's sources are ordered in :mod:`shardckpt.restoring.sources`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from typing import Any, Callable
 
@@ -81,6 +82,18 @@ def range_past_end(where: str, offset: int, length: int, size: int, *, what: str
         f"bytes {offset}..{offset + length} of {where} asked, but the {what} holds {size} bytes. "
         f"Remedy: the {what} is shorter than its manifest says; {remedy}."
     )
+
+
+def run_in_pool(pool: Any, jobs: list[Callable[[], Any]]) -> list[Any]:
+    """Run ``jobs`` on ``pool`` (a ``concurrent.futures`` executor); their results in order. The first
+    error is raised, once the jobs not started are cancelled and the started ones have ended."""
+    futures = [pool.submit(job) for job in jobs]
+    try:
+        return [f.result() for f in futures]
+    finally:
+        for f in futures:
+            f.cancel()
+        concurrent.futures.wait(futures)
 
 
 class Store:

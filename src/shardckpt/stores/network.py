@@ -29,7 +29,7 @@ from typing import Any, Callable, TypeVar
 
 from shardckpt.format import layout
 from shardckpt.errors import ConfigError, CorruptCheckpointError, ObjectNotFoundError, RemoteError
-from shardckpt.stores.base import Deadline, Store
+from shardckpt.stores.base import Deadline, Store, run_in_pool
 
 log = logging.getLogger("shardckpt")
 
@@ -268,14 +268,7 @@ class NetworkStore(Store):
             return []
         if len(jobs) == 1:
             return [jobs[0]()]
-        pool = self.file_pool() if files else self.pool()
-        futures = [pool.submit(job) for job in jobs]
-        try:
-            return [f.result() for f in futures]
-        finally:
-            for f in futures:
-                f.cancel()
-            concurrent.futures.wait(futures)
+        return run_in_pool(self.file_pool() if files else self.pool(), jobs)
 
 
 

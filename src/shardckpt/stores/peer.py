@@ -6,27 +6,25 @@ What a peer serves is committed steps only, read-only: writes reach a peer as
 whole replicas (``PeerClient.put_replica``, the replication daemon's job), so
 ``put_*`` and ``delete*`` raise :class:`PeerStoreReadOnly`.
 
-Built on the client's public calls only (``list_steps``, ``held_files``,
-``get`` with a byte range). The client answers every refusal with one error
-type, so this adapter decides absence from the peer's own listing (its
-committed steps, the files it holds of each) and sizes from the step's
-manifest, which the peer serves too; verified fetches stream ranged GETs and
-check size and checksum here, so a mismatch is a
-:class:`~shardckpt.errors.CorruptCheckpointError` like on every store.
+Reads are one request each on the client's kept connections: a whole file is
+one GET streamed through its checksum (several files side by side in
+:meth:`PeerStore.run_all`, one connection each), a range one ranged GET. The
+peer's answer says what is absent (404: :class:`ObjectNotFoundError`) and how
+long a file is (a range past its end: :class:`ObjectRangeError` naming the
+size); listings come from the peer's own listing of its committed steps.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Any
+import concurrent.futures
+import re
+from typing import Any, Callable
 
 from shardckpt.errors import CorruptCheckpointError, ObjectNotFoundError, RemoteError
 from shardckpt.format import layout
 from shardckpt.format.replicas import owner_dirname
-from shardckpt.stores.base import Deadline, OnBytes, Store, range_past_end
-from shardckpt.stores.peer_client import PeerClient
-
-_PART = 8 << 20
+from shardckpt.stores.base import Deadline, OnBytes, Store, range_past_end, run_in_pool
+from shardckpt.stores.peer_client import PeerClient, PeerError
 
 
 class PeerStoreReadOnly(RemoteError):
@@ -59,82 +57,88 @@ class PeerStore(Store):
         data = self.client.get(step, layout.MANIFEST_NAME, owner=self.owner)
         return layout.Manifest.from_json(data.decode("utf-8", errors="replace"), self.where(layout.step_dirname(step)))
 
-    def _entry(self, key: str) -> tuple[int, str, int] | None:
-        """``(step, name, size)`` of a file the peer holds, ``None`` when it holds none under ``key``."""
+    def _held(self, key: str) -> bool:
         parts = self._split(key)
         if parts is None or parts[0] not in self._steps():
-            return None
-        step, name = parts
-        if name == layout.MANIFEST_NAME:
-            return step, name, len(self.client.get(step, name, owner=self.owner))
-        if name not in self.client.held_files(step, owner=self.owner):
-            return None
-        return step, name, self._manifest(step).files[name].size
+            return False
+        return parts[1] == layout.MANIFEST_NAME or parts[1] in self.client.held_files(parts[0], owner=self.owner)
 
-    def _missing(self, key: str) -> ObjectNotFoundError:
-        return ObjectNotFoundError(
+    def _missing(self, key: str, cause: BaseException | None = None) -> ObjectNotFoundError:
+        err = ObjectNotFoundError(
             f"{self.where(key)}: the peer holds no such file of a committed step. Remedy: check which steps the "
             f"peer holds (`shardckpt status` on that node), or read the step from another source."
         )
+        err.__cause__ = cause
+        return err
+
+    def _parts(self, key: str) -> tuple[int, str]:
+        parts = self._split(key)
+        if parts is None:
+            raise self._missing(key)
+        return parts
 
     # ---- reads
 
     def get_range(self, key: str, offset: int, length: int, deadline: Deadline) -> bytes:
-        found = self._entry(key)
-        if found is None:
-            raise self._missing(key)
-        step, name, size = found
+        step, name = self._parts(key)
         if length <= 0:
+            if not self._held(key):
+                raise self._missing(key)
             return b""
-        if offset < 0 or offset + length > size:
-            raise range_past_end(self.where(key), offset, length, size, what="file",
-                                 remedy="read the step from another source")
-        return self.client.get(step, name, owner=self.owner, start=offset, end=offset + length)
+        try:
+            data = self.client.get(step, name, owner=self.owner, start=max(0, offset), end=offset + length)
+        except PeerError as exc:
+            if exc.status == 404:
+                raise self._missing(key, exc) from exc
+            if exc.status == 416:
+                raise self._past_end(key, offset, length, exc.headers.get("content-range", "")) from exc
+            raise
+        if offset < 0 or len(data) != length:
+            raise self._past_end(key, offset, length, f"*/{offset + len(data)}" if offset >= 0 else "")
+        return data
+
+    def _past_end(self, key: str, offset: int, length: int, content_range: str) -> Exception:
+        found = re.search(r"/(\d+)$", content_range)
+        size = int(found.group(1)) if found else -1
+        return range_past_end(self.where(key), offset, length, size, what="file",
+                              remedy="read the step from another source")
 
     def get_bytes(self, key: str, deadline: Deadline) -> bytes | None:
-        found = self._entry(key)
-        if found is None:
-            return None
-        return self.client.get(found[0], found[1], owner=self.owner)
-
-    def _stream(self, key: str, like: str, sink: Any = None, on_bytes: OnBytes | None = None) -> tuple[int, str] | None:
-        found = self._entry(key)
-        if found is None:
-            return None
-        step, name, size = found
-        digest = layout.Checksum.like(like)
-        for start in range(0, size, _PART):
-            data = self.client.get(step, name, owner=self.owner, start=start, end=min(size, start + _PART))
-            digest.update(data)
-            if sink is not None:
-                sink.write(data)
-            if on_bytes is not None:
-                on_bytes(len(data))
-        return size, digest.value()
+        step, name = self._parts(key)
+        try:
+            return self.client.get(step, name, owner=self.owner)
+        except PeerError as exc:
+            if exc.status == 404:
+                return None
+            raise
 
     def read_checksum(self, key: str, like: str, deadline: Deadline) -> tuple[int, str] | None:
-        return self._stream(key, like)
+        step, name = self._parts(key)
+        digest = layout.Checksum.like(like)
+        try:
+            size = self.client.stream(step, name, digest.update, owner=self.owner)
+        except PeerError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return size, digest.value()
 
     def get_file(self, key: str, path: str, size: int, checksum: str, deadline: Deadline,
                  on_bytes: OnBytes | None = None) -> None:
+        step, name = self._parts(key)
+        entry = layout.FileEntry(size, checksum, 0)
         try:
-            with open(path, "wb") as f:
-                got = self._stream(key, checksum, f, on_bytes)
-            if got is None:
-                raise self._missing(key)
-            if got != (size, checksum):
-                detail = f"{got[0]} bytes, expected {size}" if got[0] != size else "checksum differs from the manifest"
-                raise CorruptCheckpointError(
-                    f"{self.where(key)} is corrupt ({detail}); it was not used. Remedy: read the step from another "
-                    f"source (the remote, or another peer)."
-                )
-        except BaseException:
-            if os.path.exists(path):
-                os.unlink(path)
+            self.client.get_file(step, name, path, entry, owner=self.owner, on_bytes=on_bytes)
+        except PeerError as exc:
+            if exc.status == 404:
+                raise self._missing(key, exc) from exc
             raise
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"{self.where(key)} is corrupt ({exc}). Remedy: read the step from "
+                                         f"another source (the remote, or another peer).") from exc
 
     def exists(self, key: str, deadline: Deadline) -> bool:
-        return self._entry(key) is not None
+        return self._split(key) is not None and self._held(key)
 
     # ---- listing
 
@@ -149,6 +153,19 @@ class PeerStore(Store):
             return {}
         files = self._manifest(step).files
         return {n: files[n].size for n in self.client.held_files(step, owner=self.owner)}
+
+    # ---- several transfers
+
+    def run_all(self, jobs: list[Callable[[], Any]], *, files: bool = False) -> list[Any]:
+        """The jobs side by side, one of the client's connections each."""
+        if len(jobs) <= 1 or self.client.connections <= 1:
+            return [job() for job in jobs]
+        with concurrent.futures.ThreadPoolExecutor(min(len(jobs), self.client.connections),
+                                                   thread_name_prefix="shardckpt-peer-get") as pool:
+            return run_in_pool(pool, jobs)
+
+    def close(self) -> None:
+        self.client.close()
 
     # ---- writes: not through this store
 

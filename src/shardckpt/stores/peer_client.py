@@ -4,40 +4,55 @@ Every connection is mutual TLS 1.3 (:mod:`shardckpt.stores.tls`): the client
 presents its node's certificate, and accepts only a server presenting the
 certificate pinned for the node it meant to reach (``expect``), so an answer
 comes from that node or not at all. Every file it installs is still checked
-against the owner's manifest. It imports no torch.
+against the owner's manifest.
+
+Connections are kept open and reused: at most :data:`PARALLEL` per peer, one
+per file in flight, so a replica's files (and a restore's) travel side by
+side and the TLS work of several files runs on several cores at both ends. It
+imports no torch.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import http.client
 import json
 import logging
 import os
-import shutil
 import ssl
+import threading
 import time
 import urllib.parse
 import uuid
-from typing import Any
+from typing import Any, Callable, Iterator
 
-from shardckpt.errors import CorruptCheckpointError, ShardckptError
+from shardckpt.errors import CorruptCheckpointError, RemoteError
 from shardckpt.format import layout
 from shardckpt.format.replicas import owner_dirname, version_tag
 from shardckpt.stores.tls import fingerprint
 
 log = logging.getLogger("shardckpt")
 
-CHUNK = 1 << 20
-SEND_BUFFER = 4 << 20
-"""Bytes of a replica file read and sent at a time (one buffer per replica, reused)."""
+PARALLEL = 4
+"""Files in flight at once to or from one peer: one connection each, kept open and reused."""
+BUFFER = 4 << 20
+"""Bytes of a file read and sent, or received, at a time (one buffer per connection, reused)."""
 LIVE_HEADER = "X-Shardckpt-Live-Lineage"
 """On a replica's ``begin``: the owner's live lineage (JSON), which says whether an older save of a step
 number may replace a newer one on the holder (a rollback) or not (a replay)."""
+_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ssl.SSLEOFError)
+"""What a kept-open connection that the peer closed meanwhile (its idle limit) answers a new request with."""
 
 
-class PeerError(ShardckptError, OSError):
-    """A peer request failed (refused, unreachable, or the bytes did not match); in the ``OSError`` family
-    like the remote tier's errors."""
+class PeerError(RemoteError):
+    """A peer request failed (refused, unreachable, or the bytes did not match). ``status`` is the
+    peer's HTTP answer when it answered (404: it holds no such file), else ``None``."""
+
+    def __init__(self, message: str, status: int | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.headers = dict(headers or {})
 
 
 class PeerClient:
@@ -46,21 +61,29 @@ class PeerClient:
     ``addr`` is ``host:port``; ``context`` a client context of
     :mod:`shardckpt.stores.tls`; ``expect`` the SHA-256 fingerprint of the
     certificate the node at ``addr`` must present (``None``: any certificate the
-    context trusts, e.g. an operator's CA). Every call opens one connection
-    (bounded by ``timeout_s``) and raises :class:`PeerError` when the peer
-    refuses, cannot be reached, or is not the node expected.
+    context trusts, e.g. an operator's CA). At most ``connections`` requests are
+    in flight at once, each on a connection kept open for the next (bounded by
+    ``timeout_s`` per blocking step); every call raises :class:`PeerError` when
+    the peer refuses, cannot be reached, or is not the node expected. Safe to
+    use from several threads; :meth:`close` ends the kept connections.
     """
 
     def __init__(self, addr: str, context: ssl.SSLContext, *, expect: str | None = None,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, connections: int = PARALLEL) -> None:
         host, _, port = addr.rpartition(":")
         self.addr = addr
         self.host, self.port = host, int(port)
         self.context = context
         self.expect = expect
         self.timeout_s = timeout_s
+        self.connections = max(1, connections)
+        self._idle: list[_PinnedConnection] = []
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(self.connections)
 
-    def _connect(self) -> http.client.HTTPSConnection:
+    # ---- connections
+
+    def _connect(self) -> "_PinnedConnection":
         """An open connection to the peer, its certificate checked against the one pinned for it (and again
         on any reconnection the connection makes by itself)."""
         conn = _PinnedConnection(self.host, self.port, timeout=self.timeout_s, context=self.context)
@@ -76,27 +99,70 @@ class PeerClient:
                             f"{type(exc).__name__}: {exc}") from exc
         return conn
 
-    def _request(self, method: str, path: str, body: bytes | None = None,
-                 headers: dict[str, str] | None = None,
-                 conn: http.client.HTTPSConnection | None = None) -> tuple[int, dict[str, str], bytes]:
-        """One request, on ``conn`` (kept open for the next) or on a connection of its own."""
-        own = conn is None
-        if conn is None:
-            conn = self._connect()
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[tuple["_PinnedConnection", bool]]:
+        """A connection of the pool (``reused``: it served a request before); back to the pool when the block
+        ends normally (its answer read whole), closed when it raises."""
+        self._slots.acquire()
+        conn = None
         try:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            reused = conn is not None
+            if conn is None:
+                conn = self._connect()
+            yield conn, reused
+            with self._lock:
+                self._idle.append(conn)
+            conn = None
+        finally:
+            if conn is not None:
+                conn.close()
+            self._slots.release()
+
+    def _exchange(self, what: str, fn: Callable[["_PinnedConnection"], Any]) -> Any:
+        """``fn(conn)`` on a pooled connection; once more on a fresh one when a kept connection turns out
+        closed by the peer before it answered (nothing was done there)."""
+        for attempt in (1, 2):
+            try:
+                with self._connection() as (conn, reused):
+                    try:
+                        return fn(conn)
+                    except _STALE:
+                        if reused and attempt == 1:
+                            raise _Retry() from None
+                        raise
+            except _Retry:
+                continue
+            except PeerError:
+                raise
+            except (OSError, http.client.HTTPException) as exc:
+                raise PeerError(f"peer {self.addr}: {what} failed: {type(exc).__name__}: {exc}") from exc
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        """End the kept connections (new calls open others)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def _request(self, method: str, path: str, body: bytes | None = None,
+                 headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+        def one(conn: "_PinnedConnection") -> tuple[int, dict[str, str], bytes]:
             conn.request(method, path, body=body, headers=headers or {})
             resp = conn.getresponse()
             return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
-        except (OSError, http.client.HTTPException) as exc:
-            conn.close()
-            raise PeerError(f"peer {self.addr}: {method} {path} failed: {type(exc).__name__}: {exc}") from exc
-        finally:
-            if own:
-                conn.close()
 
-    def _ok(self, method: str, path: str, status: int, body: bytes, accept: tuple[int, ...] = (200,)) -> None:
+        return self._exchange(f"{method} {path}", one)
+
+    def _ok(self, method: str, path: str, status: int, body: bytes, accept: tuple[int, ...] = (200,),
+            headers: dict[str, str] | None = None) -> None:
         if status not in accept:
-            raise PeerError(f"peer {self.addr}: {method} {path} answered {status}: {body[:300].decode(errors='replace')}")
+            raise PeerError(f"peer {self.addr}: {method} {path} answered {status}: "
+                            f"{body[:300].decode(errors='replace')}", status, headers)
+
+    # ---- reads
 
     def list_steps(self) -> dict[str, Any]:
         """``{"node", "local": {step: version}, "replicas": {owner: {step: version}}}`` (steps as strings)."""
@@ -117,8 +183,8 @@ class PeerClient:
         headers = {}
         if start or end is not None:
             headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
-        status, _h, body = self._request("GET", path, headers=headers)
-        self._ok("GET", path, status, body, (200, 206))
+        status, answer, body = self._request("GET", path, headers=headers)
+        self._ok("GET", path, status, body, (200, 206), answer)
         return body
 
     def held_files(self, step: int, *, owner: str | None = None) -> list[str]:
@@ -128,40 +194,53 @@ class PeerClient:
         self._ok("GET", path, status, body)
         return list(json.loads(body)["files"])
 
-    def get_file(self, step: int, name: str, dest: str, entry: layout.FileEntry, *, owner: str | None = None) -> None:
-        """Download a committed step's file to ``dest``, checked against ``entry`` on the way (tmp + rename).
-
-        Raises :class:`PeerError` when the peer refuses or the bytes are not the manifest's; nothing is left at ``dest`` then.
-        """
+    def stream(self, step: int, name: str, sink: Callable[[memoryview], None], *, owner: str | None = None) -> int:
+        """A committed step's whole file, passed to ``sink`` in parts as it arrives; returns its size."""
         path = self.file_path(step, name, owner)
-        tmp = f"{dest}.peer-{uuid.uuid4().hex[:8]}"
-        checksum = layout.Checksum.like(entry.checksum)
-        conn = self._connect()
-        try:
+
+        def one(conn: "_PinnedConnection") -> int:
             conn.request("GET", path)
             resp = conn.getresponse()
             if resp.status != 200:
-                self._ok("GET", path, resp.status, resp.read())
+                body = resp.read()
+                self._ok("GET", path, resp.status, body, headers={k.lower(): v for k, v in resp.getheaders()})
+            buffer = conn.buffer()
             size = 0
-            with open(tmp, "xb") as f:
-                while size <= entry.size and (chunk := resp.read(CHUNK)):
-                    size += len(chunk)
-                    checksum.update(chunk)
-                    f.write(chunk)
-                f.flush()
-                os.fsync(f.fileno())
-            if size != entry.size or checksum.value() != entry.checksum:
-                raise PeerError(f"peer {self.addr}: step {step} file {name} is not the manifest's "
-                                f"({size} bytes, {entry.size} expected, or its checksum differs); not used")
+            while got := resp.readinto(buffer):
+                sink(buffer[:got])
+                size += got
+            return size
+
+        return self._exchange(f"GET {path}", one)
+
+    def get_file(self, step: int, name: str, dest: str, entry: layout.FileEntry, *, owner: str | None = None,
+                 on_bytes: Callable[[int], None] | None = None) -> None:
+        """Download a committed step's file to ``dest``, checked against ``entry`` on the way (tmp + rename).
+
+        Raises :class:`PeerError` when the peer refuses and
+        :class:`~shardckpt.errors.CorruptCheckpointError` when the bytes are not the manifest's; nothing is
+        left at ``dest`` then.
+        """
+        from_peer = f"peer {self.addr}: step {step} file {name}"
+        layout_check = _Checked(entry, from_peer)
+        tmp = f"{dest}.peer-{uuid.uuid4().hex[:8]}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with os.fdopen(fd, "wb", buffering=0) as f:
+                def sink(part: memoryview) -> None:
+                    layout_check.update(part)
+                    _write_all(f, part)
+                    if on_bytes is not None:
+                        on_bytes(len(part))
+
+                self.stream(step, name, sink, owner=owner)
+            layout_check.verify()
             os.replace(tmp, dest)
-        except PeerError:
-            raise
-        except (OSError, http.client.HTTPException) as exc:
-            raise PeerError(f"peer {self.addr}: GET {path} failed: {type(exc).__name__}: {exc}") from exc
         finally:
-            conn.close()
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+    # ---- replica writes
 
     def put_replica(self, owner: str, step_dir: str, manifest: layout.Manifest, names: list[str],
                     bandwidth: int | None = None, *, live: dict[str, Any] | None = None) -> int:
@@ -169,38 +248,42 @@ class PeerClient:
 
         ``live``: the owner's live lineage (:meth:`Lineage.to_json`), with which the
         holder may replace a newer save of the step number by this one (a rollback).
-        Files the peer already holds of this version are not sent again. Returns the bytes sent.
+        Files the peer already holds of this version are not sent again; the
+        others travel side by side, one connection each (at most
+        ``connections``), the largest first. Returns the bytes sent.
         """
         base = f"/v1/replica/{owner_dirname(owner)}/{manifest.step}/{version_tag(manifest)}"
         text = manifest.to_json().encode()
         headers = {LIVE_HEADER: json.dumps(live, separators=(",", ":"))} if live is not None else None
-        conn = self._connect()  # one connection (one handshake) for the whole replica
-        try:
-            status, _h, body = self._request("POST", base + "/begin", text, headers, conn)
-            self._ok("POST", base + "/begin", status, body)
-            answer = json.loads(body)
-            if answer.get("state") == "committed":
-                return 0
-            have = set(answer.get("have") or [])
-            sent = 0
-            throttle = _Throttle(bandwidth)
-            buffer = memoryview(bytearray(SEND_BUFFER))
-            for name in names:
-                if name in have:
-                    continue
-                path = f"{base}/f/{urllib.parse.quote(name, safe='')}"
-                sent += self._put_file(conn, path, os.path.join(step_dir, name), throttle, buffer)
-            commit = json.dumps({"files": sorted(names)}).encode()
-            status, _h, body = self._request("POST", base + "/commit", commit, None, conn)
-            self._ok("POST", base + "/commit", status, body)
-            return sent
-        finally:
-            conn.close()
+        status, answer_headers, body = self._request("POST", base + "/begin", text, headers)
+        self._ok("POST", base + "/begin", status, body, headers=answer_headers)
+        answer = json.loads(body)
+        if answer.get("state") == "committed":
+            return 0
+        have = set(answer.get("have") or [])
+        todo = sorted((n for n in names if n not in have), key=lambda n: -manifest.files[n].size)
+        throttle = _Throttle(bandwidth)
 
-    def _put_file(self, conn: http.client.HTTPSConnection, path: str, local: str, throttle: "_Throttle",
-                  buffer: memoryview) -> int:
+        def one(name: str) -> int:
+            path = f"{base}/f/{urllib.parse.quote(name, safe='')}"
+            return self._put_file(path, os.path.join(step_dir, name), throttle)
+
+        if len(todo) > 1 and self.connections > 1:
+            with concurrent.futures.ThreadPoolExecutor(min(self.connections, len(todo)),
+                                                       thread_name_prefix="shardckpt-peer-put") as pool:
+                sent = sum(pool.map(one, todo))
+        else:
+            sent = sum(one(n) for n in todo)
+        commit = json.dumps({"files": sorted(names)}).encode()
+        status, answer_headers, body = self._request("POST", base + "/commit", commit, None)
+        self._ok("POST", base + "/commit", status, body, headers=answer_headers)
+        return sent
+
+    def _put_file(self, path: str, local: str, throttle: "_Throttle") -> int:
         size = os.path.getsize(local)
-        try:
+
+        def one(conn: "_PinnedConnection") -> tuple[int, bytes]:
+            buffer = conn.buffer()
             conn.putrequest("PUT", path)
             conn.putheader("Content-Length", str(size))
             conn.endheaders()
@@ -209,12 +292,41 @@ class PeerClient:
                     throttle.take(got)
                     conn.send(buffer[:got])
             resp = conn.getresponse()
-            body = resp.read()
-        except (OSError, http.client.HTTPException) as exc:
-            conn.close()
-            raise PeerError(f"peer {self.addr}: PUT {path} failed: {type(exc).__name__}: {exc}") from exc
-        self._ok("PUT", path, resp.status, body)
+            return resp.status, resp.read()
+
+        status, body = self._exchange(f"PUT {path}", one)
+        self._ok("PUT", path, status, body)
         return size
+
+
+class _Retry(Exception):
+    """A kept connection was closed by the peer before it answered: the request goes again on a fresh one."""
+
+
+class _Checked:
+    """Size and checksum of bytes as they pass, against a manifest entry."""
+
+    def __init__(self, entry: layout.FileEntry, where: str) -> None:
+        self.entry, self.where = entry, where
+        self.size = 0
+        self.digest = layout.Checksum.like(entry.checksum)
+
+    def update(self, part: memoryview) -> None:
+        self.size += len(part)
+        if self.size <= self.entry.size:
+            self.digest.update(part)
+
+    def verify(self) -> None:
+        if self.size != self.entry.size or self.digest.value() != self.entry.checksum:
+            detail = f"{self.size} bytes, {self.entry.size} expected" if self.size != self.entry.size else \
+                "its checksum differs from the manifest's"
+            raise CorruptCheckpointError(f"{self.where} is not the manifest's ({detail}); it was not used. Remedy: "
+                                         f"read it from another source (another peer, or the remote)")
+
+
+def _write_all(f: Any, part: memoryview) -> None:
+    while part:
+        part = part[f.write(part):]
 
 
 class _PinnedConnection(http.client.HTTPSConnection):
@@ -223,6 +335,7 @@ class _PinnedConnection(http.client.HTTPSConnection):
 
     pinned: str | None = None
     addr: str = ""
+    _transfer: memoryview | None = None
 
     def connect(self) -> None:
         super().connect()
@@ -232,93 +345,27 @@ class _PinnedConnection(http.client.HTTPSConnection):
             raise PeerError(f"peer {self.addr} presented a certificate that is not the one of the node expected "
                             f"there (another job member, or a stale address); nothing read from it")
 
+    def buffer(self) -> memoryview:
+        """This connection's transfer buffer (made once, reused by every file it carries)."""
+        if self._transfer is None:
+            self._transfer = memoryview(bytearray(BUFFER))
+        return self._transfer
+
 
 class _Throttle:
-    """At most ``rate`` bytes per second on average (``None``: unlimited)."""
+    """At most ``rate`` bytes per second on average over every file in flight (``None``: unlimited)."""
 
     def __init__(self, rate: int | None) -> None:
         self.rate = rate
         self.t0 = time.monotonic()
         self.sent = 0
+        self._lock = threading.Lock()
 
     def take(self, n: int) -> None:
         if not self.rate:
             return
-        self.sent += n
-        ahead = self.sent / self.rate - (time.monotonic() - self.t0)
+        with self._lock:
+            self.sent += n
+            ahead = self.sent / self.rate - (time.monotonic() - self.t0)
         if ahead > 0:
             time.sleep(ahead)
-
-
-def fetch_own_replica(root: str, node: str, peers: list[tuple[str, PeerClient]]) -> tuple[int, list[str]] | None:
-    """Bring back this node's files of its newest step from a peer holding its replica (a replacement node).
-
-    The peers' listings say which steps they hold of ``node`` (by version) and
-    which versions of each step they hold themselves. The step taken is the
-    newest replica of ``node`` that is newer than every step committed in
-    ``root`` and that no peer holds another version of (a replica of an
-    earlier save of that number is never brought back). Its manifest and
-    files are read from the holder (each file checked against the manifest on
-    the way) into a partial directory of ``root``, committed by renaming the
-    manifest into place last, then the directory; a holder that fails gives
-    way to the next. Returns ``(step, [holder nodes tried])`` or ``None``
-    when nothing is to be fetched.
-    """
-    mine = owner_dirname(node)
-    offers: dict[int, dict[str, list[tuple[str, PeerClient]]]] = {}
-    held: dict[int, set[str]] = {}
-    for name, client in peers:
-        try:
-            listing = client.list_steps()
-        except PeerError as exc:
-            log.warning("shardckpt: node %s cannot list the steps of peer %s: %s", node, name, exc)
-            continue
-        for s, version in (listing.get("local") or {}).items():
-            held.setdefault(int(s), set()).add(version)
-        for s, version in ((listing.get("replicas") or {}).get(mine) or {}).items():
-            offers.setdefault(int(s), {}).setdefault(version, []).append((name, client))
-    newest_here = max(layout.committed_steps(root), default=-1)
-    for step in sorted((s for s in offers if s > newest_here), reverse=True):
-        if len(offers[step]) != 1 or not held.get(step, set()) <= set(offers[step]):
-            continue  # two saves of this number among the replicas, or a peer's own step is another save
-        tried = []
-        version, holders = next(iter(offers[step].items()))
-        for holder, client in holders:
-            tried.append(holder)
-            try:
-                _fetch_step(root, step, node, client, version)
-                return step, tried
-            except (PeerError, CorruptCheckpointError, OSError) as exc:
-                log.warning("shardckpt: node %s: step %d from the replica on node %s failed, trying the next "
-                            "holder: %s", node, step, holder, exc)
-        return None
-    return None
-
-
-def _fetch_step(root: str, step: int, node: str, client: PeerClient, version: str) -> None:
-    text = client.get(step, layout.MANIFEST_NAME, owner=node).decode("utf-8", errors="replace")
-    manifest = layout.Manifest.from_json(text, f"the replica of node {node} step {step} on {client.addr}")
-    if manifest.step != step or layout.version_of(manifest) != version:
-        raise CorruptCheckpointError(f"the replica of step {step} on {client.addr} is no longer the save it listed "
-                                     f"({version}); not used")
-    final = os.path.join(root, layout.step_dirname(step))
-    partial = os.path.join(root, layout.partial_dirname(step, f"peer{uuid.uuid4().hex[:8]}"))
-    os.makedirs(partial)
-    try:
-        names = client.held_files(step, owner=node)
-        unknown = [n for n in names if n not in manifest.files or "/" in n]
-        if unknown:
-            raise CorruptCheckpointError(f"the replica of step {step} on {client.addr} holds files its manifest "
-                                         f"does not name: {unknown[:3]}")
-        for name in names:
-            client.get_file(step, name, os.path.join(partial, name), manifest.files[name], owner=node)
-        layout.atomic_write_text(os.path.join(partial, layout.MANIFEST_NAME), text)
-        layout.fsync_dir(partial)
-        if os.path.lexists(final):
-            raise OSError(f"{final} appeared while step {step} was fetched from {client.addr}; not replaced")
-        os.rename(partial, final)
-        layout.fsync_dir(root)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
-    log.info("shardckpt: node %s: step %d (%d file(s)) fetched from the replica on %s", node, step, len(names),
-             client.addr)

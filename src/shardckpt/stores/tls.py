@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from shardckpt.errors import ShardckptError
+from shardckpt.format.node_state import private_dir
 
 KEY_NAME = "peer-key.pem"
 CERT_NAME = "peer-cert.pem"
@@ -77,10 +78,13 @@ def check_private(path: str, what: str) -> None:
     if not stat.S_ISREG(info.st_mode):
         raise PeerTLSError(f"the peer tier's {what} {path} is not a plain file (a link or a directory); "
                            f"Remedy: put the key itself there")
-    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+    if info.st_uid != os.getuid():
+        raise PeerTLSError(f"the peer tier's {what} {path} belongs to another user (owner uid {info.st_uid}; this "
+                           f"process runs as uid {os.getuid()}), so that user can read or replace it; it is not "
+                           f"used. Remedy: chown {os.getuid()} {path} (as its owner or root), keeping mode 600")
+    if info.st_mode & 0o077:
         raise PeerTLSError(f"the peer tier's {what} {path} is readable by other users (mode "
-                           f"{stat.S_IMODE(info.st_mode):o}, owner uid {info.st_uid}); it is not used. "
-                           f"Remedy: chown it to this user and chmod 600 {path}")
+                           f"{stat.S_IMODE(info.st_mode):o}); it is not used. Remedy: chmod 600 {path}")
 
 
 def _write_private(path: str, data: bytes) -> None:
@@ -102,7 +106,7 @@ def node_identity(directory: str, node: str) -> Identity:
     A key there is checked (a plain file of this user, mode 0600); its
     certificate is made again when missing, expiring or of another key.
     """
-    os.makedirs(directory, mode=0o700, exist_ok=True)
+    private_dir(directory)
     key_path, cert_path = os.path.join(directory, KEY_NAME), os.path.join(directory, CERT_NAME)
     if not os.path.lexists(key_path):
         if os.path.lexists(cert_path):

@@ -41,7 +41,7 @@ import os
 from typing import Any, Mapping
 
 from shardckpt.format import layout
-from shardckpt.node.node_registry import pid_alive, proc_start
+from shardckpt._proc import pid_alive, proc_start
 from shardckpt.stores import Deadline, Store, join
 from shardckpt.tiers import compressed
 from shardckpt.tiers.remote_commit import withdraw_overwritten

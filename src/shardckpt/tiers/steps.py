@@ -30,7 +30,7 @@ import uuid
 from typing import Any, Callable
 
 from shardckpt.format import layout, lineage, step_dirs
-from shardckpt.node import peer_daemon
+from shardckpt.format import node_state
 from shardckpt.tiers import compressed, remote_commit
 from shardckpt.tiers.missing import read_committed
 from shardckpt.errors import CorruptCheckpointError, RemoteError, ShardckptError
@@ -307,7 +307,7 @@ class LocalSteps(Steps):
         """``local``, ``peer`` once this node's peer daemon replicated it, ``remote`` once the uploader
         marked it committed there."""
         found = ["local"]
-        if peer_daemon.replicated(self.root, step, manifest):
+        if node_state.replicated(self.root, step, manifest):
             found.append("peer")
         try:
             with open(os.path.join(self.step_where(step), remote_commit.UPLOADED_NAME), encoding="utf-8") as f:
@@ -424,7 +424,7 @@ def fetch_step(
             layout.atomic_write_text(os.path.join(target, layout.MANIFEST_NAME),
                                      dataclasses.replace(remote, stored={}).to_json())
             remote_commit.mark_uploaded(target, store.url, remote)
-            _commit_fetched(root, target, step_dir)
+            commit_fetched(root, target, step_dir)
         else:
             remote_commit.mark_uploaded(step_dir, store.url, remote)
     except BaseException:
@@ -451,7 +451,8 @@ def _failing_files(step_dir: str, manifest: layout.Manifest) -> list[str]:
     return bad
 
 
-def _commit_fetched(root: str, partial: str, step_dir: str) -> None:
+def commit_fetched(root: str, partial: str, step_dir: str) -> None:
+    """A fetched partial copy renamed into place as the step (unless another committed it meanwhile)."""
     if os.path.isdir(step_dir):
         if layout.read_manifest(step_dir) is not None:
             shutil.rmtree(partial, ignore_errors=True)  # someone else committed it meanwhile

@@ -1,0 +1,595 @@
+"""The peer endpoint facing the network: mutual TLS, the job's members only, bounded against strangers.
+
+A connection passes three gates before a request of it is read:
+
+1. **Pending**: accepted by one event loop (a :mod:`selectors` loop in one
+   thread), where the TLS handshake runs non-blocking — a pending connection
+   costs a socket and a TLS object, no thread, and has :data:`PENDING_S`
+   seconds to finish. At most :data:`MAX_PENDING` are pending at once (fewer
+   under a low open-file limit); when they are all taken, a new connection
+   takes the place of the oldest one once that one had
+   :data:`MIN_PENDING_S` for its handshake (else the new one is closed).
+   There is no per-address limit before the handshake: strangers holding
+   connections open from a member's own address (a local user of its host, a
+   NAT address) cannot keep that member out.
+2. **Handshake work**, the CPU a ClientHello costs, is budgeted per source
+   address (:data:`HANDSHAKES_PER_S`, bursts of :data:`HANDSHAKE_BURST`; a
+   member's handshake gives its token back): once an address spent its
+   budget, its ClientHellos are closed without TLS work and its new
+   connections are closed as they are accepted, so the endpoint's CPU stays
+   bounded (one loop thread at most) and every other source keeps its turn.
+   An idle connection spends no budget.
+3. **Authenticated**: the client presented a certificate the TLS context
+   trusts (CERT_REQUIRED: the job's pinned certificates, or an operator CA's)
+   *and* it is the certificate of a member of this launch (an operator CA
+   signs more than the job's nodes: such a certificate is closed here, on
+   every route). Only then does the connection get a thread of its own;
+   members' connections are bounded per certificate
+   (:data:`MAX_PER_MEMBER`), never per address, and no stranger counts
+   against them. Every request checks membership again (a relaunch that
+   dropped a node ends its connections' rights).
+
+Refusals are logged at a bounded rate. What a member may read and write is
+:mod:`shardckpt.node.peer_service`'s. It imports no torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import http.server
+import json
+import logging
+import os
+import re
+import resource
+import selectors
+import socket
+import ssl
+import threading
+import time
+import urllib.parse
+from typing import Any, Callable
+
+from shardckpt.errors import CorruptCheckpointError
+from shardckpt.format import lineage
+from shardckpt.format.replicas import owner_dirname
+from shardckpt.node.peer_service import MAX_SMALL_BODY, PeerService, _Refused
+from shardckpt.stores.peer_client import LIVE_HEADER
+from shardckpt.stores.tls import fingerprint
+
+log = logging.getLogger("shardckpt")
+
+MAX_PENDING = 256
+"""Connections whose TLS handshake is not done yet, all sources together (at most a quarter of the
+open-file limit); a new one evicts the oldest."""
+PENDING_S = 3.0
+"""Seconds a connection has from its acceptance to the end of its TLS handshake."""
+MIN_PENDING_S = 0.5
+"""Seconds a pending connection keeps its place when every place is taken (so that a flood turning over
+its connections cannot push a member's handshake out, nor spin the loop)."""
+HANDSHAKES_PER_S = 20.0
+"""ClientHellos per second and source address that are given a TLS handshake (on average)."""
+HANDSHAKE_BURST = 40.0
+"""ClientHellos one source address may send at once before its rate applies."""
+MAX_PER_MEMBER = 32
+"""Connections open at once per member certificate (its client keeps a few per peer)."""
+IDLE_S = 60.0
+"""Seconds a member's connection may stay silent between requests."""
+SEND_BUFFER = 4 << 20
+"""Bytes of a served file read and sent at a time (one buffer per connection, reused)."""
+REFUSAL_LOG_EVERY_S = 10.0
+"""At most one log line of refused connections per this many seconds (the rest are counted in it)."""
+_SOURCES_KEPT = 4096
+"""Source addresses whose handshake budget is remembered; full budgets are forgotten beyond it."""
+
+
+class _Refusals:
+    """Refused connections and requests, logged at most once per :data:`REFUSAL_LOG_EVERY_S` (with a count)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 0.0
+        self._quiet = 0
+        self.total = 0
+
+    def note(self, what: str) -> None:
+        with self._lock:
+            self.total += 1
+            now = time.monotonic()
+            if now < self._next:
+                self._quiet += 1
+                return
+            quiet, self._quiet, self._next = self._quiet, 0, now + REFUSAL_LOG_EVERY_S
+        log.warning("shardckpt: peer endpoint refused %s%s", what,
+                    f" (and {quiet} more refusal(s) in the last {REFUSAL_LOG_EVERY_S:.0f} s)" if quiet else "")
+
+
+class _Budgets:
+    """Per source address, a token bucket of new connections (:data:`HANDSHAKES_PER_S`, :data:`HANDSHAKE_BURST`)."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = rate, burst
+        self._held: dict[str, tuple[float, float]] = {}
+
+    def take(self, source: str, now: float) -> bool:
+        tokens, last = self._held.get(source, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - last) * self.rate)
+        if tokens < 1.0:
+            self._held[source] = (tokens, now)
+            return False
+        self._held[source] = (tokens - 1.0, now)
+        if len(self._held) > _SOURCES_KEPT:
+            self._forget_full(now)
+        return True
+
+    def spent(self, source: str, now: float) -> bool:
+        """Whether ``source`` has no handshake left for now (nothing is taken)."""
+        held = self._held.get(source)
+        return held is not None and held[0] + (now - held[1]) * self.rate < 1.0
+
+    def give_back(self, source: str, now: float) -> None:
+        tokens, last = self._held.get(source, (self.burst, now))
+        self._held[source] = (min(self.burst, tokens + (now - last) * self.rate + 1.0), now)
+
+    def _forget_full(self, now: float) -> None:
+        for source, (tokens, last) in list(self._held.items()):
+            if tokens + (now - last) * self.rate >= self.burst:
+                del self._held[source]
+
+
+class _Pending:
+    __slots__ = ("sock", "source", "since", "deadline", "budgeted")
+
+    def __init__(self, sock: ssl.SSLSocket, source: str, since: float) -> None:
+        self.sock, self.source, self.since, self.deadline = sock, source, since, since + PENDING_S
+        self.budgeted = False
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server_version = "shardckpt-peer"
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    """An answer's headers and body leave at once: with Nagle's algorithm the body waited for the client's
+    delayed acknowledgement of the headers, ~40 ms per request (5 per replica of a 3-file step)."""
+    timeout = IDLE_S
+    """Seconds a connection may stay silent (a client that stops sending does not hold a thread forever)."""
+    server: "PeerServer"
+
+    def setup(self) -> None:
+        super().setup()
+        self.service = self.server.service
+        self._buffer: memoryview | None = None
+
+    def handle_one_request(self) -> None:
+        self._body_taken = False
+        super().handle_one_request()
+
+    @property
+    def peer_node(self) -> str | None:
+        try:
+            return self.service.member(self.connection.getpeercert(binary_form=True))
+        except (ValueError, OSError):
+            return None
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        log.debug("shardckpt: peer %s: " + fmt, self.address_string(), *args)
+
+    def _reply(self, status: int, body: bytes = b"", ctype: str = "application/json",
+               headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if body and self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _refuse(self, exc: _Refused) -> None:
+        # A large body is left unread (the connection closes after the answer); a small one is read
+        # first, so that the client gets the answer rather than a reset.
+        self.close_connection = True
+        raw = self.headers.get("Content-Length", "") if self.headers is not None else ""
+        if not getattr(self, "_body_taken", True) and raw.isdigit() and int(raw) <= 65536:
+            self._body_taken = True
+            try:
+                self.rfile.read(int(raw))
+            except OSError:
+                pass
+        if exc.status in (400, 401, 403):
+            self.server.refusals.note(f"{self.command} {self.path[:200]} from {self.client_address[0]}: {exc}")
+        try:
+            self._reply(exc.status, json.dumps({"error": str(exc)}).encode(),
+                        headers={"Connection": "close", **exc.headers})
+        except OSError:
+            pass  # the client went away (or the answer had begun): nothing more to tell it
+
+    def _route(self) -> list[str]:
+        if self.peer_node is None:  # every request: a relaunch may have dropped this node from the job
+            raise _Refused(403, "the client's certificate is no longer one of this job's nodes")
+        url = urllib.parse.urlsplit(self.path)
+        if url.query or not url.path.startswith("/v1/"):
+            raise _Refused(404, "no such resource")
+        parts = [urllib.parse.unquote(p) for p in url.path[len("/v1/"):].split("/")]
+        self.service.last_request = time.monotonic()
+        return parts
+
+    def _writer(self, owner: str) -> None:
+        """Only a node writes its own replicas (its certificate names it; a stranger never got this far)."""
+        node = self.peer_node
+        if node is None or owner != owner_dirname(node):
+            raise _Refused(403, f"replicas of {owner!r} are written by that node only; the client is "
+                                f"{'node ' + node if node else 'no node of this launch'}")
+
+    def _length(self, limit: int) -> int:
+        if self.headers.get("Transfer-Encoding"):
+            raise _Refused(411, "a body must have a Content-Length")
+        raw = self.headers.get("Content-Length")
+        if raw is None or not raw.isdigit():
+            raise _Refused(411, "a body must have a Content-Length")
+        if int(raw) > limit:
+            raise _Refused(413, f"body of {raw} bytes is larger than {limit}")
+        return int(raw)
+
+    def _small_body(self) -> bytes:
+        length = self._length(MAX_SMALL_BODY)
+        self._body_taken = True
+        return self.rfile.read(length)
+
+    def _guarded(self, serve: Callable[[], None]) -> None:
+        """Run one request; a refusal or a failure on this side becomes an answer, never a dropped connection."""
+        try:
+            serve()
+        except _Refused as exc:
+            self._refuse(exc)
+        except CorruptCheckpointError as exc:
+            self._refuse(_Refused(400, str(exc)))
+        except (OSError, UnicodeError, ValueError) as exc:
+            log.warning("shardckpt: peer endpoint failed %s %s: %s", self.command, self.path[:200], exc)
+            self._refuse(_Refused(500, f"{type(exc).__name__}: {exc}"))
+
+    def do_GET(self) -> None:  # noqa: N802 - the http.server interface
+        self._guarded(self._get)
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._guarded(self._post)
+
+    def do_PUT(self) -> None:  # noqa: N802
+        self._guarded(self._put)
+
+    def _get(self) -> None:
+        parts = self._route()
+        if parts == ["steps"]:
+            self._reply(200, json.dumps(self.service.listing()).encode())
+            return
+        step_dir, rest = self.service.step_dir_of(parts)
+        if len(rest) != 1:
+            raise _Refused(404, "no such resource")
+        if rest == [""]:
+            self._reply(200, json.dumps({"files": self.service.held_files(step_dir)}).encode())
+            return
+        fd, size = self.service.open_file(step_dir, rest[0])
+        try:
+            self._send_range(fd, size)
+        finally:
+            os.close(fd)
+
+    def _send_range(self, fd: int, size: int) -> None:
+        start, end, status = 0, size, 200
+        spec = self.headers.get("Range")
+        if spec:
+            match = re.fullmatch(r"bytes=(\d+)-(\d*)", spec.strip())
+            start = int(match.group(1)) if match else 0
+            end = (min(size, int(match.group(2)) + 1) if match.group(2) else size) if match else 0
+            if not match or start >= size or end <= start:
+                raise _Refused(416, f"range {spec!r} of a {size}-byte file", {"Content-Range": f"bytes */{size}"})
+            status = 206
+        self.send_response(status)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(end - start))
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
+        self.end_headers()
+        if self._buffer is None:
+            self._buffer = memoryview(bytearray(SEND_BUFFER))
+        offset = start
+        while offset < end:
+            part = self._buffer[: min(len(self._buffer), end - offset)]
+            got = os.preadv(fd, [part], offset)
+            if not got:
+                break
+            self.connection.sendall(part[:got])
+            offset += got
+
+    def _post(self) -> None:
+        parts = self._route()
+        if len(parts) != 5 or parts[0] != "replica" or not parts[2].isdigit() or parts[4] not in ("begin", "commit"):
+            raise _Refused(404, "no such resource")
+        owner, step, tag = parts[1], int(parts[2]), parts[3]
+        body = self._small_body()  # read first (bounded): the refusal below then reaches the client
+        self._writer(owner)
+        if parts[4] == "begin":
+            live = self.headers.get(LIVE_HEADER)
+            try:
+                claimed = lineage.Lineage.from_json(json.loads(live)) if live else None
+            except (ValueError, TypeError):
+                raise _Refused(400, f"{LIVE_HEADER} is not a lineage") from None
+            answer = self.service.begin(owner, step, tag, body, claimed)
+        else:
+            try:
+                names = json.loads(body)["files"]
+                if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                    raise ValueError(names)
+            except (ValueError, KeyError, TypeError):
+                raise _Refused(400, "the commit body must be {\"files\": [names]}") from None
+            self.service.commit(owner, step, tag, names)
+            answer = {"state": "committed"}
+        self._reply(200, json.dumps(answer).encode())
+
+    def _put(self) -> None:
+        parts = self._route()
+        if len(parts) != 6 or parts[0] != "replica" or not parts[2].isdigit() or parts[4] != "f":
+            raise _Refused(404, "no such resource")
+        self._writer(parts[1])
+        length = self._length(1 << 62)
+
+        def readinto(into: memoryview) -> int:
+            self._body_taken = True
+            return self.rfile.readinto(into) or 0
+
+        self.service.receive(parts[1], int(parts[2]), parts[3], parts[5], length, readinto)
+        self._reply(200, b"{}")
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        self._refuse(_Refused(405, "not allowed"))
+
+    do_HEAD = do_PATCH = do_OPTIONS = do_DELETE  # noqa: N815
+
+
+class PeerServer:
+    """The endpoint: one event loop for acceptance and handshakes, a thread per member connection."""
+
+    def __init__(self, address: tuple[str, int], service: PeerService) -> None:
+        self.service = service
+        self.refusals = _Refusals()
+        self.max_pending = _pending_bound()
+        self._sock = socket.create_server(address, backlog=1024)
+        self._sock.setblocking(False)
+        self.server_address = self._sock.getsockname()[:2]
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._sock, selectors.EVENT_READ, None)
+        self._pending: collections.OrderedDict[int, _Pending] = collections.OrderedDict()
+        self._budgets = _Budgets(HANDSHAKES_PER_S, HANDSHAKE_BURST)
+        self._lock = threading.Lock()
+        self._members: dict[str, int] = {}
+        """Open connections per member certificate fingerprint."""
+        self._serving: set[ssl.SSLSocket] = set()
+        self._closed = threading.Event()
+        self._paused_until = 0.0
+        self._loop_thread = threading.Thread(target=self._loop, name="shardckpt-peer-accept", daemon=True)
+        self._loop_thread.start()
+
+    # ---- the event loop: acceptance and handshakes
+
+    def _loop(self) -> None:
+        while not self._closed.is_set():
+            now = time.monotonic()
+            if self._paused_until and now >= self._paused_until:
+                self._paused_until = 0.0
+                self._sel.register(self._sock, selectors.EVENT_READ, None)
+            soonest = next(iter(self._pending.values())).deadline if self._pending else now + 0.25
+            try:
+                events = self._sel.select(max(0.0, min(0.25, soonest - now)))
+            except (OSError, ValueError):
+                if self._closed.is_set():
+                    return
+                raise
+            for key, _mask in events:
+                if key.data is None:
+                    self._accept_some()
+                else:
+                    self._advance(key.data)
+            self._expire(time.monotonic())
+
+    def _accept_some(self) -> None:
+        for _ in range(64):
+            try:
+                conn, client = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of descriptors: stop accepting for a moment (the kernel queues the rest).
+                    self.refusals.note(f"connections: out of file descriptors ({exc.strerror})")
+                    self._sel.unregister(self._sock)
+                    self._paused_until = time.monotonic() + 0.1
+                    return
+                if self._closed.is_set():
+                    return
+                continue
+            self._admit(conn, client[0] if isinstance(client, tuple) else str(client))
+
+    def _admit(self, conn: socket.socket, source: str) -> None:
+        now = time.monotonic()
+        context = self.service.context
+        if context is None:
+            self.refusals.note(f"a connection from {source}: this node has no TLS identity yet")
+            _drop(conn)
+            return
+        if self._budgets.spent(source, now):  # a ClientHello flood: closed before any TLS work, or a place
+            self.refusals.note(f"a connection from {source}: more than {HANDSHAKES_PER_S:.0f} TLS handshakes per "
+                               f"second from that address")
+            _drop(conn)
+            return
+        if len(self._pending) >= self.max_pending:
+            _fd, oldest = next(iter(self._pending.items()))
+            if now - oldest.since < MIN_PENDING_S:
+                self.refusals.note(f"a connection from {source}: {self.max_pending} TLS handshakes pending")
+                _drop(conn)
+                return
+            del self._pending[_fd]
+            self.refusals.note(f"a pending connection from {oldest.source}: {self.max_pending} TLS handshakes "
+                               f"pending, the oldest gives way")
+            self._forget(oldest)
+        try:
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = context.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        except (OSError, ValueError) as exc:
+            self.refusals.note(f"a connection from {source}: {exc}")
+            _drop(conn)
+            return
+        pending = _Pending(sock, source, now)
+        self._pending[sock.fileno()] = pending
+        self._sel.register(sock, selectors.EVENT_READ, pending)
+
+    def _advance(self, pending: _Pending) -> None:
+        if not pending.budgeted:  # its ClientHello arrived: the handshake's work is about to be spent
+            pending.budgeted = True
+            if not self._budgets.take(pending.source, time.monotonic()):
+                self.refusals.note(f"a TLS handshake from {pending.source}: more than {HANDSHAKES_PER_S:.0f} per "
+                                   f"second from that address")
+                self._pending.pop(pending.sock.fileno(), None)
+                self._forget(pending)
+                return
+        try:
+            pending.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._sel.modify(pending.sock, selectors.EVENT_READ, pending)
+            return
+        except ssl.SSLWantWriteError:
+            self._sel.modify(pending.sock, selectors.EVENT_WRITE, pending)
+            return
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            self.refusals.note(f"a TLS handshake from {pending.source} (not a job peer): {exc}")
+            self._pending.pop(pending.sock.fileno(), None)
+            self._forget(pending)
+            return
+        self._pending.pop(pending.sock.fileno(), None)
+        self._sel.unregister(pending.sock)
+        self._authenticated(pending)
+
+    def _expire(self, now: float) -> None:
+        while self._pending:
+            fd, first = next(iter(self._pending.items()))
+            if first.deadline > now:
+                return
+            del self._pending[fd]
+            self.refusals.note(f"a connection from {first.source}: no TLS handshake within {PENDING_S:.0f} s")
+            self._forget(first)
+
+    def _forget(self, pending: _Pending) -> None:
+        try:
+            self._sel.unregister(pending.sock)
+        except (KeyError, ValueError):
+            pass
+        _drop(pending.sock)
+
+    # ---- members
+
+    def _authenticated(self, pending: _Pending) -> None:
+        sock = pending.sock
+        try:
+            der = sock.getpeercert(binary_form=True)
+        except (OSError, ValueError):
+            der = None
+        node = self.service.member(der)
+        if node is None:
+            # A certificate the context trusts (an operator CA's) that is no member of this launch.
+            self.refusals.note(f"a connection from {pending.source}: its certificate is not one of this job's nodes")
+            _drop(sock)
+            return
+        self._budgets.give_back(pending.source, time.monotonic())
+        key = fingerprint(der)
+        with self._lock:
+            if self._members.get(key, 0) >= MAX_PER_MEMBER:
+                refused = True
+            else:
+                refused = False
+                self._members[key] = self._members.get(key, 0) + 1
+                self._serving.add(sock)
+        if refused:
+            self.refusals.note(f"a connection of node {node}: {MAX_PER_MEMBER} of its connections are open")
+            _drop(sock)
+            return
+        try:
+            sock.setblocking(True)
+            sock.settimeout(IDLE_S)
+            threading.Thread(target=self._serve_member, args=(sock, pending.source, key),
+                             name=f"shardckpt-peer-{node}", daemon=True).start()
+        except (OSError, RuntimeError) as exc:
+            log.warning("shardckpt: peer endpoint cannot serve node %s: %s", node, exc)
+            self._release(sock, key)
+
+    def _serve_member(self, sock: ssl.SSLSocket, source: str, key: str) -> None:
+        try:
+            _Handler(sock, (source, 0), self)
+        except (OSError, ValueError):
+            pass  # the member went away mid-request; nothing to tell it
+        finally:
+            self._release(sock, key)
+
+    def _release(self, sock: ssl.SSLSocket, key: str) -> None:
+        with self._lock:
+            self._serving.discard(sock)
+            self._members[key] -= 1
+            if not self._members[key]:
+                del self._members[key]
+        _drop(sock)
+
+    def member_connections(self) -> dict[str, int]:
+        """Open connections per member certificate (fingerprint)."""
+        with self._lock:
+            return dict(self._members)
+
+    def pending_count(self) -> int:
+        return len(self._pending)
+
+    # ---- lifecycle
+
+    def shutdown(self) -> None:
+        """Stop accepting and end every connection (their threads end with them)."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._loop_thread.join(timeout=5)
+        for pending in list(self._pending.values()):
+            self._forget(pending)
+        self._pending.clear()
+        with self._lock:
+            serving = list(self._serving)
+        for sock in serving:
+            try:
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)  # wakes the thread blocked on it
+            except OSError:
+                pass
+        try:
+            self._sel.close()
+        except (OSError, ValueError):
+            pass
+        self._sock.close()
+
+    def server_close(self) -> None:
+        self.shutdown()
+
+
+def _drop(sock: socket.socket) -> None:
+    try:
+        sock.close()
+    except OSError:
+        pass
+
+
+def _pending_bound() -> int:
+    """:data:`MAX_PENDING`, or a quarter of the open-file limit when that is lower (at least 16)."""
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):
+        return MAX_PENDING
+    return MAX_PENDING if soft == resource.RLIM_INFINITY else max(16, min(MAX_PENDING, soft // 4))
+
+
+def serve(service: PeerService, host: str, port: int = 0) -> PeerServer:
+    """Start the endpoint for ``service`` on ``host`` (a free port unless given)."""
+    return PeerServer((host, port), service)
