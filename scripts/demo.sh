@@ -113,7 +113,7 @@ echo "== 6. node 1 is lost with its disk; the job continues on node 0 alone (wor
 rm -rf "$PEER/node1"
 RDZV_PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 launch_node 0 1 "$PEER/node0-alone.log" "${PEER_TRAIN[@]}" --steps 15
-show "$PEER/node0-alone.log" | grep -E "train_ddp|replicas of other nodes|restored step|elastic plan"
+show "$PEER/node0-alone.log" | grep -E "train_ddp|copy from|restored step|elastic plan"
 PSTEP=$(grep -o "resuming from step [0-9]*" "$PEER/node0-alone.log" | grep -o "[0-9]*$")
 grep -q "world size 2 -> 1" "$PEER/node0-alone.log" && grep -q "finished 15 steps" "$PEER/node0-alone.log"
 SAVED=$(grep "^finished $PSTEP " "$PEER/digests.txt" | head -1 | cut -d' ' -f3-)

@@ -80,6 +80,29 @@ def skip_module_unless_installed(*modules: str, reason: str = "") -> None:
         pytest.skip(f"{', '.join(missing)} not installed{': ' + reason if reason else ''}", allow_module_level=True)
 
 
+def import_program(name: str):
+    """The module ``tests/programs/<name>.py`` imported in this process, with the programs' own ``common``.
+
+    ``benchmarks/`` has a ``common`` module too, and a pytest-xdist worker that ran the benchmark harness's tests
+    already holds that one under the name: a plain ``import`` would hand the program the wrong module.
+    """
+    def load(module: str, path: Path):
+        spec = importlib.util.spec_from_file_location(module, path)
+        found = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(found)
+        return found
+
+    other = sys.modules.get("common")
+    sys.modules["common"] = load("common", PROGRAMS / "common.py")
+    try:
+        return load(f"programs_{name}", PROGRAMS / f"{name}.py")
+    finally:
+        if other is None:
+            del sys.modules["common"]
+        else:
+            sys.modules["common"] = other
+
+
 def child_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")

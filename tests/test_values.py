@@ -19,7 +19,7 @@ import torch.nn as nn
 
 import shardckpt
 from shardckpt import _failpoints
-from helpers import PROGRAMS, ROOT, child_env, run_torchrun
+from helpers import PROGRAMS, ROOT, child_env, import_program, run_torchrun
 
 
 def ckpt_for(path, **kw):
@@ -85,9 +85,8 @@ def test_generators_and_samplers_come_back_to_the_rank_that_saved_them(ddp_value
     assert ranks[0]["own"]["shuffle_next"] != ranks[1]["own"]["shuffle_next"]
     # The same step at 1 rank: rank 0's generator comes back; the sampler's per-rank position belongs to
     # the 2-rank layout: it is left as it is, and one warning says so.
-    sys.path.insert(0, str(PROGRAMS))
-    from common import TinyNet
-    from plain_values import Meter, RankSampler
+    program = import_program("plain_values")
+    TinyNet, Meter, RankSampler = program.common.TinyNet, program.Meter, program.RankSampler
 
     shuffle, sampler = torch.Generator().manual_seed(999), RankSampler(7)
     before = sampler.order.clone()
