@@ -105,22 +105,22 @@ class FsspecStore(NetworkStore):
         if n != size or digest != checksum:
             raise _local_mismatch(path, self.where(key), "differs (size or checksum)")
         self._record(key, checksum)
-        got = self.retry(lambda: self.fs.info(self.path(key))["size"], "verification of", key, deadline)
-        if got != size:
-            raise RemoteError(f"uploaded object {self.where(key)} is {got} bytes, expected {size}; it will be retried")
-        if on_bytes is not None:
-            on_bytes(size)
+        self._check_size(key, size, deadline, on_bytes)
 
     def put_stream(self, key: str, chunks: Iterable[bytes], deadline: Deadline, on_bytes: OnBytes | None = None,
                    like: str | None = None) -> tuple[int, str, str | None]:
         n, digest = self.once(lambda: self._write(key, lambda: guarded(chunks), like=like), "upload of", key)
         self._record(key, digest)
-        got = self.retry(lambda: self.fs.info(self.path(key))["size"], "verification of", key, deadline)
-        if got != n:
-            raise RemoteError(f"uploaded object {self.where(key)} is {got} bytes, expected {n}; it will be retried")
-        if on_bytes is not None:
-            on_bytes(n)
+        self._check_size(key, n, deadline, on_bytes)
         return n, digest, None
+
+    def _check_size(self, key: str, size: int, deadline: Deadline, on_bytes: OnBytes | None) -> None:
+        """What the store holds under ``key`` after an upload is ``size`` bytes (then ``on_bytes(size)``)."""
+        got = self.retry(lambda: self.fs.info(self.path(key))["size"], "verification of", key, deadline)
+        if got != size:
+            raise RemoteError(f"uploaded object {self.where(key)} is {got} bytes, expected {size}; it will be retried")
+        if on_bytes is not None:
+            on_bytes(size)
 
     def _record(self, key: str, checksum: str) -> None:
         """On a filesystem path: the checksum goes with the file (its inode: a file written over it by
