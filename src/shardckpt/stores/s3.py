@@ -178,7 +178,8 @@ class S3Store(NetworkStore):
         crc = _b64_crc32(zlib.crc32(data))
         resp = self.retry(
             lambda: self.client.put_object(
-                Bucket=self.bucket, Key=self.full_key(key), Body=data, ChecksumCRC32=crc, Metadata={"checksum": checksum}
+                Bucket=self.bucket, Key=self.full_key(key), Body=data, ChecksumCRC32=crc,
+                Metadata={"checksum": checksum},
             ),
             "upload of", key, deadline,
         )
@@ -213,7 +214,8 @@ class S3Store(NetworkStore):
         return self._verify_upload(key, size, checksum, composite, deadline) or _tag(completed)
 
     def put_stream(self, key: str, chunks: Iterable[bytes], deadline: Deadline,
-                   on_bytes: Callable[[int], None] | None = None, like: str | None = None) -> tuple[int, str, str | None]:
+                   on_bytes: Callable[[int], None] | None = None,
+                   like: str | None = None) -> tuple[int, str, str | None]:
         """Parts of ``part_size`` go up as soon as the stream has given them, ``concurrency`` in
         flight; a stream that ends within the first part goes up in one PUT. The checksum is known
         only at the end: a multipart object records none (readers hash its bytes)."""

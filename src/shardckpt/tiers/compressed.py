@@ -158,7 +158,8 @@ def stored_note(manifest: layout.Manifest, fmt: Callable[[int], str]) -> str:
     return f"; stored compressed: {fmt(stored)} of the files' {fmt(logical)} ({stored / max(logical, 1):.2f}x)"
 
 
-def early_forms(manifest: layout.Manifest, forms: Mapping[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], set[str]]:
+def early_forms(manifest: layout.Manifest,
+                forms: Mapping[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], set[str]]:
     """Of the stored forms of files sent compressed while the save was written: those that fit this
     manifest's entries, and the names of those that do not (they are sent again)."""
     good: dict[str, dict[str, Any]] = {}
@@ -413,7 +414,8 @@ def fetch_whole(store: Store, key: str, step: int, entry: layout.FileEntry, form
                 os.unlink(path)
             if attempt == 2:
                 raise _refused(step, store.where(key), problem)
-            log.warning("shardckpt: step %d: %s fails (%s); fetching it again", step, safe_url(store.where(key)), problem)
+            log.warning("shardckpt: step %d: %s fails (%s); fetching it again", step, safe_url(store.where(key)),
+                        problem)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

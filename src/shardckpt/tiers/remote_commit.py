@@ -413,7 +413,8 @@ def push_step(
         if existing is None or node_markers.parse(existing).get("files_digest") != digest:
             sent_early = (early or {}).get((step, manifest.save_id), {}) if committed is None else {}
             stored, misfit = compressed.early_forms(manifest, (early_forms or {}).get((step, manifest.save_id), {}))
-            todo = [n for n in mine if n in misfit or sent_early.get(n) != (manifest.files[n].size, manifest.files[n].checksum)]
+            todo = [n for n in mine
+                    if n in misfit or sent_early.get(n) != (manifest.files[n].size, manifest.files[n].checksum)]
             early_given = (early_tags or {}).get((step, manifest.save_id), {})
             tags = {n: early_given[n] for n in mine if n not in todo and early_given.get(n)}
             stored = {n: form for n, form in stored.items() if n in mine and n not in todo}
