@@ -38,7 +38,7 @@ from shardckpt import cli, stores  # noqa: E402
 from shardckpt.errors import CorruptCheckpointError  # noqa: E402
 from shardckpt.format import codec, layout  # noqa: E402
 from shardckpt.node import node_registry, uploader  # noqa: E402
-from shardckpt.tiers import auto_compress, compressed, remote_commit  # noqa: E402
+from shardckpt.tiers import auto_compress, compressed, early_upload, remote_commit  # noqa: E402
 from shardckpt.tiers import steps as steps_mod  # noqa: E402
 
 MiB = 1 << 20
@@ -527,6 +527,35 @@ def test_need_only_restore_at_another_world_size_reads_only_the_compressed_chunk
     fetched = [sum(n for path, n in p.got if where in path and path.endswith(compressed.SUFFIX)) for p in proxies]
     for node, got in enumerate(fetched):
         assert 0.3 * stored < got < 0.75 * stored, (node, got, stored, fetched)
+
+
+def test_bytes_sent_while_the_save_is_written_count_when_its_commit_cuts_the_pass_short(tmp_path):
+    """The early pass over two published files, the second renamed away by the local commit before its
+    upload opens it: the first file's bytes count as sent by this node (the uploader's log line and
+    status read them), and it is recorded as sent (not sent again after the commit)."""
+    root, url = tmp_path / "local", f"file://{tmp_path / 'remote'}"
+    partial = root / layout.partial_dirname(1, "1-nonce1")
+    partial.mkdir(parents=True)
+    for name, n in (("__0_0.distcp", 5000), ("__0_1.distcp", 7000)):
+        data = bytes([n % 251]) * n
+        (partial / name).write_bytes(data)
+        early_upload.publish(str(partial), step=1, save_id="nonce1-1", rank=0, name=name, size=n,
+                             checksum=layout.checksum_bytes(data))
+    store = stores.open_store(url, transfer_options(compression="off"))
+    put = store.put_file
+
+    def renamed_by_the_commit(path, key, *args, **kwargs):
+        if path.endswith("__0_1.distcp"):
+            os.rename(path, path + ".moved")
+        return put(path, key, *args, **kwargs)
+
+    store.put_file = renamed_by_the_commit
+    early = early_upload.EarlyUploads()
+    try:
+        assert early.run(store, str(root)) == 5000
+    finally:
+        store.close()
+    assert early.sent_bytes == {1: 5000} and list(early.sent[(1, "nonce1-1")]) == ["__0_0.distcp"]
 
 
 @pytest.mark.parametrize("s3", ["moto"], indirect=True)

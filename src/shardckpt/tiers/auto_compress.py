@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 import uuid
+from typing import Any
 
 import numpy as np
 
@@ -99,25 +100,35 @@ def _sample() -> bytes:
 
 
 def measure(store: Store, deadline: Deadline) -> Decision:
-    """The upload rate (one PUT of incompressible bytes, then deleted) and this node's compression
-    rate and ratio on :func:`_sample`."""
-    data = _sample()
-    t0 = time.perf_counter()
-    step = layout.CHUNK_BYTES
-    out = sum(len(codec.encode_chunk(data[i : i + step])) for i in range(0, len(data), step))
-    took = max(time.perf_counter() - t0, 1e-6)
-    ratio = out / len(data)
-    compress = len(data) / took * WORKERS / 1e6
+    """The upload rate (one PUT of incompressible bytes, then deleted) and, meanwhile, this node's
+    compression rate and ratio on :func:`_sample`: the probe takes the longer of the two, not their sum."""
     noise = os.urandom(PROBE_BYTES)
     key = join(PROBE_PREFIX, f"rate-{uuid.uuid4().hex}.bin")
+    sent: dict[str, Any] = {}
+
+    def put() -> None:
+        t0 = time.perf_counter()
+        try:
+            store.put_bytes(key, noise, deadline)
+            sent["mb_s"] = PROBE_BYTES / max(time.perf_counter() - t0, 1e-6) / 1e6
+            store.delete(key, deadline)
+        except Exception as exc:  # noqa: BLE001 - raised below, in the measuring thread
+            sent["error"] = exc
+
+    thread = threading.Thread(target=put, name="shardckpt-link-put", daemon=True)
+    thread.start()
+    data = _sample()
+    step = layout.CHUNK_BYTES
     t0 = time.perf_counter()
-    try:
-        store.put_bytes(key, noise, deadline)
-        upload = PROBE_BYTES / max(time.perf_counter() - t0, 1e-6) / 1e6
-    finally:
-        store.delete(key, deadline)
-    pays = ratio <= 1 - codec.MIN_SAVING and upload * HEADROOM <= compress
-    return Decision(pays, upload, compress, ratio, time.time())
+    out = sum(len(codec.encode_chunk(data[i : i + step])) for i in range(0, len(data), step))
+    took = max(time.perf_counter() - t0, 1e-6)
+    thread.join()
+    if "error" in sent:
+        raise sent["error"]
+    ratio = out / len(data)
+    compress = len(data) / took * WORKERS / 1e6
+    pays = ratio <= 1 - codec.MIN_SAVING and sent["mb_s"] * HEADROOM <= compress
+    return Decision(pays, sent["mb_s"], compress, ratio, time.time())
 
 
 class _Links:

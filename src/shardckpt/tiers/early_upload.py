@@ -46,6 +46,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from typing import Any, Mapping
 
 from shardckpt.format import layout
@@ -132,6 +133,7 @@ class EarlyUploads:
         """The stored form of each file sent compressed, for the node's marker."""
         self.sent_bytes: dict[int, int] = {}
         """Bytes sent per step (as stored: compressed where they were)."""
+        self._count = threading.Lock()
         self._refused: set[tuple[int, str]] = set()
 
     def sent_for(self, step: int, save_id: str) -> Mapping[str, tuple[int, str]]:
@@ -194,11 +196,15 @@ class EarlyUploads:
                     done[name] = (body["size"], body["checksum"])
                     if tag:
                         tags[name] = tag
+                    with self._count:  # counted file by file: a file renamed by the commit stops the rest
+                        self.sent_bytes[step] = self.sent_bytes.get(step, 0) + sent
                     return sent
 
-                sent_now = sum(store.run_all([lambda n=n: send(n) for n in todo], files=True))
-                self.sent_bytes[step] = self.sent_bytes.get(step, 0) + sent_now
-                total += sent_now
+                before = self.sent_bytes.get(step, 0)
+                try:
+                    store.run_all([lambda n=n: send(n) for n in todo], files=True)
+                finally:
+                    total += self.sent_bytes.get(step, 0) - before
                 # A commit of another save made while these went up may now hold them: withdrawn.
                 withdraw_overwritten(store, step, {n: done[n] for n in todo}, "", deadline)
             except FileNotFoundError:
