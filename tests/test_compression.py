@@ -610,6 +610,7 @@ def test_auto_compresses_a_processes_first_save_while_it_is_written(s3, tmp_path
     assert status["uploaded_bytes"] == compressed.stored_bytes(manifest)  # each object sent once
     said = (local_dir / state / "uploader.log").read_text()
     line = next(ln for ln in said.splitlines() if "step 1 committed on" in ln)
-    total, early = (float(x) for x in re.search(r"\((\d+\.\d) MiB uploaded by this node, (\d+\.\d) MiB of it while "
-                                                 r"the save was written", line).groups())
+    counted = re.search(r"\((\d+\.\d) MiB uploaded by this node, (\d+\.\d) MiB of it while the save was written", line)
+    assert counted, line
+    total, early = (float(x) for x in counted.groups())
     assert early >= compressed.stored_bytes(manifest) / 2**20 * 0.9 and total >= early, line
