@@ -110,8 +110,11 @@ CASES = [
          lambda a: ["--case", "durable", "--repeats", repeats(a, 2, 3)], sizes="remote",
          memory=10.0, disk=4.0, plot="remote_durable.png"),
     Case("compress", "Compressed uploads against a raw upload through the same link", "bench_compress.py",
-         "moto's S3 server in its own process; a throttling proxy (its own process) caps each direction at "
-         "100 MB/s (capped) or is left out (loopback). A bf16 model with its fp32 master copy and AdamW moments, "
+         "moto's S3 server in its own process; throttling proxies (each its own process) cap each direction at "
+         "40 and 100 MB/s (capped) or are left out (loopback). A process's first and only save (bf16 + fp32 "
+         "master + AdamW, default options) until its manifest is in the bucket, `remote_compression` off against "
+         "auto, with the bytes stored, the CPU seconds of each part and the load average. "
+         "A bf16 model with its fp32 master copy and AdamW moments, "
          "a pure bf16 model and a pure fp32 model + AdamW, each a committed local step: `shardckpt push` with "
          "compression off, bytegroup-zstd and auto against a boto3 upload of the same files through the same "
          "link (floor); the restore of the compressed copy against the uncompressed one on the capped link; "

@@ -3,14 +3,22 @@
 Against real S3 servers over HTTP (moto, and rclone for the round trip): a step
 uploaded compressed takes fewer bytes on the remote, restores bitwise (a
 need-only restore of a fresh instance reads only the compressed chunks it
-needs), is pulled as plain files that stock ``dcp.load`` reads, and a damaged
-compressed chunk is fetched again, then refused. ``auto`` is decided by
-measuring the link: off on the loopback link, on behind a throttling proxy.
+needs), is pulled as plain files that stock ``dcp.load`` reads; a damaged
+compressed chunk is fetched again, then refused; nothing is decoded unchecked
+(bomb frames and a replaced object are refused within two chunks of memory, a
+decoder that disagrees with the encoder commits nothing); older stored forms
+keep loading. ``auto`` is decided before the first upload by measuring the
+link (off on the loopback link, on behind a throttling proxy), kept for a
+restarted job; files go up compressed while the save is written.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,13 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import shardckpt  # noqa: E402
 from faultproxy import FaultProxy  # noqa: E402
-from helpers import PROGRAMS, child_env, free_port, kill_job, run_torchrun, start_torchrun  # noqa: E402
+from helpers import PROGRAMS, child_env, free_port, kill_job, run_torchrun, start_torchrun, wait_for  # noqa: E402
 from s3server import BUCKET, reset_if_used, stop_uploaders, transfer_options  # noqa: E402
 from shardckpt import cli, stores  # noqa: E402
 from shardckpt.errors import CorruptCheckpointError  # noqa: E402
 from shardckpt.format import codec, layout  # noqa: E402
-from shardckpt.node import uploader  # noqa: E402
-from shardckpt.tiers import compressed, remote_commit  # noqa: E402
+from shardckpt.node import node_registry, uploader  # noqa: E402
+from shardckpt.tiers import auto_compress, compressed, early_upload, remote_commit  # noqa: E402
 from shardckpt.tiers import steps as steps_mod  # noqa: E402
 
 MiB = 1 << 20
@@ -163,6 +171,107 @@ def test_a_damaged_stored_chunk_raises_codec_error():
         codec.decode_chunk(bytes(stored[:-7]), len(data))
 
 
+BOMBS = r"""
+import json, struct, sys
+import numpy as np
+import zstandard
+from shardckpt import stores
+from shardckpt.errors import CorruptCheckpointError
+from shardckpt.format import codec, layout
+from shardckpt.tiers import compressed
+
+CHUNK = 4 << 20
+
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith(field + ":"))
+
+
+def stored(width, frames):
+    table = struct.pack(f"<{width}I", *map(len, frames))
+    return codec.HEADER.pack(codec.MAGIC, codec.ZSTD, width, CHUNK) + table + b"".join(frames)
+
+
+def form(data, sums):
+    return compressed.StoredForm(codec.CODEC, len(data), layout.checksum_bytes(data), [len(data)],
+                                 layout.chunk_sum(data) if sums else "")
+
+
+logical = (np.random.default_rng(0).standard_normal(CHUNK // 4, dtype=np.float32) * 1e-3).tobytes()
+good = codec.encode_chunk(logical)
+packer = zstandard.ZstdCompressor(level=1).compressobj(size=1 << 30)
+zeros = bytes(16 << 20)
+gib = b"".join(packer.compress(zeros) for _ in range(64)) + packer.flush()  # ~32 KB declaring 1 GiB
+del zeros
+tib = b"\x28\xb5\x2f\xfd\xc0\x50" + struct.pack("<Q", 1 << 40) + bytes([41, 0, 0]) + b"hello"  # claims 1 TiB
+cases = {  # name: (the object in the bucket, the stored form the manifest gives it)
+    "1 GiB frame": (stored(1, [gib]), False),  # a manifest written before stored checksums
+    "1 TiB header": (stored(1, [tib]), False),
+    "replaced object": (stored(2, [gib, bytes(len(good) - codec.HEADER.size - 8 - len(gib))]), True),
+}
+store = stores.open_store(sys.argv[1], stores.TransferOptions(max_attempts=2, step_deadline_s=60))
+deadline = stores.Deadline(60)
+entry = layout.FileEntry(CHUNK, layout.checksum_bytes(logical), 0,
+                         f"{layout.CHUNK_ALGO}:{CHUNK}:{layout.chunk_sum(logical)}")
+calls = {"get": 0, "decode": 0}
+get_range, decode_chunk = store.get_range, codec.decode_chunk
+
+
+def counted(kind, fn):
+    def call(*args):
+        calls[kind] += 1
+        return fn(*args)
+    return call
+
+
+store.get_range, codec.decode_chunk = counted("get", get_range), counted("decode", decode_chunk)
+store.put_bytes("good.szc", good, deadline)
+assert compressed.read_range(store, "good.szc", 1, entry, form(good, True), 0, CHUNK, deadline) == logical
+out = {}
+for name, (data, sums) in cases.items():
+    key = name.replace(" ", "-") + ".szc"
+    store.put_bytes(key, data, deadline)
+    calls.update(get=0, decode=0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak RSS starts again from the current RSS
+    base = status("VmRSS")
+    try:
+        compressed.read_range(store, key, 1, entry, form(good if name == "replaced object" else data, sums), 0,
+                              CHUNK, deadline)
+        error = "loaded"
+    except CorruptCheckpointError as exc:
+        error = str(exc)
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    out[name] = {"peak": status("VmHWM") - base, "error": error, "where": store.where(key), **calls}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("s3", ["moto"], indirect=True)
+def test_bomb_frames_and_a_replaced_object_are_refused_within_two_chunks_of_memory(s3, tmp_path):
+    """In a fresh process reading one 4 MiB chunk through the ranged path (the need-only restore's): a
+    ~32 KB frame that inflates to 1 GiB and a frame header claiming 1 TiB (a manifest without stored
+    checksums: only the decoder stands in the way), and an object replaced in the bucket by one of the
+    same length with that frame inside (the manifest's stored checksum refuses it before any decoding)
+    are each fetched twice, then refused with a CorruptCheckpointError naming the object and the
+    chunk; the peak RSS stays within 2 chunks of what it was before the read."""
+    proc = subprocess.run([sys.executable, "-c", BOMBS, f"s3://{BUCKET}/bombs"], env=child_env(**s3.env()),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    for name, got in out.items():
+        assert got["error"].startswith("step 1: remote object "), (name, got)
+        assert got["where"] in got["error"] and "stored chunk 0" in got["error"] and "twice" in got["error"], got
+        assert got["get"] == 2, (name, got)  # fetched once more, then refused
+        assert got["peak"] < 2 * (4 << 20), (name, got)
+    assert "declares 1073741824 bytes" in out["1 GiB frame"]["error"]
+    assert "declares 1099511627776 bytes" in out["1 TiB header"]["error"]
+    replaced = out["replaced object"]
+    assert "fails its stored checksum" in replaced["error"] and replaced["decode"] == 0, replaced
+
+
 # ---------------------------------------------------------------- the remote
 
 
@@ -218,23 +327,31 @@ def test_compressed_step_is_smaller_restores_bitwise_and_pulls_as_plain_dcp(s3, 
     assert f"({compressed.stored_bytes(manifest) / logical:.2f}x)" in out
 
 
+def _flip_a_stored_byte(s3, prefix: str, manifest: layout.Manifest) -> tuple[str, str, int]:
+    """One byte flipped in the middle of the longest stored chunk of the largest compressed file:
+    ``(file name, object key, chunk index)``."""
+    name = max(manifest.stored, key=lambda n: manifest.files[n].size)
+    form = compressed.StoredForm.from_json(manifest.stored[name])
+    key = f"{prefix}/{layout.step_dirname(manifest.step)}/{name}{compressed.SUFFIX}"
+    client = s3.client()
+    data = bytearray(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    i = max(range(len(form.lengths)), key=lambda k: form.lengths[k])
+    data[form.offsets()[i] + form.lengths[i] // 2] ^= 0x10
+    client.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+    return name, key, i
+
+
 @pytest.mark.parametrize("s3", ["moto"], indirect=True)
 def test_a_corrupt_compressed_chunk_is_fetched_again_then_refused(s3, tmp_path, monkeypatch, caplog):
     """A byte flipped inside a stored chunk: the restore fetches it once more, then refuses the step
-    naming the object (nothing unverified loads); with on_corrupt='fallback' the earlier step loads."""
+    naming the object and the chunk, before decoding it (its stored checksum); with
+    on_corrupt='fallback' the earlier step loads."""
     monkeypatch.setattr(layout, "CHUNK_BYTES", CHUNK)
     url = f"s3://{BUCKET}/flip"
     saved = _save_and_push(tmp_path, url)
     manifest = _remote_manifest(url, 2)
-    name = max(manifest.stored, key=lambda n: manifest.files[n].size)
-    form = compressed.StoredForm.from_json(manifest.stored[name])
-    key = f"flip/{layout.step_dirname(2)}/{name}{compressed.SUFFIX}"
-    client = s3.client()
-    data = bytearray(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
-    offsets = form.offsets()
-    i = max(range(len(form.lengths)), key=lambda k: form.lengths[k])
-    data[offsets[i] + form.lengths[i] // 2] ^= 0x10
-    client.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+    assert all(len(f["sums"]) == compressed.SUM_HEX * len(f["lengths"]) for f in manifest.stored.values())
+    name, key, i = _flip_a_stored_byte(s3, "flip", manifest)
 
     ckpt = shardckpt.Checkpointer(local_dir=str(tmp_path / "fresh"), remote=url, uploader="off",
                                   preemption_signals=())
@@ -242,7 +359,8 @@ def test_a_corrupt_compressed_chunk_is_fetched_again_then_refused(s3, tmp_path, 
         ckpt.load(_fresh_state())
     ckpt.close()
     assert f"s3://{BUCKET}/{key}" in str(info.value) and "twice" in str(info.value)
-    assert "fetching them again" in caplog.text
+    assert f"stored chunk {i} " in str(info.value) and "fails its stored checksum" in str(info.value)
+    assert "fetching it again" in caplog.text
     assert layout.committed_steps(str(tmp_path / "fresh")) == []
 
     # A whole-file fetch (`pull`) refuses it too, and `verify` names the object.
@@ -260,53 +378,108 @@ def test_a_corrupt_compressed_chunk_is_fetched_again_then_refused(s3, tmp_path, 
 
 
 @pytest.mark.parametrize("s3", ["moto"], indirect=True)
-def test_uncompressed_remote_steps_and_mixed_ones_keep_loading(s3, tmp_path, monkeypatch):
+def test_a_decoder_that_disagrees_with_the_encoder_is_refused_and_nothing_is_committed(s3, tmp_path, monkeypatch):
+    """The stored bytes intact (every stored checksum passes) but decoded wrongly, as a codec bug or a
+    version skew would (every stream comes out as zeros of the right length): `pull` refuses the step
+    with CorruptCheckpointError and commits nothing locally; a restore refuses it too and loads nothing."""
+    monkeypatch.setattr(layout, "CHUNK_BYTES", CHUNK)
+    url = f"s3://{BUCKET}/skew"
+    _save_and_push(tmp_path, url, steps=(1,))
+    monkeypatch.setattr(codec, "_inflate", lambda frame, want, k: bytes(want))
+    store = stores.open_store(url, transfer_options())
+    try:
+        with pytest.raises(CorruptCheckpointError, match="fail their chunk checksum after decoding, twice"):
+            steps_mod.fetch_step(store, str(tmp_path / "pulled"), 1)
+    finally:
+        store.close()
+    assert layout.committed_steps(str(tmp_path / "pulled")) == []
+    assert not list((tmp_path / "pulled").rglob("*.distcp"))
+    ckpt = shardckpt.Checkpointer(local_dir=str(tmp_path / "fresh"), remote=url, uploader="off", preemption_signals=())
+    state = _fresh_state()
+    with pytest.raises(CorruptCheckpointError, match="fail their chunk checksum"):
+        ckpt.load(state)
+    ckpt.close()
+    assert layout.committed_steps(str(tmp_path / "fresh")) == []
+
+
+@pytest.mark.parametrize("s3", ["moto"], indirect=True)
+def test_uncompressed_and_older_compressed_remote_steps_keep_loading(s3, tmp_path, monkeypatch):
     """A step uploaded with compression off (as by earlier versions) has no stored forms and loads; a
-    compressed step after it loads too."""
+    compressed step whose manifest has no stored checksums (written before them) loads bitwise, and a
+    byte flipped in it is still refused (after decoding, by the chunk checksums)."""
     monkeypatch.setattr(layout, "CHUNK_BYTES", CHUNK)
     url = f"s3://{BUCKET}/mixed"
     saved = _save_and_push(tmp_path, url, steps=(1,), compression="off")
     assert _remote_manifest(url, 1).stored == {}
     _restores_bitwise(url, tmp_path / "fresh", 1, saved[1])
 
-
-def _sample_file(tmp_path: Path) -> str:
-    """fp32 values of a narrow range, like Adam moments: compressible, but not by much."""
-    path = tmp_path / "sample.bin"
-    rng = np.random.default_rng(0)
-    path.write_bytes((rng.standard_normal(4 * MiB) * 1e-3).astype(np.float32).tobytes())
-    return str(path)
+    old_url = f"s3://{BUCKET}/older"
+    saved = _save_and_push(tmp_path / "older", old_url, steps=(1,))
+    manifest = _remote_manifest(old_url, 1)
+    for form in manifest.stored.values():
+        del form["sums"]  # as written before stored checksums
+    s3.client().put_object(Bucket=BUCKET, Key=f"older/{layout.step_dirname(1)}/{layout.MANIFEST_NAME}",
+                           Body=manifest.to_json().encode())
+    assert all("sums" not in f for f in _remote_manifest(old_url, 1).stored.values())
+    _restores_bitwise(old_url, tmp_path / "fresh-older", 1, saved[1])
+    _flip_a_stored_byte(s3, "older", manifest)
+    ckpt = shardckpt.Checkpointer(local_dir=str(tmp_path / "fresh-flipped"), remote=old_url, uploader="off",
+                                  preemption_signals=())
+    with pytest.raises(CorruptCheckpointError, match="twice"):
+        ckpt.load(_fresh_state())
+    ckpt.close()
 
 
 @pytest.mark.parametrize("s3", ["moto"], indirect=True)
-def test_auto_compresses_behind_a_slow_link_and_not_on_a_fast_one(s3, tmp_path, monkeypatch, caplog):
-    """``auto`` measures the upload rate and this node's compression: the loopback link to the server is
-    faster than compressing could gain (off); the same server behind a proxy capped at 4 MB/s is not
-    (on). The decision is logged once per remote."""
-    monkeypatch.setattr(compressed, "_decided", {})
-    sample = _sample_file(tmp_path)
-    big = compressed.AUTO_MIN_BYTES
+def test_auto_decides_when_the_uploader_starts_and_a_restarted_job_decides_at_once(s3, tmp_path, caplog):
+    """``auto`` is measured as the uploader starts (one PUT, deleted after), before anything is uploaded:
+    behind a proxy capped at 5 MB/s this node compresses. The decision is kept per bucket and endpoint in
+    a file only this user reads: a new process decides from it at once, without a request; an entry older
+    than ``MAX_AGE_S`` is measured again; the loopback endpoint is a link of its own."""
+    root = tmp_path / "local"
+    path = auto_compress.links_path(str(root))
     url = f"s3://{BUCKET}/auto"
-    fast = stores.open_store(url, transfer_options(compression="auto"))
-    with caplog.at_level(logging.INFO, logger="shardckpt"):
-        assert not compressed.wanted(fast, sample, big, stores.Deadline(60))
-        assert not compressed.wanted(fast, sample, big, stores.Deadline(60))
-        assert not compressed.wanted(fast, sample, big - 1, stores.Deadline(60))
-    assert caplog.text.count("remote_compression=auto") == 1 and "not compressing" in caplog.text
     proxy = FaultProxy(s3.endpoint)
-    proxy.cap_bytes_per_s = 4e6
+    proxy.cap_bytes_per_s = 5e6
+    probes: list[str] = []
+
+    def opened(endpoint: str) -> stores.Store:
+        store = stores.open_store(url, transfer_options(compression="auto", endpoint_url=endpoint))
+        put = store.put_bytes
+        store.put_bytes = lambda key, data, deadline: (probes.append(key), put(key, data, deadline))[1]
+        return store
+
+    auto_compress.forget()
     try:
-        slow = stores.open_store(url, transfer_options(compression="auto", endpoint_url=proxy.endpoint))
+        with caplog.at_level(logging.INFO, logger="shardckpt"):
+            assert uploader.Uploader(str(root), opened(proxy.endpoint), node="n0", once=True, poll_s=0.05).run() == 0
+            auto_compress.settle(60)
+        assert len(probes) == 1 and "compressing uploads: measured upload" in caplog.text, caplog.text
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        kept = json.loads(Path(path).read_text())["links"]
+        slow = kept[auto_compress.link_of(opened(proxy.endpoint))]
+        assert slow["compress"] and slow["upload_mb_s"] < 6 and slow["ratio"] < 0.9, slow
+        assert slow["compress_mb_s"] >= auto_compress.HEADROOM * slow["upload_mb_s"]
+        assert not [k for k in s3.keys("") if "rate-" in k]  # the probe cleaned up after itself
+
+        auto_compress.forget()  # a new process: decided from the node's file, no request
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="shardckpt"):
-            assert compressed.wanted(slow, sample, big, stores.Deadline(60))
-        assert "compressing uploads" in caplog.text
-        assert not compressed.wanted(slow, sample, big - 1, stores.Deadline(60))  # too small to pay
-        slow.close()
+            choose = compressed.chooser(opened(proxy.endpoint), str(root))  # decided at once, not waiting
+        assert len(probes) == 1 and "(measured " in caplog.text
+        assert choose is not None and choose("__0_0.distcp", 64 << 20) and not choose("__0_0.distcp", 1 << 20)
+
+        kept[auto_compress.link_of(opened(proxy.endpoint))]["measured"] -= auto_compress.MAX_AGE_S + 1
+        Path(path).write_text(json.dumps({"format": auto_compress.LINKS_FORMAT, "links": kept}))
+        auto_compress.forget()
+        assert compressed.chooser(opened(proxy.endpoint), str(root), wait_s=60) is not None
+        assert len(probes) == 2  # too old: measured again
+        fast = opened(s3.endpoint)
+        assert auto_compress.decision(fast, path, wait_s=60) is not None and len(probes) == 3
+        assert len(json.loads(Path(path).read_text())["links"]) == 2
     finally:
+        auto_compress.forget()
         proxy.stop()
-    fast.close()
-    assert not [k for k in s3.keys("") if "rate-" in k]  # the probe cleaned up after itself
 
 
 @pytest.mark.parametrize("s3", ["moto"], indirect=True)
@@ -356,35 +529,88 @@ def test_need_only_restore_at_another_world_size_reads_only_the_compressed_chunk
         assert 0.3 * stored < got < 0.75 * stored, (node, got, stored, fetched)
 
 
+def test_bytes_sent_while_the_save_is_written_count_when_its_commit_cuts_the_pass_short(tmp_path):
+    """The early pass over two published files, the second renamed away by the local commit before its
+    upload opens it: the first file's bytes count as sent by this node (the uploader's log line and
+    status read them), and it is recorded as sent (not sent again after the commit)."""
+    root, url = tmp_path / "local", f"file://{tmp_path / 'remote'}"
+    partial = root / layout.partial_dirname(1, "1-nonce1")
+    partial.mkdir(parents=True)
+    for name, n in (("__0_0.distcp", 5000), ("__0_1.distcp", 7000)):
+        data = bytes([n % 251]) * n
+        (partial / name).write_bytes(data)
+        early_upload.publish(str(partial), step=1, save_id="nonce1-1", rank=0, name=name, size=n,
+                             checksum=layout.checksum_bytes(data))
+    store = stores.open_store(url, transfer_options(compression="off"))
+    put = store.put_file
+
+    def renamed_by_the_commit(path, key, *args, **kwargs):
+        if path.endswith("__0_1.distcp"):
+            os.rename(path, path + ".moved")
+        return put(path, key, *args, **kwargs)
+
+    store.put_file = renamed_by_the_commit
+    early = early_upload.EarlyUploads()
+    try:
+        assert early.run(store, str(root)) == 5000
+    finally:
+        store.close()
+    assert early.sent_bytes == {1: 5000} and list(early.sent[(1, "nonce1-1")]) == ["__0_0.distcp"]
+
+
 @pytest.mark.parametrize("s3", ["moto"], indirect=True)
-def test_with_compression_on_files_wait_for_the_local_commit_and_go_up_compressed(s3, tmp_path, monkeypatch):
-    """A trainer's uploader (``uploader="auto"``) sends shard files while the save is written, as they
-    are; with the codec asked for it sends none early, and after the local commit every shard file goes
-    up compressed (an early plain copy would have been skipped as sent, and stayed plain)."""
+def test_auto_compresses_a_processes_first_save_while_it_is_written(s3, tmp_path, monkeypatch):
+    """One save with the default ``auto``, the trainer's uploader behind a proxy capped at 10 MB/s: the
+    link is measured as the uploader starts, so the large shard file goes up compressed while the save is
+    still being written (before its local commit), the small one as it is; the step commits with the
+    stored form, pulls back bitwise, each file was sent once, and the uploader's log line counts the
+    bytes sent while the save was written."""
     from shardckpt import _failpoints
 
     for key, value in s3.env().items():
         monkeypatch.setenv(key, value)
-    local_dir, url = tmp_path / "local", f"s3://{BUCKET}/early"
-    prefix = f"early/{layout.step_dirname(1)}/"
-    seen: dict[str, list[str]] = {}
+    local_dir, url = tmp_path / "local", f"s3://{BUCKET}/first"
+    prefix = f"first/{layout.step_dirname(1)}/"
+    proxy = FaultProxy(s3.endpoint)
+    proxy.cap_bytes_per_s = 10e6
+    seen: dict[str, object] = {}
 
     def written() -> None:  # every shard file written, the step not committed locally: time for early uploads
-        time.sleep(3)
-        seen["early"] = [k for k in s3.keys(prefix) if k.rsplit("/", 1)[1].startswith("__")]
+        wait_for(lambda: any(k.endswith(".distcp" + compressed.SUFFIX) for k in s3.keys(prefix)), 60,
+                 "a shard file uploaded compressed before the local commit")
+        seen["committed"] = (local_dir / layout.step_dirname(1)).exists()
 
-    model = torch.nn.Linear(256, 256)
-    ckpt = shardckpt.Checkpointer(local_dir=str(local_dir), remote=url, uploader="auto", mode="sync", io_threads=2,
-                                  keep_last=None, preemption_signals=(), drain_timeout_s=60,
-                                  remote_compression="bytegroup-zstd")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1536, 1536)  # 9.4 MB of weights in one file (auto leaves files under 8 MiB plain)
+    ckpt = shardckpt.Checkpointer(local_dir=str(local_dir), remote=url, endpoint_url=proxy.endpoint, uploader="auto",
+                                  mode="sync", io_threads=2, keep_last=None, preemption_signals=(), drain_timeout_s=120)
     try:
         _failpoints.arm("write.done", written)
         ckpt.save({"model": model}, 1)
     finally:
         _failpoints.arm("write.done", lambda: None, nth=10**9)
         ckpt.close()
-    assert seen["early"] == []
+        proxy.stop()
+    assert seen == {"committed": False}
     manifest = _remote_manifest(url, 1)
     shards = sorted(n for n in manifest.files if n.endswith(".distcp"))
-    assert len(shards) == 2 and sorted(manifest.stored) == shards
-    assert not [k for k in s3.keys(prefix) if k.endswith(".distcp")]
+    big = [n for n in shards if manifest.files[n].size >= compressed.AUTO_MIN_FILE_BYTES]
+    assert len(shards) == 2 and sorted(manifest.stored) == big and len(big) == 1, (shards, manifest.stored)
+    assert compressed.stored_bytes(manifest) < 0.97 * manifest.total_bytes
+    store = stores.open_store(url, transfer_options())
+    try:
+        steps_mod.fetch_step(store, str(tmp_path / "pulled"), 1)
+    finally:
+        store.close()
+    for name in manifest.files:
+        assert (tmp_path / "pulled" / layout.step_dirname(1) / name).read_bytes() == \
+            (local_dir / layout.step_dirname(1) / name).read_bytes(), name
+    state = node_registry.STATE_DIR
+    status = json.loads((local_dir / state / "status.json").read_text())
+    assert status["uploaded_bytes"] == compressed.stored_bytes(manifest)  # each object sent once
+    said = (local_dir / state / "uploader.log").read_text()
+    line = next(ln for ln in said.splitlines() if "step 1 committed on" in ln)
+    counted = re.search(r"\((\d+\.\d) MiB uploaded by this node, (\d+\.\d) MiB of it while the save was written", line)
+    assert counted, line
+    total, early = (float(x) for x in counted.groups())
+    assert early >= compressed.stored_bytes(manifest) / 2**20 * 0.9 and total >= early, line

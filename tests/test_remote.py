@@ -28,7 +28,7 @@ from s3server import BUCKET, Server, reset_if_used, stop_peer_daemons, stop_uplo
 from shardckpt import cli
 from shardckpt.format import layout
 from shardckpt.node import node_registry, uploader
-from shardckpt.tiers import ranged, remote_commit  # noqa: E402
+from shardckpt.tiers import early_upload, ranged, remote_commit  # noqa: E402
 from shardckpt.tiers import steps as steps_mod  # noqa: E402
 from shardckpt import stores  # noqa: E402
 from shardckpt.errors import CorruptCheckpointError, RemoteError  # noqa: E402
@@ -653,6 +653,15 @@ def test_files_upload_while_the_save_is_written_and_never_over_a_committed_step(
         seen["remote_manifest"] = bool(s3.keys(step_prefix + layout.MANIFEST_NAME))
 
     def second_write_done() -> None:
+        # An early pass over this save while the first one is committed remotely (its writer alive, its
+        # files published) sends nothing: the committed objects keep the first save's bytes.
+        store = stores.open_store(url, _opts())
+        try:
+            seen["sent_early"] = early_upload.EarlyUploads().run(store, str(local_dir))
+        finally:
+            store.close()
+        seen["first_intact"] = {n: client.get_object(Bucket=BUCKET, Key=step_prefix + n)["Body"].read()
+                                for n in first_bytes} == first_bytes
         log_file = local_dir / node_registry.STATE_DIR / "uploader.log"
         wait_for(lambda: "under another save" in log_file.read_text(), 60, "the early pass to pass the step over")
         seen["after_refusal"] = shard_etags()
@@ -666,9 +675,10 @@ def test_files_upload_while_the_save_is_written_and_never_over_a_committed_step(
         assert seen == {"local_commit": False, "remote_manifest": False}
         wait_for(lambda: s3.keys(step_prefix + layout.MANIFEST_NAME), 60, "step 1 committed remotely")
         first = check_remote_step(s3, "early", 1)
+        first_bytes = {}
         for name in first.files:
-            remote_bytes = client.get_object(Bucket=BUCKET, Key=step_prefix + name)["Body"].read()
-            assert remote_bytes == (local_dir / layout.step_dirname(1) / name).read_bytes(), name
+            first_bytes[name] = client.get_object(Bucket=BUCKET, Key=step_prefix + name)["Body"].read()
+            assert first_bytes[name] == (local_dir / layout.step_dirname(1) / name).read_bytes(), name
         status = wait_for_status(local_dir, lambda st: st.get("latest_remote") == 1)
         assert status["uploaded_bytes"] == first.total_bytes  # each file sent once
         committed_etags = shard_etags()
@@ -677,6 +687,7 @@ def test_files_upload_while_the_save_is_written_and_never_over_a_committed_step(
             model.weight.add_(1.0)
         _failpoints.arm("write.done", second_write_done)
         ckpt.save({"model": model}, 1, force=True)
+        assert seen["sent_early"] == 0 and seen["first_intact"], {k: v for k, v in seen.items() if k != "after_refusal"}
         assert seen["after_refusal"] == committed_etags
         local = layout.read_manifest(str(local_dir / layout.step_dirname(1)))
         store = stores.open_store(url, _opts())
@@ -693,8 +704,6 @@ def test_a_partial_save_whose_writer_died_is_not_uploaded_early(tmp_path):
     them runs: a save whose trainer died can never commit, and an uploader that outlives it (as it
     is meant to) must not keep sending its files into the remote step."""
     import subprocess
-
-    from shardckpt.tiers import early_upload
 
     root, url = tmp_path / "local", f"file://{tmp_path / 'remote'}"
     for step, pid in ((1, None), (2, os.getpid())):

@@ -284,6 +284,39 @@ def test_put_file_refuses_bytes_that_differ_from_their_checksum(store, tmp_path)
     assert store.get_bytes(f"{S[4]}/x.bin", DEADLINE) == src.read_bytes()
 
 
+def test_a_stream_is_stored_as_it_comes_and_a_failing_stream_leaves_nothing(store, tmp_path):
+    """``put_stream``: what an iterator yields (parts of 5 MiB, S3's least, on the S3 servers), its size
+    and checksum answered; an error raised by the iterator comes out as it is and leaves the key as it
+    was (an earlier object whole, no new one); a stream within one part goes up in one request."""
+    if hasattr(store, "options"):
+        store.options = dataclasses.replace(store.options, part_size=5 << 20)
+    pieces = [os.urandom(1 << 20) for _ in range(12)]
+    data, key = b"".join(pieces), f"{S[7]}/s.bin"
+
+    class Broken(Exception):
+        pass
+
+    def failing():
+        yield from pieces[:8]  # a part sent already
+        raise Broken("the producer failed")
+
+    if not _writable(store):
+        with pytest.raises(PeerStoreReadOnly):
+            store.put_stream(key, iter(pieces), DEADLINE)
+        return
+    seen: list[int] = []
+    size, checksum, _tag = store.put_stream(key, iter(pieces), DEADLINE, on_bytes=seen.append)
+    assert (size, checksum, sum(seen)) == (len(data), layout.checksum_bytes(data), len(data))
+    assert store.get_bytes(key, DEADLINE) == data
+    for target in (key, f"{S[7]}/new.bin"):
+        with pytest.raises(Broken):
+            store.put_stream(target, failing(), DEADLINE)
+    assert store.get_bytes(key, DEADLINE) == data and not store.exists(f"{S[7]}/new.bin", DEADLINE)
+    small = store.put_stream(f"{S[7]}/small.bin", iter([b"ab", b"c"]), DEADLINE)
+    assert small[:2] == (3, layout.checksum_bytes(b"abc"))
+    assert store.list_sizes(S[7], DEADLINE) == {"s.bin": len(data), "small.bin": 3}
+
+
 def test_deletion(store, tmp_path):
     if not _writable(store):  # the peer deletes nothing on request (its retention: tests/test_peer.py)
         store.seed(f"{S[5]}/a.bin", b"kept")

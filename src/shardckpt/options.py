@@ -277,12 +277,14 @@ class CheckpointConfig:
     """Attempts per remote request on throttling, 5xx and connection errors (first included)."""
 
     remote_compression: str = "auto"
-    """Lossless compression of what the uploader sends: ``auto`` compresses when this node's
-    measured upload rate is below what its spare cores save by compressing (measured once per
-    uploader, said in its log), ``off`` never, ``bytegroup-zstd`` always. Each 4 MiB chunk is
-    compressed on its own (bytes regrouped by their place in a value, then zstd; stored raw when
-    it does not shrink), so ranged restores still fetch only what they need; checksums stay on the
-    uncompressed bytes. The local tier and peer replicas keep the files as written."""
+    """Lossless compression of what the uploader sends: ``auto`` compresses files of 8 MiB and more
+    when this node compresses clearly faster than its link uploads (measured as the uploader starts,
+    before its first upload; kept per bucket and endpoint on the node for 12 h; said in its log),
+    ``off`` never, ``bytegroup-zstd`` always. Each 4 MiB chunk is compressed on its own (bytes
+    regrouped by their place in a value, then zstd; stored raw when it does not shrink) while the
+    chunks before it upload, so ranged restores still fetch only what they need; checksums stay on
+    the uncompressed bytes, and each stored chunk's checksum is checked before it is decompressed.
+    The local tier and peer replicas keep the files as written."""
 
     backoff_max_s: float = 10.0
     """Cap of the exponential backoff between attempts."""

@@ -149,10 +149,47 @@ def encode_chunk(data: bytes | memoryview, level: int = LEVEL) -> bytes:
     return HEADER.pack(MAGIC, RAW, 1, n) + bytes(view)
 
 
-def decode_chunk(stored: bytes | memoryview, expected: int) -> bytes:
+def max_stored(n: int) -> int:
+    """The most bytes a stored chunk of ``n`` logical bytes takes: a raw one (a zstd one is smaller,
+    see :func:`encode_chunk`). Lengths beyond it in a stored form are damage."""
+    return HEADER.size + n
+
+
+def _inflate(frame: memoryview, want: int, k: int) -> bytes:
+    """Stream ``k`` of a stored chunk, which must decode to ``want`` bytes.
+
+    The frame's header must declare exactly ``want`` bytes of content before anything is
+    decompressed: zstandard allocates what a frame declares whatever ``max_output_size`` says
+    (a 131 KB frame may declare gigabytes), and a frame that declares nothing could grow without
+    that bound. Ours always declare it (``write_content_size``, zstandard's default).
+    """
+    if not len(frame):
+        if want:
+            raise CodecError(f"stream {k} is empty, it must hold {want} bytes")
+        return b""
+    try:
+        declared = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"stream {k} does not start with a zstd frame header ({exc})") from exc
+    if declared != want:
+        said = "no content size" if declared < 0 else f"{declared} bytes of content"
+        raise CodecError(f"stream {k}'s frame declares {said}; the manifest's chunk gives it {want} bytes")
+    try:
+        part = _decompressor().decompress(frame, max_output_size=want, allow_extra_data=False)
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"stream {k} does not decompress ({exc})") from exc
+    if len(part) != want:
+        raise CodecError(f"stream {k} decompresses to {len(part)} bytes, not {want}")
+    return part
+
+
+def decode_chunk(stored: bytes | memoryview, expected: int) -> bytes | bytearray:
     """The logical bytes of one stored chunk, which must hold ``expected`` of them.
 
-    Raises :class:`CodecError` for anything that is not such a chunk.
+    Bounded by ``expected``, never by what the stored bytes claim: the header's length and every
+    stream's declared content size must agree with it before anything is decompressed, and the
+    streams are scattered straight into the one output buffer (one stream's bytes beside it at a
+    time). Raises :class:`CodecError` for anything that is not such a chunk.
     """
     view = memoryview(stored).cast("B")
     if len(view) < HEADER.size:
@@ -174,16 +211,17 @@ def decode_chunk(stored: bytes | memoryview, expected: int) -> bytes:
     if sum(sizes) != len(body) - 4 * width:
         raise CodecError(f"stored chunk's streams take {sum(sizes)} bytes, it holds {len(body) - 4 * width}")
     per = n // width
-    d = _decompressor()
-    parts, at = [], 4 * width
+    at = 4 * width
+    if width == 1:
+        return _inflate(body[at:], n, 0)
+    out = bytearray(n)
+    flat = np.frombuffer(out, dtype=np.uint8)
+    grid = flat[: per * width].reshape(per, width)  # value by value: column k is stream k
     for k, size in enumerate(sizes):
         want = per if k < width - 1 else n - per * (width - 1)
-        try:
-            part = d.decompress(body[at : at + size], max_output_size=want) if size else b""
-        except zstandard.ZstdError as exc:
-            raise CodecError(f"stored chunk does not decompress ({exc})") from exc
-        if len(part) != want:
-            raise CodecError(f"stream {k} of a stored chunk decompresses to {len(part)} bytes, not {want}")
-        parts.append(part)
+        part = np.frombuffer(_inflate(body[at : at + size], want, k), dtype=np.uint8)
+        grid[:, k] = part[:per]
+        if want > per:  # the last stream carries the tail shorter than a value
+            flat[per * width :] = part[per:]
         at += size
-    return ungroup(b"".join(parts), width)
+    return out

@@ -269,8 +269,13 @@ def _stored(value: Any) -> None:
         _str(form.get("codec"), f"{what}.codec")
         _int(form.get("size"), f"{what}.size")
         _checksum(form, what)
-        for i, length in enumerate(_list(form.get("lengths"), f"{what}.lengths")):
+        lengths = _list(form.get("lengths"), f"{what}.lengths")
+        for i, length in enumerate(lengths):
             _int(length, f"{what}.lengths[{i}]")
+        if "sums" in form:  # the stored chunks' checksums, 16 hex digits each (absent in older manifests)
+            sums = _str(form["sums"], f"{what}.sums")
+            if len(sums) != 16 * len(lengths) or (sums and not _HEX.match(sums)):
+                raise _Invalid(f"{what}.sums must hold 16 hex digits for each of its {len(lengths)} chunks")
 
 
 _FIELDS: dict[str, Callable[[Any], Any]] = {

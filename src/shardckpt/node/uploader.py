@@ -31,7 +31,7 @@ from shardckpt.errors import RemoteError
 from shardckpt.format import codec
 from shardckpt.options import CheckpointConfig
 from shardckpt.stores import Deadline, Store, open_store, redact, safe_url
-from shardckpt.tiers import node_markers, remote_index
+from shardckpt.tiers import auto_compress, node_markers, remote_index
 from shardckpt.tiers.remote_commit import (
     COMMITTED, SUPERSEDED, WAITING, MarkerCache, local_bytes, pending_steps, present_files, push_step, remote_steps,
 )
@@ -178,9 +178,13 @@ class Uploader:
             log.info("shardckpt: an uploader already serves %s; this one exits", self.root)
             return 0
         log.info("shardckpt: uploader (pid %d, node %s) syncing %s -> %s", os.getpid(), self.node, self.root, safe_url(self.store.url))
+        if getattr(self.store.options, "compression", "off") == "auto":
+            # Measured now, while the first save is still being written: decided before its first upload.
+            auto_compress.start(self.store, auto_compress.links_path(self.root))
         try:
             return self._loop()
         finally:
+            auto_compress.settle(5.0)  # a probe in flight deletes its object before the store closes
             self.store.close()
             self._write_status("exited")
             if self._lock_fd is not None:
@@ -266,6 +270,7 @@ class Uploader:
                 result = push_step(
                     self.store, self.root, step, node=self.node, policy=self.policy, skip_upload_digest=st.marker_digest,
                     early=self.early.sent, early_tags=self.early.tags, markers=self.markers,
+                    early_forms=self.early.forms,
                 )
             except Exception as exc:  # noqa: BLE001 - reported and retried later
                 st.attempts += 1
@@ -279,6 +284,7 @@ class Uploader:
                 continue
             st.permanent = False
             st.committer = result.committer
+            early_bytes = self.early.sent_bytes.get(step, 0)
             if result.state != WAITING:
                 self.early.forget(step)
                 self.markers.forget(step)
@@ -298,11 +304,8 @@ class Uploader:
                 for older, other in self.steps.items():
                     if older < step and other.waits:
                         other.next_try = min(other.next_try, time.monotonic())
-                log.info(
-                    "shardckpt: step %d committed on %s (%s, %.2f s)", step, safe_url(self.store.url),
-                    f"{result.uploaded_bytes / 2**20:.1f} MiB uploaded by this node" if result.uploaded_bytes else result.detail or "no bytes",
-                    time.monotonic() - t0,
-                )
+                log.info("shardckpt: step %d committed on %s (%s, %.2f s)", step, safe_url(self.store.url),
+                         _sent_text(result.uploaded_bytes, early_bytes, result.detail), time.monotonic() - t0)
                 self.steps.pop(step, None)
             elif result.state == WAITING:
                 st.marker_digest = result.marked
@@ -418,6 +421,14 @@ class Uploader:
             write_private(os.path.join(state_dir(self.root), "status.json"), json.dumps(body, indent=1))
         except OSError as exc:
             log.warning("shardckpt: cannot write the uploader status under %s: %s", self.root, exc)
+
+
+def _sent_text(after: int, early: int, detail: str) -> str:
+    """What this node sent of a step: ``after`` bytes after its local commit, ``early`` while it was written."""
+    if not after + early:
+        return detail or "no bytes"
+    while_written = f", {early / 2**20:.1f} MiB of it while the save was written" if early else ""
+    return f"{(after + early) / 2**20:.1f} MiB uploaded by this node{while_written}"
 
 
 def failure_text(step: int, failed: dict[str, Any], url: str) -> str:

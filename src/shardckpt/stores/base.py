@@ -28,6 +28,10 @@ Semantics every implementation keeps (checked by the contract suite):
   :class:`~shardckpt.errors.CorruptCheckpointError` and leaves no file at
   ``path``. ``put_file`` refuses a local file whose bytes differ from the
   size and checksum given, and checks what the store holds afterwards.
+* **Streams.** ``put_stream`` stores bytes as an iterator yields them (their
+  size unknown beforehand) and answers their size and checksum; an exception
+  raised by the iterator leaves no new object under the key (an earlier
+  object there stays as it was).
 * **Deletion.** ``delete`` of an absent key is not an error;
   ``delete_prefix`` removes every object under a prefix.
 * **Concurrency.** Every method may be called from several threads at once.
@@ -48,7 +52,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from shardckpt.errors import ObjectRangeError
 
@@ -115,6 +119,15 @@ class Store:
         of the object written (its ETag on S3: the same tag in a listing means the same bytes), or
         ``None`` where the store has no such tag."""
         raise NotImplementedError
+
+    def put_stream(self, key: str, chunks: Iterable[bytes], deadline: Deadline, on_bytes: OnBytes | None = None,
+                   like: str | None = None) -> tuple[int, str, str | None]:
+        """Store the bytes ``chunks`` yields under ``key``, sending them while later ones are still
+        being produced; ``on_bytes(n)`` as parts of them are stored. Returns their size, their checksum
+        (the algorithm of ``like``, the default one for ``None``) and the store's tag of the object
+        (as :meth:`put_file`). An exception from ``chunks`` is raised as it is, and no new object is
+        left under ``key``."""
+        raise NotImplementedError(f"{type(self).__name__} does not store streams")
 
     def get_file(self, key: str, path: str, size: int, checksum: str, deadline: Deadline,
                  on_bytes: OnBytes | None = None) -> None:

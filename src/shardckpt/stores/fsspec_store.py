@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from shardckpt import _failpoints
 from shardckpt.format import layout
 from shardckpt.errors import RemoteError
-from shardckpt.stores.base import Deadline, range_past_end
+from shardckpt.stores.base import Deadline, OnBytes, range_past_end
 from shardckpt.stores.network import (
     NetworkStore,
     TransferOptions,
@@ -23,6 +23,7 @@ from shardckpt.stores.network import (
     _file_chunks,
     _local_mismatch,
     _Transient,
+    guarded,
     split_url,
 )
 
@@ -65,8 +66,16 @@ class FsspecStore(NetworkStore):
         parent = target.rsplit("/", 1)[0]
         self.fs.makedirs(parent, exist_ok=True)
         if not self.local:
-            with self.fs.open(target, "wb") as f:
-                return _copy_checked(chunks(), f, like=like)
+            f = self.fs.open(target, "wb")
+            try:
+                got = _copy_checked(chunks(), f, like=like)
+            except BaseException:
+                # Abandoned unfinished: closing would store what was written so far under the key.
+                getattr(f, "discard", lambda: None)()
+                f.closed = True
+                raise
+            f.close()
+            return got
         tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             with open(tmp, "wb") as f:
@@ -95,18 +104,32 @@ class FsspecStore(NetworkStore):
         n, digest = self.retry(lambda: self._write(key, chunks, like=checksum, expect=(size, checksum)), "upload of", key, deadline)
         if n != size or digest != checksum:
             raise _local_mismatch(path, self.where(key), "differs (size or checksum)")
-        if self.local:
-            # The checksum goes with the file (its inode: a file written over it by anyone
-            # else has none), so that the commit's identity check need not read it again.
-            try:
-                os.setxattr(self.path(key), _XATTR, checksum.encode())
-            except (OSError, AttributeError):
-                pass
+        self._record(key, checksum)
+        self._check_size(key, size, deadline, on_bytes)
+
+    def put_stream(self, key: str, chunks: Iterable[bytes], deadline: Deadline, on_bytes: OnBytes | None = None,
+                   like: str | None = None) -> tuple[int, str, str | None]:
+        n, digest = self.once(lambda: self._write(key, lambda: guarded(chunks), like=like), "upload of", key)
+        self._record(key, digest)
+        self._check_size(key, n, deadline, on_bytes)
+        return n, digest, None
+
+    def _check_size(self, key: str, size: int, deadline: Deadline, on_bytes: OnBytes | None) -> None:
+        """What the store holds under ``key`` after an upload is ``size`` bytes (then ``on_bytes(size)``)."""
         got = self.retry(lambda: self.fs.info(self.path(key))["size"], "verification of", key, deadline)
         if got != size:
             raise RemoteError(f"uploaded object {self.where(key)} is {got} bytes, expected {size}; it will be retried")
         if on_bytes is not None:
             on_bytes(size)
+
+    def _record(self, key: str, checksum: str) -> None:
+        """On a filesystem path: the checksum goes with the file (its inode: a file written over it by
+        anyone else has none), so that the commit's identity check need not read it again."""
+        if self.local:
+            try:
+                os.setxattr(self.path(key), _XATTR, checksum.encode())
+            except (OSError, AttributeError):
+                pass
 
     def get_bytes(self, key: str, deadline: Deadline) -> bytes | None:
         def call() -> bytes | None:

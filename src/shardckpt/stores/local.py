@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from typing import Iterable
 
 from shardckpt.format import layout
 from shardckpt.errors import CorruptCheckpointError, ObjectNotFoundError, RemoteError
@@ -91,6 +92,14 @@ class LocalDirStore(Store):
         self._place(tmp, key)
         if on_bytes is not None:
             on_bytes(n)
+
+    def put_stream(self, key: str, chunks: Iterable[bytes], deadline: Deadline, on_bytes: OnBytes | None = None,
+                   like: str | None = None) -> tuple[int, str, str | None]:
+        tmp, n, got = self._write(key, chunks, like)  # an error of the stream removes the temporary file
+        self._place(tmp, key)
+        if on_bytes is not None:
+            on_bytes(n)
+        return n, got, None
 
     # ---- reading
 

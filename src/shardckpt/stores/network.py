@@ -25,7 +25,7 @@ import re
 import socket
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from shardckpt.format import layout
 from shardckpt.errors import ConfigError, CorruptCheckpointError, ObjectNotFoundError, RemoteError
@@ -258,6 +258,24 @@ class NetworkStore(Store):
                 log.debug("shardckpt: %s %s: %s; retry %d in %.2f s", what, self.where(key), self.describe(exc), attempt, delay)
                 time.sleep(delay)
 
+    def once(self, fn: Callable[[], T], what: str, key: str) -> T:
+        """``fn`` once (a stream cannot be sent again; the step's next attempt sends it anew), its errors
+        translated as :meth:`retry` translates them; an error of the stream it reads (:func:`guarded`)
+        is raised as it is."""
+        try:
+            return fn()
+        except _StreamError as exc:
+            raise exc.__cause__  # type: ignore[misc]
+        except (RemoteError, CorruptCheckpointError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - classified below
+            if not self.is_retryable(exc):
+                raise self.translate(exc, what, key) from exc
+            err = RemoteError(f"{what} {self.where(key)} failed ({self.describe(exc)}). {self.exhausted_remedy(exc)} "
+                              f"An upload is retried later; nothing is committed remotely until it succeeds.")
+            err.retryable = True
+            raise err from exc
+
     def run_all(self, jobs: list[Callable[[], Any]], *, files: bool = False) -> list[Any]:
         """Run ``jobs`` concurrently; the first error cancels the rest and is raised.
 
@@ -270,6 +288,29 @@ class NetworkStore(Store):
             return [jobs[0]()]
         return run_in_pool(self.file_pool() if files else self.pool(), jobs)
 
+
+
+class _StreamError(Exception):
+    """An error raised by the iterator a stream upload reads; its ``__cause__`` is raised again as it is."""
+
+
+def guarded(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """The pieces of ``chunks``, its errors wrapped in :class:`_StreamError` (told apart from the store's
+    own); the iterator is closed when this one is (a generator holding a lock lets it go)."""
+    it = iter(chunks)
+    try:
+        while True:
+            try:
+                piece = next(it)
+            except StopIteration:
+                return
+            except Exception as exc:  # noqa: BLE001 - raised again by the store as it is
+                raise _StreamError() from exc
+            yield piece
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
 
 
 def _read_exact(path: str, offset: int, length: int) -> bytes:

@@ -182,6 +182,10 @@ class PeerStore(Store):
     def put_bytes(self, key: str, data: bytes, deadline: Deadline) -> None:
         raise self._read_only("upload of", key)
 
+    def put_stream(self, key: str, chunks: Any, deadline: Deadline, on_bytes: OnBytes | None = None,
+                   like: str | None = None) -> tuple[int, str, str | None]:
+        raise self._read_only("upload of", key)
+
     def delete(self, key: str, deadline: Deadline) -> None:
         raise self._read_only("deletion of", key)
 

@@ -14,7 +14,7 @@ import concurrent.futures
 import os
 import threading
 import zlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 from shardckpt.format import layout
 from shardckpt.errors import CorruptCheckpointError, RemoteError
@@ -163,83 +163,151 @@ class S3Store(NetworkStore):
         self, path: str, key: str, size: int, checksum: str, deadline: Deadline, on_bytes: Callable[[int], None] | None = None
     ) -> str | None:
         opts = self.options
-        fk = self.full_key(key)
         if size < opts.multipart_threshold:
             data = _read_exact(path, 0, size + 1)
             if len(data) != size or layout.checksum_bytes(data, like=checksum) != checksum:
                 raise _local_mismatch(path, self.where(key), "differs (size or checksum)")
-            crc = _b64_crc32(zlib.crc32(data))
-            resp = self.retry(
-                lambda: self.client.put_object(
-                    Bucket=self.bucket, Key=fk, Body=data, ChecksumCRC32=crc, Metadata={"checksum": checksum}
-                ),
-                "upload of", key, deadline,
-            )
-            if resp.get("ChecksumCRC32") != crc:
-                # The store did not confirm the checksum of what it stored: look.
-                self._verify_upload(key, size, checksum, crc, deadline)
+            tag = self._put_small(key, data, checksum, deadline)
             if on_bytes is not None:
                 on_bytes(size)
-            return _tag(resp)
+            return tag
         return self._put_multipart(path, key, size, checksum, deadline, on_bytes)
+
+    def _put_small(self, key: str, data: bytes, checksum: str, deadline: Deadline) -> str | None:
+        """One PUT of ``data`` (its checksum recorded with it); the object's tag."""
+        crc = _b64_crc32(zlib.crc32(data))
+        resp = self.retry(
+            lambda: self.client.put_object(
+                Bucket=self.bucket, Key=self.full_key(key), Body=data, ChecksumCRC32=crc,
+                Metadata={"checksum": checksum},
+            ),
+            "upload of", key, deadline,
+        )
+        if resp.get("ChecksumCRC32") != crc:
+            # The store did not confirm the checksum of what it stored: look.
+            self._verify_upload(key, len(data), checksum, crc, deadline)
+        return _tag(resp)
 
     def _put_multipart(
         self, path: str, key: str, size: int, checksum: str, deadline: Deadline, on_bytes: Callable[[int], None] | None
     ) -> str | None:
-        opts = self.options
+        part = self.options.part_size
+        nparts = (size + part - 1) // part
+        digest = layout.Checksum.like(checksum)
+        tail: list[bytes] = []
+
+        def parts() -> Iterator[bytes]:
+            with open(path, "rb") as f:
+                for _ in range(nparts):
+                    data = f.read(part)
+                    digest.update(data)
+                    yield data
+                tail.append(f.read(1))
+
+        def check(count: int) -> None:  # before the completion: the file is what the manifest says
+            if digest.value() != checksum or tail != [b""] or count != nparts:
+                raise _local_mismatch(path, self.where(key), "differs (size or checksum)")
+
+        _sent, composite, completed = self._put_parts(key, parts(), {"checksum": checksum}, deadline, on_bytes, check)
+        # The tag as listings show it: some S3-compatible servers (rclone's) list a multipart object
+        # under the MD5 of its bytes, not under the tag its completion answered.
+        return self._verify_upload(key, size, checksum, composite, deadline) or _tag(completed)
+
+    def put_stream(self, key: str, chunks: Iterable[bytes], deadline: Deadline,
+                   on_bytes: Callable[[int], None] | None = None,
+                   like: str | None = None) -> tuple[int, str, str | None]:
+        """Parts of ``part_size`` go up as soon as the stream has given them, ``concurrency`` in
+        flight; a stream that ends within the first part goes up in one PUT. The checksum is known
+        only at the end: a multipart object records none (readers hash its bytes)."""
+        part = self.options.part_size
+        digest = layout.Checksum.like(like)
+        it = iter(chunks)
+        head = bytearray()
+        for piece in it:
+            digest.update(piece)
+            head += piece
+            if len(head) >= part:
+                break
+        else:
+            data = bytes(head)
+            tag = self._put_small(key, data, digest.value(), deadline)
+            if on_bytes is not None:
+                on_bytes(len(data))
+            return len(data), digest.value(), tag
+
+        def parts() -> Iterator[bytes]:
+            buf = head
+            while True:
+                while len(buf) >= part:
+                    yield bytes(buf[:part])
+                    del buf[:part]
+                piece = next(it, None)
+                if piece is None:
+                    break
+                digest.update(piece)
+                buf += piece
+            if buf:
+                yield bytes(buf)
+
+        size, composite, completed = self._put_parts(key, parts(), {}, deadline, on_bytes)
+        return size, digest.value(), self._verify_upload(key, size, "", composite, deadline) or _tag(completed)
+
+    def _put_parts(
+        self, key: str, parts: Iterable[bytes], metadata: dict[str, str], deadline: Deadline,
+        on_bytes: Callable[[int], None] | None, check: Callable[[int], None] | None = None,
+    ) -> tuple[int, str, Any]:
+        """One multipart upload of the pieces ``parts`` yields (every one but the last at least 5 MiB),
+        each sent as soon as it is read while the next is read, at most ``part_window`` in memory;
+        ``check(parts)`` before the completion. An error (of the stream too) aborts the upload and is
+        raised. Returns the bytes sent, the composite CRC32 and the completion's answer."""
         fk = self.full_key(key)
         created = self.retry(
             lambda: self.client.create_multipart_upload(
-                Bucket=self.bucket, Key=fk, Metadata={"checksum": checksum}, ChecksumAlgorithm="CRC32"
+                Bucket=self.bucket, Key=fk, Metadata=metadata, ChecksumAlgorithm="CRC32"
             ),
             "start of multipart upload", key, deadline,
         )
         upload_id = created["UploadId"]
-        nparts = (size + opts.part_size - 1) // opts.part_size
-        digest = layout.Checksum.like(checksum)
-        crcs: list[bytes] = [b""] * nparts
-        etags: list[str] = [""] * nparts
+        crcs: dict[int, bytes] = {}
+        etags: dict[int, str] = {}
         window = self.part_window
         futures: list[concurrent.futures.Future] = []
+        sent = 0
 
         def send(number: int, data: bytes) -> None:
             try:
                 crc = zlib.crc32(data).to_bytes(4, "big")
-                crcs[number - 1] = crc
+                crcs[number] = crc
                 resp = self.retry(
                     lambda: self.client.upload_part(
                         Bucket=self.bucket, Key=fk, UploadId=upload_id, PartNumber=number, Body=data,
                         ChecksumCRC32=base64.b64encode(crc).decode(),
                     ),
-                    f"upload of part {number}/{nparts} of", key, deadline,
+                    f"upload of part {number} of", key, deadline,
                 )
-                etags[number - 1] = resp["ETag"]
+                etags[number] = resp["ETag"]
                 if on_bytes is not None:
                     on_bytes(len(data))
             finally:
                 window.release()
 
         try:
-            with open(path, "rb") as f:
-                for number in range(1, nparts + 1):
-                    data = f.read(opts.part_size)
-                    digest.update(data)
-                    window.acquire()
-                    futures.append(self.pool().submit(send, number, data))
-                    if any(fut.done() and fut.exception() for fut in futures):
-                        break
-                tail = f.read(1)
+            for data in parts:
+                sent += len(data)
+                window.acquire()
+                futures.append(self.pool().submit(send, len(futures) + 1, data))
+                if any(fut.done() and fut.exception() for fut in futures):
+                    break
             for fut in futures:
                 fut.result()
-            if digest.value() != checksum or tail or len(futures) != nparts:
-                raise _local_mismatch(path, self.where(key), "differs (size or checksum)")
-            parts = [
-                {"PartNumber": i + 1, "ETag": etags[i], "ChecksumCRC32": base64.b64encode(crcs[i]).decode()}
-                for i in range(nparts)
-            ]
+            if check is not None:
+                check(len(futures))
+            numbers = range(1, len(futures) + 1)
+            listed = [{"PartNumber": i, "ETag": etags[i], "ChecksumCRC32": base64.b64encode(crcs[i]).decode()}
+                      for i in numbers]
             completed = self.retry(
                 lambda: self.client.complete_multipart_upload(
-                    Bucket=self.bucket, Key=fk, UploadId=upload_id, MultipartUpload={"Parts": parts}
+                    Bucket=self.bucket, Key=fk, UploadId=upload_id, MultipartUpload={"Parts": listed}
                 ),
                 "completion of multipart upload", key, deadline,
             )
@@ -253,10 +321,7 @@ class S3Store(NetworkStore):
             except Exception:  # noqa: BLE001 - best effort; lifecycle rules clean the rest
                 pass
             raise
-        composite = _b64_crc32(zlib.crc32(b"".join(crcs)))
-        # The tag as listings show it: some S3-compatible servers (rclone's) list a multipart object
-        # under the MD5 of its bytes, not under the tag its completion answered.
-        return self._verify_upload(key, size, checksum, composite, deadline) or _tag(completed)
+        return sent, _b64_crc32(zlib.crc32(b"".join(crcs[i] for i in numbers))), completed
 
     def _verify_upload(self, key: str, size: int, checksum: str, crc: str, deadline: Deadline) -> str | None:
         """Check the stored object against what was sent (one HEAD); its tag."""

@@ -10,12 +10,30 @@ forms of every node into the remote manifest (``Manifest.stored``). A
 reader of the remote copy has it from the manifest it already reads: no
 request more per file, and the manifest's digest covers it.
 
-What is verified is what is restored: the manifest's checksums (whole file
-and per chunk) are of the logical bytes, checked after decoding; the
-stored form's checksum guards the stored object itself (``shardckpt
-verify``, the commit's check of each node's objects). A stored chunk that
-fails to decode is fetched once more, like a chunk failing its checksum,
-then refused with :class:`CorruptCheckpointError`.
+Uploads stream: each file's chunks are encoded by a small pool of threads,
+a few ahead, and go up as the parts of one multipart upload while later
+chunks are still being encoded (:meth:`Store.put_stream`), so a file is
+remote-durable after about the longer of its encoding and its upload, and
+no encoded copy is written to disk. Early uploads (while the save is
+written) go up compressed too.
+
+What is verified is what is restored, and nothing is decoded unchecked:
+
+* the stored form names each stored chunk's checksum (``sums``: xxh3-64 of
+  its stored bytes, 16 hex digits each), checked before the chunk is
+  decoded, on every path (ranged and whole); the stored form's whole
+  checksum guards the object (``shardckpt verify``, whole fetches);
+* decoding is bounded by the manifest, not by the stored bytes: each
+  stored chunk's length is at most one raw chunk, its header's length and
+  every zstd frame's declared content size must equal the chunk's logical
+  length before anything is allocated (:func:`codec.decode_chunk`);
+* the manifest's checksums (whole file and per chunk) are of the logical
+  bytes, checked after decoding.
+
+Any violation is a bad read: fetched once more from the store, then refused
+with :class:`CorruptCheckpointError` naming the object and the chunk.
+Stored forms written before ``sums`` existed load as before (their chunks
+checked after decoding, decoding bounded all the same).
 
 The local tier is not touched: local copies, local manifests and peer
 replicas hold the files as DCP wrote them.
@@ -23,45 +41,57 @@ replicas hold the files as DCP wrote them.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
 import os
 import threading
-import time
 import uuid
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format import codec, layout
-from shardckpt.stores import Deadline, Store, join, safe_url
+from shardckpt.stores import Deadline, Store, safe_url
+from shardckpt.tiers import auto_compress
+from shardckpt.tiers.auto_compress import WORKERS
 from shardckpt.tiers.missing import read_committed
 
 log = logging.getLogger("shardckpt")
 
 SUFFIX = ".szc"
 _CODEC_NAMES = {"bytegroup-zstd": codec.CODEC}
-WORKERS = max(1, (os.cpu_count() or 1) // 2)
-"""Threads compressing on a node: half its cores (the trainer's data loading keeps the rest)."""
+SUM_HEX = 16
+"""Hex digits of one stored chunk's checksum in a stored form's ``sums``."""
 
 OnBytes = Callable[[int], None]
 
 
 @dataclasses.dataclass
 class StoredForm:
-    """How one file is stored on the remote: codec, object size and checksum, stored chunk lengths."""
+    """How one file is stored on the remote: codec, object size and checksum, stored chunk lengths
+    and checksums (``""`` in forms written before they were recorded)."""
 
     codec: str
     size: int
     checksum: str
     lengths: list[int]
+    sums: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        body = dataclasses.asdict(self)
+        if not self.sums:
+            del body["sums"]
+        return body
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> "StoredForm":
-        return cls(str(body["codec"]), int(body["size"]), str(body["checksum"]), [int(n) for n in body["lengths"]])
+        return cls(str(body["codec"]), int(body["size"]), str(body["checksum"]), [int(n) for n in body["lengths"]],
+                   str(body.get("sums") or ""))
+
+    def stored_sum(self, index: int) -> str | None:
+        """The checksum of stored chunk ``index``; ``None`` where the form records none."""
+        return self.sums[index * SUM_HEX : (index + 1) * SUM_HEX] if self.sums else None
 
     def offsets(self) -> list[int]:
         out = [0]
@@ -73,7 +103,8 @@ class StoredForm:
 def form_of(manifest: layout.Manifest, name: str) -> StoredForm | None:
     """The stored form of ``name`` in a remote manifest; ``None``: stored as it is.
 
-    A form this version cannot read, or one that does not fit the file's chunk table, is damage.
+    A form this version cannot read, or one that does not fit the file's chunk table (a stored chunk
+    longer than a raw one, checksums of another count), is damage.
     """
     body = manifest.stored.get(name)
     if body is None:
@@ -82,13 +113,21 @@ def form_of(manifest: layout.Manifest, name: str) -> StoredForm | None:
     entry = manifest.files[name]
     table = layout.chunk_table(entry.chunks, entry.size)
     if form.codec != codec.CODEC or table is None or len(table[1]) != len(form.lengths) \
-            or sum(form.lengths) != form.size:
+            or sum(form.lengths) != form.size or not fits(form, table[0], entry.size):
         raise CorruptCheckpointError(
             f"step {manifest.step}: the manifest's stored form of {name} ({form.codec}, {len(form.lengths)} chunks) "
             f"does not fit the file or this version of shardckpt cannot decode it. Remedy: upgrade shardckpt, "
             f"load an earlier step, or upload the step again (`shardckpt push`)."
         )
     return form
+
+
+def fits(form: StoredForm, chunk: int, size: int) -> bool:
+    """Whether every stored chunk of ``form`` is no longer than the raw chunk it stands for, and its
+    checksums (when recorded) one per chunk."""
+    spans = [min(size, (i + 1) * chunk) - i * chunk for i in range(len(form.lengths))]
+    return all(codec.HEADER.size <= n <= codec.max_stored(s) for n, s in zip(form.lengths, spans)) \
+        and (not form.sums or len(form.sums) == SUM_HEX * len(form.lengths))
 
 
 def object_name(manifest: layout.Manifest, name: str) -> str:
@@ -119,6 +158,23 @@ def stored_note(manifest: layout.Manifest, fmt: Callable[[int], str]) -> str:
     return f"; stored compressed: {fmt(stored)} of the files' {fmt(logical)} ({stored / max(logical, 1):.2f}x)"
 
 
+def early_forms(manifest: layout.Manifest,
+                forms: Mapping[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], set[str]]:
+    """Of the stored forms of files sent compressed while the save was written: those that fit this
+    manifest's entries, and the names of those that do not (they are sent again)."""
+    good: dict[str, dict[str, Any]] = {}
+    misfit: set[str] = set()
+    for name, body in forms.items():
+        entry = manifest.files.get(name)
+        table = layout.chunk_table(entry.chunks, entry.size) if entry is not None else None
+        form = StoredForm.from_json(body)
+        if table is not None and len(table[1]) == len(form.lengths) and fits(form, table[0], entry.size):
+            good[name] = body
+        else:
+            misfit.add(name)
+    return good, misfit
+
+
 def from_markers(markers: list[dict[str, Any]], manifest: layout.Manifest, digest: str) -> dict[str, dict[str, Any]]:
     """The stored forms the nodes' markers of this save report, for files whose checksum they name."""
     out: dict[str, dict[str, Any]] = {}
@@ -139,8 +195,8 @@ def from_markers(markers: list[dict[str, Any]], manifest: layout.Manifest, diges
 _pool_lock = threading.Lock()
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _one_file = threading.Lock()
-"""Files are encoded one at a time (each on every worker): the first is ready to upload after its own
-encoding, not after all of them, so the uploads of the first files overlap the encoding of the next."""
+"""Files are encoded one at a time (each on every worker): the first is done after its own encoding,
+not after all of them, and goes up while the next one is encoded."""
 
 
 def _workers() -> concurrent.futures.ThreadPoolExecutor:
@@ -160,93 +216,111 @@ def _chunks_of(path: str, chunk: int) -> Iterator[bytes]:
             yield data
 
 
-def encode_file(src: str, dst: str, entry: layout.FileEntry, step: int, level: int = codec.LEVEL) -> StoredForm:
-    """Write the stored form of the local file ``src`` to ``dst``; the file must match ``entry``.
+class _Encoding:
+    """What the stream of one file's stored chunks has given so far."""
 
-    Chunks are encoded on :data:`WORKERS` threads, a bounded number in flight,
-    and written in order. The logical bytes are checksummed on the way: a file
-    that differs from its manifest entry raises :class:`CorruptCheckpointError`
-    (as a plain upload would) and ``dst`` is removed.
-    """
-    table = layout.chunk_table(entry.chunks, entry.size)
-    chunk = table[0] if table is not None else layout.CHUNK_BYTES
-    logical = layout.Checksum.like(entry.checksum)
-    stored = layout.Checksum()
-    lengths: list[int] = []
+    def __init__(self, entry: layout.FileEntry) -> None:
+        self.logical = layout.Checksum.like(entry.checksum)
+        self.stored = layout.Checksum()
+        self.read = 0
+        self.stored_bytes = 0
+        self.lengths: list[int] = []
+        self.sums: list[str] = []
+
+    def add(self, stored: bytes) -> bytes:
+        self.stored.update(stored)
+        self.lengths.append(len(stored))
+        self.stored_bytes += len(stored)
+        self.sums.append(layout.chunk_sum(stored))
+        return stored
+
+
+def _encoded(path: str, entry: layout.FileEntry, step: int, chunk: int, level: int, done: _Encoding,
+             again: StoredForm | None, where: str) -> Iterator[bytes]:
+    """The stored chunks of the local file ``path``, in order, encoded on :data:`WORKERS` threads at most
+    ``2 * WORKERS`` ahead of the reader. The file must match ``entry`` (and, ``again``, encode to that
+    stored form): else :class:`CorruptCheckpointError`, raised before the stream ends (the store keeps
+    no object of it)."""
     pool = _workers()
-    pending: list[concurrent.futures.Future[bytes]] = []
-    size = 0
-    try:
-        with open(dst, "wb") as out:
-            def drain(keep: int) -> None:
-                while len(pending) > keep:
-                    data = pending.pop(0).result()
-                    out.write(data)
-                    stored.update(data)
-                    lengths.append(len(data))
-
-            for data in _chunks_of(src, chunk):
-                size += len(data)
-                logical.update(data)
+    pending: collections.deque[concurrent.futures.Future[bytes]] = collections.deque()
+    with _one_file:
+        try:
+            for data in _chunks_of(path, chunk):
+                done.read += len(data)
+                done.logical.update(data)
                 pending.append(pool.submit(codec.encode_chunk, data, level))
-                drain(2 * WORKERS)
-            drain(0)
-            out.flush()
-        problem = layout.file_problem(step, src, entry, size, logical.value())
-        if problem:
-            raise CorruptCheckpointError(problem)
-    except BaseException:
-        for f in pending:
-            f.cancel()
-        if os.path.exists(dst):
-            os.unlink(dst)
-        raise
-    return StoredForm(codec.CODEC, sum(lengths), stored.value(), lengths)
+                while len(pending) > 2 * WORKERS:
+                    yield done.add(pending.popleft().result())
+            while pending:
+                yield done.add(pending.popleft().result())
+        finally:
+            for f in pending:
+                f.cancel()
+    problem = layout.file_problem(step, path, entry, done.read, done.logical.value())
+    if problem:
+        raise CorruptCheckpointError(problem)
+    if again is not None and (done.stored_bytes, done.stored.value()) != (again.size, again.checksum):
+        raise CorruptCheckpointError(
+            f"step {step}: {where} cannot be repaired from {path}: compressing it again gives other bytes than "
+            f"the manifest records (another zstandard version?). Remedy: delete the remote step (`shardckpt gc`) "
+            f"and push it again, or load another step."
+        )
 
 
 def put_compressed(store: Store, key: str, path: str, entry: layout.FileEntry, step: int, deadline: Deadline,
-                   on_bytes: OnBytes | None = None) -> tuple[StoredForm | None, str | None]:
-    """Upload the local file ``path`` (the step's file ``key``) in its stored form under ``key`` +
-    :data:`SUFFIX`; when compressing does not pay for the file as a whole, upload it as it is under
-    ``key`` (the form is then ``None``). Returns the form and the tag the store gave the object."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}{SUFFIX}")
+                   on_bytes: OnBytes | None = None, *, chunk: int | None = None,
+                   again: StoredForm | None = None) -> tuple[StoredForm, str | None]:
+    """Upload the local file ``path`` (the step's file ``key``, described by ``entry``) in its stored form
+    under ``key`` + :data:`SUFFIX`, streamed: chunks are encoded while the parts before them upload.
+    ``chunk``: the chunk size (default: ``entry``'s chunk table's); ``again``: the stored form the
+    object must have (a repair). Returns the form and the tag the store gave the object. Progress
+    (``on_bytes``) is counted in the file's logical bytes."""
+    table = layout.chunk_table(entry.chunks, entry.size)
+    chunk = chunk or (table[0] if table is not None else layout.CHUNK_BYTES)
+    done = _Encoding(entry)
+    told = [0, 0]  # stored bytes sent, logical bytes reported (parts finish on several threads)
+    lock = threading.Lock()
+
+    def progress(n: int) -> None:
+        with lock:
+            told[0] += n
+            share = min(entry.size, told[0] * done.read // max(1, done.stored_bytes))
+            more, told[1] = max(0, share - told[1]), max(share, told[1])
+        if on_bytes is not None and more:
+            on_bytes(more)
+
+    stream = _encoded(path, entry, step, chunk, codec.LEVEL, done, again, store.where(key + SUFFIX))
     try:
-        with _one_file:
-            form = encode_file(path, tmp, entry, step)
-        if form.size > entry.size * (1 - codec.MIN_SAVING):
-            return None, store.put_file(path, key, entry.size, entry.checksum, deadline, on_bytes)
-        sent = 0
-
-        def scaled(n: int) -> None:  # progress is counted in the file's logical bytes
-            nonlocal sent
-            if on_bytes is not None and form.size:
-                share = min(entry.size, (sent + n) * entry.size // form.size) - min(entry.size, sent * entry.size // form.size)
-                on_bytes(share)
-            sent += n
-
-        return form, store.put_file(tmp, key + SUFFIX, form.size, form.checksum, deadline, scaled)
+        size, checksum, tag = store.put_stream(key + SUFFIX, stream, deadline, progress)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        stream.close()
+    if on_bytes is not None and entry.size > told[1]:
+        on_bytes(entry.size - told[1])
+    return StoredForm(codec.CODEC, size, checksum, done.lengths, "".join(done.sums)), tag
 
 
 def put_again(store: Store, key: str, path: str, entry: layout.FileEntry, step: int, form: StoredForm,
               deadline: Deadline) -> None:
     """Upload the stored form of ``path`` again (repairing a damaged object). Encoding is deterministic
-    (same codec, level and chunking), so the object comes out as the manifest's stored form records."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}{SUFFIX}")
-    try:
-        again = encode_file(path, tmp, entry, step)
-        if (again.size, again.checksum) != (form.size, form.checksum):
-            raise CorruptCheckpointError(
-                f"step {step}: {store.where(key + SUFFIX)} cannot be repaired from {path}: compressing it again "
-                f"gives other bytes than the manifest records (another zstandard version?). Remedy: delete the "
-                f"remote step (`shardckpt gc`) and push it again, or load another step."
-            )
-        store.put_file(tmp, key + SUFFIX, form.size, form.checksum, deadline)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    (same codec, level and chunking), so the object comes out as the manifest's stored form records;
+    where it would not, nothing is stored and :class:`CorruptCheckpointError` says so."""
+    put_compressed(store, key, path, entry, step, deadline, again=form)
+
+
+AUTO_MIN_FILE_BYTES = 8 << 20
+"""``auto`` sends files smaller than this as they are: a request costs them more than a fifth of their
+bytes could save (each file is one object either way)."""
+
+
+def chooser(store: Store, root: str, wait_s: float = 0.0) -> Callable[[str, int], bool] | None:
+    """Which files of ``root``'s steps go up compressed to ``store`` (``remote_compression``): a test of
+    a file's name and size; ``None`` while ``auto`` has not decided (waiting at most ``wait_s``).
+    ``.metadata`` never (it is read by name)."""
+    decided = auto_compress.wanted(store, auto_compress.links_path(root), wait_s)
+    if decided is None:
+        return None
+    least = AUTO_MIN_FILE_BYTES if getattr(getattr(store, "options", None), "compression", "off") == "auto" else 0
+    return lambda name, size: decided and name != layout.METADATA_NAME and size >= least
 
 
 # ------------------------------------------------------------ reads
@@ -261,11 +335,25 @@ def _refused(step: int, where: str, what: str) -> CorruptCheckpointError:
     )
 
 
+def _decode(form: StoredForm, index: int, stored: memoryview, span: int, at: int) -> bytes | bytearray:
+    """Stored chunk ``index`` (object bytes from ``at``), checked against its stored checksum first,
+    then decoded into ``span`` logical bytes; :class:`codec.CodecError` naming the chunk."""
+    want = form.stored_sum(index)
+    where = f"stored chunk {index} (bytes [{at}, {at + len(stored)}) of the object)"
+    if want is not None and layout.chunk_sum(stored) != want:
+        raise codec.CodecError(f"{where} fails its stored checksum")
+    try:
+        return codec.decode_chunk(stored, span)
+    except codec.CodecError as exc:
+        raise codec.CodecError(f"{where} does not decode: {exc}") from exc
+
+
 def read_range(store: Store, key: str, step: int, entry: layout.FileEntry, form: StoredForm, offset: int,
-               length: int, deadline: Deadline) -> bytes:
+               length: int, deadline: Deadline) -> bytes | bytearray:
     """Logical bytes ``[offset, offset + length)`` of a compressed file whose object is ``key``: the
-    stored chunks covering them, fetched in one ranged read and decoded. A chunk that does not decode
-    is fetched once more, then refused; the caller checks the chunk checksums."""
+    stored chunks covering them, fetched in one ranged read, each checked against its stored checksum
+    and decoded into one buffer. A chunk that fails is fetched once more, then refused; the caller
+    checks the chunk checksums of what is returned."""
     if length <= 0:
         return b""
     table = layout.chunk_table(entry.chunks, entry.size)
@@ -276,23 +364,27 @@ def read_range(store: Store, key: str, step: int, entry: layout.FileEntry, form:
     first, last = offset // chunk, (offset + length - 1) // chunk
     offsets = form.offsets()
     start, end = offsets[first], offsets[last + 1]
+    plain: bytes | bytearray = b""
     for attempt in (1, 2):
         data = memoryview(read_committed(store, key, step, deadline,
                                          lambda: store.get_range(key, start, end - start, deadline), end=end))
         try:
-            plain = b"".join(
-                codec.decode_chunk(data[offsets[i] - start : offsets[i + 1] - start],
-                                   min(entry.size, (i + 1) * chunk) - i * chunk)
-                for i in range(first, last + 1)
-            )
+            for i in range(first, last + 1):
+                piece = _decode(form, i, data[offsets[i] - start : offsets[i + 1] - start],
+                                min(entry.size, (i + 1) * chunk) - i * chunk, offsets[i])
+                if first == last:
+                    plain = piece
+                    break
+                if i == first:  # one buffer for the request, allocated once a chunk has passed
+                    plain = bytearray(min(entry.size, (last + 1) * chunk) - first * chunk)
+                plain[(i - first) * chunk : (i - first) * chunk + len(piece)] = piece
             break
         except codec.CodecError as exc:
             if attempt == 2:
-                raise _refused(step, store.where(key), f"a stored chunk of bytes [{start}, {end}) does not decode: {exc}") from exc
-            log.warning("shardckpt: step %d: stored bytes [%d, %d) of %s do not decode (%s); fetching them again",
-                        step, start, end, safe_url(store.where(key)), exc)
+                raise _refused(step, store.where(key), str(exc)) from exc
+            log.warning("shardckpt: step %d: %s: %s; fetching it again", step, safe_url(store.where(key)), exc)
     skip = offset - first * chunk
-    return plain[skip : skip + length]
+    return plain if skip == 0 and length == len(plain) else bytes(memoryview(plain)[skip : skip + length])
 
 
 def fetch_whole(store: Store, key: str, step: int, entry: layout.FileEntry, form: StoredForm, path: str,
@@ -302,41 +394,45 @@ def fetch_whole(store: Store, key: str, step: int, entry: layout.FileEntry, form
     table = layout.chunk_table(entry.chunks, entry.size)
     chunk = table[0] if table is not None else layout.CHUNK_BYTES
     tmp = f"{path}.szc-{uuid.uuid4().hex[:8]}"
-    offsets = form.offsets()
     try:
         for attempt in (1, 2):
             problem = None
             try:
+                # The stored object whole, checked against the form's size and checksum before any decoding.
                 read_committed(store, key, step, deadline,
                                lambda: store.get_file(key, tmp, form.size, form.checksum, deadline), end=form.size)
-                problem = _decode_file(tmp, path, entry, offsets, chunk, table[1] if table else None, on_bytes)
+                problem = _decode_file(tmp, path, entry, form, chunk, table[1] if table else None, on_bytes)
             except codec.CodecError as exc:
-                problem = f"a stored chunk does not decode: {exc}"
+                problem = str(exc)
             except CorruptCheckpointError as exc:
                 if attempt == 2:
                     raise
                 problem = str(exc)
             if problem is None:
                 return
+            if os.path.exists(path):
+                os.unlink(path)
             if attempt == 2:
                 raise _refused(step, store.where(key), problem)
-            log.warning("shardckpt: step %d: %s fails after decoding (%s); fetching it again",
-                        step, safe_url(store.where(key)), problem)
+            log.warning("shardckpt: step %d: %s fails (%s); fetching it again", step, safe_url(store.where(key)),
+                        problem)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
-def _decode_file(src: str, dst: str, entry: layout.FileEntry, offsets: list[int], chunk: int,
+def _decode_file(src: str, dst: str, entry: layout.FileEntry, form: StoredForm, chunk: int,
                  sums: list[str] | None, on_bytes: OnBytes | None) -> str | None:
-    """Decode ``src`` into ``dst``; what is wrong with the result, or ``None``."""
+    """Decode ``src`` (the stored object) into ``dst``; what is wrong with the result, or ``None``."""
     check = layout.Checksum.like(entry.checksum)
+    offsets = form.offsets()
     size = 0
     with open(src, "rb") as f, open(dst, "wb") as out:
-        for i in range(len(offsets) - 1):
-            plain = codec.decode_chunk(f.read(offsets[i + 1] - offsets[i]), min(entry.size, (i + 1) * chunk) - i * chunk)
+        for i in range(len(form.lengths)):
+            plain = _decode(form, i, memoryview(f.read(form.lengths[i])), min(entry.size, (i + 1) * chunk) - i * chunk,
+                            offsets[i])
             if sums is not None and layout.chunk_sum(plain) != sums[i]:
-                return f"bytes [{i * chunk}, {i * chunk + len(plain)}) fail their chunk checksum"
+                return f"bytes [{i * chunk}, {i * chunk + len(plain)}) fail their chunk checksum after decoding"
             out.write(plain)
             check.update(plain)
             size += len(plain)
@@ -345,100 +441,4 @@ def _decode_file(src: str, dst: str, entry: layout.FileEntry, offsets: list[int]
     if size != entry.size or check.value() != entry.checksum:
         return f"the decoded file ({size} bytes) fails its size or checksum"
     return None
-
-
-def verify_object(store: Store, key: str, form: StoredForm, deadline: Deadline) -> tuple[int, str] | None:
-    """Size and checksum of the stored object, to compare with ``(form.size, form.checksum)``."""
-    return store.read_checksum(key, form.checksum, deadline)
-
-
-# ------------------------------------------------------------ auto: decided by measurement
-
-
-PROBE_BYTES = 8 << 20
-SAMPLE_BYTES = 16 << 20
-
-
-@dataclasses.dataclass
-class Decision:
-    compress: bool
-    upload_mb_s: float
-    compress_mb_s: float
-    ratio: float
-
-    def text(self) -> str:
-        verdict = "compressing" if self.compress else "not compressing"
-        return (f"{verdict} uploads: measured upload {self.upload_mb_s:.0f} MB/s, compression "
-                f"{self.compress_mb_s:.0f} MB/s on {WORKERS} thread(s) to {self.ratio:.2f}x of the bytes")
-
-
-def measure(store: Store, sample: str, deadline: Deadline) -> Decision:
-    """Upload rate (one PUT of incompressible bytes, then deleted), and the rate and ratio at which this
-    node compresses the first bytes of ``sample``. Compressing pays when the link time it saves exceeds
-    the time it takes: ``upload < (1 - ratio) * compression``."""
-    with open(sample, "rb") as f:
-        data = f.read(SAMPLE_BYTES)
-    t0 = time.perf_counter()
-    out = sum(len(codec.encode_chunk(data[i : i + layout.CHUNK_BYTES]))
-              for i in range(0, len(data), layout.CHUNK_BYTES))
-    took = max(time.perf_counter() - t0, 1e-6)
-    ratio = out / len(data) if data else 1.0
-    compress = len(data) / took * WORKERS / 1e6
-    key = join(".shardckpt-probe", f"rate-{uuid.uuid4().hex}.bin")
-    t0 = time.perf_counter()
-    store.put_bytes(key, os.urandom(PROBE_BYTES), deadline)
-    upload = PROBE_BYTES / max(time.perf_counter() - t0, 1e-6) / 1e6
-    store.delete(key, deadline)
-    return Decision(upload < (1 - ratio) * compress, upload, compress, ratio)
-
-
-AUTO_MIN_BYTES = 64 << 20
-"""``auto`` leaves uploads smaller than this as they are, unmeasured: the probe would cost more
-than compressing could save."""
-
-_decided: dict[tuple[str, str | None], Decision] = {}
-"""Decisions per link: the bucket (or host) and endpoint, not the prefix (a run's remote or another)."""
-_decided_lock = threading.Lock()
-
-
-def _link(store: Store) -> tuple[str, str | None]:
-    """What a decision is about: the bucket (or host) and the endpoint."""
-    bucket = store.url.split("/")[2] if store.url.count("/") >= 2 else store.url
-    return bucket, getattr(getattr(store, "options", None), "endpoint_url", None)
-
-
-def wanted(store: Store, sample: str | None, total: int, deadline: Deadline) -> bool:
-    """Whether this node compresses the ``total`` bytes it is about to upload to ``store``
-    (``remote_compression``). ``auto`` is measured once per bucket and endpoint per process (on
-    ``sample``, a file about to be uploaded) and the decision is logged once."""
-    options = getattr(store, "options", None)
-    mode = getattr(options, "compression", "off")
-    if mode == "off" or sample is None:
-        return False
-    if mode in _CODEC_NAMES:
-        return True
-    if total < AUTO_MIN_BYTES:
-        return False
-    where = _link(store)
-    with _decided_lock:
-        decision = _decided.get(where)
-        if decision is None:
-            decision = _decided[where] = measure(store, sample, deadline)
-            log.info("shardckpt: remote_compression=auto for %s: %s", safe_url(store.url), decision.text())
-    return decision.compress
-
-
-def will_compress(store: Store) -> bool:
-    """Whether uploads to ``store`` are compressed as far as this process knows already: the codec is
-    asked for, or ``auto`` decided so for its link. Files are then not uploaded early (plain, while the
-    save is written) but compressed after the local commit: on a link slow enough for compression to
-    pay, a fifth fewer bytes outweighs overlapping the upload with the local write."""
-    options = getattr(store, "options", None)
-    mode = getattr(options, "compression", "off")
-    if mode in _CODEC_NAMES:
-        return True
-    if mode != "auto":
-        return False
-    decision = _decided.get(_link(store))
-    return decision is not None and decision.compress
 

@@ -24,6 +24,14 @@ upload, and remembers what it sent. What keeps the remote commit protocol
 * ``.metadata`` (written last, by the committer) is never uploaded early;
   each node uploads only the files its own local directory holds.
 
+Where the node's uploads are compressed (``remote_compression``, with
+``auto`` decided by :mod:`shardckpt.tiers.auto_compress` while the first
+save is written; :func:`shardckpt.tiers.compressed.chooser`), early uploads are compressed and streamed like any other
+(:func:`shardckpt.tiers.compressed.put_compressed`, chunked as the writer
+checksummed them: the sidecar names its chunk size); their stored forms go
+into the node's marker after the local commit. Until ``auto`` has decided,
+the pass leaves the files for a later pass.
+
 A save abandoned before its local commit (the trainer killed) is not
 uploaded any further (each sidecar names its writer's process; a partial save
 whose writer is gone is skipped). What it sent before leaves at most
@@ -38,6 +46,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from typing import Any, Mapping
 
 from shardckpt.format import layout
@@ -58,7 +67,7 @@ def publish(partial: str, *, step: int, save_id: str, rank: int, name: str, size
         return False
     pid = os.getpid()
     body = {"format": READY_FORMAT, "step": step, "save_id": save_id, "rank": rank, "name": name,
-            "size": size, "checksum": checksum, "pid": pid, "pid_start": proc_start(pid)}
+            "size": size, "checksum": checksum, "chunk": layout.CHUNK_BYTES, "pid": pid, "pid_start": proc_start(pid)}
     try:
         layout.atomic_write_text(os.path.join(partial, f"{READY_PREFIX}{name}.json"), json.dumps(body, sort_keys=True))
     except OSError as exc:  # the upload after the commit sends it
@@ -120,6 +129,11 @@ class EarlyUploads:
         self.sent: dict[tuple[int, str], dict[str, tuple[int, str]]] = {}
         self.tags: dict[tuple[int, str], dict[str, str]] = {}
         """The store's tag of each file sent (its ETag on S3), for the node's marker."""
+        self.forms: dict[tuple[int, str], dict[str, dict[str, Any]]] = {}
+        """The stored form of each file sent compressed, for the node's marker."""
+        self.sent_bytes: dict[int, int] = {}
+        """Bytes sent per step (as stored: compressed where they were)."""
+        self._count = threading.Lock()
         self._refused: set[tuple[int, str]] = set()
 
     def sent_for(self, step: int, save_id: str) -> Mapping[str, tuple[int, str]]:
@@ -130,6 +144,8 @@ class EarlyUploads:
         for key in [k for k in self.sent if k[0] == step]:
             del self.sent[key]
             self.tags.pop(key, None)
+            self.forms.pop(key, None)
+        self.sent_bytes.pop(step, None)
         self._refused = {k for k in self._refused if k[0] != step}
 
     def run(self, store: Store, root: str) -> int:
@@ -145,14 +161,18 @@ class EarlyUploads:
             save_id = str(first.get("save_id", ""))
             key = (step, save_id)
             live.add(key)
-            if key in self._refused or not _writer_alive(first) or compressed.will_compress(store):
-                continue  # (compressed uploads go up after the local commit, see compressed.will_compress)
+            if key in self._refused or not _writer_alive(first):
+                continue
             done = self.sent.setdefault(key, {})
             tags = self.tags.setdefault(key, {})
+            forms = self.forms.setdefault(key, {})
             todo = sorted(n for n, b in ready.items()
                           if b.get("save_id") == save_id and done.get(n) != (b["size"], b["checksum"]))
             if not todo:
                 continue
+            compress = compressed.chooser(store, root)
+            if compress is None:
+                continue  # auto has not decided yet: a later pass sends them
             deadline = Deadline(store.options.step_deadline_s)
             try:
                 if store.exists(join(layout.step_dirname(step), layout.MANIFEST_NAME), deadline):
@@ -163,14 +183,28 @@ class EarlyUploads:
 
                 def send(name: str) -> int:
                     body = ready[name]
-                    tag = store.put_file(os.path.join(partial, name), join(layout.step_dirname(step), name),
-                                         body["size"], body["checksum"], deadline)
+                    path, key_name = os.path.join(partial, name), join(layout.step_dirname(step), name)
+                    sent = body["size"]
+                    if compress(name, body["size"]):
+                        entry = layout.FileEntry(body["size"], body["checksum"], int(body.get("rank", 0)))
+                        form, tag = compressed.put_compressed(store, key_name, path, entry, step, deadline,
+                                                              chunk=int(body.get("chunk") or layout.CHUNK_BYTES))
+                        forms[name], sent = form.to_json(), form.size
+                    else:
+                        tag = store.put_file(path, key_name, body["size"], body["checksum"], deadline)
+                        forms.pop(name, None)
                     done[name] = (body["size"], body["checksum"])
                     if tag:
                         tags[name] = tag
-                    return body["size"]
+                    with self._count:  # counted file by file: a file renamed by the commit stops the rest
+                        self.sent_bytes[step] = self.sent_bytes.get(step, 0) + sent
+                    return sent
 
-                total += sum(store.run_all([lambda n=n: send(n) for n in todo], files=True))
+                before = self.sent_bytes.get(step, 0)
+                try:
+                    store.run_all([lambda n=n: send(n) for n in todo], files=True)
+                finally:
+                    total += self.sent_bytes.get(step, 0) - before
                 # A commit of another save made while these went up may now hold them: withdrawn.
                 withdraw_overwritten(store, step, {n: done[n] for n in todo}, "", deadline)
             except FileNotFoundError:

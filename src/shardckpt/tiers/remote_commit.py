@@ -320,6 +320,7 @@ def push_step(
     early: Mapping[tuple[int, str], Mapping[str, tuple[int, str]]] | None = None,
     early_tags: Mapping[tuple[int, str], Mapping[str, str]] | None = None,
     markers: MarkerCache | None = None,
+    early_forms: Mapping[tuple[int, str], Mapping[str, dict[str, Any]]] | None = None,
 ) -> PushResult:
     """One pass of the protocol for one step of this node (see the module docstring).
 
@@ -338,7 +339,8 @@ def push_step(
     {name: (size, checksum)}}``: a file sent early whose size and checksum
     equal this manifest's is not sent again. Not used when an earlier save of
     the step was committed remotely (its objects may have replaced them).
-    ``early_tags``: the store's tags of those uploads, ``{(step, save_id): {name: tag}}``.
+    ``early_tags``: the store's tags of those uploads, ``{(step, save_id): {name: tag}}``;
+    ``early_forms``: the stored forms of those sent compressed, ``{(step, save_id): {name: form}}``.
 
     ``markers``: the node markers read by earlier passes (the committer's
     polls read each marker once); a pass without it reads them all.
@@ -410,24 +412,25 @@ def push_step(
         existing = store.get_bytes(marker_key, deadline)
         if existing is None or node_markers.parse(existing).get("files_digest") != digest:
             sent_early = (early or {}).get((step, manifest.save_id), {}) if committed is None else {}
-            todo = [n for n in mine if sent_early.get(n) != (manifest.files[n].size, manifest.files[n].checksum)]
+            stored, misfit = compressed.early_forms(manifest, (early_forms or {}).get((step, manifest.save_id), {}))
+            todo = [n for n in mine
+                    if n in misfit or sent_early.get(n) != (manifest.files[n].size, manifest.files[n].checksum)]
             early_given = (early_tags or {}).get((step, manifest.save_id), {})
             tags = {n: early_given[n] for n in mine if n not in todo and early_given.get(n)}
+            stored = {n: form for n, form in stored.items() if n in mine and n not in todo}
             total = sum(manifest.files[n].size for n in todo)
             _failpoints.hit("upload.checked_remote")
             progress = Progress(f"uploading step {step} to {safe_url(store.url)}", total, progress_s)
             shards = sorted((n for n in todo if n != layout.METADATA_NAME), key=lambda n: -manifest.files[n].size)
-            compress = compressed.wanted(store, os.path.join(step_dir, shards[0]) if shards else None, total, deadline)
-            stored: dict[str, dict[str, Any]] = {}
+            compress = compressed.chooser(store, root, min(60.0, deadline.remaining())) if shards else None
 
             def send(name: str) -> None:
                 entry = manifest.files[name]
                 path = os.path.join(step_dir, name)
-                if compress and name != layout.METADATA_NAME:  # .metadata is read by name, never compressed
+                if compress is not None and compress(name, entry.size):
                     form, tag = compressed.put_compressed(store, step_key(step, name), path, entry, step, deadline,
                                                           progress.add)
-                    if form is not None:
-                        stored[name] = form.to_json()
+                    stored[name] = form.to_json()
                 else:
                     tag = store.put_file(path, step_key(step, name), entry.size, entry.checksum, deadline, progress.add)
                 if tag:
@@ -444,7 +447,7 @@ def push_step(
                 if _saved_again(step_dir, digest):
                     return PushResult(WAITING, detail=SAVED_AGAIN)
                 raise
-            sent = total - sum(manifest.files[n].size - f["size"] for n, f in stored.items())
+            sent = total - sum(manifest.files[n].size - f["size"] for n, f in stored.items() if n in todo)
             if stored:  # the committer writes them into the remote manifest
                 marker["stored"] = stored
             _failpoints.hit("upload.files_sent")
