@@ -27,7 +27,6 @@ import dataclasses
 import json
 import logging
 import os
-import tempfile
 import threading
 import time
 import uuid
@@ -36,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from shardckpt.format import codec, layout
-from shardckpt.node.node_registry import state_dir
+from shardckpt.format.node_state import private_dir, state_dir, write_private
 from shardckpt.stores import Deadline, Store, join, safe_url
 
 log = logging.getLogger("shardckpt")
@@ -171,11 +170,8 @@ def _keep(path: str | None, link: str, decision: Decision) -> None:
         links = {}
     links[link] = dataclasses.asdict(decision)
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-links-", dir=os.path.dirname(path))  # mode 0600
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"format": LINKS_FORMAT, "links": links}, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        private_dir(os.path.dirname(path))
+        write_private(path, json.dumps({"format": LINKS_FORMAT, "links": links}, indent=1, sort_keys=True))
     except OSError as exc:
         log.warning("shardckpt: cannot keep the compression decision in %s (measured again next time): %s", path, exc)
 
