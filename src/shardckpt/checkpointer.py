@@ -49,6 +49,7 @@ from shardckpt.format.retention import FULL, LIGHT
 from shardckpt.errors import ConfigError, SaveError
 from shardckpt.node.node_registry import state_dir
 from shardckpt.options import CheckpointConfig, SaveMode, UploaderMode, run_config_of
+from shardckpt.saving.handle import SaveHandle
 from shardckpt.saving.policy import SavePolicy
 from shardckpt.restoring.restorer import Restorer
 from shardckpt.saving.stage import CopyFence, HostStager, split_bytes
@@ -62,32 +63,6 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("shardckpt")
 
 __all__ = ["Checkpointer", "SaveHandle"]
-
-
-class SaveHandle:
-    """A save in flight. ``wait()`` returns the step directory once committed."""
-
-    def __init__(self, step: int, future: concurrent.futures.Future) -> None:
-        self.step = step
-        self._future = future
-        self.reported = False
-        """Its failure was raised to the caller already (by this handle): not raised again."""
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def wait(self, timeout: float | None = None) -> str:
-        """Block until committed (or ``timeout`` seconds); re-raises a failure."""
-        try:
-            return self._future.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"step {self.step} was not committed within {timeout} s") from None
-        except BaseException:
-            self.reported = True
-            raise
-
-    def __repr__(self) -> str:
-        return f"SaveHandle(step={self.step}, done={self.done()})"
 
 
 class Checkpointer:
