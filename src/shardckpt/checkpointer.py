@@ -3,14 +3,17 @@
 ``save(state, step)`` (main thread, every rank)
   1. re-raise a failed background save
   2. decide (``policy.SavePolicy``): interval, and the previous call's
-     agreed time and preemption votes
-  3. wait for the previous write (never two at once; the wait is logged)
+     agreed time and preemption votes; with the memory tier
+     (``tiers/memory.py``) also whether the step is kept in memory
+  3. wait for the previous write (never two at once; the wait is logged;
+     a save kept only in memory waits for none)
   4. capture the state (``state.capture``: modules, optimizers, stateful
      objects, values, RNG)
   5. agree on free space; first save: agree on a nonce, clean leftovers
      (``commit.StepWriter``)
-  6. stage into reused host buffers (``stage.HostStager``)  <- training
-     blocks until here
+  6. stage into reused host buffers (``stage.HostStager``; with the memory
+     tier a slot of shared memory, then its record: memory-durable)
+     <- training blocks until here
   7. start this call's vote, hand the write to the background thread
      (``commit.StepWriter.write_and_commit``), return a ``SaveHandle``;
      with a remote, the node's uploader process picks committed steps up
@@ -19,6 +22,9 @@
 ``load(state, step=None)`` (main thread, every rank)
   waits for pending saves, then ``restore.Restorer.load``: candidates, fetch,
   verify, key matching, DCP read, elastic plan.
+
+``close()`` writes a step newer in memory than on disk to disk, then frees
+this rank's shared memory.
 """
 
 from __future__ import annotations
@@ -56,6 +62,9 @@ from shardckpt.saving.stage import CopyFence, HostStager, split_bytes
 from shardckpt.saving.durability import DurabilityLog
 from shardckpt.node.peer_tier import PeerTier
 from shardckpt.node.uploader_client import UploaderClient
+from shardckpt.node import memory_keeper
+from shardckpt.node.node_registry import unregister_trainer
+from shardckpt.tiers.memory import MemoryTier
 
 if TYPE_CHECKING:  # pragma: no cover
     from shardckpt.restoring.step_peek import StepPeek
@@ -122,6 +131,9 @@ class Checkpointer:
                 self._writer.file_done = self._file_done
         self._peer = PeerTier(self.config, self.root, registered=self._uploads is not None and self._uploads.active)
         self._restorer.sources.peer = self._peer  # source 3 of a restore: the peer daemons
+        self._memory = MemoryTier(self.config, self.root, pin=bool(pin),
+                                  join=lambda: memory_keeper.join(self.root, starts=_dist.local_rank() == 0))
+        self._restorer.sources.memory = self._memory  # source 0: the copies in this machine's shared memory
         self._writer.peer_facts, self._writer.peer_agreed = self._peer.facts, self._peer.agree
         self._durability = DurabilityLog(self.root, peer_on=lambda: self._peer.on,
                                          remote=self._uploads is not None and self._uploads.active)
@@ -199,10 +211,12 @@ class Checkpointer:
         # raised by _wait_previous, at the same call on every rank.
         try:
             decision = self._policy.decide(step, force)
-            if not decision.due:
+            memory = self._memory.enabled and (decision.due or self._memory.due(step))
+            if not decision.due and not memory:
                 return None
-            self._wait_previous(step)
-            kind = self._kind(light, decision.preempt)
+            if decision.due or self._writer.forks(step):  # a save kept only in memory waits for no write
+                self._wait_previous(step)
+            kind = self._kind(light, decision.preempt) if decision.due else FULL
             captured, kinds, frozen = state_mod.capture(
                 state, _dist.rank(), self.config.capture_rng, light=kind == LIGHT,
                 trainable_only=self.config.trainable_only,
@@ -211,20 +225,26 @@ class Checkpointer:
             if self._saves == 0:
                 preflight.note_missing_optimizer(state)
             own_keys = {k for k, v in state.items() if isinstance(v, elastic_mod.PerRank)} | {state_mod.RESERVED_KEY}
-            if not self._writer.space_ok(step, *split_bytes(captured, own_keys)):
+            disk = decision.due and self._writer.space_ok(step, *split_bytes(captured, own_keys))
+            if not disk and not memory:
                 return None
             self._writer.prepare()
+            self._memory.begin(memory, self._groups, captured, self._restorer.loaded, self._writer.lineage)
             lineage = self._writer.lineage_for(step)
             if frozen and self._frozen is None:
                 self._frozen = self._fingerprint(state, frozen)
-            staged, fence = self._stager.stage(captured, what=f"step {step}")
+            if memory:  # the copy goes into shared memory: the disk write reads it there
+                staged, fence = self._memory.stage(captured, f"step {step}", disk=disk)
+            else:
+                staged, fence = self._stager.stage(captured, what=f"step {step}")
             del captured
-            if not self.config.overlap_copies:
+            if memory or not self.config.overlap_copies:
                 fence.complete()  # returns with the copies done: no later write can reach them
             self._fence = fence
-            if self.config.overlap_copies:
+            if self.config.overlap_copies and not memory:
                 self._hook_writes(state)
-            self._policy.started(step, decision.preempt)
+            if disk:
+                self._policy.started(step, decision.preempt)
             _failpoints.hit("save.staged")
         finally:
             self._policy.start_vote()
@@ -236,6 +256,10 @@ class Checkpointer:
                       kind=kind, metrics=preflight.metrics(metrics), upload=self._upload_this(decision.preempt),
                       frozen=self._frozen or {}, run=self._run_record(), fence=fence, lineage=lineage,
                       save_id=self._writer.save_id())
+        if memory:
+            where = self._memory.record(job, self._writer.held(job))  # memory-durable from here
+            if not disk:
+                return SaveHandle.held(step, where)
         self._saves += 1
         self._policy.record_blocked(blocked)
         future = self._executor.submit(self._writer.write_and_commit, job)
@@ -354,7 +378,7 @@ class Checkpointer:
                 tier.close()
 
     def status(self) -> dict[str, Any]:
-        """Newest committed step (locally and remotely), the save in flight, uploads and errors.
+        """Newest committed step (locally and remotely), the save in flight, uploads, memory and errors.
 
         ``last_error`` is the last failed save of this instance (``None`` if
         none failed). With a remote: ``latest_remote`` (newest step known
@@ -363,8 +387,11 @@ class Checkpointer:
         ``last_upload_error``, ``failed_commits`` (``{step: {"ranks", "nodes",
         ...}}``: pending steps not committed within ``remote_commit_timeout_s``,
         with the ranks and nodes whose files are missing) and ``uploader`` (pid
-        and state of this node's uploader, from its status file). No remote
-        request is made.
+        and state of this node's uploader, from its status file). The memory
+        tier: ``latest_memory`` (the newest step this rank holds a copy of in
+        shared memory), ``memory_steps``, ``memory_bytes`` (what the job holds on
+        this machine), ``memory_dir``; ``restored_from`` says where the last
+        ``load()`` read its step. No remote request is made.
         """
         steps = self.steps()
         pending = self._pending
@@ -378,6 +405,7 @@ class Checkpointer:
         if self._uploads is not None:
             out.update(self._uploads.status(self._restorer.remote_committed))
         out.update(self._peer.status())
+        out.update(self._memory.status(), restored_from=self._restorer.restored_from)
         return out
 
     def close(self, timeout: float | None = None) -> None:
@@ -391,9 +419,10 @@ class Checkpointer:
         if self._closed:
             return
         t0 = time.monotonic()
-        writing = False
+        writing = flushed = False
         try:
             self.wait(timeout)
+            flushed = self._flush_memory()
         except TimeoutError:
             writing = True
             raise
@@ -403,6 +432,8 @@ class Checkpointer:
             self._policy.finish_vote()  # every rank started the same vote: finish it
             if not writing:
                 self._stager.release()
+            if flushed:  # the newest step is on disk: the memory copies go (the keeper frees them otherwise)
+                self._memory.release()
             for hook in self._hooks:
                 hook.remove()
             self._hooks.clear()
@@ -420,6 +451,7 @@ class Checkpointer:
                         self._durability.report(final=True)
                 finally:
                     self._restorer.close()
+                    unregister_trainer(self._memory.trainer)
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -444,6 +476,19 @@ class Checkpointer:
             if self._uploads is not None:
                 self._uploads.launch(found.committer)
             self._peer.launch(found, self._groups)
+
+    def _flush_memory(self) -> bool:
+        """close(): a step newer in memory than on disk is committed to disk first, from its copy in memory
+        (collective). Returns whether the memory may go (a failure raises: the memory stays, for the next launch)."""
+        rec, free = self._memory.unflushed(self._groups) if self._topology_known else (None, True)
+        if rec is not None:
+            (log.info if _dist.rank() == 0 else log.debug)("shardckpt: close(): step %d is only in memory; writing "
+                                                           "it to %s", rec.step, self.root)
+            job = self._memory.flush_job(rec, self._writer.partial_dir(rec.step, rec.save_id))
+            self._executor.submit(self._writer.write_and_commit, job).result()
+            if self._uploads is not None:
+                self._uploads.kick()
+        return free
 
     def _check_in(self, step: int) -> None:
         """Before this call's first collective: every rank called ``save()`` (bounded by ``save_agree_timeout_s``)."""

@@ -37,7 +37,7 @@ import sys
 from typing import Any, Sequence
 
 from shardckpt._version import __version__
-from shardckpt.format import layout, lineage, retention
+from shardckpt.format import layout, lineage, retention, shm
 from shardckpt._text import fmt_bytes
 from shardckpt.errors import ShardckptError
 from shardckpt.format import step_dirs
@@ -97,8 +97,9 @@ def _open(args: argparse.Namespace) -> Any:
     return open_steps(args.src, _transfer_options(args))
 
 
-def _committed(tier: Any) -> dict[int, layout.Manifest]:
-    manifests = tier.manifests()
+def _committed(tier: Any, held: dict[int, layout.Manifest] | None = None) -> dict[int, layout.Manifest]:
+    """The committed steps (``held``: with the memory tier's saves not on disk, for ``ls``)."""
+    manifests = {**(held or {}), **tier.manifests()}
     if not manifests and not tier.unreadable:
         hint = ""
         if not tier.where.startswith(("s3://", "gs://")) and "://" not in tier.where:
@@ -172,7 +173,7 @@ def _kept(tier: Any) -> list[tuple[int, str]]:
 def cmd_ls(args: argparse.Namespace) -> int:
     tier = _open(args)
     try:
-        manifests = _committed(tier)
+        manifests = _committed(tier, tier.memory() if hasattr(tier, "memory") else None)
         live, abandoned = tier.live(manifests)
         metric, best = _best_steps(manifests, live, args)
         rows = [_step_row(s, m, abandoned, tier, best) for s, m in manifests.items()]
@@ -182,7 +183,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                          "unreadable": {str(k): v for k, v in tier.unreadable.items()},
                          "kept_aside": [{"step": s, "path": p} for s, p in kept]})
             return OK
-        print(f"{tier.where}: {len(rows)} committed step(s)")
+        held = [r["step"] for r in rows if r["tiers"] == ["memory"]]
+        print(f"{tier.where}: {len(rows) - len(held)} committed step(s)" + (f", {len(held)} only in memory" if held else ""))
         print(f"{'step':>10}  {'size':>10}  {'files':>5}  {'world':>5}  {'kind':>5}  {'tiers':<12}  saved at (UTC)")
         for row in rows:
             notes = [f"{k}={v:g}" for k, v in sorted(row["metrics"].items())]
@@ -360,11 +362,6 @@ def cmd_gc(args: argparse.Namespace) -> int:
         tier.close()
 
 
-def _latest_peer(root: str, steps: list[int]) -> int | None:
-    """The newest step of the live branch whose files this node's peer daemon replicated (the same save)."""
-    return peer_daemon.latest_replicated(root)
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     root = os.path.abspath(args.dir)
     if not os.path.isdir(root):
@@ -392,8 +389,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         "last_error": info.get("last_error"),
         "last_error_time": info.get("last_error_time"),
         "peer": peer_daemon.node_status(root),
+        "latest_peer": peer_daemon.latest_replicated(root),
     }
-    body["latest_peer"] = _latest_peer(root, steps)
+    body["memory"], memory_line = shm.status(root)
     if args.json:
         _print_json(body)
         return OK if url else BAD
@@ -401,8 +399,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{root}: {len(steps)} committed step(s), newest {body['latest_local']}"
               + (f" (peer-durable: {body['latest_peer']})" if body["peer"] else "")
               + "; no uploader has run here (no remote configured, or it never started)")
-        if body["peer"]:
-            print(peer_daemon.status_line(body["peer"]))
+        for line in filter(None, (peer_daemon.status_line(body["peer"]) if body["peer"] else None, memory_line)):
+            print(line)
         return BAD
     state = "running" if running is not None else (body["uploader"]["state"] or "not running")
     pid = f" (pid {running})" if running else ""
@@ -412,8 +410,8 @@ def cmd_status(args: argparse.Namespace) -> int:
           + (f", peer {body['latest_peer']}" if body["peer"] else "") + f", remote {latest_remote}"
           + (f" (lag {body['lag_steps']} steps)" if body["lag_steps"] else ""))
     print(f"  pending: {pending or 'nothing'}" + (f" ({fmt_bytes(body['pending_bytes'])})" if pending else ""))
-    if body["peer"]:
-        print(peer_daemon.status_line(body["peer"]))
+    for line in filter(None, (peer_daemon.status_line(body["peer"]) if body["peer"] else None, memory_line)):
+        print(line)
     for step, why in sorted(body["waiting"].items()):
         print(f"  step {step} waits: {why}")
     if body["failed_commits"]:

@@ -5,6 +5,11 @@ The restorer reads as: survey (:mod:`.survey`) -> :meth:`Sources.complete`
 apply. For the step chosen by the survey (identified by its save id, never by
 its number alone), the bytes come from, in this order:
 
+0. **this machine's shared memory** (``tiers/memory.py``): when every rank
+   finds the copies of that very save it reads on its machine, the step is
+   read from them and from nothing else (:meth:`MemoryTier.complete`); a
+   restore whose layout needs a copy held on another machine falls through
+   to the sources below for the same step;
 1. **this node's disk** (``local_dir/step_<N>/``): whatever the node's own
    copy holds of that very save is used as it is (a copy holding another save
    of the number is kept aside and treated as absent);
@@ -97,6 +102,8 @@ class Sources:
         """Which ranks share this directory; set by the Checkpointer before the first load."""
         self.peer: Any = None
         """The node's peer tier (``node/peer_tier.py``) when peer replicas are on, set by the Checkpointer."""
+        self.memory: Any = None
+        """Source 0: the memory tier (``tiers/memory.py``), set by the Checkpointer."""
         self.sparse: dict[int, ranged.SparseStep] = {}
         """Steps this rank reads from a sparse copy (need-only fetch from the remote, ``ranged.py``)."""
         self.surveyed: dict[int, layout.Manifest] = {}
@@ -130,6 +137,8 @@ class Sources:
         they are read) and the directory to read (a sparse copy's, for a
         need-only restore).
         """
+        if step in survey.memory:  # source 0: the copies in this machine's shared memory
+            return self.memory.complete(step, survey.memory[step], self._groups)
         received: set[str] = set()
         self.sparse.pop(step, None)
         if step in survey.remote_unreadable:

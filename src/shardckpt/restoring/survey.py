@@ -5,7 +5,8 @@ its directory, rank 0 lists the remote (the index, ``tiers/remote_index.py``);
 every rank then computes alike which steps are live (``lineage.py``: steps of
 a branch abandoned by a rollback are not resumed by default) and which of
 them every rank can load: complete in its directory, committed on the remote,
-or completable from the other nodes' node-local copies. Steps are compared by
+completable from the other nodes' node-local copies, or held complete in the
+shared memory of the ranks' machines (``tiers/memory.py``). Steps are compared by
 version (:func:`shardckpt.format.layout.version_of`), never by number alone.
 Where the bytes then come from is :mod:`shardckpt.restoring.sources`.
 """
@@ -23,6 +24,7 @@ from shardckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckp
 from shardckpt.format import layout, retention
 from shardckpt.format import lineage as lineage_mod
 from shardckpt.options import CheckpointConfig, OnCorrupt
+from shardckpt.tiers import memory as memory_mod
 from shardckpt.tiers import remote_commit
 from shardckpt.topology import Topology
 
@@ -47,6 +49,10 @@ class Survey:
     """Per rank: steps whose copy in its directory is another save than the one that counts."""
     remote_unreadable: dict[int, str] = dataclasses.field(default_factory=dict)
     """Steps committed on the remote whose manifest cannot be read (held by no rank), with the reason."""
+    memory: dict[int, Any] = dataclasses.field(default_factory=dict)
+    """Steps every rank can restore from the copies in its machine's shared memory (``tiers/memory.py``)."""
+    elsewhere: set[int] = dataclasses.field(default_factory=set)
+    """Candidates every rank can load without the memory copies (from disk, the other nodes, the remote)."""
 
 
 class Surveyor:
@@ -94,6 +100,7 @@ class Surveyor:
             "remote": remote_report,
             "early": early,
             "partials": _partial_saves(self.root),
+            "memory": self.sources.memory.report() if self.sources.memory is not None else None,
         }
         gathered = self._groups.all_gather_ctl(payload)
 
@@ -107,6 +114,9 @@ class Surveyor:
         for g in gathered:
             for s, body in g["infos"].items():
                 take(s, body)
+        memory = memory_mod.usable([g["memory"] for g in gathered], _dist.world_size())
+        for s, choice in memory.items():
+            take(s, choice.info)
         listed, remote_bad, error = gathered[0]["remote"] or ({}, {}, None)
         for s, body in listed.items():
             take(s, body)
@@ -123,10 +133,15 @@ class Surveyor:
         ]
         per_rank_missing = [{s: m for s, m in g["missing"].items() if s not in st} for g, st in zip(gathered, stale)]
 
-        def loadable(s: int) -> bool:
+        memory = {s: c for s, c in memory.items() if c.version == merged[s].version}
+
+        def elsewhere(s: int) -> bool:
             # Committed remotely, or this very save committed in every rank's directory (files a
             # copy lacks come from another node's copy; fetching says which are nowhere).
             return s in remote_steps or all(s in m for m in per_rank_missing)
+
+        def loadable(s: int) -> bool:
+            return s in memory or elsewhere(s)
 
         unreadable_everywhere = set.intersection(*(set(g["unreadable"]) for g in gathered)) if gathered else set()
         remote_unreadable = {s: why for s, why in remote_bad.items() if s not in merged}
@@ -151,7 +166,7 @@ class Surveyor:
         if candidates and all(r is not None and r[0] == candidates[0] for r in reports):
             verified[candidates[0]] = [r[1] for r in reports if r[1]]
         return Survey(merged, live, abandoned, candidates, remote_steps, per_rank_missing, verified, stale,
-                      remote_unreadable)
+                      remote_unreadable, memory, {s for s in candidates if elsewhere(s)})
 
     def _unassembled(self, step: int, gathered: list[dict[str, Any]], stale: list[set[int]], older: int) -> bool:
         """The newest live step cannot be assembled from what this job has: raise on every rank.

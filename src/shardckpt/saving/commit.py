@@ -79,6 +79,11 @@ class SaveJob:
     """The history this save belongs to (:meth:`StepWriter.lineage_for`); it becomes the writer's once committed."""
     save_id: str = ""
     """This save's identity, the same on every rank (:meth:`StepWriter.partial_dir`)."""
+    planner: Any = None
+    """DCP's save planner when ``staged`` is not the state to write (a step written from its copy in memory)."""
+    created: float = 0.0
+    """When the save was made, when it is also kept in memory (:meth:`StepWriter.held`): its manifests on
+    both tiers carry it. 0: stamped at the commit."""
 
 
 class StepWriter:
@@ -180,7 +185,24 @@ class StepWriter:
             if removed:
                 log.info("shardckpt: removed leftovers of interrupted saves in %s: %s", self.root, ", ".join(removed))
 
-    def partial_dir(self, step: int) -> str:
+    def forks(self, step: int) -> bool:
+        """A save of ``step`` starts a new branch (:meth:`lineage_for`)."""
+        return self.head_step is not None and step < self.head_step
+
+    def held(self, job: SaveJob) -> layout.Manifest:
+        """A save kept in memory: its manifest (as a disk copy would say, without files), and the head moves on."""
+        created = job.created = max(time.time(), self._newest_created + 1e-3)
+        self._newest_created = created
+        if job.lineage is not None:
+            self.lineage = job.lineage
+        self.head_step = job.step
+        return self._manifest(job, [], created)
+
+    def partial_dir(self, step: int, save_id: str | None = None) -> str:
+        """The partial directory of the next save (or of the save ``save_id``, written again from memory)."""
+        if save_id is not None:
+            nonce, _sep, count = save_id.rpartition("-")
+            return os.path.join(self.root, layout.partial_dirname(step, f"{count}-{nonce}"))
         self._count += 1
         return os.path.join(self.root, layout.partial_dirname(step, f"{self._count}-{self._nonce}"))
 
@@ -238,6 +260,7 @@ class StepWriter:
             sums = dcp_writer.dcp_write(
                 job.staged, partial, process_group=self._groups.io, io_threads=self.config.io_threads, rank=rank,
                 on_file=(lambda name, size, digest: done(job, rank, name, size, digest)) if done else None,
+                planner=job.planner,
             )
             _failpoints.hit("write.done")
             table = {name: (size, digest, rank, chunks) for name, (size, digest, chunks) in sums.items()}
@@ -249,7 +272,8 @@ class StepWriter:
             failure = exc
 
         # 3: exchange 1
-        reports = self._groups.all_gather_io((table, _describe(failure), metadata_bytes, time.time(), _disk(failure)))
+        reports = self._groups.all_gather_io((table, _describe(failure), metadata_bytes, job.created or time.time(),
+                                              _disk(failure)))
         problems = [(r, report[1], report[4]) for r, report in enumerate(reports) if report[1] is not None]
         if problems:
             if topo.committer:
@@ -267,8 +291,9 @@ class StepWriter:
         manifest: layout.Manifest | None = None
         try:
             # One timestamp for every copy (rank 0's), and later than every step this run
-            # has seen: the newest manifest is the head of the run's history (lineage.py).
-            created = max(reports[0][3], self._newest_created + 1e-3)
+            # has seen: the newest manifest is the head of the run's history (lineage.py). A save
+            # also kept in memory was stamped when it was made, as its memory copies were.
+            created = reports[0][3] if job.created else max(reports[0][3], self._newest_created + 1e-3)
             manifest = self._manifest(job, [r[0] for r in reports], created)
             if topo.committer:
                 meta = next((r[2] for r in reports if r[2] is not None), None)
@@ -315,10 +340,12 @@ class StepWriter:
             raise SaveError(f"step {step}: no manifest was built")
         self.last_total_bytes = manifest.total_bytes
         self.last_committed = step
-        self._newest_created = manifest.created
+        self._newest_created = max(self._newest_created, manifest.created)
         if job.lineage is not None:
             self.lineage = job.lineage
-        self.head_step = step
+        # A save kept only in memory may have moved the head on meanwhile (never onto another branch: a
+        # save that forks waits for this write first).
+        self.head_step = step if self.head_step is None else max(self.head_step, step)
 
         # 6: retention (after the step is committed on every copy), every node from the same peer facts
         if self.peer_agreed is not None:

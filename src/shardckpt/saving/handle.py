@@ -6,13 +6,23 @@ import concurrent.futures
 
 
 class SaveHandle:
-    """A save in flight. ``wait()`` returns the step directory once committed."""
+    """A save in flight. ``wait()`` returns the step directory once committed (a save kept in memory only
+    is done when ``save()`` returns: ``tier == "memory"``)."""
 
-    def __init__(self, step: int, future: concurrent.futures.Future) -> None:
+    def __init__(self, step: int, future: concurrent.futures.Future, tier: str = "disk") -> None:
         self.step = step
         self._future = future
+        self.tier = tier
+        """``disk``: ``wait()`` returns once the step is committed on disk; ``memory``: it was kept in memory only."""
         self.reported = False
         """Its failure was raised to the caller already (by this handle): not raised again."""
+
+    @classmethod
+    def held(cls, step: int, where: str) -> "SaveHandle":
+        """A save kept in memory only: done when ``save()`` returns; ``wait()`` returns its record's path."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(where)
+        return cls(step, future, "memory")
 
     def done(self) -> bool:
         return self._future.done()
