@@ -1,0 +1,100 @@
+"""The memory tier: a step kept in shared memory survives its trainer and is resumed bitwise.
+
+One process (two starts) and one 2-rank torchrun job whose workers crash and are
+restarted by torchrun (five starts): SIGKILL right after save(7) returned with the
+disk every 10 steps; a rank killed during its copy; a rollback, then a kill; copies
+of another boot or gone ("a reboot"); a clean close() writing the newest step to
+disk and freeing the memory; a job that dies without a restart, freed by its node's
+keeper; a state larger than the budget.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+import shardckpt
+from helpers import PROGRAMS, child_env, run_torchrun, wait_for
+from shardckpt.format import shm
+
+
+def _phases(out, rank=0):
+    return {int(p.name[5:].split(".")[0]): json.loads(p.read_text())
+            for p in out.glob(f"phase*.rank{rank}.json")}
+
+
+def _gone(path: str) -> bool:
+    return not os.path.exists(path)
+
+
+def test_crashes_restarts_a_rollback_a_world_size_change_and_a_reboot(tmp_path):
+    """Two 2-rank launches, then two single-process launches, on one directory."""
+    import subprocess
+    import sys
+
+    root, other, out = tmp_path / "ck", tmp_path / "other", tmp_path / "out"
+    out.mkdir()
+    env = child_env(SHARDCKPT_MEMORY_LINGER_S="60")
+    two_ranks = [
+        "train=1-7,kill",  # SIGKILL right after save(7) returned (every_steps=10: 7 is in memory only)
+        # resumed; a rollback to 10 (12 stays behind on the abandoned branch), then rank 1 dies during its copy
+        # of the new branch's 12 (rank 0 right after its save(12) returned)
+        "load=7,train=8-12,load@10=10,train=11-11,killcopy=12",
+    ]
+    one = [
+        # 2 ranks -> 1 on this machine: the new branch's 11 (not the abandoned 12, nor the incomplete one); then
+        # copies of "another boot" or gone: from disk; SIGKILL right after save(15) returned
+        "load=11,reboot,load=10,train=11-15,kill",
+        # close() writes 15 to disk and frees the memory; a job that dies without close(): its node's keeper
+        f"load=15,close,other={other}",
+    ]
+    phases = two_ranks + one
+    for _ in two_ranks:
+        job = run_torchrun(2, PROGRAMS / "memory_job.py", root, out, *phases, env=env, check=False)
+        assert job.returncode == 1, job.stdout[-6000:]
+    # What the memory holds now, as the command line shows it (no torch, no trainer alive)
+    ls = json.loads(subprocess.run([sys.executable, "-m", "shardckpt", "ls", str(root), "--json"], env=env,
+                                   capture_output=True, text=True, timeout=60).stdout)
+    assert {r["step"]: (r["tiers"], r["abandoned"]) for r in ls["steps"]} == {
+        10: (["local", "memory"], None), 11: (["memory"], None), 12: (["memory"], "abandoned: rolled back to step 10")}
+    status = json.loads(subprocess.run([sys.executable, "-m", "shardckpt", "status", str(root), "--json"], env=env,
+                                       capture_output=True, text=True, timeout=60).stdout)
+    assert [(s["step"], s["ranks"]) for s in status["memory"]["saves"]] == [(10, [0, 1]), (11, [0, 1]), (12, [0, 1]),
+                                                                              (12, [0])], status["memory"]
+    for _ in one:
+        job = subprocess.run([sys.executable, str(PROGRAMS / "memory_job.py"), str(root), str(out), *phases],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+        assert job.returncode == -9, job.stdout[-6000:]
+    got = [_phases(out, 0), _phases(out, 1)]
+    assert sorted(got[0]) == list(range(len(phases))) and sorted(got[1]) == [0, 1], job.stdout[-4000:]
+    for rank in (0, 1):
+        assert all("error" not in p for p in got[rank].values()), got[rank]
+        assert got[rank][0]["tiers"] == {str(s): "memory" for s in range(1, 8)}
+    loads = [(load["got"], load["same"], load["from"].split(" ")[0]) for i in range(1, len(phases))
+             for load in got[0][i]["loads"]]
+    on_disk = str(root / "step_0000000010")
+    assert loads == [(7, True, "memory"), (10, True, "memory"), (11, True, "memory"), (10, True, on_disk),
+                     (15, True, "memory")], loads
+    assert got[1][1]["loads"] == got[0][1]["loads"]
+    assert got[0][3]["steps"] == [10, 15], got[0][3]  # close() wrote 15, newer in memory than on disk
+    assert _gone(shm.namespace(str(root)))
+    # The second job died without close(); its node's keeper frees its memory once no trainer is left.
+    wait_for(lambda: _gone(got[0][3]["other"]), 30, "the keeper to free the memory of a job that died")
+
+
+def test_a_state_larger_than_the_memory_budget_is_refused_saying_what_it_needs(tmp_path):
+    config = shardckpt.CheckpointConfig.from_env(
+        {"SHARDCKPT_MEMORY_EVERY_STEPS": "1", "SHARDCKPT_MEMORY_KEEP": "1", "SHARDCKPT_MEMORY_BUDGET": str(6 << 20)},
+        local_dir=str(tmp_path / "ck"), preemption_signals=())
+    ckpt = shardckpt.Checkpointer(config)
+    with pytest.raises(shardckpt.ConfigError) as error:
+        ckpt.save({"weights": torch.zeros(1 << 20)}, 1)  # 4 MiB staged: 2 copies (memory_keep + 1) are 8 MiB
+    message = str(error.value)
+    assert "needs 8.0 MiB" in message and "memory_budget allows 6.0 MiB" in message, message
+    assert "Nothing was saved" in message and "Remedy: raise memory_budget" in message, message
+    assert not os.path.exists(shm.namespace(str(tmp_path / "ck"))) and ckpt.steps() == []
+    ckpt.close()
