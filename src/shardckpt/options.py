@@ -136,8 +136,7 @@ class CheckpointConfig:
     memory_every_steps: int | None = None
     """The memory tier: keep the step in shared memory (``/dev/shm``) every N steps; ``None``
     (default): off. The staging copy ``save()`` makes anyway goes there, so such a save costs
-    the loop that copy and nothing else (no disk write, no collective after the first), and it
-    survives the trainer: a process killed right after ``save()`` returned is resumed from it by
+    the loop that copy (no disk write), and it survives the trainer: a process killed right after ``save()`` returned is resumed from it by
     the next launch on the machine, in about the time of one copy. Saves due on disk
     (``every_steps``, ``every_seconds``) are kept in memory too and written from the same buffers.
     Host memory: ``memory_keep + 1`` copies of the staged state per rank. ``close()`` writes a

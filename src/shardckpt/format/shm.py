@@ -167,8 +167,7 @@ class Record:
         return self.buffer_size + self.values_size
 
     def to_json(self) -> str:
-        body = dataclasses.asdict(self)
-        body.pop("name")
+        body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
         body["format"] = FORMAT
         return json.dumps(body, separators=(",", ":"))
 
