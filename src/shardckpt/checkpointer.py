@@ -234,7 +234,8 @@ class Checkpointer:
             if frozen and self._frozen is None:
                 self._frozen = self._fingerprint(state, frozen)
             if memory:  # the copy goes into shared memory: the disk write reads it there
-                staged, fence = self._memory.stage(captured, f"step {step}", disk=disk)
+                writing = self._pending is not None and not self._pending.done()
+                staged, fence = self._memory.stage(captured, f"step {step}", disk=disk, writing=writing)
             else:
                 staged, fence = self._stager.stage(captured, what=f"step {step}")
             del captured
@@ -257,7 +258,7 @@ class Checkpointer:
                       frozen=self._frozen or {}, run=self._run_record(), fence=fence, lineage=lineage,
                       save_id=self._writer.save_id())
         if memory:
-            where = self._memory.record(job, self._writer.held(job))  # memory-durable from here
+            where = self._memory.record(job, self._writer.held(job, disk))  # memory-durable from here
             if not disk:
                 return SaveHandle.held(step, where)
         self._saves += 1

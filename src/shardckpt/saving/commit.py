@@ -110,6 +110,8 @@ class StepWriter:
         """The branch this instance's saves belong to: set by a load, else at the first save."""
         self.head_step: int | None = None
         """The newest step of that branch: the step loaded, then each step committed."""
+        self.head_on_disk = True
+        """The head's save is one for the disk (else it was kept in memory only)."""
         self._newest_created = 0.0
         self.file_done: Callable[[SaveJob, int, str, int, str], None] | None = None
         """``(job, rank, name, size, checksum)`` as each file of a save is complete (early uploads)."""
@@ -140,7 +142,9 @@ class StepWriter:
         if head is None or step > head:
             return current
         if step == head:
-            if _dist.rank() == 0:
+            # The head kept in memory only, saved again (for the disk: a loop's last save with force=True) is
+            # nothing to warn about; a step saved twice on disk is.
+            if _dist.rank() == 0 and self.head_on_disk:
                 log.warning(
                     "shardckpt: step %d is saved a second time: this save replaces the earlier save of step %d in "
                     "%s, which is kept aside (abandoned; `shardckpt gc` removes it). Remedy: give each save its own "
@@ -189,13 +193,14 @@ class StepWriter:
         """A save of ``step`` starts a new branch (:meth:`lineage_for`)."""
         return self.head_step is not None and step < self.head_step
 
-    def held(self, job: SaveJob) -> layout.Manifest:
-        """A save kept in memory: its manifest (as a disk copy would say, without files), and the head moves on."""
+    def held(self, job: SaveJob, disk: bool) -> layout.Manifest:
+        """A save kept in memory (``disk``: and written to disk): its manifest (as a disk copy would say,
+        without files), and the head moves on."""
         created = job.created = max(time.time(), self._newest_created + 1e-3)
         self._newest_created = created
         if job.lineage is not None:
             self.lineage = job.lineage
-        self.head_step = job.step
+        self.head_step, self.head_on_disk = job.step, disk
         return self._manifest(job, [], created)
 
     def partial_dir(self, step: int, save_id: str | None = None) -> str:

@@ -13,9 +13,10 @@ never trusted (``format/shm.py``).
 Save, every rank, on the main thread inside ``save()``; only the first memory
 save issues a collective (:meth:`MemoryTier.start`)::
 
-    1. a slot: memory_keep + 1 per rank; a save that is not written to disk never takes
-       the slot of the newest disk save (its write may still read it); else an empty
-       slot, else the one holding the oldest save
+    1. a slot: memory_keep + 1 per rank; a save not written to disk never takes the slot
+       whose disk write is still under way; else an empty slot, else the one holding
+       the oldest save (with memory_keep=1, a copy made while a disk write runs takes the
+       newest step's slot: a kill during it falls back to the step being written)
     2. the slot's record is removed: from here the slot holds no save
     3. the slot is laid out again only when a tensor is new or changed shape, dtype or
        sharding (a new file, its pages reserved at once, the budget checked); else the
@@ -180,7 +181,7 @@ class MemoryTier:
         self.slots: list[_Slot] = []
         self.started = False
         self.disk_slot: int | None = None
-        """The slot of the newest save due on disk: saves kept only in memory leave it alone."""
+        """The slot of the newest save due on disk: saves kept only in memory leave it alone while it is written."""
         self._writing: _Slot | None = None
         self._share = self.budget
         self._pinned = 0
@@ -292,10 +293,14 @@ class MemoryTier:
                      self.ns)
         del bad
 
-    def stage(self, captured: dict[str, Any], what: str, *, disk: bool) -> tuple[dict[str, Any], CopyFence]:
-        """Steps 1-4 of the module docstring: the copy into a slot (its record removed first)."""
+    def stage(self, captured: dict[str, Any], what: str, *, disk: bool, writing: bool = False
+              ) -> tuple[dict[str, Any], CopyFence]:
+        """Steps 1-4 of the module docstring: the copy into a slot (its record removed first).
+
+        ``writing``: the disk write of the newest save due on disk still reads its slot.
+        """
         wanted = self._wanted(captured, what)
-        candidates = [s for s in self.slots if disk or s.index != self.disk_slot]
+        candidates = [s for s in self.slots if disk or not writing or s.index != self.disk_slot]
         slot = next((s for s in candidates if s.holds is None), None) or min(candidates, key=lambda s: s.holds[2])
         shm.drop_record(self.ns, _dist.rank(), slot.index)
         slot.holds = None
