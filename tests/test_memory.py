@@ -36,7 +36,7 @@ def test_crashes_restarts_a_rollback_a_world_size_change_and_a_reboot(tmp_path):
     import subprocess
     import sys
 
-    root, other, out = tmp_path / "ck", tmp_path / "other", tmp_path / "out"
+    root, torn, other, out = tmp_path / "ck", tmp_path / "torn", tmp_path / "other", tmp_path / "out"
     out.mkdir()
     env = child_env(SHARDCKPT_MEMORY_LINGER_S="60")
     two_ranks = [
@@ -49,8 +49,13 @@ def test_crashes_restarts_a_rollback_a_world_size_change_and_a_reboot(tmp_path):
         # 2 ranks -> 1 on this machine: the new branch's 11 (not the abandoned 12, nor the incomplete one); then
         # copies of "another boot" or gone: from disk; SIGKILL right after save(15) returned
         "load=11,reboot,load=10,train=11-15,kill",
-        # close() writes 15 to disk and frees the memory; a job that dies without close(): its node's keeper
-        f"load=15,close,other={other}",
+        # close() writes 15 to disk and frees the memory. Then memory_keep=1 on another directory, the disk every
+        # 3 steps: step 3's disk write stalls (its slot spared meanwhile), 4 goes to the other slot, and the
+        # process dies copying 5 into the slot of 4 (whose record went first)
+        f"load=15,close,use={torn}:1:3,stall,train=1-4,killcopy=5",
+        # 3 (its disk write never finished), not 4 (its slot holds 5's bytes); close() writes 3 to disk; a job that
+        # dies without close(): its node's keeper frees its memory
+        f"use={torn}:1:3,load=3,close,other={other}",
     ]
     phases = two_ranks + one
     for _ in two_ranks:
@@ -79,12 +84,13 @@ def test_crashes_restarts_a_rollback_a_world_size_change_and_a_reboot(tmp_path):
              for load in got[0][i]["loads"]]
     on_disk = str(root / "step_0000000010")
     assert loads == [(7, True, "memory"), (10, True, "memory"), (11, True, "memory"), (10, True, on_disk),
-                     (15, True, "memory")], loads
+                     (15, True, "memory"), (3, True, "memory")], loads
     assert got[1][1]["loads"] == got[0][1]["loads"]
-    assert got[0][3]["steps"] == [10, 15], got[0][3]  # close() wrote 15, newer in memory than on disk
-    assert _gone(shm.namespace(str(root)))
-    # The second job died without close(); its node's keeper frees its memory once no trainer is left.
-    wait_for(lambda: _gone(got[0][3]["other"]), 30, "the keeper to free the memory of a job that died")
+    # close() wrote 15 (newer in memory than on disk), and the torn job's 3 (its disk write had stalled)
+    assert got[0][3]["steps"] == {"ck": [10, 15]} and got[0][4]["steps"] == {"torn": [3]}, (got[0][3], got[0][4])
+    assert _gone(shm.namespace(str(root))) and _gone(shm.namespace(str(torn)))
+    # The last job died without close(); its node's keeper frees its memory once no trainer is left.
+    wait_for(lambda: _gone(got[0][4]["other"]), 30, "the keeper to free the memory of a job that died")
 
 
 def test_a_state_larger_than_the_memory_budget_is_refused_saying_what_it_needs(tmp_path):

@@ -15,10 +15,12 @@ per phase). A phase is a comma-separated list of actions:
   reboot       every rank's copies look like those of another boot (rank 0 rewrites its records' boot id)
                or are gone (the other ranks remove theirs); the next actions use a new Checkpointer
   close        close(): a step newer in memory than on disk goes to disk, the memory is freed
+  use=DIR:K:E  from here a Checkpointer on DIR with memory_keep=K, every_steps=E
+  stall        the next disk write stalls (its writer thread sleeps) and never commits
   other=DIR    a second job on DIR keeps step 1 in memory and dies (SHARDCKPT_MEMORY_LINGER_S=1): its node's
                keeper frees the memory
 
-After each save() the saved state is dumped (OUT/expect-<step>.rank<r>.pt); a load
+After each save() the saved state is dumped (OUT/expect-<dir>-<step>.rank<r>.pt); a load
 compares the live state with the dump of the step it returned. OUT/phase<i>.rank<r>.json
 records what each load returned and whether the state matched.
 """
@@ -28,6 +30,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import common
 import torch
@@ -59,6 +62,7 @@ def main() -> None:
     options = dict(local_dir=root, every_steps=10, memory_every_steps=1, memory_keep=3, keep_last=2,
                    preemption_signals=())
     ckpt = shardckpt.Checkpointer(**options)
+    tag = [os.path.basename(root)]  # names the dumps of the Checkpointer in use
     torch.manual_seed(100 + rank)
     result = {"phase": index, "loads": []}
 
@@ -72,7 +76,7 @@ def main() -> None:
                 "rng": torch.get_rng_state()}
 
     def same(step: int) -> bool:
-        want, have = torch.load(os.path.join(out, f"expect-{step}.rank{rank}.pt")), snapshot()
+        want, have = torch.load(os.path.join(out, f"expect-{tag[0]}-{step}.rank{rank}.pt")), snapshot()
         return (want["extra"] == have["extra"] and torch.equal(want["rng"], have["rng"])
                 and all(torch.equal(want["model"][k], have["model"][k]) for k in want["model"])
                 and want["optimizer"].keys() == have["optimizer"].keys()
@@ -91,7 +95,7 @@ def main() -> None:
                 if rank == min(1, world - 1):
                     _failpoints.arm("memory.copied", _failpoints.KILL)
             handle = ckpt.save(state, step)
-            torch.save(snapshot(), os.path.join(out, f"expect-{step}.rank{rank}.pt"))
+            torch.save(snapshot(), os.path.join(out, f"expect-{tag[0]}-{step}.rank{rank}.pt"))
             result.setdefault("tiers", {})[step] = handle.tier
             if step == kill_copy:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -134,7 +138,13 @@ def main() -> None:
             ckpt = shardckpt.Checkpointer(**options)  # as a new process would: it reads the shared memory afresh
         elif name == "close":
             ckpt.close()
-            result["steps"] = ckpt.steps()
+            result.setdefault("steps", {})[tag[0]] = ckpt.steps()
+        elif name == "use":
+            path, keep, every = arg.split(":")
+            options.update(local_dir=path, memory_keep=int(keep), every_steps=int(every))
+            ckpt, tag[0] = shardckpt.Checkpointer(**options), os.path.basename(path)
+        elif name == "stall":  # the next disk write stalls (its writer thread sleeps): it never commits
+            _failpoints.arm("write.done", lambda: time.sleep(120))
         elif name == "other":
             os.environ["SHARDCKPT_MEMORY_LINGER_S"] = "1"
             other = shardckpt.Checkpointer(local_dir=arg, memory_every_steps=1, preemption_signals=())
