@@ -229,7 +229,8 @@ class Checkpointer:
             if not disk and not memory:
                 return None
             self._writer.prepare()
-            self._memory.begin(memory, self._groups, captured, self._restorer.loaded, self._writer.lineage)
+            self._memory.begin(memory, self._groups, captured, self._restorer.loaded, self._writer.lineage,
+                               f"step {step}")
             lineage = self._writer.lineage_for(step)
             if frozen and self._frozen is None:
                 self._frozen = self._fingerprint(state, frozen)

@@ -25,6 +25,7 @@ Torch-free: read by ``shardckpt ls`` / ``status``, the node's memory keeper
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -49,6 +50,7 @@ def shm_root() -> str:
     return os.environ.get("SHARDCKPT_SHM_DIR") or "/dev/shm"
 
 
+@functools.lru_cache(maxsize=1)
 def boot_id() -> str:
     """This boot of this machine (a record written before a reboot carries another one)."""
     try:

@@ -198,23 +198,24 @@ class MemoryTier:
 
     # ------------------------------------------------------------ save
 
-    def begin(self, memory: bool, groups: _dist.SideGroups, captured: dict[str, Any], loaded: Any, head: Any) -> None:
+    def begin(self, memory: bool, groups: _dist.SideGroups, captured: dict[str, Any], loaded: Any, head: Any,
+              what: str) -> None:
         """Before the copy of every save: the first one kept in memory starts the tier (:meth:`start`, collective,
         then the node's keeper); with the tier off, what an earlier job left is freed."""
         if memory and not self.started:
-            self.start(groups, captured, loaded, head or lineage_mod.Lineage())
+            self.start(groups, captured, loaded, head or lineage_mod.Lineage(), what)
             self.trainer = self._join() if self._join is not None else None
         elif not self.enabled:
             self.purge_unused()
 
-    def start(self, groups: _dist.SideGroups, captured: dict[str, Any], loaded: Any, head: Any) -> None:
+    def start(self, groups: _dist.SideGroups, captured: dict[str, Any], loaded: Any, head: Any, what: str) -> None:
         """First memory save (collective over ``ctl``, every rank at the same save): the budget on every
         machine, then this job's namespace: the copies of the step it continues adopted, the rest removed.
 
         ``loaded``: the ``StepInfo`` of the step the job loaded (``None``: nothing); ``head``: the lineage
         its saves continue. Raises :class:`ConfigError` on every rank when a machine lacks the memory.
         """
-        mine = (self.keep + 1) * self._bytes(captured)
+        mine = (self.keep + 1) * sum(_align(n) for _k, _s, n in self._wanted(captured, what))
         me = (shm.machine(), mine, _shm_free() + shm.held_bytes(self.root), self.budget)
         everyone = groups.all_gather_ctl(me)
         here = [r for r, e in enumerate(everyone) if e[0] == me[0]]
@@ -224,7 +225,7 @@ class MemoryTier:
             free, budget = min(everyone[r][2] for r in ranks), everyone[ranks[0]][3]
             if need > min(free, budget):
                 raise ConfigError(
-                    f"the memory tier needs {fmt_bytes(need)} of shared memory on {key.split('/')[0]} "
+                    f"{what}: the memory tier needs {fmt_bytes(need)} of shared memory on {key.split('/')[0]} "
                     f"(memory_keep + 1 = {self.keep + 1} copies of the staged state of its {len(ranks)} rank(s), "
                     f"{fmt_bytes(need // (self.keep + 1))} each time), but "
                     + (f"memory_budget allows {fmt_bytes(budget)}" if budget < free else
@@ -237,9 +238,6 @@ class MemoryTier:
         shm.ensure_namespace(self.root)
         self._adopt(loaded, head, here)
         self.started = True
-
-    def _bytes(self, captured: dict[str, Any]) -> int:
-        return sum(_align(n) for _k, _s, n in self._wanted(captured, "this save"))
 
     def _wanted(self, captured: dict[str, Any], what: str) -> list[tuple[str, str, int]]:
         out = []
@@ -259,7 +257,7 @@ class MemoryTier:
         """Keep this rank's copies of the history the job continues (at or below the step it loaded) as its
         slots; remove its other files, and (the machine's lowest rank) those of ranks not on this machine."""
         rank = _dist.rank()
-        records, bad = shm.read_records(self.root)
+        records, _stale = shm.read_records(self.root)  # a stale record's files go with its rank's (below)
         kept: dict[int, shm.Record] = {}
         for rec in sorted((r for r in records if r.rank == rank), key=lambda r: -r.created):
             if loaded is None or rec.slot > self.keep or rec.slot in kept or rec.step > loaded.step:
@@ -291,7 +289,6 @@ class MemoryTier:
         if kept and rank == 0:
             log.info("shardckpt: memory tier: steps %s of this history stay in %s", sorted(r.step for r in kept.values()),
                      self.ns)
-        del bad
 
     def stage(self, captured: dict[str, Any], what: str, *, disk: bool, writing: bool = False
               ) -> tuple[dict[str, Any], CopyFence]:
@@ -304,10 +301,14 @@ class MemoryTier:
         slot = next((s for s in candidates if s.holds is None), None) or min(candidates, key=lambda s: s.holds[2])
         shm.drop_record(self.ns, _dist.rank(), slot.index)
         slot.holds = None
+        if slot.fits(wanted) and slot.base is None:  # a slot adopted from the process before: its file, mapped
+            try:
+                self._map(slot, create=False)
+            except OSError:
+                self._unmap(slot, remove=True)
+                slot.buffer, slot.entries = "", {}
         if not slot.fits(wanted):
             self._lay_out(slot, wanted, what)
-        elif slot.base is None:
-            self._map(slot, create=False)
         if disk:
             self.disk_slot = slot.index
         self._writing = slot
@@ -349,7 +350,7 @@ class MemoryTier:
             if create:
                 os.posix_fallocate(fd, 0, slot.size)  # the pages now, or ENOSPC now: never a SIGBUS mid-copy
             elif os.fstat(fd).st_size < slot.size:
-                raise SaveError(f"{path} is shorter than its record says")
+                raise OSError(f"{path} is shorter than its record says")
             region = mmap.mmap(fd, slot.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
@@ -391,7 +392,14 @@ class MemoryTier:
         self._writing = None
         rank = _dist.rank()
         _failpoints.hit("memory.copied")
-        tensors, values, planner_data = dcp_memory.describe(job.staged, slot.offset_of, slot.cache)
+        try:
+            tensors, values, planner_data = dcp_memory.describe(job.staged, slot.offset_of, slot.cache)
+        except Exception as exc:  # noqa: BLE001 - torch.save of a value: any pickling error
+            raise SaveError(
+                f"step {job.step}: a non-tensor value of the state cannot be serialised ({type(exc).__name__}: {exc}); "
+                f"nothing of step {job.step} was kept in memory, earlier steps are intact. Remedy: make every "
+                f"non-tensor value picklable (or keep it behind a state_dict())."
+            ) from exc
         manifest.total_bytes = sum(len(v) for _f, v in values) + sum(_nbytes(t) for t in tensors)
         items, pos = [], 0
         values_file = shm.values_name(rank, slot.index)
