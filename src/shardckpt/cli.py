@@ -7,7 +7,7 @@ Looking at checkpoints, on either tier (a local directory or a remote URL)::
     shardckpt verify SRC [--step N | --all] [--json]     check every file against its manifest
     shardckpt export SRC OUT [--step N] [--format torch|safetensors] [--optimizer]
     shardckpt gc SRC --keep-last N [--keep-every K] [--keep-abandoned] [--dry-run]
-    shardckpt status DIR [--json]                   the node's uploader: pending steps, lag, last error
+    shardckpt status DIR [--json]                   the node's uploader, peer and memory tiers
     shardckpt adopt DCP_DIR --into DIR --step N     commit a copy of a stock DCP checkpoint
 
 Moving steps between tiers::
@@ -596,11 +596,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
     p.set_defaults(func=cmd_gc)
 
-    p = sub.add_parser("status", help="the node's uploader: pending steps, lag, last error",
+    p = sub.add_parser("status", help="the node's uploader (pending steps, lag, last error), peer and memory tiers",
                        description="What the uploader serving a local directory is doing: whether it runs, the "
                        "newest step locally and remotely, the steps waiting for upload and their size, why they "
-                       "wait, and the last error. Reads local files only.")
-    p.add_argument("dir", metavar="DIR", help="the local_dir of a Checkpointer with a remote")
+                       "wait, and the last error; the peer tier's replicas and the steps the memory tier holds on "
+                       "this machine. Reads local files only.")
+    p.add_argument("dir", metavar="DIR", help="the local_dir of a Checkpointer")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_status)
 

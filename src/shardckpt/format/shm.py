@@ -188,10 +188,26 @@ class Record:
         for key in ("buffer", "values_file"):
             if parse_name(getattr(record, key)) != (record.rank, record.slot) or "/" in getattr(record, key):
                 raise ValueError(f"{key} {getattr(record, key)!r} is not a file of this record's slot")
+        shapes = (str, str, _INTS, _INTS, _INTS, int)
+        for table, kinds in (("tensors", shapes), ("values", (str, int, int)), ("layout", (str, str, int, int))):
+            for entry in getattr(record, table):
+                if not (isinstance(entry, list) and len(entry) == len(kinds) and all(map(_is, entry, kinds))):
+                    raise ValueError(f"a malformed entry of {table}: {str(entry)[:80]}")
+        if not (isinstance(record.planner_data, dict) and all(isinstance(p, list) for p in record.planner_data.values())):
+            raise ValueError("planner_data is not a table of paths")
         return record
 
     def manifest_obj(self, where: str) -> layout.Manifest:
         return layout.Manifest.from_json(self.manifest, where)
+
+
+_INTS = "ints"
+
+
+def _is(value: Any, kind: Any) -> bool:
+    if kind is _INTS:
+        return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    return isinstance(value, kind) and not isinstance(value, bool)
 
 
 def write_record(ns: str, record: Record) -> None:
