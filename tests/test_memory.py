@@ -105,3 +105,21 @@ def test_a_state_larger_than_the_memory_budget_is_refused_saying_what_it_needs(t
     assert "Nothing was saved" in message and "Remedy: raise memory_budget" in message, message
     assert not os.path.exists(shm.namespace(str(tmp_path / "ck"))) and ckpt.steps() == []
     ckpt.close()
+
+
+def test_which_saves_a_job_can_restore_from_memory():
+    """The survey's rule, on the reports of a 2-node job (ranks 0-1 on one machine, 2-3 on the other)."""
+    from shardckpt.tiers.memory import usable
+
+    def copies(version, step, world, saved_ranks, created=1.0):
+        return [[q, step, version, world, [created, {}, "full", {}, version]] for q in saved_ranks]
+
+    a = copies("id:a", 7, 4, [0, 1]) + copies("id:b", 8, 4, [0, 1], created=2.0)  # machine A
+    b = copies("id:a", 7, 4, [2, 3]) + copies("id:b", 8, 4, [2], created=2.0)  # machine B: rank 3 died in its copy
+    same = usable([a, a, b, b], 4)
+    assert {s: c.version for s, c in same.items()} == {7: "id:a"}  # 8 is incomplete: never used
+    # 4 ranks -> 2 on the same two machines: each rank would need the other machine's copies
+    assert usable([a, b], 2) == {}
+    # 2 ranks -> 1 on one machine that holds every copy of the save
+    one = copies("id:c", 9, 2, [0, 1])
+    assert {s: c.version for s, c in usable([one], 1).items()} == {9: "id:c"}
