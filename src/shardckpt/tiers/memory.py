@@ -37,7 +37,6 @@ with :class:`~shardckpt.dcp.memory.MemoryReader`.
 
 from __future__ import annotations
 
-import json
 import logging
 import mmap
 import os
@@ -72,7 +71,8 @@ def _align(n: int) -> int:
 
 
 def _key(path: tuple) -> str:
-    return json.dumps(list(path), default=str)
+    """A tensor's place in the state dict as text (a container is a dict or a list: "0" and 0 never meet)."""
+    return "\x1f".join(map(str, path))
 
 
 def _leaves(obj: Any, path: tuple = ()) -> Any:
