@@ -59,6 +59,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
 
 
+def add_paired(rows: list[dict]) -> None:
+    """Each row's median ratio to the floor measured in the same round (rounds rotate the order): the load of
+    shared cores moves both sides of a pair alike, where it moves the medians of separate rows apart."""
+    floor = next((r for r in rows if r["floor"]), None)
+    for row in rows:
+        if floor is not None and len(row["values"]) == len(floor["values"]):
+            row["extra"]["paired_ratio"] = statistics.median(v / f for v, f in zip(row["values"], floor["values"]))
+
+
 def build_model(total_bytes: int, fill: bool = True) -> nn.Module:
     width = 2048
     layers = max(1, round(total_bytes / (width * width * 4)))
@@ -141,6 +150,7 @@ def part_blocked(args: argparse.Namespace, scratch: Path) -> dict:
     finally:
         for ckpt in ckpts:
             ckpt.close()
+    add_paired(rows)
     for row in rows:
         row["extra"].update(rss.get(row["tool"], {}))
     result["notes"].append(f"blocked: one process, {common.fmt_bytes(nbytes)} of fp32 parameters, the tools in "
@@ -234,7 +244,7 @@ def part_restore(args: argparse.Namespace, scratch: Path) -> dict:
                     lambda: common.Measured(child("disk", {"SHARDCKPT_SHM_DIR": str(hidden)}))),
     ]
     try:
-        common.compare(result, tools, args.repeats, group="restore after SIGKILL")
+        add_paired(common.compare(result, tools, args.repeats, group="restore after SIGKILL"))
     finally:
         shm.purge(str(root))
     result["notes"].append("restore: each run a fresh process (as after a crash), the restore alone timed; the "

@@ -6,8 +6,9 @@ size, the chunk's offsets) with its offset in the rank's buffer, and every
 non-tensor item serialised as DCP writes it (``torch.save``). At restore the
 descriptions of all saving ranks make one DCP :class:`Metadata`
 (:func:`metadata`), so the restore's planner, key matching and resharding run
-exactly as for a step on disk; :class:`MemoryReader` then copies each read
-item from the buffers mapped on this machine into the live tensors; and
+exactly as for a step on disk; :class:`MemoryReader` then reads each item
+from the buffers held on this machine straight into the live tensors (a read
+of the file, as from the page cache; a part of a tensor through a mapping); and
 :class:`RecordPlanner` writes a copy in memory as DCP files (``close()`` puts
 the newest memory step on disk). Knows no tier.
 """
@@ -37,6 +38,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
+from shardckpt.dcp.reader import _memory_of
 from shardckpt.errors import ShardckptError
 
 try:
@@ -110,7 +112,7 @@ def metadata(tables: list[dict[str, Any]]) -> Metadata:
 
 
 class Copy:
-    """One rank's copy of the save, mapped read-only on this machine: its buffer, values and description."""
+    """One rank's copy of the save held on this machine, read-only: its buffer, values and description."""
 
     def __init__(self, rank: int, buffer_path: str, buffer_size: int, values_path: str, values_size: int,
                  table: dict[str, Any]) -> None:
@@ -119,7 +121,27 @@ class Copy:
         self._buffer_path, self._buffer_size = buffer_path, buffer_size
         self._values_path, self._values_size = values_path, values_size
         self._map: mmap.mmap | None = None
+        self._fd: int | None = None
         self._values: bytes | None = None
+
+    def read_into(self, target: torch.Tensor, dtype: str, shape: list[int], offset: int) -> bool:
+        """Read the tensor recorded at ``offset`` straight into ``target`` when it is that whole tensor, on the
+        CPU and contiguous (one copy by the kernel, as a read from the page cache); False otherwise."""
+        if (target.device.type != "cpu" or not target.is_contiguous() or str(target.dtype) != dtype
+                or list(target.shape) != list(shape) or not target.numel()):
+            return False
+        view = _memory_of(target)
+        if offset < 0 or offset + view.nbytes > self._buffer_size:
+            raise ValueError(f"[{offset}, {offset + view.nbytes}) lies outside the buffer of {self._buffer_size} bytes")
+        if self._fd is None:
+            self._fd = os.open(self._buffer_path, os.O_RDONLY)
+        done = 0
+        while done < view.nbytes:
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise ValueError(f"{self._buffer_path} ends at {offset + done}, before the tensor it records")
+            done += got
+        return True
 
     def tensor(self, dtype: str, shape: list[int], offset: int) -> torch.Tensor:
         """The tensor recorded at ``offset``: a read-only view of the mapped buffer with a storage of its own."""
@@ -153,6 +175,9 @@ class Copy:
         return self._values[offset:offset + length]
 
     def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._map is not None:
             try:
                 self._map.close()
@@ -217,9 +242,13 @@ class MemoryReader(StorageReader):
                 planner.load_bytes(item, io.BytesIO(copy.value(offset, length)))
                 continue
             copy, entry = found
+            target = planner.resolve_tensor(item).detach()
+            whole = all(o == 0 for o in item.storage_offsets) and list(item.lengths) == list(entry[2])
+            if whole and copy.read_into(target, entry[1], entry[2], entry[5]):
+                planner.commit_tensor(item, target)
+                continue
             source = narrow_tensor_by_index(copy.tensor(entry[1], entry[2], entry[5]), item.storage_offsets,
                                             item.lengths)
-            target = planner.resolve_tensor(item).detach()
             if target.size() != source.size():
                 raise ValueError(f"{item.storage_index.fqn}: holds {tuple(source.size())}, the state expects "
                                  f"{tuple(target.size())}")
