@@ -222,7 +222,7 @@ class Checkpointer:
                 trainable_only=self.config.trainable_only,
             )
             captured = values.agree(captured, kinds, self._groups, step, self._warned_values)
-            if self._saves == 0:
+            if self._saves == 0 and self._memory.last is None:
                 preflight.note_missing_optimizer(state)
             own_keys = {k for k, v in state.items() if isinstance(v, elastic_mod.PerRank)} | {state_mod.RESERVED_KEY}
             disk = decision.due and self._writer.space_ok(step, *split_bytes(captured, own_keys))

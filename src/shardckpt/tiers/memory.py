@@ -185,7 +185,8 @@ class MemoryTier:
         self._writing: _Slot | None = None
         self._share = self.budget
         self._pinned = 0
-        self._last_step: int | None = None
+        self.last: int | None = None
+        """The step of this process's newest save kept in memory."""
         self._views: dict[int, tuple[Any, list[dcp_memory.Copy], str]] = {}
 
     @property
@@ -194,7 +195,7 @@ class MemoryTier:
 
     def due(self, step: int) -> bool:
         """A save of ``step`` is kept in memory (every save due on disk is too)."""
-        return self.enabled and step % self.every == 0 and step != self._last_step
+        return self.enabled and step % self.every == 0 and step != self.last
 
     # ------------------------------------------------------------ save
 
@@ -425,7 +426,7 @@ class MemoryTier:
                 f"(memory_every_steps=None)."
             ) from exc
         slot.holds = (job.step, rec.version, rec.created)
-        self._last_step = job.step
+        self.last = job.step
         return os.path.join(self.ns, shm.record_name(rank, slot.index))
 
     def release(self) -> None:
