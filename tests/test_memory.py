@@ -1,18 +1,20 @@
 """The memory tier: a step kept in shared memory survives its trainer and is resumed bitwise.
 
-One process (two starts) and one 2-rank torchrun job whose workers crash and are
-restarted by torchrun (five starts): SIGKILL right after save(7) returned with the
-disk every 10 steps; a rank killed during its copy; a rollback, then a kill; copies
-of another boot or gone ("a reboot"); a clean close() writing the newest step to
-disk and freeing the memory; a job that dies without a restart, freed by its node's
-keeper; a state larger than the budget.
+Four launches on one directory (two 2-rank torchrun jobs, then two single
+processes), each crash followed by a real restart: SIGKILL right after save(7)
+returned with the disk every 10 steps; a rollback, then a rank killed during its
+copy; what `shardckpt ls` / `status` show; a world-size change 2 -> 1 on one
+machine; copies of another boot or gone ("a reboot"); a single process killed
+right after save(15); a clean close() writing the newest step to disk and
+freeing the memory; a copy cut short in the slot of the newest step; a job that
+dies without a restart, freed by its node's keeper. Then a state larger than the
+budget, and the survey's rule on two machines.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 import torch
