@@ -230,6 +230,8 @@ COLUMNS = {
     "peak_rss_rank_bytes": "RSS peak / rank",
     "rss_growth_rank_bytes": "RSS growth / rank",
     "rss_growth_x_staged": "RSS growth / staged bytes",
+    "rss_growth_x_kept": "RSS growth / ((memory_keep + 1) x staged)",
+    "step_s": "median step (s)",
     "host_peak_bytes": "host RAM peak (all processes)",
     "resident_after_evict": "cached after eviction",
     "paired_ratio": "paired ratio",

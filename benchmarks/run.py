@@ -21,8 +21,8 @@ and ``<!-- perf:end -->`` in FILE with a summary (``benchmarks/report.py``
 does the same from existing results without running anything).
 
 Cases (``--only``): blocked, durable, restore, remote_restore, remote_durable,
-training, elastic, history, need_only, commit_requests, peer, peer_training, restore_kinds and check_resume (a fixed
-size: 1 GiB, ``--quick`` 128 MiB). ``--sizes`` (GiB) sizes the local-disk cases (default 1,4,8;
+memory, memory_training, training, elastic, history, need_only, commit_requests, peer, peer_training, restore_kinds and
+check_resume (a fixed size: 1 GiB, ``--quick`` 128 MiB). ``--sizes`` (GiB) sizes the local-disk cases (default 1,4,8;
 an 8 GiB state and its staging copy need about 17 GiB of RAM); the S3 cases
 use ``--remote-sizes`` (moto holds objects in RAM: 0.5 GiB at most).
 ``--quick`` runs small sizes and few repeats (minutes on 2 cores): a check
@@ -121,6 +121,20 @@ CASES = [
          "bytes stored / step bytes and CPU seconds per GiB to compress and decompress (notes).",
          lambda a: ["--size-mb", "64" if a.quick else "256", "--repeats", repeats(a, 1, 2)], sizes=None,
          memory=6.0, disk=3.0),
+    Case("memory", "The memory tier: blocked per save, restore after a SIGKILL", "bench_memory.py",
+         "One process, an MLP of fp32 parameters: `save()` kept in memory only, and kept in memory and written to "
+         "disk, against a copy into host buffers allocated beforehand (floor) and `save()` without the memory tier, "
+         "with the growth of the RSS high-water mark against (memory_keep + 1) x the staged bytes. Then a process "
+         "saves and is SIGKILLed right after `save()` returned; fresh processes restore it: a copy of the bytes "
+         "from the shared memory into the model (floor), `load()` from memory, `load()` from the disk (warm cache).",
+         lambda a: ["--gib", "0.125" if a.quick else "1", "--repeats", repeats(a, 2, 3)], sizes=None, memory=4.5,
+         disk=1.5),
+    Case("memory_training", "Training slowdown with a memory save every step", "bench_memory.py",
+         "Steps/s of the GPT of examples/train_gpt.py (4 layers x 128, block 64, batch 16, AdamW; one process) "
+         "with `save()` kept in memory at every step, against the same loop without checkpoints, the two kinds of "
+         "step alternating one by one.",
+         lambda a: ["--part", "training", "--steps", "20" if a.quick else "40", "--repeats", repeats(a, 2, 5)],
+         sizes=None),
     Case("training", "Training slowdown", "bench_train.py",
          "Steps/s of a small DDP training loop (2 ranks, an MLP of about 4 MB with AdamW) checkpointing every N "
          "steps, against the same loop without checkpoints, measured in alternating rounds.",

@@ -50,6 +50,14 @@ OTHER_VARIABLES: dict[str, str] = {
         "Seconds a node's peer daemon keeps serving once no trainer of its node is left (other nodes may "
         "still send their replicas). A launch without the peer tier ends it at once. Default: `60`."
     ),
+    "SHARDCKPT_MEMORY_LINGER_S": (
+        "Seconds a node's memory keeper keeps a job's memory tier once no trainer of its node is left (a "
+        "restart on the node within them resumes from memory); then it frees it. Default: `120`."
+    ),
+    "SHARDCKPT_SHM_DIR": (
+        "The tmpfs the memory tier keeps its copies in (one directory per `local_dir` and user). Default: "
+        "`/dev/shm` (containers often give it 64 MiB: raise it, or point this at a larger tmpfs)."
+    ),
     "SHARDCKPT_FAILURE_DOMAIN": (
         "A label of the failure domain of this node (`rack-7`, a zone): the peer tier sends this node's "
         "replicas to nodes of other domains first. Default: none."

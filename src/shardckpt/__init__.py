@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 if _TYPE_CHECKING:  # pragma: no cover
     from typing import Any
 
-    from shardckpt.checkpointer import Checkpointer, SaveHandle
+    from shardckpt.checkpointer import Checkpointer
+    from shardckpt.saving.handle import SaveHandle
     from shardckpt.restoring.elastic import ElasticPlan
     from shardckpt.restoring.step_peek import StepPeek
 
@@ -44,7 +45,7 @@ from shardckpt.format.retention import AnyOf, KeepAll, KeepBest, KeepEvery, Keep
 
 _LAZY = {
     "Checkpointer": "checkpointer",
-    "SaveHandle": "checkpointer",
+    "SaveHandle": "saving.handle",
     "ResumableSampler": "data",
     "epoch_order": "data",
     "rank_slice": "data",

@@ -61,9 +61,10 @@ POINTS = (
 # files, before the exchange of file tables), "remote.file_written" (a
 # file:// remote object written under its temporary name, not yet renamed),
 # "stage.copies_pending" (the writer thread is about to wait for copies still
-# running after save() returned, with overlap_copies) and "checkin.arrived"
+# running after save() returned, with overlap_copies), "checkin.arrived"
 # (the last rank to check in to a save() counted itself, before it tells the
-# others to go on).
+# others to go on) and "memory.copied" (this rank's copy into the memory tier
+# is complete, its record not written yet: the slot holds no save).
 # Also in the uploader: "upload.markers_checked" (the committer saw every node's
 # marker; it checks the objects' identities next, then writes the manifest).
 # Handing data over: "peer.chunk_read" (a chunk of a file about to be sent to

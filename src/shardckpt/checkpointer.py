@@ -3,14 +3,17 @@
 ``save(state, step)`` (main thread, every rank)
   1. re-raise a failed background save
   2. decide (``policy.SavePolicy``): interval, and the previous call's
-     agreed time and preemption votes
-  3. wait for the previous write (never two at once; the wait is logged)
+     agreed time and preemption votes; with the memory tier
+     (``tiers/memory.py``) also whether the step is kept in memory
+  3. wait for the previous write (never two at once; the wait is logged;
+     a save kept only in memory waits for none)
   4. capture the state (``state.capture``: modules, optimizers, stateful
      objects, values, RNG)
   5. agree on free space; first save: agree on a nonce, clean leftovers
      (``commit.StepWriter``)
-  6. stage into reused host buffers (``stage.HostStager``)  <- training
-     blocks until here
+  6. stage into reused host buffers (``stage.HostStager``; with the memory
+     tier a slot of shared memory, then its record: memory-durable)
+     <- training blocks until here
   7. start this call's vote, hand the write to the background thread
      (``commit.StepWriter.write_and_commit``), return a ``SaveHandle``;
      with a remote, the node's uploader process picks committed steps up
@@ -19,6 +22,9 @@
 ``load(state, step=None)`` (main thread, every rank)
   waits for pending saves, then ``restore.Restorer.load``: candidates, fetch,
   verify, key matching, DCP read, elastic plan.
+
+``close()`` writes a step newer in memory than on disk to disk, then frees
+this rank's shared memory.
 """
 
 from __future__ import annotations
@@ -33,28 +39,29 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardckpt import _dist, _failpoints, resume_probe, state_digest, topology, values
+from shardckpt import _dist, _failpoints, resume_probe, state_digest, stores, topology, values
 from shardckpt.saving import preflight
-from shardckpt.restoring import step_peek as peek_mod
+from shardckpt.restoring import elastic as elastic_mod, step_peek as peek_mod
 from shardckpt.tiers.steps import LocalSteps, RemoteSteps
 from shardckpt._version import __version__
 from shardckpt.tiers import early_upload, remote_commit
-from shardckpt import stores
 from shardckpt.format import layout
-from shardckpt.restoring import elastic as elastic_mod
 from shardckpt import state as state_mod
 from shardckpt._text import fmt_bytes
 from shardckpt.saving.commit import SaveJob, StepWriter
 from shardckpt.format.retention import FULL, LIGHT
 from shardckpt.errors import ConfigError, SaveError
-from shardckpt.node.node_registry import state_dir
 from shardckpt.options import CheckpointConfig, SaveMode, UploaderMode, run_config_of
+from shardckpt.saving.handle import SaveHandle
 from shardckpt.saving.policy import SavePolicy
 from shardckpt.restoring.restorer import Restorer
 from shardckpt.saving.stage import CopyFence, HostStager, split_bytes
 from shardckpt.saving.durability import DurabilityLog
 from shardckpt.node.peer_tier import PeerTier
 from shardckpt.node.uploader_client import UploaderClient
+from shardckpt.node import memory_keeper
+from shardckpt.node.node_registry import state_dir, unregister_trainer
+from shardckpt.tiers.memory import MemoryTier
 
 if TYPE_CHECKING:  # pragma: no cover
     from shardckpt.restoring.step_peek import StepPeek
@@ -62,32 +69,6 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("shardckpt")
 
 __all__ = ["Checkpointer", "SaveHandle"]
-
-
-class SaveHandle:
-    """A save in flight. ``wait()`` returns the step directory once committed."""
-
-    def __init__(self, step: int, future: concurrent.futures.Future) -> None:
-        self.step = step
-        self._future = future
-        self.reported = False
-        """Its failure was raised to the caller already (by this handle): not raised again."""
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def wait(self, timeout: float | None = None) -> str:
-        """Block until committed (or ``timeout`` seconds); re-raises a failure."""
-        try:
-            return self._future.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"step {self.step} was not committed within {timeout} s") from None
-        except BaseException:
-            self.reported = True
-            raise
-
-    def __repr__(self) -> str:
-        return f"SaveHandle(step={self.step}, done={self.done()})"
 
 
 class Checkpointer:
@@ -147,6 +128,9 @@ class Checkpointer:
                 self._writer.file_done = self._file_done
         self._peer = PeerTier(self.config, self.root, registered=self._uploads is not None and self._uploads.active)
         self._restorer.sources.peer = self._peer  # a restore's peer views: the other nodes' daemons
+        self._memory = MemoryTier(self.config, self.root, pin=bool(pin),
+                                  join=lambda: memory_keeper.join(self.root, starts=_dist.local_rank() == 0))
+        self._restorer.sources.memory = self._memory  # source 0: the copies in this machine's shared memory
         self._writer.peer_facts, self._writer.peer_agreed = self._peer.facts, self._peer.agree
         self._durability = DurabilityLog(self.root, peer_on=lambda: self._peer.on,
                                          remote=self._uploads is not None and self._uploads.active)
@@ -242,32 +226,42 @@ class Checkpointer:
         # raised by _wait_previous, at the same call on every rank.
         try:
             decision = self._policy.decide(step, force)
-            if not decision.due:
+            memory = self._memory.enabled and (decision.due or self._memory.due(step))
+            if not decision.due and not memory:
                 return None
-            self._wait_previous(step)
-            kind = self._kind(light, decision.preempt)
+            if decision.due or self._writer.forks(step):  # a save kept only in memory waits for no write
+                self._wait_previous(step)
+            kind = self._kind(light, decision.preempt) if decision.due else FULL
             captured, kinds, frozen = state_mod.capture(
                 state, _dist.rank(), self.config.capture_rng, light=kind == LIGHT,
                 trainable_only=self.config.trainable_only,
             )
             own_keys = {k for k, v in state.items() if isinstance(v, elastic_mod.PerRank)} | {state_mod.RESERVED_KEY}
             captured, later = values.agree(captured, kinds, self._groups, step, self._warned_values, own=own_keys)
-            if self._saves == 0:
+            if self._saves == 0 and self._memory.last is None:
                 preflight.note_missing_optimizer(state)
-            if not self._writer.space_ok(step, *split_bytes(captured, own_keys)):
+            disk = decision.due and self._writer.space_ok(step, *split_bytes(captured, own_keys))
+            if not disk and not memory:
                 return None
             self._writer.prepare()
+            self._memory.begin(memory, self._groups, captured, self._restorer.loaded, self._writer.lineage,
+                               f"step {step}")
             lineage = self._writer.lineage_for(step)
             if frozen and self._frozen is None:
                 self._frozen = self._fingerprint(state, frozen)
-            staged, fence = self._stager.stage(captured, what=f"step {step}")
+            if memory:  # the copy goes into shared memory: the disk write reads it there
+                writing = self._pending is not None and not self._pending.done()
+                staged, fence = self._memory.stage(captured, f"step {step}", disk=disk, writing=writing)
+            else:
+                staged, fence = self._stager.stage(captured, what=f"step {step}")
             del captured
-            if not self.config.overlap_copies:
+            if memory or not self.config.overlap_copies:
                 fence.complete()  # returns with the copies done: no later write can reach them
             self._fence = fence
-            if self.config.overlap_copies:
+            if self.config.overlap_copies and not memory:
                 self._hook_writes(state)
-            self._policy.started(step, decision.preempt)
+            if disk:
+                self._policy.started(step, decision.preempt)
             _failpoints.hit("save.staged")
         finally:
             self._policy.start_vote()
@@ -279,6 +273,10 @@ class Checkpointer:
                       kind=kind, metrics=preflight.metrics(metrics), upload=self._upload_this(decision.preempt),
                       frozen=self._frozen or {}, run=self._run_record(), fence=fence, lineage=lineage,
                       save_id=self._writer.save_id(), later=later)
+        if memory:
+            where = self._memory.record(job, self._writer.held(job, disk))  # memory-durable from here
+            if not disk:
+                return SaveHandle.held(step, where)
         self._saves += 1
         self._policy.record_blocked(blocked)
         future = self._executor.submit(self._writer.write_and_commit, job)
@@ -400,7 +398,7 @@ class Checkpointer:
                 tier.close()
 
     def status(self) -> dict[str, Any]:
-        """Newest committed step (locally and remotely), the save in flight, uploads and errors.
+        """Newest committed step (locally and remotely), the save in flight, uploads, memory and errors.
 
         ``last_error`` is the last failed save of this instance (``None`` if
         none failed). With a remote: ``latest_remote`` (newest step known
@@ -409,8 +407,11 @@ class Checkpointer:
         ``last_upload_error``, ``failed_commits`` (``{step: {"ranks", "nodes",
         ...}}``: pending steps not committed within ``remote_commit_timeout_s``,
         with the ranks and nodes whose files are missing) and ``uploader`` (pid
-        and state of this node's uploader, from its status file). No remote
-        request is made.
+        and state of this node's uploader, from its status file). The memory
+        tier: ``latest_memory`` (the newest step this rank holds a copy of in
+        shared memory), ``memory_steps``, ``memory_bytes`` (what the job holds on
+        this machine), ``memory_dir``; ``restored_from`` says where the last
+        ``load()`` read its step. No remote request is made.
         """
         steps = self.steps()
         pending = self._pending
@@ -424,6 +425,7 @@ class Checkpointer:
         if self._uploads is not None:
             out.update(self._uploads.status(self._restorer.remote_committed))
         out.update(self._peer.status())
+        out.update(self._memory.status(), restored_from=self._restorer.restored_from)
         return out
 
     def close(self, timeout: float | None = None) -> None:
@@ -437,9 +439,10 @@ class Checkpointer:
         if self._closed:
             return
         t0 = time.monotonic()
-        writing = False
+        writing = flushed = False
         try:
             self.wait(timeout)
+            flushed = self._flush_memory()
         except TimeoutError:
             writing = True
             raise
@@ -449,6 +452,8 @@ class Checkpointer:
             self._policy.finish_vote()  # every rank started the same vote: finish it
             if not writing:
                 self._stager.release()
+            if flushed:  # the newest step is on disk: the memory copies go (the keeper frees them otherwise)
+                self._memory.release()
             for hook in self._hooks:
                 hook.remove()
             self._hooks.clear()
@@ -466,6 +471,7 @@ class Checkpointer:
                         self._durability.report(final=True)
                 finally:
                     self._restorer.close()
+                    unregister_trainer(self._memory.trainer)
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -490,6 +496,19 @@ class Checkpointer:
             if self._uploads is not None:
                 self._uploads.launch(found.committer)
             self._peer.launch(found, self._groups)
+
+    def _flush_memory(self) -> bool:
+        """close(): a step newer in memory than on disk is committed to disk first, from its copy in memory
+        (collective). Returns whether the memory may go (a failure raises: the memory stays, for the next launch)."""
+        rec, free = self._memory.unflushed(self._groups) if self._topology_known else (None, True)
+        if rec is not None:
+            (log.info if _dist.rank() == 0 else log.debug)("shardckpt: close(): step %d is only in memory; writing "
+                                                           "it to %s", rec.step, self.root)
+            job = self._memory.flush_job(rec, self._writer.partial_dir(rec.step, rec.save_id))
+            self._executor.submit(self._writer.write_and_commit, job).result()
+            if self._uploads is not None:
+                self._uploads.kick()
+        return free
 
     def _check_in(self, step: int) -> None:
         """Before this call's first collective: every rank called ``save()`` (bounded by ``save_agree_timeout_s``)."""

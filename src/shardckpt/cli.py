@@ -7,7 +7,7 @@ Looking at checkpoints, on either tier (a local directory or a remote URL)::
     shardckpt verify SRC [--step N | --all] [--json]     check every file against its manifest
     shardckpt export SRC OUT [--step N] [--format torch|safetensors] [--optimizer]
     shardckpt gc SRC --keep-last N [--keep-every K] [--keep-abandoned] [--dry-run]
-    shardckpt status DIR [--json]                   the node's uploader: pending steps, lag, last error
+    shardckpt status DIR [--json]                   the node's uploader, peer and memory tiers
     shardckpt adopt DCP_DIR --into DIR --step N     commit a copy of a stock DCP checkpoint
     shardckpt check-resume [--steps N] [--kill-after STEP] -- COMMAND   a script resumes exactly? (check_resume.py)
 
@@ -39,10 +39,9 @@ from typing import Any, Sequence
 
 from shardckpt import check_resume
 from shardckpt._version import __version__
-from shardckpt.format import layout, lineage, retention
+from shardckpt.format import layout, lineage, retention, shm, step_dirs
 from shardckpt._text import fmt_bytes
 from shardckpt.errors import ShardckptError
-from shardckpt.format import step_dirs
 from shardckpt.node import node_registry, peer_daemon
 from shardckpt.node.uploader import (
     add_best_args,
@@ -54,8 +53,7 @@ from shardckpt.node.uploader import (
     sync_from_args,
 )
 from shardckpt.stores import Deadline, TransferOptions, redact
-from shardckpt.tiers import compressed, remote_commit, remote_index
-from shardckpt.tiers import steps as steps_mod
+from shardckpt.tiers import compressed, remote_commit, remote_index, steps as steps_mod
 from shardckpt.tiers.steps import open_steps
 
 OK, BAD, ERROR = 0, 1, 2
@@ -99,8 +97,9 @@ def _open(args: argparse.Namespace) -> Any:
     return open_steps(args.src, _transfer_options(args))
 
 
-def _committed(tier: Any) -> dict[int, layout.Manifest]:
-    manifests = tier.manifests()
+def _committed(tier: Any, held: dict[int, layout.Manifest] | None = None) -> dict[int, layout.Manifest]:
+    """The committed steps (``held``: with the memory tier's saves not on disk, for ``ls``)."""
+    manifests = {**(held or {}), **tier.manifests()}
     if not manifests and not tier.unreadable:
         hint = ""
         if not tier.where.startswith(("s3://", "gs://")) and "://" not in tier.where:
@@ -174,7 +173,7 @@ def _kept(tier: Any) -> list[tuple[int, str]]:
 def cmd_ls(args: argparse.Namespace) -> int:
     tier = _open(args)
     try:
-        manifests = _committed(tier)
+        manifests = _committed(tier, tier.memory() if hasattr(tier, "memory") else None)
         live, abandoned = tier.live(manifests)
         metric, best = _best_steps(manifests, live, args)
         rows = [_step_row(s, m, abandoned, tier, best) for s, m in manifests.items()]
@@ -184,7 +183,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                          "unreadable": {str(k): v for k, v in tier.unreadable.items()},
                          "kept_aside": [{"step": s, "path": p} for s, p in kept]})
             return OK
-        print(f"{tier.where}: {len(rows)} committed step(s)")
+        held = [r["step"] for r in rows if r["tiers"] == ["memory"]]
+        print(f"{tier.where}: {len(rows) - len(held)} committed step(s)" + (f", {len(held)} only in memory" if held else ""))
         print(f"{'step':>10}  {'size':>10}  {'files':>5}  {'world':>5}  {'kind':>5}  {'tiers':<12}  saved at (UTC)")
         for row in rows:
             notes = [f"{k}={v:g}" for k, v in sorted(row["metrics"].items())]
@@ -389,8 +389,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         "last_error": info.get("last_error"),
         "last_error_time": info.get("last_error_time"),
         "peer": peer_daemon.node_status(root),
+        "latest_peer": peer_daemon.latest_replicated(root),
     }
-    body["latest_peer"] = peer_daemon.latest_replicated(root)  # the newest step its peer daemon replicated
+    body["memory"], memory_line = shm.status(root)
     if args.json:
         _print_json(body)
         return OK if url else BAD
@@ -398,8 +399,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{root}: {len(steps)} committed step(s), newest {body['latest_local']}"
               + (f" (peer-durable: {body['latest_peer']})" if body["peer"] else "")
               + "; no uploader has run here (no remote configured, or it never started)")
-        if body["peer"]:
-            print(peer_daemon.status_line(body["peer"]))
+        for line in filter(None, (peer_daemon.status_line(body["peer"]) if body["peer"] else None, memory_line)):
+            print(line)
         return BAD
     state = "running" if running is not None else (body["uploader"]["state"] or "not running")
     pid = f" (pid {running})" if running else ""
@@ -409,8 +410,8 @@ def cmd_status(args: argparse.Namespace) -> int:
           + (f", peer {body['latest_peer']}" if body["peer"] else "") + f", remote {latest_remote}"
           + (f" (lag {body['lag_steps']} steps)" if body["lag_steps"] else ""))
     print(f"  pending: {pending or 'nothing'}" + (f" ({fmt_bytes(body['pending_bytes'])})" if pending else ""))
-    if body["peer"]:
-        print(peer_daemon.status_line(body["peer"]))
+    for line in filter(None, (peer_daemon.status_line(body["peer"]) if body["peer"] else None, memory_line)):
+        print(line)
     for step, why in sorted(body["waiting"].items()):
         print(f"  step {step} waits: {why}")
     if body["failed_commits"]:
@@ -595,11 +596,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
     p.set_defaults(func=cmd_gc)
 
-    p = sub.add_parser("status", help="the node's uploader: pending steps, lag, last error",
+    p = sub.add_parser("status", help="the node's uploader (pending steps, lag, last error), peer and memory tiers",
                        description="What the uploader serving a local directory is doing: whether it runs, the "
                        "newest step locally and remotely, the steps waiting for upload and their size, why they "
-                       "wait, and the last error. Reads local files only.")
-    p.add_argument("dir", metavar="DIR", help="the local_dir of a Checkpointer with a remote")
+                       "wait, and the last error; the peer tier's replicas and the steps the memory tier holds on "
+                       "this machine. Reads local files only.")
+    p.add_argument("dir", metavar="DIR", help="the local_dir of a Checkpointer")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_status)
 

@@ -136,6 +136,27 @@ class CheckpointConfig:
     under it. For entries that differ on every resume (paths, run names, timestamps).
     ``SHARDCKPT_RUN_CONFIG_IGNORE``: comma-separated."""
 
+    memory_every_steps: int | None = None
+    """The memory tier: keep the step in shared memory (``/dev/shm``) every N steps; ``None``
+    (default): off. The staging copy ``save()`` makes anyway goes there, so such a save costs
+    the loop that copy (no disk write), and it survives the trainer: a process killed right after ``save()`` returned is resumed from it by
+    the next launch on the machine, in about the time of one copy. Saves due on disk
+    (``every_steps``, ``every_seconds``) are kept in memory too and written from the same buffers.
+    Host memory: ``memory_keep + 1`` copies of the staged state per rank. ``close()`` writes a
+    step newer in memory than on disk to disk, then frees the memory; after a crash the node's
+    memory keeper frees it once no trainer is left for ``SHARDCKPT_MEMORY_LINGER_S`` (120 s).
+    When to turn it on: docs/guides/memory-tier.md."""
+
+    memory_keep: int = 1
+    """Steps each rank keeps in memory (the newest ones); one more slot takes the next copy, so that
+    a process killed while it copies leaves the previous step usable."""
+
+    memory_budget: float | None = None
+    """Shared memory the memory tier may use per machine, for all its ranks: a fraction of the host's
+    RAM (``0 < x <= 1``) or a number of bytes (``> 1``); ``None``: 0.5 of the RAM. A state that does not
+    fit (``(memory_keep + 1)`` x its staged bytes) raises :class:`ConfigError` at the first save,
+    saying how much it needs; so does a ``/dev/shm`` too small (``SHARDCKPT_SHM_DIR``: another tmpfs)."""
+
     mode: SaveMode = SaveMode.ASYNC
     """``async`` (default): block only while staging into host memory."""
 
@@ -358,10 +379,17 @@ class CheckpointConfig:
             isinstance(self.every_seconds, (str, bool)) or not self.every_seconds > 0
         ):
             raise ConfigError(f"every_seconds must be > 0, 'auto' or None, got {self.every_seconds!r}")
-        for name in ("keep_best", "full_every", "keep_last_light", "remote_every"):
+        for name in ("keep_best", "full_every", "keep_last_light", "remote_every", "memory_every_steps"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
+        if isinstance(self.memory_keep, bool) or not isinstance(self.memory_keep, int) or self.memory_keep < 1:
+            raise ConfigError(f"memory_keep must be an integer >= 1, got {self.memory_keep!r}")
+        if self.memory_budget is not None and (isinstance(self.memory_budget, bool)
+                                               or not isinstance(self.memory_budget, (int, float))
+                                               or not self.memory_budget > 0):
+            raise ConfigError(f"memory_budget must be a fraction of the host's RAM (0 < x <= 1), a number of bytes "
+                              f"(> 1) or None, got {self.memory_budget!r}")
         if self.keep_best is not None and not self.best_metric:
             raise ConfigError("keep_best needs best_metric, the name of a metric passed to save(..., metrics={...})")
         if self.best_mode not in ("min", "max"):
@@ -469,13 +497,13 @@ _INT_FIELDS = {
     "remote_keep_last", "remote_keep_every", "transfer_concurrency", "part_size", "remote_max_attempts",
 }
 _FLOAT_FIELDS = {
-    "every_seconds", "mtbf_s", "free_space_margin", "collective_timeout_s", "save_agree_timeout_s",
+    "every_seconds", "memory_budget", "mtbf_s", "free_space_margin", "collective_timeout_s", "save_agree_timeout_s",
     "request_timeout_s", "backoff_max_s", "step_deadline_s", "drain_timeout_s", "remote_commit_timeout_s",
 }
 _BOOL_FIELDS = {"capture_rng", "strict", "verify_on_load", "pin_memory", "trainable_only", "start_fresh",
                 "overlap_copies"}
 _INT_FIELDS |= {"max_pinned_bytes", "micro_batch_size", "grad_accum_steps", "keep_best", "full_every", "keep_last_light", "remote_every",
-                "peer_replicas", "peer_bandwidth"}
+                "peer_replicas", "peer_bandwidth", "memory_every_steps", "memory_keep"}
 
 
 def _parse_env(name: str, raw: str) -> Any:

@@ -210,17 +210,18 @@ class CheckedWriter(FileSystemWriter):
 
 def dcp_write(
     state_dict: dict[str, Any], directory: str, *, process_group: Any, io_threads: int, rank: int,
-    on_file: Callable[[str, int, str], None] | None = None,
+    on_file: Callable[[str, int, str], None] | None = None, planner: Any = None,
 ) -> dict[str, tuple[int, str, str]]:
     """Write this rank's shards (and on rank 0 ``.metadata``) into ``directory``.
 
     Returns size, checksum and chunk checksums of each file this rank wrote, taken while writing.
-    ``on_file(name, size, checksum)``: called as each file is complete.
+    ``on_file(name, size, checksum)``: called as each file is complete; ``planner``: DCP's save
+    planner (``None``: its default one over ``state_dict``).
     """
     writer = CheckedWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=io_threads,
                            on_file=on_file)
     no_dist = not (dist.is_available() and dist.is_initialized())
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
-        dcp.save(state_dict, storage_writer=writer, process_group=process_group, no_dist=no_dist)
+        dcp.save(state_dict, storage_writer=writer, process_group=process_group, no_dist=no_dist, planner=planner)
     return writer.checksums(directory, step_dirs.own_files(directory, rank))

@@ -17,12 +17,14 @@ import fcntl
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 from typing import Any
 
 from shardckpt._proc import pid_alive, proc_start  # noqa: F401 - part of this module's interface
 from shardckpt.format import node_state
-from shardckpt.format.node_state import STATE_DIR, make_state_dir, read_json, state_dir  # noqa: F401 - re-exported
+from shardckpt.format.node_state import STATE_DIR, make_state_dir, open_private_log, read_json, state_dir  # noqa: F401 - re-exported
 
 
 def daemon_logging() -> None:
@@ -118,6 +120,42 @@ def uploader_running(root: str) -> int | None:
         return None
     finally:
         os.close(fd)
+
+
+# A node daemon (the uploader, the peer daemon, the memory keeper) forks once
+# more and the intermediate exits: the daemon is then no descendant of the
+# trainer (a kill of the trainer's process tree spares it) and runs in a
+# session of its own. It imports only its module's
+# dependencies (no torch): a stub package object stands in for
+# shardckpt/__init__.py, which imports torch.
+_BOOTSTRAP = (
+    "import os, sys, types\n"
+    "if os.fork() > 0:\n"
+    "    os._exit(0)\n"
+    "pkg = types.ModuleType('shardckpt'); pkg.__path__ = [sys.argv[1]]; sys.modules['shardckpt'] = pkg\n"
+    "module, _, func = sys.argv[2].partition(':')\n"
+    "main = getattr(__import__('shardckpt.' + module, fromlist=[func]), func)\n"
+    "sys.exit(main(sys.argv[3:]))\n"
+)
+
+
+def spawn_node_daemon(root: str, entry: str, args: list[str], log_name: str) -> None:
+    """Start a per-node daemon (``entry`` is ``module:function`` of this package) detached from the trainer."""
+    directory = make_state_dir(root)
+    env = dict(os.environ)
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # shardckpt/, above node/
+    logfile = os.fdopen(open_private_log(os.path.join(directory, log_name)), "ab")
+    try:
+        cmd = [sys.executable, "-c", _BOOTSTRAP, package_dir, entry, *args]
+        launcher = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT,
+            start_new_session=True, close_fds=True, cwd=root,
+        )
+    finally:
+        logfile.close()
+    launcher.wait(timeout=60)  # the intermediate exits right after its fork
 
 
 # ------------------------------------------------------------ remote listing

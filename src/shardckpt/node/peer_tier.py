@@ -28,10 +28,10 @@ from shardckpt import _dist
 from shardckpt.format import lineage, node_state, replicas
 from shardckpt.node import peer_daemon
 from shardckpt.stores import peer_client, tls
-from shardckpt.node.node_registry import pid_alive, read_json, register_trainer, state_dir, unregister_trainer
+from shardckpt.node.node_registry import (pid_alive, read_json, register_trainer, spawn_node_daemon, state_dir,
+                                         unregister_trainer)
 from shardckpt.options import CheckpointConfig
 from shardckpt.topology import Topology
-from shardckpt.node.uploader_client import spawn_node_daemon
 
 log = logging.getLogger("shardckpt")
 

@@ -14,8 +14,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -23,8 +21,8 @@ from shardckpt import _dist
 from shardckpt.format import layout
 from shardckpt.tiers import remote_commit
 from shardckpt.node.uploader import failure_text
-from shardckpt.format.node_state import make_state_dir, open_private_log
-from shardckpt.node.node_registry import pid_alive, read_status, register_trainer, state_dir, unregister_trainer, uploader_running
+from shardckpt.node.node_registry import (pid_alive, read_status, register_trainer, spawn_node_daemon, state_dir,
+                                         unregister_trainer, uploader_running)
 from shardckpt.options import CheckpointConfig, UploaderMode
 from shardckpt._text import fmt_bytes
 from shardckpt.stores import safe_url
@@ -39,20 +37,6 @@ ANNOUNCE_AFTER_S = 1.0
 """``close()`` logs its wait for uploads at INFO once it has waited this long (before: DEBUG)."""
 
 
-# The uploader forks once more and the intermediate exits: the uploader is
-# then no descendant of the trainer (a kill of the trainer's process tree
-# spares it) and runs in a session of its own. It imports only this module's
-# dependencies (no torch): a stub package object stands in for
-# shardckpt/__init__.py, which imports torch.
-_BOOTSTRAP = (
-    "import os, sys, types\n"
-    "if os.fork() > 0:\n"
-    "    os._exit(0)\n"
-    "pkg = types.ModuleType('shardckpt'); pkg.__path__ = [sys.argv[1]]; sys.modules['shardckpt'] = pkg\n"
-    "module, _, func = sys.argv[2].partition(':')\n"
-    "main = getattr(__import__('shardckpt.' + module, fromlist=[func]), func)\n"
-    "sys.exit(main(sys.argv[3:]))\n"
-)
 
 
 def spawn_uploader(root: str, url: str, args: list[str]) -> None:
@@ -61,27 +45,6 @@ def spawn_uploader(root: str, url: str, args: list[str]) -> None:
     Returns once the uploader is forked; it reports through ``status.json``.
     """
     spawn_node_daemon(root, "node.uploader:sync_main", ["--local", root, "--remote", url, *args], "uploader.log")
-
-
-def spawn_node_daemon(root: str, entry: str, args: list[str], log_name: str) -> None:
-    """Start a per-node daemon (``entry`` is ``module:function`` of this package) detached from the trainer."""
-    directory = make_state_dir(root)
-    env = dict(os.environ)
-    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(name, None)
-    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # shardckpt/, above node/
-    logfile = os.fdopen(open_private_log(os.path.join(directory, log_name)), "ab")
-    try:
-        cmd = [sys.executable, "-c", _BOOTSTRAP, package_dir, entry, *args]
-        launcher = subprocess.Popen(
-            cmd, env=env, stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT,
-            start_new_session=True, close_fds=True, cwd=root,
-        )
-    finally:
-        logfile.close()
-    launcher.wait(timeout=60)  # the intermediate exits right after its fork
-
-
 
 
 class UploaderClient:

@@ -37,6 +37,7 @@ from shardckpt import _dist
 from shardckpt import stores
 from shardckpt.dcp import planner as dcp_planner
 from shardckpt.dcp import reader as dcp_reader
+from shardckpt.dcp.memory import MemoryMiss
 from shardckpt.restoring import elastic as elastic_mod
 from shardckpt.format import layout
 from shardckpt.restoring import run_config as run_config_mod
@@ -74,6 +75,10 @@ class Restorer:
         """The lineage the saves after the last load continue (agreed by all ranks)."""
         self.newest_created = 0.0
         """The newest manifest time seen by the last load: later saves are stamped after it."""
+        self.loaded: lineage_mod.StepInfo | None = None
+        """The step the last load restored (its version and history)."""
+        self.restored_from: str | None = None
+        """Where the last load read it: the step directory, or ``memory (<its shared memory>)``."""
 
     @property
     def topology(self) -> Topology:
@@ -134,7 +139,9 @@ class Restorer:
             self.next_lineage = self._agree_lineage(survey, None)
             return None
         last_error: BaseException | None = None
-        for candidate in survey.candidates:
+        queue = list(survey.candidates)
+        while queue:
+            candidate = queue.pop(0)
             step_dir = os.path.join(self.root, layout.step_dirname(candidate))
             try:
                 if candidate in survey.conflicts:
@@ -146,6 +153,13 @@ class Restorer:
                 self._load_checked(
                     state, candidate, step_dir, manifest, checked, survey, strict=strict, trust_pickles=trust_pickles
                 )
+            except MemoryMiss as exc:  # every rank alike: the same step from the other sources, if they have it
+                survey.memory.pop(candidate, None)
+                queue[:0] = [candidate] if candidate in survey.elsewhere else []
+                if _dist.rank() == 0:
+                    log.warning("shardckpt: %s; %s", exc, "reading it from the other tiers" if queue[:1] == [candidate]
+                                else "it is on no other tier: trying an older step")
+                continue
             except CorruptCheckpointError as exc:
                 if self.config.on_corrupt == OnCorrupt.FALLBACK and step is None:
                     if _dist.rank() == 0:
@@ -174,6 +188,7 @@ class Restorer:
                 log_plan=_dist.rank() == 0,
             )
             self.next_lineage = self._agree_lineage(survey, candidate)
+            self.loaded, self.restored_from = survey.infos[candidate], step_dir
             return candidate
         raise CorruptCheckpointError(
             f"no committed step in {self.root} passed verification; the last error was: {last_error}"
@@ -312,8 +327,10 @@ class Restorer:
                 f"(see {os.path.join(step_dir, layout.MANIFEST_NAME)}). Remedy: point local_dir/remote at this "
                 f"run's checkpoints, or set run_id to {manifest.run_id!r} (or None) to continue that run."
             )
-        metadata = dcp_planner.read_metadata(step_dir, step, trust_pickles=trust_pickles,
-                                             entry=manifest.files.get(layout.METADATA_NAME) if self.config.verify_on_load else None)
+        memory = self.sources.memory.view(step) if self.sources.memory is not None else None
+        metadata = memory.metadata if memory is not None else dcp_planner.read_metadata(
+            step_dir, step, trust_pickles=trust_pickles,
+            entry=manifest.files.get(layout.METADATA_NAME) if self.config.verify_on_load else None)
         kinds_live = state_mod.classify(state)
         # Adopted stock DCP checkpoints record no kinds: take the live ones.
         saved_kinds = {
@@ -409,13 +426,15 @@ class Restorer:
         # they match (as modules are): no second allocation, no copy afterwards.
         live = state_mod.LiveTensors(state, kinds_live, rebuild_keys)
         planner = dcp_planner.RestorePlanner(rebuild, allow_partial_load=True, trust_pickles=trust_pickles, into=live.find)
-        sparse = self.sources.sparse.get(step)
-        failures = dcp_reader.dcp_read(
-            targets, step_dir, metadata, planner, self._groups.ctl, step=step,
-            entries=manifest.files if self.config.verify_on_load else None,
-            copies=[list(c) for c in self.topology.copies], checked=checked,
-            sparse=sparse, source=self.sources.reader_source(step),
-        )
+        if memory is not None:  # copies in memory: read as they are (their record proved them complete)
+            failures = memory.read(targets, planner, self._groups.ctl)
+        else:
+            failures = dcp_reader.dcp_read(
+                targets, step_dir, metadata, planner, self._groups.ctl, step=step,
+                entries=manifest.files if self.config.verify_on_load else None,
+                copies=[list(c) for c in self.topology.copies], checked=checked,
+                sparse=self.sources.sparse.get(step), source=self.sources.reader_source(step),
+            )
         # Every rank learns every checksum failure here, before anything is applied to the
         # live objects (applying may be collective: all ranks must take the same path).
         gathered = self._groups.all_gather_ctl(failures)

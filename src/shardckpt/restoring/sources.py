@@ -6,6 +6,11 @@ apply. For the save chosen by the survey (identified by its save id, never by
 its number alone), each directory copy takes every file it lacks from the
 first source that holds it, in this order:
 
+0. **this machine's shared memory** (``tiers/memory.py``): when every rank
+   finds the copies of that very save it reads on its machine, the step is
+   read from them and from nothing else (:meth:`MemoryTier.complete`); a
+   restore whose layout needs a copy held on another machine falls through
+   to the sources below for the same step;
 1. **this node's disk** (``local_dir/step_<N>/``): what the copy holds of that
    very save is used as it is (a copy holding another save of the number is
    kept aside, and completed like a copy holding nothing);
@@ -19,7 +24,7 @@ first source that holds it, in this order:
    against the manifest as it arrives, and one that fails gives way to the
    next view. A copy holding nothing of the step takes the manifest from the
    first view too and is committed, manifest last, once complete. Adding a
-   source is adding a provider to that list (a memory tier's goes first);
+   source of files is adding a provider to that list;
 3. **other nodes of the job over the process group** (no remote holds the
    save): each file a copy still lacks is sent by the committer of a copy that
    has it, checked on arrival (:mod:`.exchange`);
@@ -108,7 +113,9 @@ class Sources:
         self.peer: Any = None
         """The node's peer tier (``node/peer_tier.py``) when peer replicas are on, set by the Checkpointer."""
         self.providers: list[Provider] = [ReplicasHere(root), Peers(lambda: self.peer)]
-        """The step views a copy reads from after its own disk, in this order (a memory tier's goes first)."""
+        """The step views a copy reads from after its own disk, in this order."""
+        self.memory: Any = None
+        """Source 0: the memory tier (``tiers/memory.py``), set by the Checkpointer."""
         self.sparse: dict[int, ranged.SparseStep] = {}
         """Steps this rank reads from a sparse copy (need-only fetch from the remote, ``ranged.py``)."""
         self.surveyed: dict[int, layout.Manifest] = {}
@@ -164,9 +171,11 @@ class Sources:
         they are read) and the directory to read (a sparse copy's, for a
         need-only restore).
         """
-        received: set[str] = set()
         self.sparse.pop(step, None)
         self._report, self._read_sparse = {}, None
+        if step in survey.memory:  # source 0: the copies in this machine's shared memory
+            return self.memory.complete(step, survey.memory[step], self._groups)
+        received: set[str] = set()
         if step in survey.remote_unreadable:
             raise CorruptCheckpointError(
                 f"step {step} is committed on the remote {stores.safe_url(self.config.remote)}, but it cannot be "

@@ -6,11 +6,12 @@ node (the replicas held here: :meth:`Sources.offers`), rank 0 lists the
 remote (the index, ``tiers/remote_index.py``); every rank then computes alike
 which steps are live (``lineage.py``: steps of a branch abandoned by a
 rollback are not resumed by default) and which of them every rank can load:
-complete in its directory, committed on the remote, or one save whose every
-file some copy, view (a replica here, a peer's daemon, which serves what its
-node reported) or node holds. Steps are compared by version
-(:func:`shardckpt.format.layout.version_of`), never by number alone. Where
-the bytes then come from is :mod:`shardckpt.restoring.sources`.
+held complete in the shared memory of the ranks' machines
+(``tiers/memory.py``), complete in its directory, committed on the remote, or
+one save whose every file some copy, view (a replica here, a peer's daemon,
+which serves what its node reported) or node holds. Steps are compared by
+version (:func:`shardckpt.format.layout.version_of`), never by number alone.
+Where the bytes then come from is :mod:`shardckpt.restoring.sources`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from shardckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckp
 from shardckpt.format import layout, retention
 from shardckpt.format import lineage as lineage_mod
 from shardckpt.options import CheckpointConfig, OnCorrupt
+from shardckpt.tiers import memory as memory_mod
 from shardckpt.tiers import remote_commit
 from shardckpt.topology import Topology
 
@@ -53,6 +55,10 @@ class Survey:
     conflicts: dict[int, str] = dataclasses.field(default_factory=dict)
     """Steps whose lineage contradicts the run's other steps (``lineage.conflicts``), with the reason:
     never resumed; loading one raises :class:`CorruptCheckpointError`."""
+    memory: dict[int, Any] = dataclasses.field(default_factory=dict)
+    """Steps every rank can restore from the copies in its machine's shared memory (``tiers/memory.py``)."""
+    elsewhere: set[int] = dataclasses.field(default_factory=set)
+    """Candidates every rank can load without the memory copies (from disk, the other nodes, the remote)."""
 
 
 class Surveyor:
@@ -102,6 +108,7 @@ class Surveyor:
             "remote": remote_report,
             "early": early,
             "partials": _partial_saves(self.root),
+            "memory": self.sources.memory.report() if self.sources.memory is not None else None,
         }
         gathered = self._groups.all_gather_ctl(payload)
 
@@ -115,6 +122,9 @@ class Surveyor:
         for g in gathered:
             for s, body in g["infos"].items():
                 take(s, body)
+        memory = memory_mod.usable([g["memory"] for g in gathered], _dist.world_size())
+        for s, choice in memory.items():
+            take(s, choice.info)
         listed, remote_bad, error = gathered[0]["remote"] or ({}, {}, None)
         for s, body in listed.items():
             take(s, body)
@@ -150,11 +160,16 @@ class Surveyor:
             lacking = [c for c in self.topology.committers if c not in holders]
             return needed <= held and all(peers_on or version in gathered[c]["offers"].get(s, {}) for c in lacking)
 
-        def loadable(s: int) -> bool:
+        memory = {s: c for s, c in memory.items() if c.version == merged[s].version}
+
+        def elsewhere(s: int) -> bool:
             # Committed remotely, or this very save committed in every rank's directory (files a copy lacks
             # come from the views or another node's copy; completing says which are nowhere), or every file
             # of it held somewhere in the job.
             return s in remote_steps or all(s in m for m in per_rank_missing) or covered(s)
+
+        def loadable(s: int) -> bool:
+            return s in memory or elsewhere(s)
 
         unreadable_everywhere = set.intersection(*(set(g["unreadable"]) for g in gathered)) if gathered else set()
         remote_unreadable = {s: why for s, why in remote_bad.items() if s not in merged}
@@ -180,7 +195,7 @@ class Surveyor:
         if candidates and all(r is not None and r[0] == candidates[0] for r in reports):
             verified[candidates[0]] = [r[1] for r in reports if r[1]]
         return Survey(merged, live, abandoned, candidates, remote_steps, per_rank_missing, verified, stale,
-                      remote_unreadable, conflicts)
+                      remote_unreadable, conflicts, memory, {s for s in candidates if s in merged and elsewhere(s)})
 
     def _unassembled(self, step: int, gathered: list[dict[str, Any]], stale: list[set[int]], older: int) -> bool:
         """The newest live step cannot be assembled from what this job has: raise on every rank.

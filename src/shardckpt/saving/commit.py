@@ -82,6 +82,11 @@ class SaveJob:
     """This save's identity, the same on every rank (:meth:`StepWriter.partial_dir`)."""
     later: Any = None
     """The plain tensors whose content the ranks compare before the write (``values.Later``), or ``None``."""
+    planner: Any = None
+    """DCP's save planner when ``staged`` is not the state to write (a step written from its copy in memory)."""
+    created: float = 0.0
+    """When the save was made, when it is also kept in memory (:meth:`StepWriter.held`): its manifests on
+    both tiers carry it. 0: stamped at the commit."""
 
 
 class StepWriter:
@@ -108,6 +113,8 @@ class StepWriter:
         """The branch this instance's saves belong to: set by a load, else at the first save."""
         self.head_step: int | None = None
         """The newest step of that branch: the step loaded, then each step committed."""
+        self.head_on_disk = True
+        """The head's save is one for the disk (else it was kept in memory only)."""
         self._newest_created = 0.0
         self.file_done: Callable[[SaveJob, int, str, int, str], None] | None = None
         """``(job, rank, name, size, checksum)`` as each file of a save is complete (early uploads)."""
@@ -138,7 +145,9 @@ class StepWriter:
         if head is None or step > head:
             return current
         if step == head:
-            if _dist.rank() == 0:
+            # The head kept in memory only, saved again (for the disk: a loop's last save with force=True) is
+            # nothing to warn about; a step saved twice on disk is.
+            if _dist.rank() == 0 and self.head_on_disk:
                 log.warning(
                     "shardckpt: step %d is saved a second time: this save replaces the earlier save of step %d in "
                     "%s, which is kept aside (abandoned; `shardckpt gc` removes it). Remedy: give each save its own "
@@ -183,7 +192,25 @@ class StepWriter:
             if removed:
                 log.info("shardckpt: removed leftovers of interrupted saves in %s: %s", self.root, ", ".join(removed))
 
-    def partial_dir(self, step: int) -> str:
+    def forks(self, step: int) -> bool:
+        """A save of ``step`` starts a new branch (:meth:`lineage_for`)."""
+        return self.head_step is not None and step < self.head_step
+
+    def held(self, job: SaveJob, disk: bool) -> layout.Manifest:
+        """A save kept in memory (``disk``: and written to disk): its manifest (as a disk copy would say,
+        without files), and the head moves on."""
+        created = job.created = max(time.time(), self._newest_created + 1e-3)
+        self._newest_created = created
+        if job.lineage is not None:
+            self.lineage = job.lineage
+        self.head_step, self.head_on_disk = job.step, disk
+        return self._manifest(job, [], created)
+
+    def partial_dir(self, step: int, save_id: str | None = None) -> str:
+        """The partial directory of the next save (or of the save ``save_id``, written again from memory)."""
+        if save_id is not None:
+            nonce, _sep, count = save_id.rpartition("-")
+            return os.path.join(self.root, layout.partial_dirname(step, f"{count}-{nonce}"))
         self._count += 1
         return os.path.join(self.root, layout.partial_dirname(step, f"{self._count}-{self._nonce}"))
 
@@ -251,7 +278,8 @@ class StepWriter:
                 failure = exc
 
         # 3: exchange 1
-        reports = self._groups.all_gather_io((table, _describe(failure), metadata_bytes, time.time(), _disk(failure)))
+        reports = self._groups.all_gather_io((table, _describe(failure), metadata_bytes, job.created or time.time(),
+                                              _disk(failure)))
         problems = [(r, report[1], report[4]) for r, report in enumerate(reports) if report[1] is not None]
         if problems:
             if topo.committer:
@@ -270,8 +298,9 @@ class StepWriter:
         manifest: layout.Manifest | None = None
         try:
             # One timestamp for every copy (rank 0's), and later than every step this run
-            # has seen: the newest manifest is the head of the run's history (lineage.py).
-            created = max(reports[0][3], self._newest_created + 1e-3)
+            # has seen: the newest manifest is the head of the run's history (lineage.py). A save
+            # also kept in memory was stamped when it was made, as its memory copies were.
+            created = reports[0][3] if job.created else max(reports[0][3], self._newest_created + 1e-3)
             manifest = self._manifest(job, [r[0] for r in reports], created)
             if topo.committer:
                 meta = next((r[2] for r in reports if r[2] is not None), None)
@@ -318,10 +347,12 @@ class StepWriter:
             raise SaveError(f"step {step}: no manifest was built")
         self.last_total_bytes = manifest.total_bytes
         self.last_committed = step
-        self._newest_created = manifest.created
+        self._newest_created = max(self._newest_created, manifest.created)
         if job.lineage is not None:
             self.lineage = job.lineage
-        self.head_step = step
+        # A save kept only in memory may have moved the head on meanwhile (never onto another branch: a
+        # save that forks waits for this write first).
+        self.head_step = step if self.head_step is None else max(self.head_step, step)
 
         # 6: retention (after the step is committed on every copy), every node from the same peer facts
         if self.peer_agreed is not None:
@@ -349,6 +380,7 @@ class StepWriter:
         sums = dcp_writer.dcp_write(
             staged, job.partial, process_group=self._groups.io, io_threads=self.config.io_threads, rank=rank,
             on_file=(lambda name, size, digest: done(job, rank, name, size, digest)) if done else None,
+            planner=job.planner,
         )
         _failpoints.hit("write.done")
         table = {name: (size, digest, rank, chunks) for name, (size, digest, chunks) in sums.items()}

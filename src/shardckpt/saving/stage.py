@@ -28,7 +28,7 @@ from shardckpt.errors import SaveError
 _PLAIN = (int, float, bool, str, bytes, type(None))
 
 
-def _leaf_signature(obj: torch.Tensor) -> tuple:
+def leaf_signature(obj: torch.Tensor) -> tuple:
     if isinstance(obj, DTensor):
         local = obj._local_tensor
         return ("dtensor", tuple(local.shape), local.dtype, tuple(obj.shape), tuple(obj.placements))
@@ -266,13 +266,13 @@ class HostStager:
         self, obj: torch.Tensor, path: tuple, non_blocking: bool, allocated: list[bool],
         deferred: list[Callable[[], Any]] | None = None,
     ) -> Any:
-        signature = _leaf_signature(obj)
+        signature = leaf_signature(obj)
         buf = self._buffers.get(path)
         if buf is None or self._signatures[path] != signature:
             old = self._buffers.pop(path, None)  # drop the old buffer before allocating its successor
             if old is not None and _local(old).is_pinned():
                 self.pinned_bytes -= tensor_bytes(old)
-            buf = _new_buffer(obj, self._pin(obj))
+            buf = self._allocate(obj, path)
             self._buffers[path] = buf
             self._signatures[path] = signature
             allocated[0] = True
@@ -280,6 +280,11 @@ class HostStager:
             deferred.append(lambda: _copy_into(buf, obj, non_blocking))
             return buf
         return _copy_into(buf, obj, non_blocking)
+
+    def _allocate(self, obj: torch.Tensor, path: tuple) -> Any:
+        """A new buffer for the tensor ``obj`` at ``path`` of the state dict (the memory tier's slots
+        hand out views of their shared memory instead)."""
+        return _new_buffer(obj, self._pin(obj))
 
     def _pin(self, obj: torch.Tensor) -> bool:
         """Pin this buffer: pinning is on, and it fits under ``max_pinned_bytes``."""

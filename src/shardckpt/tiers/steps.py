@@ -29,8 +29,7 @@ import shutil
 import uuid
 from typing import Any, Callable
 
-from shardckpt.format import layout, lineage, step_dirs
-from shardckpt.format import node_state
+from shardckpt.format import layout, lineage, node_state, shm, step_dirs
 from shardckpt.tiers import compressed, remote_commit
 from shardckpt.tiers.missing import read_committed
 from shardckpt.errors import CorruptCheckpointError, RemoteError, ShardckptError
@@ -276,6 +275,7 @@ class LocalSteps(Steps):
         self.where = self.root
         self.store = LocalDirStore(self.root)
         self.unreadable = {}
+        self._memory: dict[str, layout.Manifest] = {}
         if not os.path.isdir(self.root):
             raise ShardckptError(
                 f"no checkpoint directory at {self.root}. Remedy: give the local_dir of a Checkpointer, or a "
@@ -303,10 +303,25 @@ class LocalSteps(Steps):
     def delete(self, step: int) -> None:
         step_dirs.delete_step(self.root, step)
 
+    def memory(self) -> dict[int, layout.Manifest]:
+        """The saves the memory tier holds complete (every rank's copy) of this directory on this machine
+        (``format/shm.py``), the newest per step (``shardckpt status`` lists every copy held here)."""
+        self._memory = {}
+        for entry in shm.steps(self.root)["saves"]:
+            if entry["complete_here"]:
+                self._memory[entry["version"]] = layout.Manifest.from_json(entry["manifest"], shm.namespace(self.root))
+        out: dict[int, layout.Manifest] = {}
+        for manifest in sorted(self._memory.values(), key=lambda m: m.created):
+            out[manifest.step] = manifest
+        return out
+
     def tiers(self, step: int, manifest: layout.Manifest) -> list[str]:
         """``local``, ``peer`` once this node's peer daemon replicated it, ``remote`` once the uploader
-        marked it committed there."""
-        found = ["local"]
+        marked it committed there, ``memory`` while the memory tier holds it on this machine."""
+        held = ["memory"] if layout.version_of(manifest) in self._memory else []
+        if not os.path.exists(os.path.join(self.step_where(step), layout.MANIFEST_NAME)) and held:
+            return held
+        found = ["local"] + held
         if node_state.replicated(self.root, step, manifest):
             found.append("peer")
         try:

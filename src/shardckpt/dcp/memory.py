@@ -1,0 +1,302 @@
+"""A step held in memory, read through DCP: its items described at save, its metadata and reader at restore.
+
+At save each rank describes what it staged (:func:`describe`): every tensor
+(plain or DTensor) as DCP would plan it (fqn, dtype, local shape, global
+size, the chunk's offsets) with its offset in the rank's buffer, and every
+non-tensor item serialised as DCP writes it (``torch.save``). At restore the
+descriptions of all saving ranks make one DCP :class:`Metadata`
+(:func:`metadata`), so the restore's planner, key matching and resharding run
+exactly as for a step on disk; :class:`MemoryReader` then reads each item
+from the buffers held on this machine straight into the live tensors (a read
+of the file, as from the page cache; a part of a tensor through a mapping); and
+:class:`RecordPlanner` writes a copy in memory as DCP files (``close()`` puts
+the newest memory step on disk). Knows no tier.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import _create_write_items
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.tensor import DTensor
+from torch.futures import Future
+
+from shardckpt.dcp.reader import _memory_of
+from shardckpt.errors import ShardckptError
+
+try:
+    from torch.distributed.checkpoint._traverse import narrow_tensor_by_index  # type: ignore
+except ImportError:  # pragma: no cover - moved between torch releases
+    from torch.distributed._shard._utils import narrow_tensor_by_index  # type: ignore
+
+
+class MemoryMiss(ShardckptError):
+    """The restore on this rank needs bytes that no copy held on its machine has (another layout than saved)."""
+
+
+def _dtype(name: str) -> torch.dtype:
+    value = getattr(torch, name.rsplit(".", 1)[-1], None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return value
+
+
+def describe(
+    staged: dict[str, Any], offset_of: Callable[[torch.Tensor], int], cache: dict[tuple[str, int], list[Any]],
+) -> tuple[list[list[Any]], list[tuple[str, bytes]], dict[str, list[Any]]]:
+    """What one rank staged, as DCP would plan it: ``(tensors, values, planner_data)``.
+
+    ``tensors``: ``[fqn, dtype, local shape, global size, chunk offsets, offset]`` where ``offset_of``
+    gives the local tensor's offset in the rank's buffer; ``values``: ``(fqn, torch.save bytes)`` of
+    every other item; ``planner_data``: each fqn's path. ``cache`` keeps the entries of buffers seen
+    before (the same buffer object of the same fqn describes itself alike).
+    """
+    flat, mappings = flatten_state_dict(staged)
+    tensors: list[list[Any]] = []
+    values: list[tuple[str, bytes]] = []
+    for fqn, obj in flat.items():
+        if isinstance(obj, torch.Tensor):
+            key = (fqn, id(obj))
+            entry = cache.get(key)
+            if entry is None:
+                local = obj._local_tensor if isinstance(obj, DTensor) else obj
+                items = _create_write_items(fqn, obj)
+                data = items[0].tensor_data
+                entry = [fqn, str(local.dtype), list(data.chunk.sizes), list(data.size), list(data.chunk.offsets),
+                         offset_of(local)]
+                cache[key] = entry
+            tensors.append(entry)
+        else:
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            values.append((fqn, buf.getvalue()))
+    planner_data = {fqn: list(path) for fqn, path in mappings.items()}
+    return tensors, values, planner_data
+
+
+def metadata(tables: list[dict[str, Any]]) -> Metadata:
+    """DCP's metadata of a save from every saving rank's description (the same on every rank)."""
+    sd: dict[str, Any] = {}
+    seen: dict[str, set[tuple[int, ...]]] = {}
+    planner_data: dict[str, Any] = {}
+    for table in tables:
+        for fqn, dtype, shape, size, offsets, _offset in table["tensors"]:
+            md = sd.get(fqn)
+            if md is None:
+                md = sd[fqn] = TensorStorageMetadata(TensorProperties(dtype=_dtype(dtype)), torch.Size(size), [])
+                seen[fqn] = set()
+            if tuple(offsets) not in seen[fqn]:  # a tensor every rank holds alike (a DDP replica) is one chunk
+                seen[fqn].add(tuple(offsets))
+                md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(shape)))
+        for fqn, _offset, _length in table["values"]:
+            sd.setdefault(fqn, BytesStorageMetadata())
+        planner_data.update({fqn: tuple(path) for fqn, path in table["planner_data"].items()})
+    return Metadata(state_dict_metadata=sd, planner_data=planner_data, storage_data={})
+
+
+class Copy:
+    """One rank's copy of the save held on this machine, read-only: its buffer, values and description."""
+
+    def __init__(self, rank: int, buffer_path: str, buffer_size: int, values_path: str, values_size: int,
+                 table: dict[str, Any]) -> None:
+        self.rank = rank
+        self.table = table
+        self._buffer_path, self._buffer_size = buffer_path, buffer_size
+        self._values_path, self._values_size = values_path, values_size
+        self._map: mmap.mmap | None = None
+        self._fd: int | None = None
+        self._values: bytes | None = None
+
+    def read_into(self, target: torch.Tensor, dtype: str, shape: list[int], offset: int) -> bool:
+        """Read the tensor recorded at ``offset`` straight into ``target`` when it is that whole tensor, on the
+        CPU and contiguous (one copy by the kernel, as a read from the page cache); False otherwise."""
+        if (target.device.type != "cpu" or not target.is_contiguous() or str(target.dtype) != dtype
+                or list(target.shape) != list(shape) or not target.numel()):
+            return False
+        view = _memory_of(target)
+        if offset < 0 or offset + view.nbytes > self._buffer_size:
+            raise ValueError(f"[{offset}, {offset + view.nbytes}) lies outside the buffer of {self._buffer_size} bytes")
+        if self._fd is None:
+            self._fd = os.open(self._buffer_path, os.O_RDONLY)
+        done = 0
+        while done < view.nbytes:
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise ValueError(f"{self._buffer_path} ends at {offset + done}, before the tensor it records")
+            done += got
+        return True
+
+    def tensor(self, dtype: str, shape: list[int], offset: int) -> torch.Tensor:
+        """The tensor recorded at ``offset``: a read-only view of the mapped buffer with a storage of its own."""
+        if self._map is None:
+            fd = os.open(self._buffer_path, os.O_RDONLY)
+            try:
+                # Populated at once: one pass of the kernel instead of a fault per page while copying.
+                self._map = mmap.mmap(fd, max(1, self._buffer_size), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                                      prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+        kind = _dtype(dtype)
+        count = 1
+        for d in shape:
+            count *= d
+        if offset < 0 or offset + count * kind.itemsize > self._buffer_size:
+            raise ValueError(f"[{offset}, {offset + count * kind.itemsize}) lies outside the buffer of "
+                             f"{self._buffer_size} bytes")
+        if not count:
+            return torch.empty(shape, dtype=kind)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only memory: only read from here
+            return torch.frombuffer(self._map, dtype=kind, count=count, offset=offset).view(shape)
+
+    def value(self, offset: int, length: int) -> bytes:
+        if self._values is None:
+            with open(self._values_path, "rb") as f:
+                self._values = f.read(self._values_size)
+        if offset < 0 or offset + length > len(self._values):
+            raise ValueError(f"[{offset}, {offset + length}) lies outside the values of {len(self._values)} bytes")
+        return self._values[offset:offset + length]
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view still alive: the mapping goes with it
+                pass
+            self._map = None
+
+
+class MemoryReader(StorageReader):
+    """DCP's storage reader over the copies of one save held on this machine (this rank's own first).
+
+    Each read item is looked up by fqn and chunk in the copies; a rank whose plan needs
+    an item none of them holds fails the plan (:class:`MemoryMiss`, on every rank alike:
+    DCP gathers the planning errors) before a byte is read.
+    """
+
+    def __init__(self, md: Metadata, copies: list[Copy], *, step: int, where: str) -> None:
+        super().__init__()
+        self._md = md
+        self._copies = copies
+        self._step, self._where = step, where
+        self._tensors: dict[tuple[str, tuple[int, ...]], tuple[Copy, list[Any]]] = {}
+        self._values: dict[str, tuple[Copy, int, int]] = {}
+        for copy in copies:
+            for entry in copy.table["tensors"]:
+                self._tensors.setdefault((entry[0], tuple(entry[4])), (copy, entry))
+            for fqn, offset, length in copy.table["values"]:
+                self._values.setdefault(fqn, (copy, offset, length))
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def read_metadata(self) -> Metadata:
+        return self._md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        lacking = [item.storage_index.fqn for item in plan.items if self._find(item) is None]
+        if lacking:
+            raise MemoryMiss(
+                f"step {self._step} in memory ({self._where}): this rank reads {len(lacking)} item(s) that no copy on "
+                f"this machine holds ({', '.join(sorted(set(lacking))[:5])}): the state is laid out otherwise than "
+                f"when it was saved"
+            )
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def _find(self, item: Any) -> Any:
+        if item.type == LoadItemType.BYTE_IO:
+            return self._values.get(item.storage_index.fqn)
+        return self._tensors.get((item.storage_index.fqn, tuple(item.storage_index.offset or ())))
+
+    def read_data(self, plan: LoadPlan, planner: Any) -> Future:
+        for item in plan.items:
+            found = self._find(item)
+            if item.type == LoadItemType.BYTE_IO:
+                copy, offset, length = found
+                planner.load_bytes(item, io.BytesIO(copy.value(offset, length)))
+                continue
+            copy, entry = found
+            target = planner.resolve_tensor(item).detach()
+            whole = all(o == 0 for o in item.storage_offsets) and list(item.lengths) == list(entry[2])
+            if whole and copy.read_into(target, entry[1], entry[2], entry[5]):
+                planner.commit_tensor(item, target)
+                continue
+            source = narrow_tensor_by_index(copy.tensor(entry[1], entry[2], entry[5]), item.storage_offsets,
+                                            item.lengths)
+            if target.size() != source.size():
+                raise ValueError(f"{item.storage_index.fqn}: holds {tuple(source.size())}, the state expects "
+                                 f"{tuple(target.size())}")
+            target.copy_(source)
+            planner.commit_tensor(item, target)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+
+class RecordPlanner(DefaultSavePlanner):
+    """DCP's save planner over one rank's copy in memory: its items as recorded, its bytes from the mapping.
+
+    What DCP writes from it is what a save of the live state would have written (the same items,
+    chunks and ``torch.save`` bytes); DCP's global planning (deduplication, metadata) is its own.
+    """
+
+    def __init__(self, copy: Copy) -> None:
+        super().__init__()
+        self._copy = copy
+        self._data: dict[MetadataIndex, tuple[Any, ...]] = {}
+
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        self.state_dict = {}
+        self.is_coordinator = is_coordinator
+        self.mappings = {fqn: tuple(path) for fqn, path in self._copy.table["planner_data"].items()}
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for fqn, dtype, shape, size, offsets, offset in self._copy.table["tensors"]:
+            index = MetadataIndex(fqn, torch.Size(offsets))
+            chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(shape))
+            items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
+                chunk=chunk, properties=TensorProperties(dtype=_dtype(dtype)), size=torch.Size(size))))
+            self._data[index] = (dtype, shape, offset)
+        for fqn, offset, length in self._copy.table["values"]:
+            index = MetadataIndex(fqn)
+            items.append(WriteItem(index=index, type=WriteItemType.BYTE_IO))
+            self._data[index] = (offset, length)
+        self.plan = SavePlan(items, planner_data=self.mappings)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        found = self._data[write_item.index]
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(self._copy.value(*found))
+        return self._copy.tensor(*found)

@@ -1,0 +1,344 @@
+"""The memory tier's files in shared memory: where they live, the record that makes a copy usable, who trusts it.
+
+A ``local_dir`` with the memory tier on keeps each rank's newest staged
+copies in a tmpfs (``/dev/shm``, or ``SHARDCKPT_SHM_DIR``) that outlives the
+trainer process, in one directory per ``local_dir`` and user::
+
+    /dev/shm/shardckpt-<uid>-<key>/       mode 0700, owned by the job's user; <key>: a digest of the local_dir's path
+        r<rank>-s<slot>-<token>.buf       one rank's staged tensors of one slot, back to back (reused between saves;
+                                          a new token when the layout changes)
+        r<rank>-s<slot>.val               the non-tensor values of the save the slot holds (torch.save'd, back to back)
+        r<rank>-s<slot>.rec               the record: written last, after the copy is complete (tmp + rename);
+                                          removed first when the slot is written again
+
+A slot holds a save only while its record exists, so a copy cut short (the
+process killed while it copies) is never used: the record is gone before
+the first byte is overwritten and comes back only after the last. The record
+names the step, the save id, this machine's boot id (a record of another
+boot is stale: nothing of it is trusted), the files and their sizes, the
+step's manifest and where each tensor lies in the buffer.
+
+Torch-free: read by ``shardckpt ls`` / ``status``, the node's memory keeper
+(``node/memory_keeper.py``) and the trainer (``tiers/memory.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import socket
+import stat
+import uuid
+from typing import Any
+
+from shardckpt._text import fmt_bytes
+from shardckpt.errors import ConfigError
+from shardckpt.format import layout
+
+FORMAT = "shardckpt-memory/1"
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+REC, BUF, VAL = ".rec", ".buf", ".val"
+ALIGN = 64
+"""Byte alignment of every tensor in a buffer (any dtype's element size divides it)."""
+
+
+def shm_root() -> str:
+    """Where the namespaces live: ``SHARDCKPT_SHM_DIR`` (a tmpfs), else ``/dev/shm``."""
+    return os.environ.get("SHARDCKPT_SHM_DIR") or "/dev/shm"
+
+
+@functools.lru_cache(maxsize=1)
+def boot_id() -> str:
+    """This boot of this machine (a record written before a reboot carries another one)."""
+    try:
+        with open(BOOT_ID_PATH, encoding="ascii") as f:
+            return f.read().strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def machine() -> str:
+    """What ranks sharing this machine's shared memory have in common: host name and boot."""
+    return f"{socket.gethostname()}/{boot_id()}"
+
+
+def namespace(root: str) -> str:
+    """The directory holding the memory tier of ``root`` (a ``local_dir``) for this user."""
+    key = hashlib.sha256(os.path.realpath(root).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return os.path.join(shm_root(), f"shardckpt-{os.getuid()}-{key}")
+
+
+def record_name(rank: int, slot: int) -> str:
+    return f"r{rank}-s{slot}{REC}"
+
+
+def values_name(rank: int, slot: int) -> str:
+    return f"r{rank}-s{slot}{VAL}"
+
+
+def buffer_name(rank: int, slot: int) -> str:
+    """A fresh name for a slot's buffer (a new token each time the slot is laid out again)."""
+    return f"r{rank}-s{slot}-{uuid.uuid4().hex[:10]}{BUF}"
+
+
+def parse_name(name: str) -> tuple[int, int] | None:
+    """``(rank, slot)`` of a file of the namespace, ``None`` for any other name."""
+    if not name.startswith("r") or "-s" not in name:
+        return None
+    rank, _sep, rest = name[1:].partition("-s")
+    slot = rest.split("-", 1)[0].split(".", 1)[0]
+    return (int(rank), int(slot)) if rank.isdigit() and slot.isdigit() else None
+
+
+def namespace_problem(path: str) -> str | None:
+    """Why the namespace directory ``path`` cannot be trusted (``None``: it can, or it does not exist).
+
+    Anyone can create a directory in ``/dev/shm``: one of another user, a link,
+    or one others may write into would let them plant a record.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a directory"
+    if st.st_uid != os.getuid():
+        return f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
+    if st.st_mode & 0o077:
+        return f"{path} has mode {oct(st.st_mode & 0o777)}: others may write or read it (0700 expected)"
+    return None
+
+
+def ensure_namespace(root: str) -> str:
+    """The namespace of ``root``, created (mode 0700) when absent; raises :class:`ConfigError` when
+    what is there cannot be trusted."""
+    path = namespace(root)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    problem = namespace_problem(path)
+    if problem is not None:
+        raise ConfigError(
+            f"the memory tier of {root} cannot use {problem}. Remedy: remove it (it is not this job's), or point "
+            f"SHARDCKPT_SHM_DIR at a tmpfs of this user's."
+        )
+    return path
+
+
+@dataclasses.dataclass
+class Record:
+    """One rank's complete copy of one save, as its record describes it."""
+
+    rank: int
+    slot: int
+    step: int
+    save_id: str
+    world_size: int
+    created: float
+    boot_id: str
+    local_dir: str
+    buffer: str
+    buffer_size: int
+    values_file: str
+    values_size: int
+    manifest: str
+    """The step's manifest text (sealed, without files): what a disk copy of the save would say."""
+    tensors: list[list[Any]]
+    """``[fqn, dtype, local shape, global size, chunk offsets, offset in the buffer]`` per tensor saved."""
+    values: list[list[Any]]
+    """``[fqn, offset, length]`` per non-tensor item in the values file."""
+    planner_data: dict[str, list[Any]]
+    """DCP's flattening: each fqn's path in the state dict."""
+    layout: list[list[Any]]
+    """The slot's buffers: ``[path, signature, offset, nbytes]`` (the copy reuses them when they fit)."""
+    host: str = ""
+    name: str = ""
+    """The record's file name (not stored)."""
+
+    @property
+    def version(self) -> str:
+        return f"id:{self.save_id}"
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer_size + self.values_size
+
+    def to_json(self) -> str:
+        body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
+        body["format"] = FORMAT
+        return json.dumps(body, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes, name: str) -> "Record":
+        body = json.loads(text)
+        if not isinstance(body, dict) or body.pop("format", None) != FORMAT:
+            raise ValueError("not a memory record of this format")
+        fields = {f.name for f in dataclasses.fields(cls)} - {"name"}
+        record = cls(**{k: body[k] for k in fields if k in body}, name=name)
+        for key, kind in (("rank", int), ("slot", int), ("step", int), ("world_size", int), ("buffer_size", int),
+                          ("values_size", int), ("save_id", str), ("boot_id", str), ("buffer", str),
+                          ("values_file", str), ("manifest", str), ("local_dir", str)):
+            if not isinstance(getattr(record, key), kind) or isinstance(getattr(record, key), bool):
+                raise ValueError(f"{key} is not a {kind.__name__}")
+        for key in ("buffer", "values_file"):
+            if parse_name(getattr(record, key)) != (record.rank, record.slot) or "/" in getattr(record, key):
+                raise ValueError(f"{key} {getattr(record, key)!r} is not a file of this record's slot")
+        shapes = (str, str, _INTS, _INTS, _INTS, int)
+        for table, kinds in (("tensors", shapes), ("values", (str, int, int)), ("layout", (str, str, int, int))):
+            for entry in getattr(record, table):
+                if not (isinstance(entry, list) and len(entry) == len(kinds) and all(map(_is, entry, kinds))):
+                    raise ValueError(f"a malformed entry of {table}: {str(entry)[:80]}")
+        if not (isinstance(record.planner_data, dict) and all(isinstance(p, list) for p in record.planner_data.values())):
+            raise ValueError("planner_data is not a table of paths")
+        return record
+
+    def manifest_obj(self, where: str) -> layout.Manifest:
+        return layout.Manifest.from_json(self.manifest, where)
+
+
+_INTS = "ints"
+
+
+def _is(value: Any, kind: Any) -> bool:
+    if kind is _INTS:
+        return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
+def write_record(ns: str, record: Record) -> None:
+    """Make ``record`` the slot's: after every byte it describes is in place (tmp + rename)."""
+    final = os.path.join(ns, record_name(record.rank, record.slot))
+    tmp = f"{final}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(record.to_json())
+    os.replace(tmp, final)
+
+
+def drop_record(ns: str, rank: int, slot: int) -> None:
+    """The slot holds no save from here on (before anything of it is overwritten)."""
+    try:
+        os.unlink(os.path.join(ns, record_name(rank, slot)))
+    except FileNotFoundError:
+        pass
+
+
+def read_records(root: str) -> tuple[list[Record], dict[str, str]]:
+    """The usable records of ``root``'s namespace on this machine, and why each other record is not.
+
+    Usable: written by this boot for this ``local_dir``, in a namespace this user
+    owns alone, its buffer and values files present and at least as long as it says.
+    """
+    ns = namespace(root)
+    problem = namespace_problem(ns)
+    if problem is not None:
+        return [], {ns: problem}
+    try:
+        names = sorted(os.listdir(ns))
+    except FileNotFoundError:
+        return [], {}
+    sizes = {}
+    for name in names:
+        try:
+            st = os.lstat(os.path.join(ns, name))
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+            sizes[name] = st.st_size
+    good: list[Record] = []
+    bad: dict[str, str] = {}
+    here, real = boot_id(), os.path.realpath(root)
+    for name in names:
+        if not name.endswith(REC) or name not in sizes:
+            continue
+        try:
+            with open(os.path.join(ns, name), "rb") as f:
+                record = Record.from_json(f.read(), name)
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            bad[name] = f"unreadable ({type(exc).__name__}: {exc})"
+            continue
+        if (record.rank, record.slot) != parse_name(name):
+            bad[name] = "names another rank or slot than its file"
+        elif record.boot_id != here:
+            bad[name] = f"written before this machine restarted (boot {record.boot_id}, now {here})"
+        elif os.path.realpath(record.local_dir) != real:
+            bad[name] = f"belongs to {record.local_dir}, not {root}"
+        elif sizes.get(record.buffer, -1) < record.buffer_size or sizes.get(record.values_file, -1) < record.values_size:
+            bad[name] = "its buffer or values file is missing or shorter than it says"
+        else:
+            good.append(record)
+    return good, bad
+
+
+def remove(ns: str, names: list[str]) -> None:
+    for name in names:
+        try:
+            os.unlink(os.path.join(ns, name))
+        except FileNotFoundError:
+            pass
+
+
+def purge(root: str) -> int:
+    """Remove ``root``'s namespace with everything in it; returns the bytes freed."""
+    ns = namespace(root)
+    if namespace_problem(ns) is not None:
+        return 0
+    freed = 0
+    try:
+        names = os.listdir(ns)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        try:
+            freed += os.lstat(os.path.join(ns, name)).st_size
+        except FileNotFoundError:
+            pass
+    remove(ns, names)
+    try:
+        os.rmdir(ns)
+    except OSError:
+        pass
+    return freed
+
+
+def held_bytes(root: str) -> int:
+    ns = namespace(root)
+    try:
+        return sum(os.lstat(os.path.join(ns, n)).st_size for n in os.listdir(ns))
+    except OSError:
+        return 0
+
+
+def steps(root: str) -> dict[str, Any]:
+    """What ``shardckpt ls`` / ``status`` show of the memory tier on this machine: per save held here, its
+    step, the ranks whose copies are complete here and the saving world size (and its manifest's text)."""
+    records, bad = read_records(root)
+    saves: dict[str, dict[str, Any]] = {}
+    for r in records:
+        entry = saves.setdefault(r.version, {"step": r.step, "version": r.version, "world_size": r.world_size,
+                                             "ranks": [], "bytes": 0, "created": r.created, "manifest": r.manifest})
+        entry["ranks"].append(r.rank)
+        entry["bytes"] += r.nbytes
+        entry["created"] = max(entry["created"], r.created)
+    for entry in saves.values():
+        entry["ranks"].sort()
+        entry["complete_here"] = entry["ranks"] == list(range(entry["world_size"]))
+    return {"dir": namespace(root), "saves": sorted(saves.values(), key=lambda e: (e["step"], e["created"])),
+            "held_bytes": held_bytes(root), "stale": bad}
+
+
+def status(root: str) -> tuple[dict[str, Any], str | None]:
+    """``shardckpt status``: the memory tier of ``root`` on this machine, and its line (None: it holds nothing)."""
+    found = steps(root)
+    body = {"dir": found["dir"], "held_bytes": found["held_bytes"], "stale": found["stale"],
+            "saves": [{k: v for k, v in e.items() if k != "manifest"} for e in found["saves"]]}
+    if not body["saves"] and not body["held_bytes"]:
+        return body, None
+    shown = ", ".join(f"{e['step']}" + ("" if e["complete_here"] else f" (ranks {e['ranks']} of {e['world_size']} here)")
+                      for e in body["saves"]) or "none complete"
+    return body, f"  memory: steps {shown} in {body['dir']} ({fmt_bytes(body['held_bytes'])} held)"

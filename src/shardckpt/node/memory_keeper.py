@@ -1,0 +1,120 @@
+"""The node's memory keeper: frees a ``local_dir``'s shared memory once its job is over on this node.
+
+The memory tier's copies are files in a tmpfs (``format/shm.py``): they
+outlive the trainer on purpose (a restarted trainer resumes from them), and
+nothing frees them by itself. A clean ``close()`` frees its own. For the rest
+(a job killed and not restarted, a node left out of the next launch) the
+first trainer of the node that keeps a step in memory starts this keeper
+(one per ``local_dir``, like the uploader and the peer daemon; no torch). It
+exits when the namespace is gone and no trainer is left, and removes the
+namespace once no trainer of the node has been alive for ``--linger``
+seconds (``SHARDCKPT_MEMORY_LINGER_S``, default :data:`LINGER_S`): long
+enough for a launcher or a scheduler to restart the job here.
+
+Its files sit beside the other daemons' in ``<local_dir>/.shardckpt-remote/``:
+``memory.lock`` (held while it runs), ``memory.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from shardckpt._text import fmt_bytes
+from shardckpt.format import shm
+from shardckpt.node.node_registry import (daemon_logging, register_trainer, spawn_node_daemon, state_dir,
+                                         trainers_alive)
+
+log = logging.getLogger("shardckpt")
+
+LOCK_NAME = "memory.lock"
+LINGER_S = 120.0
+"""Seconds the memory of a job with no live trainer on this node is kept for a restart."""
+
+
+def running(root: str) -> bool:
+    """A keeper holds the lock of ``root``."""
+    try:
+        fd = os.open(os.path.join(state_dir(root), LOCK_NAME), os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def join(root: str, starts: bool) -> str:
+    """A trainer keeps steps in memory: it counts as the node's trainer, and (``starts``: the node's first
+    rank) starts the keeper when none runs. Returns the trainer's file (``node_registry.unregister_trainer``)."""
+    path = register_trainer(root)
+    if starts and not running(root):
+        linger = os.environ.get("SHARDCKPT_MEMORY_LINGER_S") or str(LINGER_S)
+        spawn_node_daemon(root, "node.memory_keeper:keeper_main", ["--local", root, "--linger", linger], "memory.log")
+    return path
+
+
+class MemoryKeeper:
+    def __init__(self, root: str, *, linger_s: float = LINGER_S, poll_s: float = 0.5) -> None:
+        self.root = os.path.abspath(root)
+        self.linger_s = linger_s
+        self.poll_s = poll_s
+        self._stop = threading.Event()
+
+    def stop(self, *_: Any) -> None:
+        self._stop.set()
+
+    def run(self) -> int:
+        os.makedirs(state_dir(self.root), exist_ok=True)
+        fd = os.open(os.path.join(state_dir(self.root), LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return 0  # another keeper looks after this local_dir
+        try:
+            log.info("shardckpt: memory keeper (pid %d) of %s: %s", os.getpid(), self.root, shm.namespace(self.root))
+            alone_since: float | None = None
+            while not self._stop.is_set():
+                held = os.path.isdir(shm.namespace(self.root))
+                if trainers_alive(self.root):
+                    alone_since = None
+                elif not held:
+                    log.info("shardckpt: no trainer left and no shared memory held for %s; exiting", self.root)
+                    break
+                else:
+                    alone_since = alone_since or time.monotonic()
+                    if time.monotonic() - alone_since >= self.linger_s:
+                        freed = shm.purge(self.root)
+                        log.info("shardckpt: no trainer of %s on this node for %.0f s: freed %s of shared memory "
+                                 "(%s); exiting", self.root, self.linger_s, fmt_bytes(freed), shm.namespace(self.root))
+                        break
+                self._stop.wait(self.poll_s)
+            return 0
+        finally:
+            os.close(fd)
+
+
+def keeper_main(argv: list[str]) -> int:
+    """Entry point of the memory keeper started by a trainer (no torch import)."""
+    daemon_logging()
+    parser = argparse.ArgumentParser(prog="shardckpt memory-keeper")
+    parser.add_argument("--local", required=True, help="the node's local_dir")
+    parser.add_argument("--linger", type=float, default=LINGER_S,
+                        help=f"seconds the memory is kept once no trainer of this node is left (default {LINGER_S:g})")
+    args = parser.parse_args(argv)
+    keeper = MemoryKeeper(args.local, linger_s=args.linger)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, keeper.stop)
+    return keeper.run()

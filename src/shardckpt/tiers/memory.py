@@ -1,0 +1,608 @@
+"""The memory tier: each rank's newest saves in shared memory that outlives the trainer process.
+
+Why files in a tmpfs (``/dev/shm``) and not memfds handed to a node daemon: a
+file needs nobody to hold it, so the copy survives a SIGKILL of the trainer
+(and of any daemon) the moment its record is written, with no hand-over in
+``save()``; the next process finds it by name and maps it; ``shardckpt ls`` /
+``status`` read the records without torch and without asking a process. The
+cost of files is that nothing frees them by itself: the trainer frees its own
+at ``close()``, the node's memory keeper (``node/memory_keeper.py``) once no
+trainer of the node is left for its linger, and a record of another boot is
+never trusted (``format/shm.py``).
+
+Save, every rank, on the main thread inside ``save()``; only the first memory
+save issues a collective (:meth:`MemoryTier.start`)::
+
+    1. a slot: memory_keep + 1 per rank; a save not written to disk never takes the slot
+       whose disk write is still under way; else an empty slot, else the one holding
+       the oldest save (with memory_keep=1, a copy made while a disk write runs takes the
+       newest step's slot: a kill during it falls back to the step being written)
+    2. the slot's record is removed: from here the slot holds no save
+    3. the slot is laid out again only when a tensor is new or changed shape, dtype or
+       sharding (a new file, its pages reserved at once, the budget checked); else the
+       copy goes into the pages of the last time
+    4. the copy (``HostStager`` over the slot's views; on a GPU into memory pinned with
+       ``cudaHostRegister``), waited for
+    5. the non-tensor values, then the record: the save is memory-durable
+    The disk write of a save due on disk reads the same buffers (no second copy).
+
+Restore (collective over ``ctl``): the survey learns every rank's records
+(:meth:`MemoryTier.report`, :func:`usable`); a save is usable when every
+saving rank's copy is complete and every rank finds what it reads on its
+machine (the same world size with each rank's own copy, or every copy on
+every rank's machine). ``sources.complete`` builds its DCP metadata from the
+copies' descriptions (:meth:`MemoryTier.complete`) and the restorer reads it
+with :class:`~shardckpt.dcp.memory.MemoryReader`.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.tensor import DTensor
+
+from shardckpt import _dist, _failpoints
+from shardckpt._text import fmt_bytes
+from shardckpt.dcp import memory as dcp_memory
+from shardckpt.dcp.planner import unwrap_failure
+from shardckpt.errors import ConfigError, SaveError
+from shardckpt.format import layout, shm
+from shardckpt.format import lineage as lineage_mod
+from shardckpt.saving.commit import SaveJob
+from shardckpt.saving.stage import CopyFence, HostStager, leaf_signature
+
+log = logging.getLogger("shardckpt")
+
+DEFAULT_BUDGET = 0.5
+"""The memory tier's budget when none is set: this fraction of the host's RAM, for all ranks of a machine."""
+
+
+def _align(n: int) -> int:
+    return (n + shm.ALIGN - 1) // shm.ALIGN * shm.ALIGN
+
+
+def _key(path: tuple) -> str:
+    """A tensor's place in the state dict as text (a container is a dict or a list: "0" and 0 never meet)."""
+    return "\x1f".join(map(str, path))
+
+
+def _leaves(obj: Any, path: tuple = ()) -> Any:
+    """``(path, tensor)`` of every tensor in a captured state, walked as ``HostStager.stage`` walks it."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaves(v, path + (k,))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, path + (i,))
+
+
+def _nbytes(entry: list[Any]) -> int:
+    count = 1
+    for d in entry[2]:
+        count *= d
+    return count * getattr(torch, entry[1].rsplit(".", 1)[-1]).itemsize
+
+
+def budget_bytes(budget: float | int | None) -> int:
+    """``memory_budget`` in bytes: a fraction (<= 1) of the host's RAM, or a number of bytes."""
+    if budget is None:
+        budget = DEFAULT_BUDGET
+    if budget <= 1:
+        return int(budget * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return int(budget)
+
+
+def _shm_free() -> int:
+    st = os.statvfs(shm.shm_root())
+    return st.f_bavail * st.f_frsize
+
+
+class _Slot:
+    """One slot of this rank: a buffer file of the namespace mapped here, and the save its record names."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.buffer = ""
+        """The buffer's file name in the namespace ("": not laid out yet)."""
+        self.size = 0
+        self.entries: dict[str, tuple[str, int, int]] = {}
+        """Path in the state dict -> (signature, offset, bytes)."""
+        self.region: mmap.mmap | None = None
+        self.base: torch.Tensor | None = None
+        """All of the buffer's bytes (its address: pinning, offsets)."""
+        self.stager: _SlotStager | None = None
+        self.holds: tuple[int, str, float] | None = None
+        """(step, version, created) of the save whose record exists, else None."""
+        self.cache: dict[tuple[str, int], list[Any]] = {}
+        self.pinned = 0
+
+    def fits(self, wanted: list[tuple[str, str, int]]) -> bool:
+        return bool(self.buffer) and all(self.entries.get(k, ("",))[0] == sig for k, sig, _n in wanted)
+
+    def view(self, obj: torch.Tensor, path: tuple) -> Any:
+        """The slot's buffer for the tensor ``obj`` at ``path``: a view of the shared memory."""
+        found = self.entries.get(_key(path))
+        if found is None or self.base is None or found[0] != repr(leaf_signature(obj)):
+            raise SaveError(f"the memory slot {self.index} has no buffer laid out for {_key(path)}")
+        local = obj._local_tensor if isinstance(obj, DTensor) else obj
+        _sig, offset, _nbytes = found
+        if local.numel():
+            # A storage of its own over exactly its bytes: DCP's writer then writes it as it is (it copies a
+            # view of a larger storage first).
+            buf = torch.frombuffer(self.region, dtype=local.dtype, count=local.numel(), offset=offset).view(local.shape)
+        else:
+            buf = torch.empty(local.shape, dtype=local.dtype)
+        return DTensor(buf, obj._spec, requires_grad=False) if isinstance(obj, DTensor) else buf
+
+    def offset_of(self, local: torch.Tensor) -> int:
+        assert self.base is not None
+        offset = local.data_ptr() - self.base.data_ptr()
+        if local.numel() and not 0 <= offset <= self.size - local.numel() * local.element_size():
+            raise SaveError(f"a staged tensor lies outside memory slot {self.index}")
+        return max(offset, 0)
+
+
+class _SlotStager(HostStager):
+    """``HostStager`` whose buffers are views of one slot's shared memory."""
+
+    def __init__(self, slot: _Slot) -> None:
+        super().__init__(pin_memory=False)
+        self._slot = slot
+
+    def _allocate(self, obj: torch.Tensor, path: tuple) -> Any:
+        return self._slot.view(obj, path)
+
+
+class MemoryTier:
+    """This rank's side of the memory tier of ``root`` (saves when enabled; restores always)."""
+
+    def __init__(self, config: Any, root: str, *, pin: bool, join: Callable[[], str] | None = None) -> None:
+        self.root = root
+        self._join = join
+        self.trainer: str | None = None
+        """This process's file as a trainer of the node (``join()``: the keeper frees the memory once none is left)."""
+        self.every = config.memory_every_steps
+        self.keep = config.memory_keep
+        self.budget = budget_bytes(config.memory_budget)
+        self.max_pinned = config.max_pinned_bytes
+        self.pin = pin
+        self.ns = shm.namespace(root)
+        self.slots: list[_Slot] = []
+        self.started = False
+        self.disk_slot: int | None = None
+        """The slot of the newest save due on disk: saves kept only in memory leave it alone while it is written."""
+        self._writing: _Slot | None = None
+        self._share = self.budget
+        self._pinned = 0
+        self.last: int | None = None
+        """The step of this process's newest save kept in memory."""
+        self._views: dict[int, tuple[Any, list[dcp_memory.Copy], str]] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.every is not None
+
+    def due(self, step: int) -> bool:
+        """A save of ``step`` is kept in memory (every save due on disk is too)."""
+        return self.enabled and step % self.every == 0 and step != self.last
+
+    # ------------------------------------------------------------ save
+
+    def begin(self, memory: bool, groups: _dist.SideGroups, captured: dict[str, Any], loaded: Any, head: Any,
+              what: str) -> None:
+        """Before the copy of every save: the first one kept in memory starts the tier (:meth:`start`, collective,
+        then the node's keeper); with the tier off, what an earlier job left is freed."""
+        if memory and not self.started:
+            self.start(groups, captured, loaded, head or lineage_mod.Lineage(), what)
+            self.trainer = self._join() if self._join is not None else None
+        elif not self.enabled:
+            self.purge_unused()
+
+    def start(self, groups: _dist.SideGroups, captured: dict[str, Any], loaded: Any, head: Any, what: str) -> None:
+        """First memory save (collective over ``ctl``, every rank at the same save): the budget on every
+        machine, then this job's namespace: the copies of the step it continues adopted, the rest removed.
+
+        ``loaded``: the ``StepInfo`` of the step the job loaded (``None``: nothing); ``head``: the lineage
+        its saves continue. Raises :class:`ConfigError` on every rank when a machine lacks the memory.
+        """
+        mine = (self.keep + 1) * sum(_align(n) for _k, _s, n in self._wanted(captured, what))
+        me = (shm.machine(), mine, _shm_free() + shm.held_bytes(self.root), self.budget)
+        everyone = groups.all_gather_ctl(me)
+        here = [r for r, e in enumerate(everyone) if e[0] == me[0]]
+        for key in dict.fromkeys(e[0] for e in everyone):
+            ranks = [r for r, e in enumerate(everyone) if e[0] == key]
+            need = sum(everyone[r][1] for r in ranks)
+            free, budget = min(everyone[r][2] for r in ranks), everyone[ranks[0]][3]
+            if need > min(free, budget):
+                raise ConfigError(
+                    f"{what}: the memory tier needs {fmt_bytes(need)} of shared memory on {key.split('/')[0]} "
+                    f"(memory_keep + 1 = {self.keep + 1} copies of the staged state of its {len(ranks)} rank(s), "
+                    f"{fmt_bytes(need // (self.keep + 1))} each time), but "
+                    + (f"memory_budget allows {fmt_bytes(budget)}" if budget < free else
+                       f"{shm.shm_root()} has {fmt_bytes(free)} free")
+                    + f". Nothing was saved. Remedy: raise memory_budget (a fraction of the host's RAM, or bytes) or "
+                    f"the size of {shm.shm_root()} (SHARDCKPT_SHM_DIR: another tmpfs), lower memory_keep, or turn "
+                    f"the memory tier off (memory_every_steps=None)."
+                )
+        self._share = me[3] - (sum(everyone[r][1] for r in here) - mine)
+        shm.ensure_namespace(self.root)
+        self._adopt(loaded, head, here)
+        self.started = True
+
+    def _wanted(self, captured: dict[str, Any], what: str) -> list[tuple[str, str, int]]:
+        out = []
+        for path, obj in _leaves(captured):
+            local = obj._local_tensor if isinstance(obj, DTensor) else obj
+            if not (type(local) in (torch.Tensor, torch.nn.Parameter) and local.layout == torch.strided
+                    and not local.is_quantized and not local.is_meta):
+                raise ConfigError(
+                    f"{what}: the memory tier holds dense tensors and DTensors; {'.'.join(map(str, path))} is a "
+                    f"{type(obj).__name__} ({local.layout}). Nothing was saved. Remedy: save DTensor-sharded state "
+                    f"(FSDP2, or get_state_dict's defaults) or turn the memory tier off (memory_every_steps=None)."
+                )
+            out.append((_key(path), repr(leaf_signature(obj)), local.numel() * local.element_size()))
+        return out
+
+    def _adopt(self, loaded: Any, head: Any, here: list[int]) -> None:
+        """Keep this rank's copies of the history the job continues (at or below the step it loaded) as its
+        slots; remove its other files, and (the machine's lowest rank) those of ranks not on this machine."""
+        rank = _dist.rank()
+        records, _stale = shm.read_records(self.root)  # a stale record's files go with its rank's (below)
+        kept: dict[int, shm.Record] = {}
+        for rec in sorted((r for r in records if r.rank == rank), key=lambda r: -r.created):
+            if loaded is None or rec.slot > self.keep or rec.slot in kept or rec.step > loaded.step:
+                continue
+            if rec.step == loaded.step and rec.version != loaded.version:
+                continue
+            try:
+                lineage = lineage_mod.Lineage.from_json(rec.manifest_obj(rec.name).lineage)
+            except Exception:  # noqa: BLE001 - an unreadable manifest is not adopted
+                continue
+            if lineage_mod.excluded_by(head, rec.step, lineage) is None:
+                kept[rec.slot] = rec
+        self.slots = [_Slot(i) for i in range(self.keep + 1)]
+        keep_names = set()
+        for index, rec in kept.items():
+            slot = self.slots[index]
+            slot.buffer, slot.size = rec.buffer, rec.buffer_size
+            slot.entries = {k: (sig, off, n) for k, sig, off, n in rec.layout}
+            slot.holds = (rec.step, rec.version, rec.created)
+            keep_names |= {rec.name, rec.buffer, rec.values_file}
+        try:
+            names = os.listdir(self.ns)
+        except FileNotFoundError:
+            names = []
+        drop = [n for n in names if (shm.parse_name(n) or (-1,))[0] == rank and n not in keep_names]
+        if rank == min(here):
+            drop += [n for n in names if (shm.parse_name(n) or (-1,))[0] not in here]
+        shm.remove(self.ns, drop)
+        if kept and rank == 0:
+            log.info("shardckpt: memory tier: steps %s of this history stay in %s", sorted(r.step for r in kept.values()),
+                     self.ns)
+
+    def stage(self, captured: dict[str, Any], what: str, *, disk: bool, writing: bool = False
+              ) -> tuple[dict[str, Any], CopyFence]:
+        """Steps 1-4 of the module docstring: the copy into a slot (its record removed first).
+
+        ``writing``: the disk write of the newest save due on disk still reads its slot.
+        """
+        wanted = self._wanted(captured, what)
+        candidates = [s for s in self.slots if disk or not writing or s.index != self.disk_slot]
+        slot = next((s for s in candidates if s.holds is None), None) or min(candidates, key=lambda s: s.holds[2])
+        shm.drop_record(self.ns, _dist.rank(), slot.index)
+        slot.holds = None
+        if slot.fits(wanted) and slot.base is None:  # a slot adopted from the process before: its file, mapped
+            try:
+                self._map(slot, create=False)
+            except OSError:
+                self._unmap(slot, remove=True)
+                slot.buffer, slot.entries = "", {}
+        if not slot.fits(wanted):
+            self._lay_out(slot, wanted, what)
+        if disk:
+            self.disk_slot = slot.index
+        self._writing = slot
+        return slot.stager.stage(captured, what=what)
+
+    def _lay_out(self, slot: _Slot, wanted: list[tuple[str, str, int]], what: str) -> None:
+        keys = {k for k, _s, _n in wanted}
+        entries, offset = {}, 0
+        for key, sig, nbytes in wanted + [(k, s, n) for k, (s, _o, n) in slot.entries.items() if k not in keys]:
+            entries[key] = (sig, offset, nbytes)
+            offset += _align(nbytes)
+        size = max(offset, shm.ALIGN)
+        others = sum(s.size for s in self.slots if s is not slot)
+        projected = max(others + size, (self.keep + 1) * size)
+        if projected > self._share:
+            raise ConfigError(
+                f"{what}: the memory tier of rank {_dist.rank()} now needs {fmt_bytes(projected)} "
+                f"({self.keep + 1} copies of {fmt_bytes(size)}: the state grew), more than its share of "
+                f"memory_budget ({fmt_bytes(self._share)}). Remedy: raise memory_budget, lower memory_keep, or turn "
+                f"the memory tier off (memory_every_steps=None)."
+            )
+        self._unmap(slot, remove=True)
+        slot.entries, slot.size, slot.buffer = entries, size, shm.buffer_name(_dist.rank(), slot.index)
+        try:
+            self._map(slot, create=True)
+        except OSError as exc:
+            shm.remove(self.ns, [slot.buffer])
+            slot.buffer, slot.entries = "", {}
+            raise ConfigError(
+                f"{what}: {fmt_bytes(size)} of shared memory could not be reserved in {self.ns} ({exc}); "
+                f"{fmt_bytes(_shm_free())} free. Remedy: free shared memory (df {shm.shm_root()}), raise its size, "
+                f"lower memory_keep, or turn the memory tier off (memory_every_steps=None)."
+            ) from exc
+
+    def _map(self, slot: _Slot, *, create: bool) -> None:
+        path = os.path.join(self.ns, slot.buffer)
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.posix_fallocate(fd, 0, slot.size)  # the pages now, or ENOSPC now: never a SIGBUS mid-copy
+            elif os.fstat(fd).st_size < slot.size:
+                raise OSError(f"{path} is shorter than its record says")
+            region = mmap.mmap(fd, slot.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        slot.region = region
+        slot.base = torch.frombuffer(region, dtype=torch.uint8)
+        slot.stager = _SlotStager(slot)
+        slot.cache = {}
+        slot.pinned = self._register(slot.base)
+
+    def _register(self, base: torch.Tensor) -> int:
+        """Pin the slot for the GPU's copies (``cudaHostRegister``); 0 when not pinned. Not run without a GPU."""
+        nbytes = base.numel()
+        if not self.pin or (self.max_pinned is not None and self._pinned + nbytes > self.max_pinned):
+            return 0
+        error = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), nbytes, 0)
+        if int(getattr(error, "value", error)) != 0:
+            log.warning("shardckpt: memory tier: cudaHostRegister of %s failed (%s); its copies run unpinned "
+                        "(slower)", fmt_bytes(nbytes), error)
+            return 0
+        self._pinned += nbytes
+        return nbytes
+
+    def _unmap(self, slot: _Slot, *, remove: bool) -> None:
+        if slot.pinned and slot.base is not None:
+            torch.cuda.cudart().cudaHostUnregister(slot.base.data_ptr())
+            self._pinned -= slot.pinned
+        slot.pinned = 0
+        slot.region, slot.base, slot.stager, slot.cache = None, None, None, {}  # the mapping goes with its last view
+        if remove and slot.buffer:
+            shm.drop_record(self.ns, _dist.rank(), slot.index)
+            shm.remove(self.ns, [slot.buffer, shm.values_name(_dist.rank(), slot.index)])
+            slot.holds = None
+
+    def record(self, job: Any, manifest: layout.Manifest) -> str:
+        """Step 5: the values, then the record of the copy just made (after its copies are complete)."""
+        slot = self._writing
+        assert slot is not None and slot.stager is not None
+        self._writing = None
+        rank = _dist.rank()
+        _failpoints.hit("memory.copied")
+        try:
+            tensors, values, planner_data = dcp_memory.describe(job.staged, slot.offset_of, slot.cache)
+        except Exception as exc:  # noqa: BLE001 - torch.save of a value: any pickling error
+            raise SaveError(
+                f"step {job.step}: a non-tensor value of the state cannot be serialised ({type(exc).__name__}: {exc}); "
+                f"nothing of step {job.step} was kept in memory, earlier steps are intact. Remedy: make every "
+                f"non-tensor value picklable (or keep it behind a state_dict())."
+            ) from exc
+        manifest.total_bytes = sum(len(v) for _f, v in values) + sum(_nbytes(t) for t in tensors)
+        items, pos = [], 0
+        values_file = shm.values_name(rank, slot.index)
+        try:
+            fd = os.open(os.path.join(self.ns, values_file), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                for fqn, data in values:
+                    f.write(data)
+                    items.append([fqn, pos, len(data)])
+                    pos += len(data)
+            rec = shm.Record(
+                rank=rank, slot=slot.index, step=job.step, save_id=job.save_id, world_size=_dist.world_size(),
+                created=manifest.created, boot_id=shm.boot_id(), local_dir=self.root, buffer=slot.buffer,
+                buffer_size=slot.size, values_file=values_file, values_size=pos, manifest=manifest.to_json(),
+                tensors=tensors, values=items, planner_data=planner_data,
+                layout=[[k, s, o, n] for k, (s, o, n) in slot.entries.items()], host=socket.gethostname(),
+            )
+            shm.write_record(self.ns, rec)
+        except OSError as exc:
+            raise SaveError(
+                f"step {job.step}: the memory copy could not be recorded in {self.ns} ({exc}); earlier steps are "
+                f"intact. Remedy: free shared memory (df {shm.shm_root()}) or turn the memory tier off "
+                f"(memory_every_steps=None)."
+            ) from exc
+        slot.holds = (job.step, rec.version, rec.created)
+        self.last = job.step
+        return os.path.join(self.ns, shm.record_name(rank, slot.index))
+
+    def release(self) -> None:
+        """Free this rank's copies (``close()``, once nothing is only there: the job is over for this process)."""
+        for slot in self.slots:
+            self._unmap(slot, remove=True)
+        self.slots = []
+        if shm.namespace_problem(self.ns) is not None:
+            return
+        try:
+            names = os.listdir(self.ns)
+        except FileNotFoundError:
+            return
+        shm.remove(self.ns, [n for n in names if (shm.parse_name(n) or (-1,))[0] == _dist.rank()])
+        try:
+            os.rmdir(self.ns)  # the last rank out removes the directory
+        except OSError:
+            pass
+
+    def purge_unused(self) -> None:
+        """With the tier off: what an earlier job left in this ``local_dir``'s namespace is freed (at the first
+        save; nothing of this job writes there)."""
+        if os.path.isdir(self.ns):
+            freed = shm.purge(self.root)
+            if freed and _dist.rank() == 0:
+                log.info("shardckpt: memory tier off: freed %s of shared memory an earlier job left in %s",
+                         fmt_bytes(freed), self.ns)
+
+    def status(self) -> dict[str, Any]:
+        """What ``Checkpointer.status()`` shows of the memory tier (on this rank and machine)."""
+        mine = sorted((r for r in shm.read_records(self.root)[0] if r.rank == _dist.rank()), key=lambda r: r.created)
+        return {"latest_memory": mine[-1].step if mine else None, "memory_steps": sorted({r.step for r in mine}),
+                "memory_bytes": shm.held_bytes(self.root), "memory_dir": self.ns}
+
+    # ------------------------------------------------------------ close: the newest step onto disk
+
+    def unflushed(self, groups: _dist.SideGroups) -> tuple[shm.Record | None, bool]:
+        """``close()``: the newest save held in memory when its step is newer than the newest on disk and every
+        rank holds its copy of it (collective over ``ctl``), and whether the memory may then go.
+
+        A newer save that cannot be written from here (copies of another world size, or differing between
+        ranks) is left in memory, with a warning: a launch at its world size within the keeper's linger finds it.
+        """
+        mine = None
+        records = [r for r in shm.read_records(self.root)[0] if r.rank == _dist.rank()]
+        newest = max(records, key=lambda r: r.created, default=None)
+        if newest is not None:
+            head = lineage_mod.head(lineage_mod.local_infos(self.root))  # a save on disk too has the same time
+            if head is None or newest.created > head.created:
+                mine = newest
+        gathered = groups.all_gather_ctl(None if mine is None else (mine.step, mine.version, mine.world_size))
+        if all(g is None for g in gathered):
+            return None, True
+        if len(set(gathered)) == 1 and gathered[0][2] == _dist.world_size():
+            return mine, True
+        if _dist.rank() == 0:
+            log.warning(
+                "shardckpt: close(): step %s is newer in memory (%s) than on disk in %s, but it cannot be written "
+                "from here (saved at world size %s, or not held by every rank: %s); it stays in memory until the "
+                "node's keeper frees it. Remedy: save() the state before close()", next(g[0] for g in gathered if g),
+                self.ns, self.root, next(g[2] for g in gathered if g), sorted(map(str, set(gathered))),
+            )
+        return None, False
+
+    def flush_job(self, rec: shm.Record, partial: str) -> SaveJob:
+        """A write job for the save of ``rec`` from its copy in memory (the same save id and time: the same version)."""
+        manifest = rec.manifest_obj(rec.name)
+        return SaveJob(
+            rec.step, {}, dict(manifest.keys), partial, dict(manifest.metadata), time.monotonic(), 0.0, kind=manifest.kind,
+            metrics=dict(manifest.metrics), frozen=manifest.frozen, run=manifest.run, created=manifest.created,
+            lineage=lineage_mod.Lineage.from_json(manifest.lineage), save_id=manifest.save_id,
+            planner=dcp_memory.RecordPlanner(self._copy(rec)),
+        )
+
+    def _copy(self, rec: shm.Record) -> dcp_memory.Copy:
+        table = {"tensors": rec.tensors, "values": rec.values, "planner_data": rec.planner_data}
+        return dcp_memory.Copy(rec.rank, os.path.join(self.ns, rec.buffer), rec.buffer_size,
+                               os.path.join(self.ns, rec.values_file), rec.values_size, table)
+
+    # ------------------------------------------------------------ restore
+
+    def report(self) -> list[list[Any]]:
+        """This machine's complete copies for the survey: ``[saved rank, step, version, world size, info]``."""
+        out = []
+        for rec in shm.read_records(self.root)[0]:
+            try:
+                info = lineage_mod.info_of(rec.manifest_obj(rec.name))
+            except Exception:  # noqa: BLE001 - a record whose manifest cannot be read is not a copy
+                continue
+            out.append([rec.rank, rec.step, rec.version, rec.world_size, info.to_json()])
+        return out
+
+    def complete(self, step: int, choice: "MemoryChoice", groups: _dist.SideGroups) -> tuple[layout.Manifest, set[str], str]:
+        """Source 0 of a restore (collective over ``ctl``): the save of ``choice`` from the copies on the
+        machines, its metadata built from every saving rank's description."""
+        rank = _dist.rank()
+        mine: dict[int, Any] = {}
+        problem = None
+        records = [r for r in shm.read_records(self.root)[0] if r.version == choice.version]
+        for q, holders in enumerate(choice.holders):
+            if min(holders) == rank:
+                rec = next((r for r in records if r.rank == q), None)
+                if rec is None:
+                    problem = f"the copy of rank {q} is gone from {self.ns}"
+                    continue
+                mine[q] = ({"tensors": rec.tensors, "values": rec.values, "planner_data": rec.planner_data},
+                           rec.manifest)
+        gathered = groups.all_gather_ctl((mine, problem))
+        problems = [p for _m, p in gathered if p]
+        if problems:
+            raise dcp_memory.MemoryMiss(f"step {step} in memory: {problems[0]}")
+        tables = {q: t for m, _p in gathered for q, t in m.items()}
+        md = dcp_memory.metadata([tables[q][0] for q in sorted(tables)])
+        manifest = layout.Manifest.from_json(tables[0][1], os.path.join(self.ns, shm.record_name(0, 0)))
+        copies = [self._copy(r) for r in sorted(records, key=lambda r: (r.rank != rank, r.rank))]
+        where = f"memory ({self.ns})"
+        self._views[step] = (md, copies, where)
+        return manifest, set(), where
+
+    def view(self, step: int) -> "MemoryView | None":
+        """The read of ``step`` that :meth:`complete` prepared (once), else None."""
+        found = self._views.pop(step, None)
+        return MemoryView(step, *found) if found is not None else None
+
+
+class MemoryView:
+    """The save being restored from memory: its DCP metadata, and the read into the live state."""
+
+    def __init__(self, step: int, md: Any, copies: list[dcp_memory.Copy], where: str) -> None:
+        self.step, self.metadata, self.copies, self.where = step, md, copies, where
+
+    def read(self, targets: dict[str, Any], planner: Any, group: Any) -> list[tuple[str, str]]:
+        """DCP's load from the copies on this machine (collective); no checksum failures to report."""
+        reader = dcp_memory.MemoryReader(self.metadata, self.copies, step=self.step, where=self.where)
+        no_dist = not (dist.is_available() and dist.is_initialized())
+        try:
+            _load_state_dict(targets, storage_reader=reader, planner=planner, process_group=group, no_dist=no_dist)
+        except CheckpointException as exc:
+            raise unwrap_failure(exc, f"reading step {self.step} from {self.where}") from exc
+        finally:
+            for copy in self.copies:
+                copy.close()
+        return []
+
+
+class MemoryChoice:
+    """A save every rank can restore from memory: its version, info, and per saving rank the ranks that see its copy."""
+
+    def __init__(self, version: str, info: Any, holders: list[list[int]]) -> None:
+        self.version, self.info, self.holders = version, info, holders
+
+
+def usable(reports: list[Any], world: int) -> dict[int, MemoryChoice]:
+    """From every rank's :meth:`MemoryTier.report`: per step, the newest save restorable from memory.
+
+    A save qualifies when every saving rank's copy is complete on some machine, and either the world size
+    is the same and each rank sees its own copy, or every rank sees every copy (a world-size change on
+    one machine). The same on every rank.
+    """
+    saves: dict[str, dict[str, Any]] = {}
+    for r, report in enumerate(reports):
+        for saved_rank, step, version, size, info in report or []:
+            entry = saves.setdefault(version, {"step": step, "world": size, "holders": {}, "info": info})
+            entry["holders"].setdefault(saved_rank, set()).add(r)
+            if info[0] > entry["info"][0]:
+                entry["info"] = info
+    out: dict[int, MemoryChoice] = {}
+    for version, e in saves.items():
+        holders = e["holders"]
+        if any(q not in holders for q in range(e["world"])):
+            continue  # a copy never completed (killed during its copy) or its machine is not in this job
+        own = e["world"] == world and all(q in holders[q] for q in range(world))
+        everywhere = all(len(holders[q]) == world for q in range(e["world"]))
+        if not (own or everywhere):
+            continue
+        best = out.get(e["step"])
+        if best is None or e["info"][0] > best.info[0]:
+            out[e["step"]] = MemoryChoice(version, e["info"], [sorted(holders[q]) for q in range(e["world"])])
+    return out

@@ -1,0 +1,127 @@
+"""The memory tier: a step kept in shared memory survives its trainer and is resumed bitwise.
+
+Four launches on one directory (two 2-rank torchrun jobs, then two single
+processes), each crash followed by a real restart: SIGKILL right after save(7)
+returned with the disk every 10 steps; a rollback, then a rank killed during its
+copy; what `shardckpt ls` / `status` show; a world-size change 2 -> 1 on one
+machine; copies of another boot or gone ("a reboot"); a single process killed
+right after save(15); a clean close() writing the newest step to disk and
+freeing the memory; a copy cut short in the slot of the newest step; a job that
+dies without a restart, freed by its node's keeper. Then a state larger than the
+budget, and the survey's rule on two machines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import shardckpt
+from helpers import PROGRAMS, child_env, run_torchrun, wait_for
+from shardckpt.format import shm
+
+
+def _phases(out, rank=0):
+    return {int(p.name[5:].split(".")[0]): json.loads(p.read_text())
+            for p in out.glob(f"phase*.rank{rank}.json")}
+
+
+def _gone(path: str) -> bool:
+    return not os.path.exists(path)
+
+
+def test_crashes_restarts_a_rollback_a_world_size_change_and_a_reboot(tmp_path):
+    """Two 2-rank launches, then two single-process launches, on one directory."""
+    import subprocess
+    import sys
+
+    root, torn, other, out = tmp_path / "ck", tmp_path / "torn", tmp_path / "other", tmp_path / "out"
+    out.mkdir()
+    env = child_env(SHARDCKPT_MEMORY_LINGER_S="60")
+    two_ranks = [
+        "train=1-7,kill",  # SIGKILL right after save(7) returned (every_steps=10: 7 is in memory only)
+        # resumed; a rollback to 10 (12 stays behind on the abandoned branch), then rank 1 dies during its copy
+        # of the new branch's 12 (rank 0 right after its save(12) returned)
+        "load=7,train=8-12,load@10=10,train=11-11,killcopy=12",
+    ]
+    one = [
+        # 2 ranks -> 1 on this machine: the new branch's 11 (not the abandoned 12, nor the incomplete one); then
+        # copies of "another boot" or gone: from disk; SIGKILL right after save(15) returned
+        "load=11,reboot,load=10,train=11-15,kill",
+        # close() writes 15 to disk and frees the memory. Then memory_keep=1 on another directory, the disk every
+        # 3 steps: step 3's disk write stalls (its slot spared meanwhile), 4 goes to the other slot, and the
+        # process dies copying 5 into the slot of 4 (whose record went first)
+        f"load=15,close,use={torn}:1:3,stall,train=1-4,killcopy=5",
+        # 3 (its disk write never finished), not 4 (its slot holds 5's bytes); close() writes 3 to disk; a job that
+        # dies without close(): its node's keeper frees its memory
+        f"use={torn}:1:3,load=3,close,other={other}",
+    ]
+    phases = two_ranks + one
+    for _ in two_ranks:
+        job = run_torchrun(2, PROGRAMS / "memory_job.py", root, out, *phases, env=env, check=False)
+        assert job.returncode == 1, job.stdout[-6000:]
+    # What the memory holds now, as the command line shows it (no torch, no trainer alive)
+    ls = json.loads(subprocess.run([sys.executable, "-m", "shardckpt", "ls", str(root), "--json"], env=env,
+                                   capture_output=True, text=True, timeout=60).stdout)
+    assert {r["step"]: (r["tiers"], r["abandoned"]) for r in ls["steps"]} == {
+        10: (["local"], None), 11: (["memory"], None), 12: (["memory"], "abandoned: rolled back to step 10")}
+    status = json.loads(subprocess.run([sys.executable, "-m", "shardckpt", "status", str(root), "--json"], env=env,
+                                       capture_output=True, text=True, timeout=60).stdout)
+    # both branches' 11 and 12 (the new branch's 12 held by rank 0 alone: rank 1 died during its copy)
+    assert [(s["step"], s["ranks"]) for s in status["memory"]["saves"]] == [(11, [0, 1]), (11, [0, 1]), (12, [0, 1]),
+                                                                              (12, [0])], status["memory"]
+    for _ in one:
+        job = subprocess.run([sys.executable, str(PROGRAMS / "memory_job.py"), str(root), str(out), *phases],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+        assert job.returncode == -9, job.stdout[-6000:]
+    got = [_phases(out, 0), _phases(out, 1)]
+    assert sorted(got[0]) == list(range(len(phases))) and sorted(got[1]) == [0, 1], job.stdout[-4000:]
+    for rank in (0, 1):
+        assert all("error" not in p for p in got[rank].values()), got[rank]
+        assert got[rank][0]["tiers"] == {str(s): "memory" for s in range(1, 8)}
+    loads = [(load["got"], load["same"], load["from"].split(" ")[0]) for i in range(1, len(phases))
+             for load in got[0][i]["loads"]]
+    on_disk = str(root / "step_0000000010")
+    assert loads == [(7, True, "memory"), (10, True, "memory"), (11, True, "memory"), (10, True, on_disk),
+                     (15, True, "memory"), (3, True, "memory")], loads
+    assert got[1][1]["loads"] == got[0][1]["loads"]
+    # close() wrote 15 (newer in memory than on disk), and the torn job's 3 (its disk write had stalled)
+    assert got[0][3]["steps"] == {"ck": [10, 15]} and got[0][4]["steps"] == {"torn": [3]}, (got[0][3], got[0][4])
+    assert _gone(shm.namespace(str(root))) and _gone(shm.namespace(str(torn)))
+    # The last job died without close(); its node's keeper frees its memory once no trainer is left.
+    wait_for(lambda: _gone(got[0][4]["other"]), 30, "the keeper to free the memory of a job that died")
+
+
+def test_a_state_larger_than_the_memory_budget_is_refused_saying_what_it_needs(tmp_path):
+    config = shardckpt.CheckpointConfig.from_env(
+        {"SHARDCKPT_MEMORY_EVERY_STEPS": "1", "SHARDCKPT_MEMORY_KEEP": "1", "SHARDCKPT_MEMORY_BUDGET": str(6 << 20)},
+        local_dir=str(tmp_path / "ck"), preemption_signals=())
+    ckpt = shardckpt.Checkpointer(config)
+    with pytest.raises(shardckpt.ConfigError) as error:
+        ckpt.save({"weights": torch.zeros(1 << 20)}, 1)  # 4 MiB staged: 2 copies (memory_keep + 1) are 8 MiB
+    message = str(error.value)
+    assert "needs 8.0 MiB" in message and "memory_budget allows 6.0 MiB" in message, message
+    assert "Nothing was saved" in message and "Remedy: raise memory_budget" in message, message
+    assert not os.path.exists(shm.namespace(str(tmp_path / "ck"))) and ckpt.steps() == []
+    ckpt.close()
+
+
+def test_which_saves_a_job_can_restore_from_memory():
+    """The survey's rule, on the reports of a 2-node job (ranks 0-1 on one machine, 2-3 on the other)."""
+    from shardckpt.tiers.memory import usable
+
+    def copies(version, step, world, saved_ranks, created=1.0):
+        return [[q, step, version, world, [created, {}, "full", {}, version]] for q in saved_ranks]
+
+    a = copies("id:a", 7, 4, [0, 1]) + copies("id:b", 8, 4, [0, 1], created=2.0)  # machine A
+    b = copies("id:a", 7, 4, [2, 3]) + copies("id:b", 8, 4, [2], created=2.0)  # machine B: rank 3 died in its copy
+    same = usable([a, a, b, b], 4)
+    assert {s: c.version for s, c in same.items()} == {7: "id:a"}  # 8 is incomplete: never used
+    # 4 ranks -> 2 on the same two machines: each rank would need the other machine's copies
+    assert usable([a, b], 2) == {}
+    # 2 ranks -> 1 on one machine that holds every copy of the save
+    one = copies("id:c", 9, 2, [0, 1])
+    assert {s: c.version for s, c in usable([one], 1).items()} == {9: "id:c"}
