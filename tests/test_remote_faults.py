@@ -17,6 +17,7 @@ within a generous limit; nothing here measures speed.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -116,20 +117,16 @@ class AuthServer:
             aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
         )
 
-    def set_free_actions(self, count: int) -> None:
-        """moto's admin API: the next ``count`` requests go unauthenticated (0: authenticate all)."""
-        req = urllib.request.Request(
-            f"{self.endpoint}/moto-api/reset-auth", data=str(count).encode(), method="POST",
-            headers={"Content-Type": "text/plain"},
-        )
-        urllib.request.urlopen(req, timeout=30).read()
-
     def keys(self) -> list[str]:
-        """List the bucket with authentication off for that one request, then on again."""
-        self.set_free_actions(1)
-        keys = [o["Key"] for o in self.client().list_objects_v2(Bucket=BUCKET).get("Contents", [])]
-        self.set_free_actions(0)
-        return keys
+        """Every object the server ever stored in the bucket, read from moto's own state.
+
+        ``/moto-api/data.json`` needs no signature, so no unauthenticated
+        S3 request is let through: a still-retrying uploader cannot take one
+        (listing under a short-lived auth opening raced with it).
+        """
+        with urllib.request.urlopen(f"{self.endpoint}/moto-api/data.json", timeout=30) as answer:
+            state = json.loads(answer.read())
+        return sorted({o["name"] for o in state.get("s3", {}).get("FakeKey", []) if o.get("bucket_name") == BUCKET})
 
     def stop(self) -> None:
         self.proc.kill()

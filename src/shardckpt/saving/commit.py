@@ -348,11 +348,13 @@ class StepWriter:
         self.last_total_bytes = manifest.total_bytes
         self.last_committed = step
         self._newest_created = max(self._newest_created, manifest.created)
+        forked = job.lineage is not None and job.lineage is not self.lineage
         if job.lineage is not None:
             self.lineage = job.lineage
-        # A save kept only in memory may have moved the head on meanwhile (never onto another branch: a
-        # save that forks waits for this write first).
-        self.head_step = step if self.head_step is None else max(self.head_step, step)
+        # A save that forked is the new branch's head, below the old head. Otherwise a save kept only in memory
+        # may have moved the head on meanwhile (never onto another branch: a save that forks waits for this
+        # write first).
+        self.head_step = step if forked or self.head_step is None else max(self.head_step, step)
 
         # 6: retention (after the step is committed on every copy), every node from the same peer facts
         if self.peer_agreed is not None:
