@@ -237,7 +237,7 @@ class Checkpointer:
                 trainable_only=self.config.trainable_only,
             )
             own_keys = {k for k, v in state.items() if isinstance(v, elastic_mod.PerRank)} | {state_mod.RESERVED_KEY}
-            captured, later = values.agree(captured, kinds, self._groups, step, self._warned_values, own=own_keys)
+            captured, later = values.agree(captured, kinds, self._groups, step, self._warned_values, own_keys, memory)
             if self._saves == 0 and self._memory.last is None:
                 preflight.note_missing_optimizer(state)
             disk = decision.due and self._writer.space_ok(step, *split_bytes(captured, own_keys))

@@ -347,7 +347,7 @@ class _Keys:
 
 def agree(
     captured: dict[str, Any], kinds: dict[str, str], groups: _dist.SideGroups, step: int, warned: set[str],
-    own: set[str] | frozenset[str] = frozenset(),
+    own: set[str] | frozenset[str] = frozenset(), now: bool = False,
 ) -> tuple[dict[str, Any], "Later | None"]:
     """Tag dict keys, then make every rank save one value per entry (collective over ``ctl``).
 
@@ -358,6 +358,8 @@ def agree(
     on any rank raises :class:`ConfigError` on every rank. ``warned`` holds the
     keys already warned about (one warning per key and instance); ``own``:
     keys each rank saves under keys of its own (``PerRank``), not compared.
+    ``now``: the tensors' contents are compared here too (a save kept in
+    memory: a restore, and the disk write, read that copy as it is).
     """
     out = dict(captured)
     rank = _dist.rank()
@@ -412,6 +414,8 @@ def agree(
                 later.append((key, fqn, paths.get(key, {}).get(fqn, ()), _show(a)))
         if differ:
             out = keys.resolve(out, key, differ)
+    if later and now:
+        return Later(keys, later).settle(out, groups.all_gather_ctl, failed=False), None
     return out, (Later(keys, later) if later else None)
 
 

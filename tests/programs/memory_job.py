@@ -21,7 +21,8 @@ per phase). A phase is a comma-separated list of actions:
                keeper frees the memory
 
 After each save() the saved state is dumped (OUT/expect-<dir>-<step>.rank<r>.pt); a load
-compares the live state with the dump of the step it returned. OUT/phase<i>.rank<r>.json
+compares the live state with the dump of the step it returned (a plain tensor that differs by rank
+with rank 0's value). OUT/phase<i>.rank<r>.json
 records what each load returned and whether the state matched.
 """
 
@@ -58,7 +59,9 @@ def main() -> None:
         model = torch.nn.parallel.DistributedDataParallel(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     extra = {"at": 0}
-    state = {"model": model, "optimizer": optim, "extra": extra}
+    # A plain tensor of more than 64 elements that differs by rank: every copy, the memory's too, holds rank 0's.
+    stats = {"hist": torch.zeros(100)}
+    state = {"model": model, "optimizer": optim, "extra": extra, "stats": stats}
     options = dict(local_dir=root, every_steps=10, memory_every_steps=1, memory_keep=3, keep_last=2,
                    preemption_signals=())
     ckpt = shardckpt.Checkpointer(**options)
@@ -73,11 +76,12 @@ def main() -> None:
     def snapshot() -> dict:
         return {"model": {k: v.detach().clone() for k, v in getattr(model, "module", model).state_dict().items()},
                 "optimizer": common.flat_tensors(optim.state_dict()), "extra": dict(extra),
-                "rng": torch.get_rng_state()}
+                "rng": torch.get_rng_state(), "hist": stats["hist"] - rank}
 
     def same(step: int) -> bool:
         want, have = torch.load(os.path.join(out, f"expect-{tag[0]}-{step}.rank{rank}.pt")), snapshot()
         return (want["extra"] == have["extra"] and torch.equal(want["rng"], have["rng"])
+                and torch.equal(want["hist"], stats["hist"])  # rank 0's value on every rank
                 and all(torch.equal(want["model"][k], have["model"][k]) for k in want["model"])
                 and want["optimizer"].keys() == have["optimizer"].keys()
                 and all(torch.equal(want["optimizer"][k], have["optimizer"][k]) for k in want["optimizer"]))
@@ -90,6 +94,7 @@ def main() -> None:
             loss.backward()
             optim.step()
             extra["at"] = step
+            stats["hist"] = torch.full((100,), 10.0 * step + rank)
             if step == kill_copy:
                 record()
                 if rank == min(1, world - 1):
