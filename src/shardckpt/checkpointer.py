@@ -374,7 +374,7 @@ class Checkpointer:
         return restored
 
     def peek(self, step: int | None = None, *, trust_pickles: bool = False) -> "StepPeek | None":
-        """A read-only look at ``step`` (default: the one ``load()`` would resume) without loading tensors.
+        """A read-only look at ``step`` (default: the newest on disk or the remote) without loading tensors.
 
         Returns a :class:`~shardckpt.StepPeek`: the manifest's metadata,
         ``run_config`` (as recorded at save) and the plain values of the state
@@ -383,8 +383,8 @@ class Checkpointer:
         the files holding the values (checked against the manifest). Nothing
         is loaded into live objects, no collective is issued (every rank may
         call it alone, before the process group exists), and later saves and
-        loads are unaffected. Use it to build the model from its saved
-        configuration, then ``load()`` into it.
+        loads are unaffected. Build the model from its saved configuration,
+        then ``load()`` into it (it may resume a newer step held in memory).
         """
         self._check_open()
         tiers: list[Any] = [LocalSteps(self.root)]
