@@ -7,8 +7,10 @@ copy; what `shardckpt ls` / `status` show; a world-size change 2 -> 1 on one
 machine; copies of another boot or gone ("a reboot"); a single process killed
 right after save(15); a clean close() writing the newest step to disk and
 freeing the memory; a copy cut short in the slot of the newest step; a job that
-dies without a restart, freed by its node's keeper. Then a state larger than the
-budget, and the survey's rule on two machines.
+dies without a restart, freed by its node's keeper. Two nodes, each with its own
+shared memory: restarted on both, each rank reads its own node's copy; restarted
+on one node, the step comes from the disk. Then a state larger than the budget,
+and the survey's rule on two machines.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import pytest
 import torch
 
 import shardckpt
-from helpers import PROGRAMS, child_env, run_torchrun, wait_for
+from helpers import PROGRAMS, child_env, run_nodes, run_torchrun, wait_for
 from shardckpt.format import shm
 
 
@@ -98,7 +100,48 @@ def test_crashes_restarts_a_rollback_a_world_size_change_and_a_reboot(tmp_path):
     wait_for(lambda: _gone(got[0][4]["other"]), 30, "the keeper to free the memory of a job that died")
 
 
-def test_a_state_larger_than_the_memory_budget_is_refused_saying_what_it_needs(tmp_path):
+def test_two_nodes_resume_from_their_own_memory_and_a_job_on_one_node_from_the_disk(tmp_path):
+    """Two launchers, each node its own shared memory (as two machines); the local_dir is shared."""
+    root, out, nodes = tmp_path / "ck", tmp_path / "out", tmp_path / "shm"
+    out.mkdir()
+    env = child_env(SHARDCKPT_MEMORY_LINGER_S="60", MEMORY_JOB_SHM=str(nodes))
+    phases = [
+        "train=1-12,kill",  # disk at 10; memory_keep=3: 10, 11, 12 in each node's memory
+        "load=12,train=13-13,kill",  # both nodes again: each rank's copy of 12 is on its own node
+        # Both ranks on node 0: rank 1's copies are on node 1, so the disk's 10. Its close() keeps the memory: 13
+        # is still the newest step of the history, resumable by both nodes together.
+        "load=10,close",
+        # Each node alone (1 rank) then saves a step of its own: 10 and 11 from the disk; at its first save the
+        # node's copies of the 2-rank job go, at close() its own.
+        "load=10,train=11-11,close",
+        "load=11,train=12-12,close",
+    ]
+    for _ in range(2):
+        outputs = run_nodes(2, 1, PROGRAMS / "memory_job.py", root, out, *phases, env=env, check=False, log_dir=out)
+        assert all("]: Traceback" not in o for o in outputs), outputs[0][-4000:] + outputs[1][-4000:]
+    job = run_torchrun(2, PROGRAMS / "memory_job.py", root, out, *phases, env=env, check=False)
+    assert job.returncode == 0, job.stdout[-6000:]
+    for node in (1, 0):
+        job = run_torchrun(1, PROGRAMS / "memory_job.py", root, out, *phases, env=dict(env, MEMORY_JOB_NODE=str(node)),
+                           check=False)
+        assert job.returncode == 0, job.stdout[-6000:]
+    got = [_phases(out, 0), _phases(out, 1)]
+    assert sorted(got[0]) == [0, 1, 2, 3, 4] and sorted(got[1]) == [0, 1, 2], got
+    assert all("error" not in p for rank in (0, 1) for p in got[rank].values()), got
+    loads = {rank: [(load["got"], load["same"], load["from"].split(" ")[0]) for i in sorted(got[rank]) if i
+                    for load in got[rank][i]["loads"]] for rank in (0, 1)}
+    ten, eleven = str(root / "step_0000000010"), str(root / "step_0000000011")
+    assert loads[0] == [(12, True, "memory"), (10, True, ten), (10, True, ten), (11, True, eleven)], loads
+    assert loads[1] == loads[0][:2], loads
+    assert "node0" in got[0][1]["loads"][0]["from"] and "node1" in got[1][1]["loads"][0]["from"]
+    # Each node's memory is freed, and its keeper (one per node) exits.
+    for node in (0, 1):
+        assert _gone(os.path.join(nodes, f"node{node}", os.path.basename(shm.namespace(str(root)))))
+    keepers = root / ".shardckpt-remote" / "memory.log"
+    wait_for(lambda: keepers.read_text().count("no shared memory held") == 2, 30, "both nodes' keepers to exit")
+
+
+def test_a_state_larger_than_the_memory_budget_is_refused_saying_what_it_needs(tmp_path, monkeypatch):
     config = shardckpt.CheckpointConfig.from_env(
         {"SHARDCKPT_MEMORY_EVERY_STEPS": "1", "SHARDCKPT_MEMORY_KEEP": "1", "SHARDCKPT_MEMORY_BUDGET": str(6 << 20)},
         local_dir=str(tmp_path / "ck"), preemption_signals=())
@@ -109,6 +152,15 @@ def test_a_state_larger_than_the_memory_budget_is_refused_saying_what_it_needs(t
     assert "needs 8.0 MiB" in message and "memory_budget allows 6.0 MiB" in message, message
     assert "Nothing was saved" in message and "Remedy: raise memory_budget" in message, message
     assert not os.path.exists(shm.namespace(str(tmp_path / "ck"))) and ckpt.steps() == []
+    ckpt.close()
+    # Shared memory pointed at a directory that does not exist: a clear error, not an OSError from deep inside.
+    monkeypatch.setenv("SHARDCKPT_SHM_DIR", str(tmp_path / "no-such-tmpfs"))
+    ckpt = shardckpt.Checkpointer(config)
+    with pytest.raises(shardckpt.ConfigError) as error:
+        ckpt.save({"weights": torch.zeros(16)}, 1)
+    message = str(error.value)
+    assert f"{tmp_path / 'no-such-tmpfs'} cannot be used" in message and "SHARDCKPT_SHM_DIR" in message, message
+    assert "Nothing was saved" in message and ckpt.steps() == []
     ckpt.close()
 
 

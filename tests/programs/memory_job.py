@@ -20,6 +20,9 @@ per phase). A phase is a comma-separated list of actions:
   other=DIR    a second job on DIR keeps step 1 in memory and dies (SHARDCKPT_MEMORY_LINGER_S=1): its node's
                keeper frees the memory
 
+MEMORY_JOB_SHM=DIR gives each node its own shared memory, DIR/node<n> (SHARDCKPT_SHM_DIR), as on
+separate machines; n is MEMORY_JOB_NODE, else the node rank (GROUP_RANK).
+
 After each save() the saved state is dumped (OUT/expect-<dir>-<step>.rank<r>.pt); a load
 compares the live state with the dump of the step it returned (a plain tensor that differs by rank
 with rank 0's value). OUT/phase<i>.rank<r>.json
@@ -44,6 +47,10 @@ from shardckpt.format import shm
 
 def main() -> None:
     root, out, phases = sys.argv[1], sys.argv[2], sys.argv[3:]
+    if os.environ.get("MEMORY_JOB_SHM"):
+        node = os.environ.get("MEMORY_JOB_NODE") or os.environ.get("GROUP_RANK", "0")
+        os.environ["SHARDCKPT_SHM_DIR"] = os.path.join(os.environ["MEMORY_JOB_SHM"], f"node{node}")
+        os.makedirs(os.environ["SHARDCKPT_SHM_DIR"], exist_ok=True)
     distributed = "WORLD_SIZE" in os.environ
     rank, world = common.init() if distributed else (0, 1)
     starts = os.path.join(out, "starts")
@@ -60,6 +67,8 @@ def main() -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     extra = {"at": 0}
     # A plain tensor of more than 64 elements that differs by rank: every copy, the memory's too, holds rank 0's.
+    # With a shared memory per node it is the same on every rank: rank 0's value is in node 0's memory only.
+    offset = 0 if os.environ.get("MEMORY_JOB_SHM") else rank
     stats = {"hist": torch.zeros(100)}
     state = {"model": model, "optimizer": optim, "extra": extra, "stats": stats}
     options = dict(local_dir=root, every_steps=10, memory_every_steps=1, memory_keep=3, keep_last=2,
@@ -76,7 +85,7 @@ def main() -> None:
     def snapshot() -> dict:
         return {"model": {k: v.detach().clone() for k, v in getattr(model, "module", model).state_dict().items()},
                 "optimizer": common.flat_tensors(optim.state_dict()), "extra": dict(extra),
-                "rng": torch.get_rng_state(), "hist": stats["hist"] - rank}
+                "rng": torch.get_rng_state(), "hist": stats["hist"] - offset}
 
     def same(step: int) -> bool:
         want, have = torch.load(os.path.join(out, f"expect-{tag[0]}-{step}.rank{rank}.pt")), snapshot()
@@ -94,7 +103,7 @@ def main() -> None:
             loss.backward()
             optim.step()
             extra["at"] = step
-            stats["hist"] = torch.full((100,), 10.0 * step + rank)
+            stats["hist"] = torch.full((100,), 10.0 * step + offset)
             if step == kill_copy:
                 record()
                 if rank == min(1, world - 1):

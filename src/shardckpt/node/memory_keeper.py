@@ -12,13 +12,16 @@ seconds (``SHARDCKPT_MEMORY_LINGER_S``, default :data:`LINGER_S`): long
 enough for a launcher or a scheduler to restart the job here.
 
 Its files sit beside the other daemons' in ``<local_dir>/.shardckpt-remote/``:
-``memory.lock`` (held while it runs), ``memory.log``.
+``memory-<id>.lock`` (held while it runs; ``<id>`` names this machine's
+shared memory of the ``local_dir``, so each node of a job whose
+``local_dir`` is on a shared filesystem gets its own keeper), ``memory.log``.
 """
 
 from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import logging
 import os
 import signal
@@ -33,15 +36,20 @@ from shardckpt.node.node_registry import (daemon_logging, register_trainer, spaw
 
 log = logging.getLogger("shardckpt")
 
-LOCK_NAME = "memory.lock"
 LINGER_S = 120.0
 """Seconds the memory of a job with no live trainer on this node is kept for a restart."""
 
 
+def lock_path(root: str) -> str:
+    """The lock of the keeper of ``root``'s shared memory on this machine (one per machine and namespace)."""
+    here = hashlib.sha256(f"{shm.machine()}\0{shm.namespace(root)}".encode("utf-8", "surrogatepass")).hexdigest()
+    return os.path.join(state_dir(root), f"memory-{here[:12]}.lock")
+
+
 def running(root: str) -> bool:
-    """A keeper holds the lock of ``root``."""
+    """A keeper holds the lock of ``root``'s shared memory on this machine."""
     try:
-        fd = os.open(os.path.join(state_dir(root), LOCK_NAME), os.O_RDWR)
+        fd = os.open(lock_path(root), os.O_RDWR)
     except OSError:
         return False
     try:
@@ -77,7 +85,7 @@ class MemoryKeeper:
 
     def run(self) -> int:
         os.makedirs(state_dir(self.root), exist_ok=True)
-        fd = os.open(os.path.join(state_dir(self.root), LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(lock_path(self.root), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

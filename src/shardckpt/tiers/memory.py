@@ -103,8 +103,12 @@ def budget_bytes(budget: float | int | None) -> int:
     return int(budget)
 
 
-def _shm_free() -> int:
-    st = os.statvfs(shm.shm_root())
+def _shm_free() -> int | str:
+    """Free bytes where the namespaces live, or why that place cannot hold them."""
+    try:
+        st = os.statvfs(shm.shm_root())
+    except OSError as exc:
+        return f"{shm.shm_root()} cannot be used ({exc.strerror or exc})"
     return st.f_bavail * st.f_frsize
 
 
@@ -217,8 +221,16 @@ class MemoryTier:
         its saves continue. Raises :class:`ConfigError` on every rank when a machine lacks the memory.
         """
         mine = (self.keep + 1) * sum(_align(n) for _k, _s, n in self._wanted(captured, what))
-        me = (shm.machine(), mine, _shm_free() + shm.held_bytes(self.root), self.budget)
+        free = _shm_free()
+        me = (shm.machine(), mine, free if isinstance(free, str) else free + shm.held_bytes(self.root), self.budget)
         everyone = groups.all_gather_ctl(me)
+        broken = [(r, e[2]) for r, e in enumerate(everyone) if isinstance(e[2], str)]
+        if broken:  # raised on every rank, after the exchange
+            raise ConfigError(
+                f"{what}: the memory tier of rank(s) {', '.join(str(r) for r, _e in broken)}: {broken[0][1]}. "
+                f"Nothing was saved. Remedy: point SHARDCKPT_SHM_DIR at an existing tmpfs directory of this user's "
+                f"(unset: /dev/shm), or turn the memory tier off (memory_every_steps=None)."
+            )
         here = [r for r, e in enumerate(everyone) if e[0] == me[0]]
         for key in dict.fromkeys(e[0] for e in everyone):
             ranks = [r for r, e in enumerate(everyone) if e[0] == key]
@@ -338,9 +350,10 @@ class MemoryTier:
         except OSError as exc:
             shm.remove(self.ns, [slot.buffer])
             slot.buffer, slot.entries = "", {}
+            free = _shm_free()
             raise ConfigError(
                 f"{what}: {fmt_bytes(size)} of shared memory could not be reserved in {self.ns} ({exc}); "
-                f"{fmt_bytes(_shm_free())} free. Remedy: free shared memory (df {shm.shm_root()}), raise its size, "
+                f"{fmt_bytes(free) if isinstance(free, int) else free} free. Remedy: free shared memory (df {shm.shm_root()}), raise its size, "
                 f"lower memory_keep, or turn the memory tier off (memory_every_steps=None)."
             ) from exc
 
