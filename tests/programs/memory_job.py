@@ -17,6 +17,7 @@ per phase). A phase is a comma-separated list of actions:
   close        close(): a step newer in memory than on disk goes to disk, the memory is freed
   use=DIR:K:E  from here a Checkpointer on DIR with memory_keep=K, every_steps=E
   stall        the next disk write stalls (its writer thread sleeps) and never commits
+  wait         wait() for the disk write in flight
   other=DIR    a second job on DIR keeps step 1 in memory and dies (SHARDCKPT_MEMORY_LINGER_S=1): its node's
                keeper frees the memory
 
@@ -157,6 +158,8 @@ def main() -> None:
             path, keep, every = arg.split(":")
             options.update(local_dir=path, memory_keep=int(keep), every_steps=int(every))
             ckpt, tag[0] = shardckpt.Checkpointer(**options), os.path.basename(path)
+        elif name == "wait":
+            ckpt.wait()
         elif name == "stall":  # the next disk write stalls (its writer thread sleeps): it never commits
             _failpoints.arm("write.done", lambda: time.sleep(120))
         elif name == "other":

@@ -31,7 +31,7 @@ from typing import Any
 
 from shardckpt._text import fmt_bytes
 from shardckpt.format import shm
-from shardckpt.node.node_registry import (daemon_logging, register_trainer, spawn_node_daemon, state_dir,
+from shardckpt.node.node_registry import (daemon_logging, lock_held, register_trainer, spawn_node_daemon, state_dir,
                                          trainers_alive)
 
 log = logging.getLogger("shardckpt")
@@ -48,19 +48,7 @@ def lock_path(root: str) -> str:
 
 def running(root: str) -> bool:
     """A keeper holds the lock of ``root``'s shared memory on this machine."""
-    try:
-        fd = os.open(lock_path(root), os.O_RDWR)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return True
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)
+    return lock_held(lock_path(root))
 
 
 def join(root: str, starts: bool) -> str:

@@ -106,18 +106,25 @@ def uploader_running(root: str) -> int | None:
     pid, is the test: a sidecar in another container (another PID namespace,
     where its pid means nothing here) is seen as running all the same.
     """
-    try:
-        fd = os.open(lock_path(root), os.O_RDWR)
-    except OSError:
+    if not lock_held(lock_path(root)):
         return None
+    pid = read_status(root).get("pid")
+    return pid if isinstance(pid, int) else 0  # held: an uploader runs
+
+
+def lock_held(path: str) -> bool:
+    """Another process holds the ``flock`` of ``path`` (a daemon's lock: held while it runs)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        pid = read_status(root).get("pid")
-        return pid if isinstance(pid, int) else 0  # held: an uploader runs
+        return True
     else:
         fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
+        return False
     finally:
         os.close(fd)
 
