@@ -107,7 +107,9 @@ def test_two_nodes_resume_from_their_own_memory_and_a_job_on_one_node_from_the_d
     env = child_env(SHARDCKPT_MEMORY_LINGER_S="60", MEMORY_JOB_SHM=str(nodes))
     phases = [
         "train=1-10,wait,train=11-12,kill",  # 10 committed on disk; memory_keep=3: 10, 11, 12 in each node's memory
-        "load=12,train=13-13,kill",  # both nodes again: each rank's copy of 12 is on its own node
+        # Both nodes again: each rank's copy of 12 is on its own node, rank 1's with rank 0's value of the plain
+        # tensor that differs by rank (received at the save), so nothing is read from the other node.
+        "load=12,train=13-13,kill",
         # Both ranks on node 0: rank 1's copies are on node 1, so the disk's 10. Its close() keeps the memory: 13
         # is still the newest step of the history, resumable by both nodes together.
         "load=10,close",

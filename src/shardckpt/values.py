@@ -310,11 +310,42 @@ def _without(value: Any, path: tuple) -> Any:
     return out
 
 
-class _Keys:
-    """The outcome of one comparison: which ranks leave out what, one warning per key."""
+def _taken(mine: Any, theirs: Any, path: tuple) -> Any:
+    """``mine`` with what ``theirs`` holds at ``path`` (containers on the way copied; a list goes whole;
+    a leaf ``theirs`` lacks is left out)."""
+    if not path or not isinstance(mine, dict) or not isinstance(theirs, dict):
+        return theirs
+    out = dict(mine)
+    if path[0] not in theirs:
+        out.pop(path[0], None)
+    else:
+        out[path[0]] = _taken(mine.get(path[0]), theirs[path[0]], path[1:]) if path[0] in mine else theirs[path[0]]
+    return out
 
-    def __init__(self, kinds: dict[str, str], step: int, warned: set[str], sharded: set[str]) -> None:
+
+def _on_cpu(value: Any) -> Any:
+    """``value`` with its tensors on the CPU (what is sent to another rank)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(v) for v in value) if type(value) in (list, tuple) else value
+    return value
+
+
+class _Keys:
+    """The outcome of one comparison: which ranks leave out what, one warning per key.
+
+    ``gather`` (a save kept in memory, whose copy on each machine is restored as it is): a rank whose
+    value differs holds the reference rank's value instead of leaving it out, received over ``gather``
+    (collective: every rank resolves the same keys in the same order).
+    """
+
+    def __init__(self, kinds: dict[str, str], step: int, warned: set[str], sharded: set[str],
+                 gather: Callable[[Any], list[Any]] | None = None) -> None:
         self.kinds, self.step, self.warned, self.sharded = kinds, step, warned, sharded
+        self.gather = gather
 
     def resolve(self, out: dict[str, Any], key: str, differ: dict[int, list[tuple[tuple, str, int]]]) -> dict[str, Any]:
         """Apply the differences of ``key`` (``{rank: [(path, description, reference rank)]}``) to ``out``."""
@@ -331,7 +362,12 @@ class _Keys:
         )
         if not stateful and key in self.sharded:  # leaving the key out would leave out this rank's shards too
             raise ConfigError(f"step {self.step}: nothing was saved: {message}. {remedy}.")
-        if rank in differ and key in out:
+        if self.gather is not None:
+            refs = {ref for entries in differ.values() for _p, _t, ref in entries}
+            theirs = self.gather(_on_cpu(out.get(key)) if rank in refs else None)
+            for path, _text, ref in differ.get(rank, []) if key in out else []:
+                out[key] = _taken({key: out[key]}, {key: theirs[ref]}, path)[key]
+        elif rank in differ and key in out:
             if stateful:
                 for path, _text, _ref in differ[rank]:
                     pruned = _without({key: out[key]}, path)
@@ -390,7 +426,7 @@ def agree(
     for key in set().union(*summaries):
         if any(leaf[0] == "dtensor" for m in summaries for leaf in m.get(key, {}).values()):
             sharded.add(key)
-    keys = _Keys(kinds, step, warned, sharded)
+    keys = _Keys(kinds, step, warned, sharded, groups.all_gather_ctl if now else None)
     later: list[tuple[str, str, tuple, str]] = []
     for key in sorted(set().union(*summaries)):
         stateful = kinds.get(key) == STATEFUL

@@ -67,9 +67,8 @@ def main() -> None:
         model = torch.nn.parallel.DistributedDataParallel(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     extra = {"at": 0}
-    # A plain tensor of more than 64 elements that differs by rank: every copy, the memory's too, holds rank 0's.
-    # With a shared memory per node it is the same on every rank: rank 0's value is in node 0's memory only.
-    offset = 0 if os.environ.get("MEMORY_JOB_SHM") else rank
+    # A plain tensor of more than 64 elements that differs by rank: every copy, the memory's too (each rank's
+    # own, on its machine), holds rank 0's.
     stats = {"hist": torch.zeros(100)}
     state = {"model": model, "optimizer": optim, "extra": extra, "stats": stats}
     options = dict(local_dir=root, every_steps=10, memory_every_steps=1, memory_keep=3, keep_last=2,
@@ -86,7 +85,7 @@ def main() -> None:
     def snapshot() -> dict:
         return {"model": {k: v.detach().clone() for k, v in getattr(model, "module", model).state_dict().items()},
                 "optimizer": common.flat_tensors(optim.state_dict()), "extra": dict(extra),
-                "rng": torch.get_rng_state(), "hist": stats["hist"] - offset}
+                "rng": torch.get_rng_state(), "hist": stats["hist"] - rank}
 
     def same(step: int) -> bool:
         want, have = torch.load(os.path.join(out, f"expect-{tag[0]}-{step}.rank{rank}.pt")), snapshot()
@@ -104,7 +103,7 @@ def main() -> None:
             loss.backward()
             optim.step()
             extra["at"] = step
-            stats["hist"] = torch.full((100,), 10.0 * step + offset)
+            stats["hist"] = torch.full((100,), 10.0 * step + rank)
             if step == kill_copy:
                 record()
                 if rank == min(1, world - 1):

@@ -74,7 +74,20 @@ def own_values(out_dir: str, rank: int, model) -> dict:
     with shardckpt.Checkpointer(local_dir=ckpt_dir, keep_last=None, preemption_signals=()) as ckpt:
         loaded = ckpt.load(fresh)
     stats = fresh["stats"]
+    # The same state kept in the memory tier only (step 6), read back from memory by another instance: each
+    # rank's copy holds the reference rank's values, received at the save.
+    memory_dir = os.path.join(out_dir, "own-memory")
+    saver = shardckpt.Checkpointer(local_dir=memory_dir, every_steps=100, memory_every_steps=1, preemption_signals=())
+    tier = saver.save(state, 6).tier
+    back = {"model": model, "stats": {}, "notes": [], "data": {"shuffle": torch.Generator(), "epoch": 0},
+            "sampler": RankSampler(7), "meter": Meter(-1.0)}
+    reader = shardckpt.Checkpointer(local_dir=memory_dir, memory_every_steps=1, preemption_signals=())
+    memory = [tier, reader.load(back), reader.status()["restored_from"].split(" ")[0], float(back["stats"]["big"][-1]),
+              back["notes"][0][:3], [float(back["meter"].sums[0]), float(back["meter"].sums[-1])]]
+    reader.close()
+    saver.close()
     return {
+        "memory": memory,
         "loaded": loaded,
         "big": [float(stats["big"][0]), float(stats["big"][-1]), list(stats["big"].shape)],
         "text": [fresh["notes"][0][:3], len(fresh["notes"][0])],
