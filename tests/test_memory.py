@@ -104,7 +104,8 @@ def test_two_nodes_resume_from_their_own_memory_and_a_job_on_one_node_from_the_d
     """Two launchers, each node its own shared memory (as two machines); the local_dir is shared."""
     root, out, nodes = tmp_path / "ck", tmp_path / "out", tmp_path / "shm"
     out.mkdir()
-    env = child_env(SHARDCKPT_MEMORY_LINGER_S="60", MEMORY_JOB_SHM=str(nodes))
+    # A long linger: a slow restart must still find the memory; the keepers exit once it is freed anyway.
+    env = child_env(SHARDCKPT_MEMORY_LINGER_S="600", MEMORY_JOB_SHM=str(nodes))
     phases = [
         "train=1-10,wait,train=11-12,kill",  # 10 committed on disk; memory_keep=3: 10, 11, 12 in each node's memory
         # Both nodes again: each rank's copy of 12 is on its own node, rank 1's with rank 0's value of the plain

@@ -310,17 +310,39 @@ def _without(value: Any, path: tuple) -> Any:
     return out
 
 
-def _taken(mine: Any, theirs: Any, path: tuple) -> Any:
-    """``mine`` with what ``theirs`` holds at ``path`` (containers on the way copied; a list goes whole;
-    a leaf ``theirs`` lacks is left out)."""
-    if not path or not isinstance(mine, dict) or not isinstance(theirs, dict):
-        return theirs
-    out = dict(mine)
-    if path[0] not in theirs:
-        out.pop(path[0], None)
-    else:
-        out[path[0]] = _taken(mine.get(path[0]), theirs[path[0]], path[1:]) if path[0] in mine else theirs[path[0]]
-    return out
+def _at(value: Any, path: tuple) -> Any:
+    """The leaf of ``value`` at ``path`` (dict keys, list and tuple indices), else ``_ABSENT``."""
+    for part in path:
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif type(value) in (list, tuple) and isinstance(part, int) and 0 <= part < len(value):
+            value = value[part]
+        else:
+            return _ABSENT
+    return value
+
+
+def _replaced(value: Any, path: tuple, held: bool, leaf: Any) -> Any:
+    """``value`` with its leaf at ``path`` (non-empty, present) set to ``leaf`` (``held``) or removed,
+    containers on the way copied; ``_ABSENT`` where that cannot be done (a path it lacks, a list item removed)."""
+    part, rest = path[0], path[1:]
+    if isinstance(value, dict) and part in value:
+        out = dict(value)
+        if rest:
+            inner = _replaced(value[part], rest, held, leaf)
+            if inner is _ABSENT:
+                return _ABSENT
+            out[part] = inner
+        elif held:
+            out[part] = leaf
+        else:
+            del out[part]
+        return out
+    if type(value) in (list, tuple) and isinstance(part, int) and 0 <= part < len(value) and (rest or held):
+        items = list(value)
+        items[part] = _replaced(value[part], rest, held, leaf) if rest else leaf
+        return _ABSENT if items[part] is _ABSENT else type(value)(items)
+    return _ABSENT
 
 
 def _on_cpu(value: Any) -> Any:
@@ -338,8 +360,9 @@ class _Keys:
     """The outcome of one comparison: which ranks leave out what, one warning per key.
 
     ``gather`` (a save kept in memory, whose copy on each machine is restored as it is): a rank whose
-    value differs holds the reference rank's value instead of leaving it out, received over ``gather``
-    (collective: every rank resolves the same keys in the same order).
+    value differs holds the reference rank's value instead of leaving it out, the differing leaves received
+    over ``gather`` (collective: every rank resolves the same keys, in the same order, from the same
+    ``differ``). An entry is ``(this rank's path to the leaf, description, reference rank, fqn)``.
     """
 
     def __init__(self, kinds: dict[str, str], step: int, warned: set[str], sharded: set[str],
@@ -347,8 +370,9 @@ class _Keys:
         self.kinds, self.step, self.warned, self.sharded = kinds, step, warned, sharded
         self.gather = gather
 
-    def resolve(self, out: dict[str, Any], key: str, differ: dict[int, list[tuple[tuple, str, int]]]) -> dict[str, Any]:
-        """Apply the differences of ``key`` (``{rank: [(path, description, reference rank)]}``) to ``out``."""
+    def resolve(self, out: dict[str, Any], key: str, differ: dict[int, list[tuple[tuple, str, int, str]]]
+                ) -> dict[str, Any]:
+        """Apply the differences of ``key`` (``{rank: [entry]}``) to ``out``."""
         rank = _dist.rank()
         stateful = self.kinds.get(key) == STATEFUL
         first = next(iter(differ.values()))[0]
@@ -362,14 +386,10 @@ class _Keys:
         )
         if not stateful and key in self.sharded:  # leaving the key out would leave out this rank's shards too
             raise ConfigError(f"step {self.step}: nothing was saved: {message}. {remedy}.")
-        if self.gather is not None:
-            refs = {ref for entries in differ.values() for _p, _t, ref in entries}
-            theirs = self.gather(_on_cpu(out.get(key)) if rank in refs else None)
-            for path, _text, ref in differ.get(rank, []) if key in out else []:
-                out[key] = _taken({key: out[key]}, {key: theirs[ref]}, path)[key]
-        elif rank in differ and key in out:
+        left = self._hand_over(out, key, differ) if self.gather is not None else differ.get(rank, [])
+        if left and key in out:
             if stateful:
-                for path, _text, _ref in differ[rank]:
+                for path, _text, _ref, _fqn in left:
                     pruned = _without({key: out[key]}, path)
                     out[key] = pruned[key] if pruned is not _ABSENT and key in pruned else {}
             else:
@@ -381,6 +401,45 @@ class _Keys:
         return out
 
 
+    def _hand_over(self, out: dict[str, Any], key: str, differ: dict[int, list[tuple[tuple, str, int, str]]]
+                   ) -> list[tuple[tuple, str, int, str]]:
+        """The reference ranks send the differing leaves of ``key``; this rank takes them into ``out``.
+        Returns the entries it could not take (a leaf it does not hold where the reference has it): left out."""
+        rank = _dist.rank()
+        sent: bytes | None = None
+        error = None
+        try:
+            leaves = {fqn: _at({key: out[key]}, where) if key in out else _ABSENT
+                      for entries in differ.values() for where, _t, ref, fqn in entries if ref == rank}
+            if leaves:
+                sent = pickle.dumps({f: (v is not _ABSENT, None if v is _ABSENT else _on_cpu(v)) for f, v in leaves.items()})
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange, then all raise
+            error = f"{type(exc).__name__}: {exc}"
+        gathered = self.gather((sent, error))
+        failed = [(r, e) for r, (_s, e) in enumerate(gathered) if e is not None]
+        if failed:
+            raise ConfigError(
+                f"step {self.step}: nothing was saved; rank {failed[0][0]}'s value of {key!r}, which differs on other "
+                f"ranks, could not be sent to them ({failed[0][1]}). Remedy: make it the same on every rank before "
+                f"save(), or wrap a value that belongs to each rank in shardckpt.PerRank(...)"
+            )
+        left, theirs = [], {}
+        for entry in differ.get(rank, []) if key in out else []:
+            where, _text, ref, fqn = entry
+            theirs.setdefault(ref, pickle.loads(gathered[ref][0]))
+            held, leaf = theirs[ref].get(fqn, (False, None))
+            if len(where) == 1:  # the whole value is the leaf
+                changed = (leaf if held else _ABSENT) if fqn == key else _ABSENT
+            else:
+                changed = _replaced(out[key], where[1:], held, leaf) if _at(out[key], where[1:]) is not _ABSENT \
+                    else _ABSENT
+            if changed is _ABSENT:
+                left.append(entry)
+            else:
+                out[key] = changed
+        return left
+
+
 def agree(
     captured: dict[str, Any], kinds: dict[str, str], groups: _dist.SideGroups, step: int, warned: set[str],
     own: set[str] | frozenset[str] = frozenset(), now: bool = False,
@@ -389,13 +448,14 @@ def agree(
 
     Returns the state dict to write (``captured`` with tagged keys and
     per-rank entries; on the ranks whose plain values differ from rank 0's,
-    without them) and the tensors whose content is compared later, in the
+    without them, or with rank 0's when ``now``) and the tensors whose content is compared later, in the
     background (:class:`Later`; ``None`` when there are none). A key refused
     on any rank raises :class:`ConfigError` on every rank. ``warned`` holds the
     keys already warned about (one warning per key and instance); ``own``:
     keys each rank saves under keys of its own (``PerRank``), not compared.
-    ``now``: the tensors' contents are compared here too (a save kept in
-    memory: a restore, and the disk write, read that copy as it is).
+    ``now``: the tensors' contents are compared here too, and a rank whose
+    value differs takes the reference rank's (a save kept in memory: a
+    restore, and the disk write, read each rank's copy as it is).
     """
     out = dict(captured)
     rank = _dist.rank()
@@ -445,7 +505,7 @@ def agree(
                     compare_later = True  # same shape and dtype: the bytes decide, in the background
                 elif not _same(a, b):
                     where = paths.get(key, {}).get(fqn, (key,) + tuple(fqn.split(".")[1:]))
-                    differ.setdefault(r, []).append((where, f"{fqn}: rank {ref} {_show(a)}, rank {r} {_show(b)}", ref))
+                    differ.setdefault(r, []).append((where, f"{fqn}: rank {ref} {_show(a)}, rank {r} {_show(b)}", ref, fqn))
             if compare_later:  # the path is empty where this rank does not hold it: it reports no digest
                 later.append((key, fqn, paths.get(key, {}).get(fqn, ()), _show(a)))
         if differ:
@@ -483,13 +543,20 @@ class Later:
     def settle(self, staged: dict[str, Any], gather: Callable[[Any], list[Any]], *, failed: bool) -> dict[str, Any]:
         """What this rank writes of ``staged`` once every rank's digests are known (collective: every
         rank calls it once per save, ``failed`` or not; a failure anywhere raises on every rank)."""
-        mine = None if failed else self.digests(staged)
+        error = None
+        try:
+            mine = None if failed else self.digests(staged)
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange, then all raise
+            mine, error = None, exc
         gathered = gather(mine)
+        if error is not None:
+            raise SaveError(f"step {self.keys.step}: the plain values could not be compared "
+                            f"({type(error).__name__}: {error})") from error
         lost = [r for r, d in enumerate(gathered) if d is None]
         if lost:
             raise FailedElsewhere(f"step {self.keys.step}: rank(s) {', '.join(map(str, lost))} failed before writing")
         out = dict(staged)
-        by_key: dict[str, dict[int, list[tuple[tuple, str, int]]]] = {}
+        by_key: dict[str, dict[int, list[tuple[tuple, str, int, str]]]] = {}
         for i, (key, fqn, path, shown) in enumerate(self.leaves):
             values = [d[i] for d in gathered]
             holders = [r for r, v in enumerate(values) if v is not None]
@@ -501,7 +568,7 @@ class Later:
             for r in holders:
                 if values[r] != values[ref]:
                     text = f"{fqn}: {shown} everywhere, content digest rank {ref} {values[ref][:12]}, rank {r} {values[r][:12]}"
-                    by_key.setdefault(key, {}).setdefault(r, []).append((path or (key,), text, ref))
+                    by_key.setdefault(key, {}).setdefault(r, []).append((path or (key,), text, ref, fqn))
         for key in sorted(by_key):
             out = self.keys.resolve(out, key, by_key[key])
         return out

@@ -348,7 +348,9 @@ class StepWriter:
         self.last_total_bytes = manifest.total_bytes
         self.last_committed = step
         self._newest_created = max(self._newest_created, manifest.created)
-        forked = job.lineage is not None and job.lineage is not self.lineage
+        # (compared by what the lineages say: a write from memory rebuilds the same lineage from its record)
+        forked = (job.lineage is not None and self.head_step is not None and step < self.head_step
+                  and (self.lineage is None or job.lineage.to_json() != self.lineage.to_json()))
         if job.lineage is not None:
             self.lineage = job.lineage
         # A save that forked is the new branch's head, below the old head. Otherwise a save kept only in memory
