@@ -10,6 +10,7 @@ freeing the memory; a copy cut short in the slot of the newest step; a job that
 dies without a restart, freed by its node's keeper. Two nodes, each with its own
 shared memory: restarted on both, each rank reads its own node's copy; restarted
 on one node, the step comes from the disk. Then a state larger than the budget,
+a shared-memory directory others could have written (never read nor written),
 and the survey's rule on two machines.
 """
 
@@ -165,6 +166,52 @@ def test_a_state_larger_than_the_memory_budget_is_refused_saying_what_it_needs(t
     assert f"{tmp_path / 'no-such-tmpfs'} cannot be used" in message and "SHARDCKPT_SHM_DIR" in message, message
     assert "Nothing was saved" in message and ckpt.steps() == []
     ckpt.close()
+
+
+@pytest.mark.parametrize("tamper", ["loose mode", "another owner", "a link"])
+def test_a_shared_memory_directory_others_could_have_written_is_never_read(tmp_path, tamper, caplog):
+    """Anyone may create a directory in /dev/shm: one that is not this user's alone is never trusted."""
+    import logging
+
+    root = tmp_path / "ck"
+    state = {"weights": torch.zeros(100), "meta": {"at": 0}}
+    saver = shardckpt.Checkpointer(local_dir=str(root), every_steps=2, memory_every_steps=1, preemption_signals=())
+    for step in (1, 2, 3):
+        state["weights"].fill_(step)
+        state["meta"]["at"] = step
+        saver.save(state, step).wait()  # 2 on disk, 3 in memory only
+    ns = shm.namespace(str(root))
+    aside = ns + ".aside"
+    try:
+        if tamper == "loose mode":
+            os.chmod(ns, 0o777)
+        elif tamper == "another owner":
+            if os.geteuid() != 0:
+                pytest.skip("changing a directory's owner needs root")
+            os.chown(ns, 65534, 65534)
+        else:
+            os.rename(ns, aside)
+            os.symlink(aside, ns)
+        fresh = {"weights": torch.zeros(100), "meta": {}}
+        with caplog.at_level(logging.WARNING, logger="shardckpt"):
+            other = shardckpt.Checkpointer(local_dir=str(root), every_steps=2, memory_every_steps=1,
+                                           preemption_signals=())
+            assert other.load(fresh) == 2 and fresh["meta"] == {"at": 2}  # from the disk, not the memory's 3
+            assert float(fresh["weights"][0]) == 2.0
+        said = [r.getMessage() for r in caplog.records if "cannot be trusted" in r.getMessage()]
+        assert len(said) == 1 and ns in said[0] and "Remedy" in said[0], said
+        with pytest.raises(shardckpt.ConfigError) as error:  # nor written into
+            other.save(state, 4)
+        assert ns in str(error.value) and "Remedy" in str(error.value)
+        other.close()
+    finally:
+        if os.path.islink(ns):
+            os.unlink(ns)
+            os.rename(aside, ns)
+        os.chown(ns, os.getuid(), os.getgid())
+        os.chmod(ns, 0o700)
+    saver.close()
+    assert _gone(ns)
 
 
 def test_which_saves_a_job_can_restore_from_memory():

@@ -524,7 +524,12 @@ class MemoryTier:
     def report(self) -> list[list[Any]]:
         """This machine's complete copies for the survey: ``[saved rank, step, version, world size, info]``."""
         out = []
-        for rec in shm.read_records(self.root)[0]:
+        records, bad = shm.read_records(self.root)
+        if self.ns in bad and os.environ.get("LOCAL_RANK", "0") == "0":  # planted or tampered with: never read
+            log.warning("shardckpt: the memory tier's directory %s cannot be trusted (%s): no step is restored "
+                        "from it, the restore reads the other tiers. Remedy: remove it (it is not this job's), or "
+                        "point SHARDCKPT_SHM_DIR at a tmpfs of this user's", self.ns, bad[self.ns])
+        for rec in records:
             try:
                 info = lineage_mod.info_of(rec.manifest_obj(rec.name))
             except Exception:  # noqa: BLE001 - a record whose manifest cannot be read is not a copy
