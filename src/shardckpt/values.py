@@ -351,8 +351,10 @@ def _on_cpu(value: Any) -> Any:
         return value.detach().cpu()
     if isinstance(value, dict):
         return {k: _on_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_on_cpu(v) for v in value) if type(value) in (list, tuple) else value
+    if type(value) in (list, tuple):
+        return type(value)(_on_cpu(v) for v in value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_on_cpu(v) for v in value))
     return value
 
 
@@ -400,7 +402,6 @@ class _Keys:
                 log.warning("shardckpt: step %d: %s; saving rank %d's value. %s", self.step, message, first[2], remedy)
         return out
 
-
     def _hand_over(self, out: dict[str, Any], key: str, differ: dict[int, list[tuple[tuple, str, int, str]]]
                    ) -> list[tuple[tuple, str, int, str]]:
         """The reference ranks send the differing leaves of ``key``; this rank takes them into ``out``.
@@ -426,7 +427,8 @@ class _Keys:
         left, theirs = [], {}
         for entry in differ.get(rank, []) if key in out else []:
             where, _text, ref, fqn = entry
-            theirs.setdefault(ref, pickle.loads(gathered[ref][0]))
+            if ref not in theirs:
+                theirs[ref] = pickle.loads(gathered[ref][0])
             held, leaf = theirs[ref].get(fqn, (False, None))
             if len(where) == 1:  # the whole value is the leaf
                 changed = (leaf if held else _ABSENT) if fqn == key else _ABSENT
