@@ -529,16 +529,8 @@ class Later:
 
     def digests(self, staged: dict[str, Any]) -> list[str | None]:
         out: list[str | None] = []
-        for key, _fqn, path, _shown in self.leaves:
-            node: Any = staged.get(key) if path else None
-            for part in path[1:]:
-                if isinstance(node, dict) and part in node:
-                    node = node[part]
-                elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
-                    node = node[part]
-                else:
-                    node = None
-                    break
+        for _key, _fqn, path, _shown in self.leaves:
+            node = _at(staged, path) if path else None
             out.append(digest(node) if isinstance(node, torch.Tensor) else None)
         return out
 
