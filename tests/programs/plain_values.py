@@ -10,6 +10,7 @@ sampler), which the test also restores at 1 rank.
 import functools
 import os
 import sys
+import time
 
 import common
 import torch
@@ -17,6 +18,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 import shardckpt
+from shardckpt import _failpoints
+from shardckpt.format import shm
 
 
 def warmup(step: int, n: int) -> float:
@@ -86,6 +89,14 @@ def own_values(out_dir: str, rank: int, model) -> dict:
               back["notes"][0][:3], [float(back["meter"].sums[0]), float(back["meter"].sums[-1])]]
     reader.close()
     saver.close()
+    # A save kept in memory and written to disk, rank 1 stamping its copy half a second after rank 0 (the disk's
+    # manifest carries rank 0's time): the same save, so close() frees the memory.
+    both_dir = os.path.join(out_dir, "own-memory-disk")
+    if rank == 1:
+        _failpoints.arm("save.staged", lambda: time.sleep(0.5))
+    with shardckpt.Checkpointer(local_dir=both_dir, every_steps=1, memory_every_steps=1, preemption_signals=()) as both:
+        both.save(state, 7).wait()
+    memory.append(os.path.exists(shm.namespace(both_dir)))
     return {
         "memory": memory,
         "loaded": loaded,

@@ -487,8 +487,10 @@ class MemoryTier:
         records = [r for r in shm.read_records(self.root)[0] if r.rank == _dist.rank()]
         newest = max(records, key=lambda r: r.created, default=None)
         if newest is not None:
-            head = lineage_mod.head(lineage_mod.local_infos(self.root))  # a save on disk too has the same time
-            if head is None or newest.created > head.created:
+            head = lineage_mod.head(lineage_mod.local_infos(self.root))
+            # The same save on disk is not newer, whatever this rank's clock stamped its copy with (the disk's
+            # manifest carries rank 0's time).
+            if head is None or (newest.version != head.version and newest.created > head.created):
                 mine = newest
         gathered = groups.all_gather_ctl(None if mine is None else (mine.step, mine.version, mine.world_size))
         if all(g is None for g in gathered):
