@@ -138,7 +138,6 @@ class PeerDaemon:
                 client.close()
             if self._server is not None:
                 self._server.shutdown()
-                self._server.server_close()
             if os.path.isdir(state_dir(self.root)):
                 self._write_status("exited")
             os.close(fd)

@@ -112,9 +112,13 @@ class _Budgets:
         self.rate, self.burst = rate, burst
         self._held: dict[str, tuple[float, float]] = {}
 
-    def take(self, source: str, now: float) -> bool:
+    def _level(self, source: str, now: float) -> float:
+        """The tokens ``source`` has at ``now`` (a source not seen holds a full bucket)."""
         tokens, last = self._held.get(source, (self.burst, now))
-        tokens = min(self.burst, tokens + (now - last) * self.rate)
+        return min(self.burst, tokens + (now - last) * self.rate)
+
+    def take(self, source: str, now: float) -> bool:
+        tokens = self._level(source, now)
         if tokens < 1.0:
             self._held[source] = (tokens, now)
             return False
@@ -125,16 +129,14 @@ class _Budgets:
 
     def spent(self, source: str, now: float) -> bool:
         """Whether ``source`` has no handshake left for now (nothing is taken)."""
-        held = self._held.get(source)
-        return held is not None and held[0] + (now - held[1]) * self.rate < 1.0
+        return source in self._held and self._level(source, now) < 1.0
 
     def give_back(self, source: str, now: float) -> None:
-        tokens, last = self._held.get(source, (self.burst, now))
-        self._held[source] = (min(self.burst, tokens + (now - last) * self.rate + 1.0), now)
+        self._held[source] = (min(self.burst, self._level(source, now) + 1.0), now)
 
     def _forget_full(self, now: float) -> None:
-        for source, (tokens, last) in list(self._held.items()):
-            if tokens + (now - last) * self.rate >= self.burst:
+        for source in list(self._held):
+            if self._level(source, now) >= self.burst:
                 del self._held[source]
 
 
@@ -537,14 +539,6 @@ class PeerServer:
             if not self._members[key]:
                 del self._members[key]
         _drop(sock)
-
-    def member_connections(self) -> dict[str, int]:
-        """Open connections per member certificate (fingerprint)."""
-        with self._lock:
-            return dict(self._members)
-
-    def pending_count(self) -> int:
-        return len(self._pending)
 
     # ---- lifecycle
 
