@@ -44,6 +44,7 @@ from typing import Any, Sequence
 
 from shardckpt import resume_compare as compare
 from shardckpt import resume_probe
+from shardckpt._proc import proc_start
 from shardckpt.format import layout
 from shardckpt.format.retention import FULL
 from shardckpt.node import node_registry
@@ -296,11 +297,7 @@ def kill_tree(proc: subprocess.Popen, pids: Sequence[int] = ()) -> None:
 
 def running(pid: int) -> bool:
     """``pid`` exists and has not exited (not a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+    return proc_start(pid) is not None
 
 
 def _tail(run: Run, lines: int = 15) -> str:

@@ -272,13 +272,12 @@ def _same(a: tuple | None, b: tuple | None) -> bool:
         return False
 
 
-def _show(leaf: tuple | None, digest: str | None = None) -> str:
+def _show(leaf: tuple | None) -> str:
     if leaf is None:
         return "absent"
     if leaf[0] in ("tensor", "dtensor"):
         shape = "x".join(map(str, leaf[1])) or "0-d"
         body = f" {leaf[3]!r}" if len(leaf) > 3 and leaf[0] == "tensor" else ""
-        body += f" (content digest {digest[:12]})" if digest else ""
         return f"{leaf[0]} {shape} {leaf[2].replace('torch.', '')}{body}"[:100]
     kind = leaf[0].rpartition(".")[2]
     if leaf[1] == "value":
@@ -433,8 +432,7 @@ class _Keys:
             if len(where) == 1:  # the whole value is the leaf
                 changed = (leaf if held else _ABSENT) if fqn == key else _ABSENT
             else:
-                changed = _replaced(out[key], where[1:], held, leaf) if _at(out[key], where[1:]) is not _ABSENT \
-                    else _ABSENT
+                changed = _replaced(out[key], where[1:], held, leaf)
             if changed is _ABSENT:
                 left.append(entry)
             else:
