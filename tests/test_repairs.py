@@ -34,7 +34,7 @@ def fresh_bucket(request, tmp_path):
     stop_uploaders(tmp_path, grace_s=2.0)
 
 
-def saved_steps(local_dir: Path, url: str, steps, width=64) -> dict[int, dict]:
+def saved_steps(local_dir: Path, url: str, steps, width=64, **options) -> dict[int, dict]:
     """Saves (no uploader), then one uploader pass: every step committed on both tiers."""
     model = torch.nn.Linear(width, width)
     out = {}
@@ -44,7 +44,8 @@ def saved_steps(local_dir: Path, url: str, steps, width=64) -> dict[int, dict]:
                 model.weight.add_(float(step))
             ckpt.save({"model": model}, step).wait()
             out[step] = {k: v.clone() for k, v in model.state_dict().items()}
-    assert uploader.Uploader(str(local_dir), stores.open_store(url, transfer_options()), node="n0", once=True, poll_s=0.05).run() == 0
+    store = stores.open_store(url, transfer_options(**options))
+    assert uploader.Uploader(str(local_dir), store, node="n0", once=True, poll_s=0.05).run() == 0
     return out
 
 
@@ -84,6 +85,30 @@ def test_push_replaces_a_remote_object_that_fails_its_checksum(s3, tmp_path, cap
     assert "replaced 1 corrupt object(s): __0_0.distcp" in said, said
     fixed = client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
     assert fixed == (local_dir / layout.step_dirname(1) / "__0_0.distcp").read_bytes()
+
+
+def test_push_replaces_a_compressed_remote_object_that_fails_its_checksum(s3, tmp_path, capsys):
+    """The remedy the error names, for an object stored compressed: encoded again, the same bytes as before."""
+    local_dir, url = tmp_path / "local", f"s3://{BUCKET}/push-compressed"
+    saved = saved_steps(local_dir, url, [1], width=512, compression="bytegroup-zstd")
+    key = f"push-compressed/{layout.step_dirname(1)}/__0_0.distcp.szc"
+    client = s3.client()
+    stored = client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    data = bytearray(stored)
+    data[len(data) // 2] ^= 0x20
+    client.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+    with pytest.raises(shardckpt.CorruptCheckpointError) as err:
+        shardckpt.Checkpointer(local_dir=str(tmp_path / "fresh"), remote=url, uploader="off",
+                               preemption_signals=()).load({"model": torch.nn.Linear(512, 512)})
+    assert "shardckpt push" in str(err.value), str(err.value)
+    assert cli.main(["push", "--local", str(local_dir), "--remote", url, "--step", "1"]) == 0
+    said = capsys.readouterr().out
+    assert "replaced 1 corrupt object(s): __0_0.distcp" in said, said
+    assert client.get_object(Bucket=BUCKET, Key=key)["Body"].read() == stored
+    model = torch.nn.Linear(512, 512)
+    assert shardckpt.Checkpointer(local_dir=str(tmp_path / "fresh2"), remote=url, uploader="off",
+                                  preemption_signals=()).load({"model": model}) == 1
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved[1].items())
 
 
 @pytest.mark.parametrize("on_corrupt", ["fallback", "error"])
