@@ -217,18 +217,20 @@ def _chunks_of(path: str, chunk: int) -> Iterator[bytes]:
 
 
 class _Encoding:
-    """What the stream of one file's stored chunks has given so far."""
+    """What the stream of one file's stored chunks has given so far (``whole``: with a checksum of all the
+    stored bytes, for a repair to compare; an upload has the store's own)."""
 
-    def __init__(self, entry: layout.FileEntry) -> None:
+    def __init__(self, entry: layout.FileEntry, whole: bool = False) -> None:
         self.logical = layout.Checksum.like(entry.checksum)
-        self.stored = layout.Checksum()
+        self.stored = layout.Checksum() if whole else None
         self.read = 0
         self.stored_bytes = 0
         self.lengths: list[int] = []
         self.sums: list[str] = []
 
     def add(self, stored: bytes) -> bytes:
-        self.stored.update(stored)
+        if self.stored is not None:
+            self.stored.update(stored)
         self.lengths.append(len(stored))
         self.stored_bytes += len(stored)
         self.sums.append(layout.chunk_sum(stored))
@@ -259,7 +261,8 @@ def _encoded(path: str, entry: layout.FileEntry, step: int, chunk: int, level: i
     problem = layout.file_problem(step, path, entry, done.read, done.logical.value())
     if problem:
         raise CorruptCheckpointError(problem)
-    if again is not None and (done.stored_bytes, done.stored.value()) != (again.size, again.checksum):
+    if again is not None and done.stored is not None and \
+            (done.stored_bytes, done.stored.value()) != (again.size, again.checksum):
         raise CorruptCheckpointError(
             f"step {step}: {where} cannot be repaired from {path}: compressing it again gives other bytes than "
             f"the manifest records (another zstandard version?). Remedy: delete the remote step (`shardckpt gc`) "
@@ -277,7 +280,7 @@ def put_compressed(store: Store, key: str, path: str, entry: layout.FileEntry, s
     (``on_bytes``) is counted in the file's logical bytes."""
     table = layout.chunk_table(entry.chunks, entry.size)
     chunk = chunk or (table[0] if table is not None else layout.CHUNK_BYTES)
-    done = _Encoding(entry)
+    done = _Encoding(entry, whole=again is not None)
     told = [0, 0]  # stored bytes sent, logical bytes reported (parts finish on several threads)
     lock = threading.Lock()
 
