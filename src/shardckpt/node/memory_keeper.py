@@ -20,7 +20,6 @@ shared memory of the ``local_dir``, so each node of a job whose
 from __future__ import annotations
 
 import argparse
-import fcntl
 import hashlib
 import logging
 import os
@@ -31,8 +30,8 @@ from typing import Any
 
 from shardckpt._text import fmt_bytes
 from shardckpt.format import shm
-from shardckpt.node.node_registry import (daemon_logging, lock_held, register_trainer, spawn_node_daemon, state_dir,
-                                         trainers_alive)
+from shardckpt.node.node_registry import (acquire_lock, daemon_logging, lock_held, make_state_dir, register_trainer,
+                                         spawn_node_daemon, state_dir, trainers_alive)
 
 log = logging.getLogger("shardckpt")
 
@@ -72,13 +71,10 @@ class MemoryKeeper:
         self._stop.set()
 
     def run(self) -> int:
-        os.makedirs(state_dir(self.root), exist_ok=True)
-        fd = os.open(lock_path(self.root), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            return 0  # another keeper looks after this local_dir
+        make_state_dir(self.root)
+        fd = acquire_lock(lock_path(self.root))
+        if fd is None:
+            return 0  # another keeper looks after this machine's memory of this local_dir
         try:
             log.info("shardckpt: memory keeper (pid %d) of %s: %s", os.getpid(), self.root, shm.namespace(self.root))
             alone_since: float | None = None

@@ -112,6 +112,22 @@ def uploader_running(root: str) -> int | None:
     return pid if isinstance(pid, int) else 0  # held: an uploader runs
 
 
+def acquire_lock(path: str, wait_s: float = 0.0) -> int | None:
+    """An exclusive ``flock`` of ``path`` (created 0600), waiting up to ``wait_s`` for another holder to let
+    go: the open descriptor (the lock is held while it stays open), else ``None``."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except OSError:
+            if time.monotonic() >= end:
+                os.close(fd)
+                return None
+            time.sleep(0.1)
+
+
 def lock_held(path: str) -> bool:
     """Another process holds the ``flock`` of ``path`` (a daemon's lock: held while it runs)."""
     try:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fcntl
 import json
 import logging
 import os
@@ -39,7 +38,8 @@ from typing import Any
 
 from shardckpt.format import layout, lineage, node_state
 from shardckpt.format.replicas import committed_replicas, manifest_or_none, placement
-from shardckpt.node.node_registry import daemon_logging, process_record, read_json, state_dir, trainers_alive
+from shardckpt.node.node_registry import (acquire_lock, daemon_logging, process_record, read_json, state_dir,
+                                         trainers_alive)
 from shardckpt.node.peer_server import PeerServer, serve
 from shardckpt.node.peer_service import PeerService
 from shardckpt.stores import tls
@@ -102,20 +102,12 @@ class PeerDaemon:
 
     def run(self) -> int:
         node_state.make_state_dir(self.root)
-        fd = os.open(os.path.join(state_dir(self.root), LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
         # A trainer starts a daemon when none reports itself running: one still holding the lock is
         # on its way out (its status says so); wait for it rather than leave the node without one.
-        end = time.monotonic() + LOCK_WAIT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError:
-                if time.monotonic() >= end:
-                    os.close(fd)
-                    log.info("shardckpt: a peer daemon already serves %s; this one exits", self.root)
-                    return 0
-                time.sleep(0.1)
+        fd = acquire_lock(os.path.join(state_dir(self.root), LOCK_NAME), LOCK_WAIT_S)
+        if fd is None:
+            log.info("shardckpt: a peer daemon already serves %s; this one exits", self.root)
+            return 0
         self._lock_fd = fd
         try:
             self._load_tls(self.peers())

@@ -12,7 +12,6 @@ written are uploaded as the writer publishes them (:mod:`shardckpt.tiers.early_u
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import logging
 import os
@@ -26,7 +25,8 @@ from typing import Any
 from shardckpt.format import layout
 from shardckpt.tiers.early_upload import EarlyUploads
 from shardckpt.format.node_state import make_state_dir, write_private
-from shardckpt.node.node_registry import daemon_logging, lock_path, process_record, state_dir, trainers_alive
+from shardckpt.node.node_registry import (acquire_lock, daemon_logging, lock_path, process_record, state_dir,
+                                         trainers_alive)
 from shardckpt.errors import RemoteError
 from shardckpt.format import codec
 from shardckpt.options import CheckpointConfig
@@ -137,19 +137,11 @@ class Uploader:
 
     def acquire_lock(self, wait_s: float = 2.0) -> bool:
         make_state_dir(self.root)
-        fd = os.open(lock_path(self.root), os.O_RDWR | os.O_CREAT, 0o600)
-        end = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                if time.monotonic() >= end:
-                    os.close(fd)
-                    return False
-                time.sleep(0.1)
-                continue
-            self._lock_fd = fd
-            return True
+        fd = acquire_lock(lock_path(self.root), wait_s)
+        if fd is None:
+            return False
+        self._lock_fd = fd
+        return True
 
     def stop(self, *_: Any) -> None:
         self._stop_requested = True
