@@ -16,6 +16,7 @@ the newest memory step on disk). Knows no tier.
 from __future__ import annotations
 
 import io
+import math
 import mmap
 import os
 import warnings
@@ -154,9 +155,7 @@ class Copy:
             finally:
                 os.close(fd)
         kind = _dtype(dtype)
-        count = 1
-        for d in shape:
-            count *= d
+        count = math.prod(shape)
         if offset < 0 or offset + count * kind.itemsize > self._buffer_size:
             raise ValueError(f"[{offset}, {offset + count * kind.itemsize}) lies outside the buffer of "
                              f"{self._buffer_size} bytes")

@@ -38,6 +38,7 @@ with :class:`~shardckpt.dcp.memory.MemoryReader`.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import socket
@@ -88,10 +89,7 @@ def _leaves(obj: Any, path: tuple = ()) -> Any:
 
 
 def _nbytes(entry: list[Any]) -> int:
-    count = 1
-    for d in entry[2]:
-        count *= d
-    return count * getattr(torch, entry[1].rsplit(".", 1)[-1]).itemsize
+    return math.prod(entry[2]) * dcp_memory._dtype(entry[1]).itemsize
 
 
 def budget_bytes(budget: float | int | None) -> int:
