@@ -87,7 +87,7 @@ def child(nodes: list[int], scratch: str) -> dict:
     from s3server import BUCKET
     from shardckpt.format import layout
     from shardckpt.node.uploader import Uploader
-    from shardckpt.tiers import remote_commit
+    from shardckpt.remote import commit as remote_commit
     from shardckpt import stores
     from shardckpt.format.retention import KeepLast
 

@@ -42,7 +42,7 @@ def child(held: list[int], scratch: str) -> dict:
     import shardckpt
     from remote_history import RequestLog, clone_steps
     from s3server import BUCKET
-    from shardckpt.tiers import remote_commit
+    from shardckpt.remote import commit as remote_commit
     from shardckpt import stores
     from shardckpt.node import uploader
     from shardckpt.format.retention import KeepLast
@@ -80,10 +80,10 @@ def child(held: list[int], scratch: str) -> dict:
 
 def bring_index_up_to_date(store, deadline) -> None:
     """As the committer's commits keep it (in code before the index there is none to update)."""
-    from shardckpt.tiers import remote_commit
+    from shardckpt.remote import commit as remote_commit
 
     try:
-        from shardckpt.tiers import remote_index
+        from shardckpt.remote import index as remote_index
     except ImportError:
         return
     try:

@@ -60,7 +60,7 @@ def one(k: int, width: int, repeats: int, scratch: str, server, mode: str = "fsd
     from helpers import child_env
     from s3server import BUCKET
     from shardckpt.format import layout
-    from shardckpt.tiers import remote_commit
+    from shardckpt.remote import commit as remote_commit
     from shardckpt import stores
 
     url = f"s3://{BUCKET}/needonly-{mode}{k}"

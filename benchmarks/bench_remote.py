@@ -33,7 +33,7 @@ the largest state per node that fits a 30 s (GCP) and a 120 s (AWS) notice.
                                   running (``uploader="auto"``) until ``step_<N>/shardckpt.json``
                                   is in the bucket (polled every 20 ms); "local commit" is when
                                   ``save()`` returned. Each shard file is uploaded as soon as it
-                                  is written (``shardckpt.tiers.early_upload``)
+                                  is written (``shardckpt.remote.early_upload``)
   ..., upload after the local commit   the same with the early upload off: every file goes up
                                   only once the step is committed locally
   dcp.async_save → s3 (FsspecWriter)  stock DCP straight to ``s3://`` through s3fs, until its

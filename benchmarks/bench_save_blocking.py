@@ -178,7 +178,7 @@ def floor_plain(ctx: Context) -> Iterator[float]:
 
 
 def shardckpt_plain(ctx: Context, *, compared: bool = True) -> Iterator[tuple[float, dict]]:
-    from shardckpt import values
+    from shardckpt.state import values
 
     spent = [0.0]
     agree = values.agree

@@ -402,7 +402,7 @@ def _reported_remote(ckpt_dir: Path, url: str) -> set[int]:
     import json
 
     from shardckpt.format import layout
-    from shardckpt.tiers import remote_commit
+    from shardckpt.remote import commit as remote_commit
 
     out = set()
     for step in layout.committed_steps(str(ckpt_dir)):

@@ -19,7 +19,7 @@ import uuid
 from typing import Any
 
 from shardckpt.format import layout
-from shardckpt.tiers import remote_commit
+from shardckpt.remote import commit as remote_commit
 from shardckpt import stores
 
 

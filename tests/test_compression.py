@@ -38,8 +38,8 @@ from shardckpt import cli, stores  # noqa: E402
 from shardckpt.errors import CorruptCheckpointError  # noqa: E402
 from shardckpt.format import codec, layout  # noqa: E402
 from shardckpt.node import node_registry, uploader  # noqa: E402
-from shardckpt.tiers import auto_compress, compressed, early_upload, remote_commit  # noqa: E402
-from shardckpt.tiers import steps as steps_mod  # noqa: E402
+from shardckpt.remote import auto_compress, compressed, early_upload, commit as remote_commit  # noqa: E402
+from shardckpt import steps as steps_mod  # noqa: E402
 
 MiB = 1 << 20
 CHUNK = 64 << 10  # small chunks: many chunk edges in a small step
@@ -313,7 +313,7 @@ def test_compressed_step_is_smaller_restores_bitwise_and_pulls_as_plain_dcp(s3, 
     # `export` from the remote writes the full tensors (the model's, bf16) to a plain safetensors file.
     from safetensors.torch import load_file
 
-    from shardckpt import export
+    from shardckpt.convert import export
     export.export_step(url, str(tmp_path / "m.safetensors"), step=2, key="model", transfer=transfer_options())
     got = load_file(str(tmp_path / "m.safetensors"))
     for k, v in got.items():

@@ -45,7 +45,7 @@ from s3server import BUCKET, reset_if_used  # noqa: E402
 from shardckpt.format import layout, manifest_schema  # noqa: E402
 from shardckpt.node import uploader  # noqa: E402
 from shardckpt import stores  # noqa: E402
-from shardckpt.tiers import remote_commit  # noqa: E402
+from shardckpt.remote import commit as remote_commit  # noqa: E402
 from test_remote import _opts  # noqa: E402
 
 LOCAL_CASES = 128

@@ -9,7 +9,7 @@ import torch
 
 import shardckpt
 from shardckpt.restoring import elastic
-from shardckpt.data import ResumableSampler, rank_slice
+from shardckpt.state.sampler import ResumableSampler, rank_slice
 from shardckpt.restoring.elastic import ElasticPolicy, apply_lr_factor, compute_plan
 
 

@@ -24,7 +24,8 @@ import shardckpt  # noqa: E402
 from programs.common import TinyNet  # noqa: E402  (benchmarks/ has a module named common too)
 from helpers import PROGRAMS, run_torchrun  # noqa: E402
 from s3server import BUCKET  # noqa: E402
-from shardckpt import cli, export
+from shardckpt import cli
+from shardckpt.convert import export
 from shardckpt.format import layout
 from shardckpt.dcp import planner as local
 from shardckpt import stores

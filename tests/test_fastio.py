@@ -13,7 +13,7 @@ import shardckpt
 from shardckpt.format import layout
 from shardckpt.dcp import planner as local
 from shardckpt.dcp import writer as dcp_writer
-from shardckpt.tiers import adopt as adopt_mod
+from shardckpt.convert import adopt as adopt_mod
 from helpers import flip_byte_in_tensor
 from shardckpt.dcp.reader import stored_tensor
 

@@ -24,7 +24,7 @@ from helpers import PROGRAMS, ROOT, child_env, run_torchrun  # noqa: E402
 from s3server import BUCKET, reset_if_used, stop_uploaders  # noqa: E402
 from shardckpt import _failpoints, cli
 from shardckpt.format import layout, manifest_schema
-from shardckpt.tiers import remote_commit  # noqa: E402
+from shardckpt.remote import commit as remote_commit  # noqa: E402
 from shardckpt import stores  # noqa: E402
 
 

@@ -25,7 +25,7 @@ from helpers import PROGRAMS, child_env, run_torchrun  # noqa: E402
 from s3server import BUCKET, stop_uploaders  # noqa: E402
 from shardckpt import Checkpointer, cli
 from shardckpt.saving import policy
-from shardckpt.tiers import remote_commit  # noqa: E402
+from shardckpt.remote import commit as remote_commit  # noqa: E402
 from shardckpt import stores  # noqa: E402
 from shardckpt.options import CheckpointConfig  # noqa: E402
 

@@ -28,8 +28,8 @@ from s3server import BUCKET, Server, reset_if_used, stop_peer_daemons, stop_uplo
 from shardckpt import cli
 from shardckpt.format import layout
 from shardckpt.node import node_registry, uploader
-from shardckpt.tiers import early_upload, ranged, remote_commit  # noqa: E402
-from shardckpt.tiers import steps as steps_mod  # noqa: E402
+from shardckpt.remote import early_upload, ranged, commit as remote_commit  # noqa: E402
+from shardckpt import steps as steps_mod  # noqa: E402
 from shardckpt import stores  # noqa: E402
 from shardckpt.errors import CorruptCheckpointError, RemoteError  # noqa: E402
 

@@ -39,7 +39,7 @@ from helpers import ROOT, free_port  # noqa: E402
 from s3server import BUCKET, CREDENTIALS, Server, reset_if_used, stop_uploaders  # noqa: E402
 from shardckpt.format import layout
 from shardckpt.node import node_registry
-from shardckpt.tiers import remote_commit  # noqa: E402
+from shardckpt.remote import commit as remote_commit  # noqa: E402
 from shardckpt.errors import RemoteError  # noqa: E402
 
 BOUND_S = 120.0  # generous: a hang, not slowness, is what fails these tests

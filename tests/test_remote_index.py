@@ -21,7 +21,7 @@ from faultproxy import FaultProxy  # noqa: E402
 from remote_history import RequestLog, clone_steps  # noqa: E402
 from s3server import BUCKET, reset_if_used  # noqa: E402
 from shardckpt.format import layout
-from shardckpt.tiers import remote_commit, remote_index
+from shardckpt.remote import commit as remote_commit, index as remote_index
 from shardckpt import stores
 from shardckpt.node import uploader  # noqa: E402
 from shardckpt.format.retention import KeepLast  # noqa: E402

@@ -216,5 +216,6 @@ def test_nothing_below_the_facade_imports_the_facade_or_the_package_root():
 def test_the_graph_is_computed_from_the_sources():
     # The checks above look at real edges: the restorer reaches the stores through the step view.
     assert f"{PACKAGE}.stores.base" in MODULES and f"{PACKAGE}.restoring.sources" in MODULES
-    assert any(t == f"{PACKAGE}.tiers.steps" for t, _i, _l in GRAPH[f"{PACKAGE}.restoring.sources"])
+    assert any(t == f"{PACKAGE}.steps" for t, _i, _l in GRAPH[f"{PACKAGE}.restoring.sources"])
+
     assert len(MODULES) == len({os.path.realpath(p) for p in MODULES.values()})

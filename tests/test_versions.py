@@ -27,8 +27,8 @@ from helpers import PROGRAMS, ROOT, child_env, run_torchrun, run_two_nodes
 from s3server import BUCKET, reset_if_used, stop_uploaders
 from shardckpt import _failpoints, cli
 from shardckpt.format import layout, retention
-from shardckpt.tiers import remote_commit
-from shardckpt.tiers import steps as steps_mod  # noqa: E402
+from shardckpt.remote import commit as remote_commit
+from shardckpt import steps as steps_mod  # noqa: E402
 from shardckpt import stores
 
 PROG = PROGRAMS / "multinode.py"
@@ -451,6 +451,6 @@ def test_saving_lower_step_numbers_than_the_head_starts_a_branch_and_retention_k
     fresh = Net()
     with ckpt(root) as c:
         assert c.load({"model": fresh}) == 100 and fresh.value() == 100.0
-    _live, abandoned = cli._open(cli.build_parser().parse_args(["ls", str(root)])).live(
+    _live, abandoned = cli.open_location(cli.build_parser().parse_args(["ls", str(root)])).live(
         {s: layout.read_manifest(str(root / layout.step_dirname(s))) for s in steps})
     assert sorted(abandoned) == [275, 300, 301]

@@ -46,9 +46,9 @@ from shardckpt.format.retention import AnyOf, KeepAll, KeepBest, KeepEvery, Keep
 _LAZY = {
     "Checkpointer": "checkpointer",
     "SaveHandle": "saving.handle",
-    "ResumableSampler": "data",
-    "epoch_order": "data",
-    "rank_slice": "data",
+    "ResumableSampler": "state.sampler",
+    "epoch_order": "state.sampler",
+    "rank_slice": "state.sampler",
     "BatchPolicy": "restoring.elastic",
     "ElasticPlan": "restoring.elastic",
     "ElasticPolicy": "restoring.elastic",

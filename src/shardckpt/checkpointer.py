@@ -39,14 +39,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardckpt import _dist, _failpoints, resume_probe, state_digest, stores, topology, values
+from shardckpt import _dist, _failpoints, resume_probe, state_digest, stores, topology
 from shardckpt.saving import preflight
 from shardckpt.restoring import elastic as elastic_mod, step_peek as peek_mod
-from shardckpt.tiers.steps import LocalSteps, RemoteSteps
+from shardckpt.steps import LocalSteps, RemoteSteps
 from shardckpt._version import __version__
-from shardckpt.tiers import early_upload, remote_commit
+from shardckpt.remote import early_upload, commit as remote_commit
 from shardckpt.format import layout
-from shardckpt import state as state_mod
+from shardckpt.state import capture as state_mod, values
 from shardckpt._text import fmt_bytes
 from shardckpt.saving.commit import SaveJob, StepWriter
 from shardckpt.format.retention import FULL, LIGHT

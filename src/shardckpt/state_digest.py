@@ -28,8 +28,8 @@ from typing import Any, Mapping
 import torch
 import xxhash
 
-from shardckpt import state as state_mod
-from shardckpt.values import MODULE, OPTIMIZER, STATEFUL
+from shardckpt.state import capture as state_mod
+from shardckpt.state.values import MODULE, OPTIMIZER, STATEFUL
 
 MAX_PARTS = 4096
 """Entries of one key digested one by one; a larger entry keeps its whole digest only."""

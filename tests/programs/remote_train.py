@@ -129,7 +129,7 @@ def deadnode(build, local_dir, remote, out, rank, node):
     """Node 1's uploader is a sidecar of its own (started here, SIGKILLed after step 1)."""
     from shardckpt.format import layout
     from shardckpt.node import node_registry, uploader_client
-    from shardckpt.tiers import remote_commit
+    from shardckpt.remote import commit as remote_commit
 
     uploader_client.HEALTH_EVERY_S = 0.2  # save() looks at the uploader's status often (default 10 s)
     lead = os.environ["LOCAL_RANK"] == "0"

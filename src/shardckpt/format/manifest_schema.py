@@ -35,7 +35,7 @@ DIGEST_FIELD = "digest"
 DIGEST_ALGO = "sha256"
 
 KINDS = ("module", "optimizer", "stateful", "value", "rng", "stock")
-"""The kinds a manifest's ``keys`` table may record (``shardckpt.state``)."""
+"""The kinds a manifest's ``keys`` table may record (``shardckpt.state.capture``)."""
 
 _HEX = re.compile(r"^[0-9a-f]+$")
 

@@ -52,7 +52,7 @@ import shardckpt
 from shardckpt import _dist
 from shardckpt.errors import ConfigError
 from shardckpt.format import lineage
-from shardckpt.tiers.steps import LocalSteps, RemoteSteps
+from shardckpt.steps import LocalSteps, RemoteSteps
 
 log = logging.getLogger("shardckpt")
 

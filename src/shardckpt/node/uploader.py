@@ -2,8 +2,8 @@
 
 One process per node (per local directory) uploads every committed local
 step to the remote and commits it there with the protocol of
-:mod:`shardckpt.tiers.remote_commit`; the shard files of a save still being
-written are uploaded as the writer publishes them (:mod:`shardckpt.tiers.early_upload`). It is started by a trainer (see
+:mod:`shardckpt.remote.commit`; the shard files of a save still being
+written are uploaded as the writer publishes them (:mod:`shardckpt.remote.early_upload`). It is started by a trainer (see
 :mod:`shardckpt.node.uploader_client`), by a sidecar or by systemd, holds
 ``uploader.lock`` so that a second one exits at once, and reports through
 ``status.json`` (:mod:`shardckpt.node.node_registry`). It imports no torch.
@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from shardckpt.format import layout
-from shardckpt.tiers.early_upload import EarlyUploads
+from shardckpt.remote.early_upload import EarlyUploads
 from shardckpt.format.node_state import make_state_dir, write_private
 from shardckpt.node.node_registry import (acquire_lock, daemon_logging, lock_path, process_record, state_dir,
                                          trainers_alive)
@@ -31,9 +31,17 @@ from shardckpt.errors import RemoteError
 from shardckpt.format import codec
 from shardckpt.options import CheckpointConfig
 from shardckpt.stores import Deadline, Store, open_store, redact, safe_url
-from shardckpt.tiers import auto_compress, node_markers, remote_index
-from shardckpt.tiers.remote_commit import (
-    COMMITTED, SUPERSEDED, WAITING, MarkerCache, local_bytes, pending_steps, present_files, push_step, remote_steps,
+from shardckpt.remote import auto_compress, node_markers, index as remote_index
+from shardckpt.remote.commit import (
+    COMMITTED,
+    SUPERSEDED,
+    WAITING,
+    MarkerCache,
+    local_bytes,
+    pending_steps,
+    present_files,
+    push_step,
+    remote_steps,
 )
 from shardckpt.format.retention import RetentionPolicy, policy_from
 
@@ -356,7 +364,7 @@ class Uploader:
     def _failure_details(self, step: int, failed: dict[str, Any]) -> None:
         """The missing ranks and their nodes, into ``failed``: from the step's report
         (``_failed.json``, one GET) when one of this save is there; else a node that writes
-        reports (:func:`shardckpt.tiers.node_markers.reporters`) reads the markers and writes
+        reports (:func:`shardckpt.remote.node_markers.reporters`) reads the markers and writes
         it, and any other node waits for it (``awaiting_report``; looked for at its next polls)."""
         step_dir = os.path.join(self.root, layout.step_dirname(step))
         deadline = Deadline(60.0)

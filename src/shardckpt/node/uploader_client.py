@@ -19,7 +19,7 @@ from typing import Any
 
 from shardckpt import _dist
 from shardckpt.format import layout
-from shardckpt.tiers import remote_commit
+from shardckpt.remote import commit as remote_commit
 from shardckpt.node.uploader import failure_text
 from shardckpt.node.node_registry import (pid_alive, read_status, register_trainer, spawn_node_daemon, state_dir,
                                          unregister_trainer, uploader_running)

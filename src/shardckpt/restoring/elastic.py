@@ -46,7 +46,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from shardckpt import _dist
-from shardckpt.data import ResumableSampler
+from shardckpt.state.sampler import ResumableSampler
 from shardckpt.errors import ConfigError
 from shardckpt.options import ACCUM_KEY, MICRO_BATCH_KEY, record_shape  # noqa: F401 - part of this module's API
 

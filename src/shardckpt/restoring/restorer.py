@@ -43,8 +43,8 @@ from shardckpt.format import layout
 from shardckpt.restoring import run_config as run_config_mod
 from shardckpt.restoring import targets as targets_mod
 from shardckpt.format import lineage as lineage_mod
-from shardckpt import state as state_mod
-from shardckpt import values as values_mod
+from shardckpt.state import capture as state_mod
+from shardckpt.state import values as values_mod
 from shardckpt._text import fmt_bytes
 from shardckpt.errors import (
     CorruptCheckpointError,

@@ -15,7 +15,7 @@ first source that holds it, in this order:
    very save is used as it is (a copy holding another save of the number is
    kept aside, and completed like a copy holding nothing);
 2. **the step views of this node's copy**, :attr:`Sources.providers` in order,
-   each a :class:`~shardckpt.tiers.steps.StepView` over a real store
+   each a :class:`~shardckpt.steps.StepView` over a real store
    (:mod:`.views`): the **replicas held here** of other nodes' files
    (``ReplicaDirStore``), then **each peer** of the job through its daemon
    (``PeerStore``: its own copy, and the replicas it holds; while the peer
@@ -75,8 +75,8 @@ from shardckpt.options import CheckpointConfig
 from shardckpt.restoring import exchange
 from shardckpt.restoring.survey import Survey, raise_not_found
 from shardckpt.restoring.views import CopyFill, Peers, Provider, ReplicasHere, View
-from shardckpt.tiers import ranged, remote_commit
-from shardckpt.tiers import steps as steps_mod
+from shardckpt.remote import ranged, commit as remote_commit
+from shardckpt import steps as steps_mod
 from shardckpt.topology import Topology
 
 log = logging.getLogger("shardckpt")

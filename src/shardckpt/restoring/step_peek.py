@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 from shardckpt.format import layout, lineage
-from shardckpt import state as state_mod
-from shardckpt import values as values_mod
+from shardckpt.state import capture as state_mod
+from shardckpt.state import values as values_mod
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UntrustedCheckpointError
 from shardckpt.format.safe_pickle import safe_load_metadata
-from shardckpt.tiers.steps import LocalSteps, Steps
+from shardckpt.steps import LocalSteps, Steps
 
 log = logging.getLogger("shardckpt")
 

@@ -28,7 +28,7 @@ from shardckpt.format import layout, retention
 from shardckpt.format import lineage as lineage_mod
 from shardckpt.options import CheckpointConfig, OnCorrupt
 from shardckpt.tiers import memory as memory_mod
-from shardckpt.tiers import remote_commit
+from shardckpt.remote import commit as remote_commit
 from shardckpt.topology import Topology
 
 log = logging.getLogger("shardckpt")

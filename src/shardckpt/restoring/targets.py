@@ -50,7 +50,7 @@ def meta_entries(state: Mapping[str, Any], kinds: Mapping[str, str], targets: Ma
     """Dotted names of the entries of the state to load into that live on the meta device.
 
     ``targets``: the modules' and optimizers' state dicts the read goes into
-    (:func:`shardckpt.state.live_targets`); plain values are walked as they are.
+    (:func:`shardckpt.state.capture.live_targets`); plain values are walked as they are.
     """
     out: list[str] = []
     for key, value in targets.items():

@@ -1,7 +1,7 @@
 """The step views a directory copy completes itself from, after its own disk, and the copy being completed.
 
 A *view* is one committed save of a step on one real store
-(:class:`~shardckpt.tiers.steps.StepView` over a
+(:class:`~shardckpt.steps.StepView` over a
 :class:`~shardckpt.stores.base.Store`): the replicas of another node's files
 held on this node (:class:`~shardckpt.stores.local.ReplicaDirStore`), another
 node's peer daemon (:class:`~shardckpt.stores.peer.PeerStore`: its own copy,
@@ -33,8 +33,8 @@ from shardckpt.format import layout, replicas, step_dirs
 from shardckpt.stores.peer import PeerStore
 from shardckpt.stores.peer_client import PeerClient
 from shardckpt.stores.tls import fingerprint
-from shardckpt.tiers import steps as steps_mod
-from shardckpt.tiers.upload_marks import mark_uploaded
+from shardckpt import steps as steps_mod
+from shardckpt.remote.upload_marks import mark_uploaded
 
 log = logging.getLogger("shardckpt")
 

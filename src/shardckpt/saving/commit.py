@@ -48,7 +48,7 @@ from shardckpt._text import fmt_bytes
 from shardckpt.errors import InsufficientSpaceError, SaveError
 from shardckpt.options import CheckpointConfig, OnDiskFull
 from shardckpt.saving.stage import CopiesRacedError
-from shardckpt.values import FailedElsewhere
+from shardckpt.state.values import FailedElsewhere
 from shardckpt.topology import Topology
 
 log = logging.getLogger("shardckpt")

@@ -21,7 +21,7 @@ from typing import Any
 
 from shardckpt.format import layout
 from shardckpt.format import node_state
-from shardckpt.tiers import remote_commit
+from shardckpt.remote import commit as remote_commit
 
 log = logging.getLogger("shardckpt")
 

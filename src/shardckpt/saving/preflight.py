@@ -16,7 +16,7 @@ from shardckpt import stores
 from shardckpt.errors import ConfigError, CorruptCheckpointError, RemoteError
 from shardckpt.format import lineage as lineage_mod
 from shardckpt.options import CheckpointConfig, OnRemoteUnavailable, UploaderMode
-from shardckpt.tiers import remote_commit
+from shardckpt.remote import commit as remote_commit
 
 log = logging.getLogger("shardckpt")
 

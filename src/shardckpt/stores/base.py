@@ -2,7 +2,7 @@
 
 A store holds objects under ``/``-separated keys relative to its root. It
 knows nothing of steps, manifests or torch: the step view
-(:mod:`shardckpt.tiers.steps`) and the commit protocol build on it.
+(:mod:`shardckpt.steps`) and the commit protocol build on it.
 
 Implementations, one class each: :class:`~shardckpt.stores.local.LocalDirStore`
 (a directory on this node's disk), :class:`~shardckpt.stores.local.ReplicaDirStore`

@@ -14,7 +14,7 @@ back into the live objects. Kinds:
 A data loader or sampler with ``state_dict()`` (other than a
 :class:`~shardckpt.ResumableSampler`, whose position is global) is stateful
 and per rank by nature: its state is captured as :class:`values.Own` and
-stored under this rank's key (see :mod:`shardckpt.values`), as is every
+stored under this rank's key (see :mod:`shardckpt.state.values`), as is every
 ``torch.Generator`` in a plain value or a stateful object's state.
 """
 
@@ -34,9 +34,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from shardckpt.data import ResumableSampler
+from shardckpt.state.sampler import ResumableSampler
 from shardckpt.errors import ConfigError, MetaDeviceError
-from shardckpt.values import Own, decode_key, decode_keys
+from shardckpt.state.values import Own, decode_key, decode_keys
 
 try:  # numpy is optional
     import numpy as np
@@ -46,7 +46,7 @@ except ImportError:  # pragma: no cover - numpy ships with torch wheels' users
 log = logging.getLogger("shardckpt")
 
 RESERVED_KEY = "_shardckpt"
-from shardckpt.values import MODULE, OPTIMIZER, RNG, STATEFUL, STOCK, VALUE  # noqa: E402,F401 - the kinds, part of this API
+from shardckpt.state.values import MODULE, OPTIMIZER, RNG, STATEFUL, STOCK, VALUE  # noqa: E402,F401 - the kinds, part of this API
 
 
 def rng_key(rank: int) -> str:

@@ -22,7 +22,7 @@ same world size reads nothing from the remote. One sparse directory is kept per
 node (a newer one replaces it); it is never read as a committed step.
 
 What is fetched comes from a :class:`Source`: a step on any store
-(:class:`shardckpt.tiers.steps.StepView`; the remote today).
+(:class:`shardckpt.steps.StepView`; the remote today).
 
 Read once, share: when several nodes restore from sparse copies, bytes that more
 than one of them needs (a replicated model and optimizer, small records every rank

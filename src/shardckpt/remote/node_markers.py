@@ -71,8 +71,8 @@ from typing import Any
 
 from shardckpt.format import layout
 from shardckpt.stores import Deadline, Store
-from shardckpt.tiers import compressed
-from shardckpt.tiers.remote_index import step_key
+from shardckpt.remote import compressed
+from shardckpt.remote.index import step_key
 
 log = logging.getLogger("shardckpt")
 

@@ -11,7 +11,7 @@ object is gone or of another size than the manifest's (a
 :class:`CorruptCheckpointError` naming the step, the object and the remedy,
 so ``on_corrupt="fallback"`` applies and a damaged step never reads as an
 unreachable remote), or the store failed (the original error). Used by the
-step view (:class:`shardckpt.tiers.steps.StepView`) for every read of a
+step view (:class:`shardckpt.steps.StepView`) for every read of a
 committed step's file.
 """
 

@@ -20,18 +20,18 @@ trainer's process group):
 2. The node looks for a commit of another save of the step its uploads may
    have overwritten (and withdraws it), then writes its marker: the ranks it
    holds files for, the checksum of each file it uploaded and the tag (ETag)
-   each PUT returned (:mod:`shardckpt.tiers.node_markers`).
+   each PUT returned (:mod:`shardckpt.remote.node_markers`).
 3. Exactly one node, the *committer* (the one holding rank 0's first
    shard file), waits until the markers' files cover every file of the
    manifest (``.metadata`` by its own marker) with matching checksums and
    one listing shows every object with the size and tag its node's marker
    names; then it uploads the manifest, and lists again (a foreign object
    found then withdraws the commit; the argument is in
-   :mod:`shardckpt.tiers.node_markers`). From that moment the step exists
+   :mod:`shardckpt.remote.node_markers`). From that moment the step exists
    remotely; before, it does not exist for anyone. Then it writes the step record (files digest, save id,
    created, lineage: what the other nodes need to know of the commit, so
    that no node but the committer downloads the manifest, which grows with
-   the job) and adds the step to the index (:mod:`shardckpt.tiers.remote_index`),
+   the job) and adds the step to the index (:mod:`shardckpt.remote.index`),
    which lets finding the newest step and retention work without reading
    every manifest. A step committed without a record (by an earlier
    version, or a crash right after the manifest) is read from its manifest.
@@ -57,12 +57,12 @@ from typing import Any, Mapping
 
 from shardckpt import _failpoints
 from shardckpt.format import layout, step_dirs
-from shardckpt.tiers import compressed, node_markers, remote_index
+from shardckpt.remote import compressed, node_markers, index as remote_index
 from shardckpt.format import lineage as lineage_mod
 from shardckpt.errors import CorruptCheckpointError, RemoteError
 from shardckpt.stores import Deadline, Store, join, safe_url
 from shardckpt.format.retention import RetentionPolicy, plan_deletions
-from shardckpt.tiers.upload_marks import (  # noqa: F401 - part of this module's API
+from shardckpt.remote.upload_marks import (
     UPLOADED_NAME,
     for_upload,
     is_uploaded,
@@ -130,7 +130,7 @@ def newest_committed(store: Store, deadline: Deadline) -> tuple[list[int], layou
 def remote_steps(store: Store, deadline: Deadline) -> list[int]:
     """Steps committed on the remote (their manifest exists, readable or not), oldest first.
 
-    From the index (:func:`shardckpt.tiers.remote_index.survey`): one listing and
+    From the index (:func:`shardckpt.remote.index.survey`): one listing and
     one GET, not a request per step.
     """
     infos, unreadable = remote_index.survey(store, deadline)
@@ -335,7 +335,7 @@ def push_step(
     upload again those that fail.
 
     ``early``: what this node uploaded of saves before their local commit
-    (:class:`shardckpt.tiers.early_upload.EarlyUploads`), ``{(step, save_id):
+    (:class:`shardckpt.remote.early_upload.EarlyUploads`), ``{(step, save_id):
     {name: (size, checksum)}}``: a file sent early whose size and checksum
     equal this manifest's is not sent again. Not used when an earlier save of
     the step was committed remotely (its objects may have replaced them).
@@ -518,7 +518,7 @@ def withdraw_overwritten(
 
     The uploads were started while the step was not committed (by any save):
     a commit found now was made while they ran, and may hold this node's
-    objects under another save's manifest (see :mod:`shardckpt.tiers.node_markers`).
+    objects under another save's manifest (see :mod:`shardckpt.remote.node_markers`).
     """
     if not store.exists(step_key(step, layout.MANIFEST_NAME), deadline):
         return []
@@ -619,7 +619,7 @@ def _superseded_or(
     newer step of another branch (this one was saved after a rollback) does
     not count.
 
-    One GET of the index (:mod:`shardckpt.tiers.remote_index`), whatever the
+    One GET of the index (:mod:`shardckpt.remote.index`), whatever the
     number of newer steps (those blocked too cost nothing), and the step
     record of the newer step it names (the index is a cache; the record
     proves the commit). A newer commit the index misses is seen at a later
@@ -664,7 +664,7 @@ def apply_remote_retention(
 ) -> list[int]:
     """Retention over the live remote steps; steps abandoned by a rollback stay until ``shardckpt gc``.
 
-    Decides from the index (:func:`shardckpt.tiers.remote_index.survey`; ``known``:
+    Decides from the index (:func:`shardckpt.remote.index.survey`; ``known``:
     manifests just committed, never deleted unless ``protect_known`` is
     False: the committer checked before its commit that retention keeps
     it), not by reading every manifest. The newest step is never deleted.

@@ -1,167 +1,36 @@
-"""The ``shardckpt`` command line (also ``python -m shardckpt``).
-
-Looking at checkpoints, on either tier (a local directory or a remote URL)::
-
-    shardckpt ls SRC [--json]                       committed steps: size, world size, live or abandoned
-    shardckpt inspect SRC [--step N] [--keys] [--values] [--json]   one step's manifest (saved keys, plain values)
-    shardckpt verify SRC [--step N | --all] [--json]     check every file against its manifest
-    shardckpt export SRC OUT [--step N] [--format torch|safetensors] [--optimizer]
-    shardckpt gc SRC --keep-last N [--keep-every K] [--keep-abandoned] [--dry-run]
-    shardckpt status DIR [--json]                   the node's uploader, peer and memory tiers
-    shardckpt adopt DCP_DIR --into DIR --step N     commit a copy of a stock DCP checkpoint
-    shardckpt check-resume [--steps N] [--kill-after STEP] -- COMMAND   a script resumes exactly? (check_resume.py)
-
-Moving steps between tiers::
-
-    shardckpt sync --local DIR --remote URL         the per-node uploader (sidecar / by hand)
-    shardckpt push --local DIR --remote URL [--step N]   upload now; check and repair the remote copy
-    shardckpt pull --remote URL --local DIR [--step N]   fetch; check and repair the local copy
-
-Exit status: 0 all good; 1 what was asked about is bad or absent (a file
-fails verification, nothing is committed, a step is not committed remotely
-yet); 2 the command could not run (bad arguments, no such directory, the
-remote unreachable). Errors are one line with the remedy; ``--debug`` adds
-the traceback. ``ls``, ``inspect`` (without ``--keys`` / ``--values``), ``verify``, ``gc``,
-``status``, ``sync``, ``push``, ``pull`` and ``check-resume`` do not import torch.
-"""
+"""Looking at checkpoints on any tier: ``ls``, ``inspect``, ``verify``, ``export``, ``gc``, ``status``, ``adopt``."""
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import logging
 import os
 import shutil
-import socket
-import sys
-from typing import Any, Sequence
+from typing import Any
 
-from shardckpt import check_resume
-from shardckpt._version import __version__
-from shardckpt.format import layout, lineage, retention, shm, step_dirs
 from shardckpt._text import fmt_bytes
+from shardckpt.cli.common import (
+    BAD,
+    OK,
+    add_source_args,
+    best_steps,
+    committed_manifests,
+    open_location,
+    pick_step,
+    print_json,
+    progress_bar,
+    step_row,
+    when_utc,
+)
 from shardckpt.errors import ShardckptError
+from shardckpt.format import layout, lineage, retention, shm, step_dirs
 from shardckpt.node import node_registry, peer_daemon
 from shardckpt.node.uploader import (
-    add_best_args,
-    add_sync_args,
-    add_transfer_args,
     failure_text,
-    policy_from_args,
-    store_from_args,
-    sync_from_args,
 )
-from shardckpt.stores import Deadline, TransferOptions, redact
-from shardckpt.tiers import compressed, remote_commit, remote_index, steps as steps_mod
-from shardckpt.tiers.steps import open_steps
-
-OK, BAD, ERROR = 0, 1, 2
-
-
-class Problem(ShardckptError):
-    """What was asked about is bad or absent: exit status 1, not 2."""
-
-
-# ------------------------------------------------------------ output helpers
-
-
-def _print_json(body: Any) -> None:
-    print(json.dumps(body, indent=1, sort_keys=True, default=str))
-
-
-def _when(created: float) -> str:
-    return datetime.datetime.fromtimestamp(created, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _bar(total: int, what: str, enabled: bool) -> Any:
-    """A byte progress bar (tqdm) on a terminal; ``None`` otherwise (log lines say the progress)."""
-    if not enabled or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    try:
-        size = os.get_terminal_size(sys.stderr.fileno())
-    except OSError:
-        size = os.terminal_size((0, 0))
-    # A terminal that reports no size (0 x 0) would get an empty bar, or none at all.
-    return tqdm(total=total, desc=what, unit="B", unit_scale=True, unit_divisor=1024, leave=False, file=sys.stderr,
-                ncols=size.columns or 100, nrows=size.lines or 24)
-
-
-def _transfer_options(args: argparse.Namespace) -> Any:
-    return TransferOptions(endpoint_url=getattr(args, "endpoint_url", None))
-
-
-def _open(args: argparse.Namespace) -> Any:
-    return open_steps(args.src, _transfer_options(args))
-
-
-def _committed(tier: Any, held: dict[int, layout.Manifest] | None = None) -> dict[int, layout.Manifest]:
-    """The committed steps (``held``: with the memory tier's saves not on disk, for ``ls``)."""
-    manifests = {**(held or {}), **tier.manifests()}
-    if not manifests and not tier.unreadable:
-        hint = ""
-        if not tier.where.startswith(("s3://", "gs://")) and "://" not in tier.where:
-            loose = [n for n in os.listdir(tier.where) if layout.parse_step_dirname(n) is not None]
-            if loose:
-                hint = (f" It holds {len(loose)} step directories without a manifest (interrupted saves or "
-                        f"stock DCP checkpoints: see `shardckpt adopt`).")
-        raise Problem(f"no committed step in {tier.where}.{hint} Remedy: check the path or URL (and the "
-                      f"endpoint, for S3-compatible stores).")
-    return manifests
-
-
-def _pick(tier: Any, manifests: dict[int, layout.Manifest], step: int | None) -> int:
-    if step is None:
-        live, _abandoned = tier.live(manifests)
-        if not live:
-            raise Problem(f"no live committed step in {tier.where}")
-        return live[-1]
-    if step not in manifests:
-        if step in tier.unreadable:
-            raise Problem(f"step {step} in {tier.where}: {tier.unreadable[step]}")
-        raise Problem(f"step {step} is not committed in {tier.where}; committed: {sorted(manifests) or 'none'}")
-    return step
-
-
-def _best_steps(manifests: dict[int, layout.Manifest], live: list[int], args: argparse.Namespace) -> tuple[str | None, list[int]]:
-    """The metric ranking steps (``--best-metric``, else the one the run configured) and the best live step."""
-    metric, mode = getattr(args, "best_metric", None), getattr(args, "best_mode", None)
-    if metric is None and manifests:
-        best = (manifests[max(manifests, key=lambda s: manifests[s].created)].run or {}).get("best") or {}
-        metric, mode = best.get("metric"), mode or best.get("mode")
-    if not metric:
-        return None, []
-    infos = {s: lineage.info_of(m) for s, m in manifests.items()}
-    return metric, retention.ranked(live, infos, metric, mode or "min")[:1]
-
-
-def _step_row(step: int, manifest: layout.Manifest, abandoned: dict[int, str], tier: Any = None,
-              best: list[int] = ()) -> dict[str, Any]:
-    info = lineage.info_of(manifest)
-    return {
-        "step": step,
-        "bytes": manifest.total_bytes,
-        "stored_bytes": compressed.stored_bytes(manifest) if manifest.stored else None,  # compressed on the remote
-        "files": len(manifest.files),
-        "world_size": manifest.world_size,
-        "created": manifest.created,
-        "created_utc": _when(manifest.created),
-        "live": step not in abandoned,
-        "abandoned": abandoned.get(step),
-        "branch": info.lineage.branch,
-        "run_id": manifest.run_id,
-        "metadata": manifest.metadata,
-        "kind": manifest.kind,
-        "metrics": manifest.metrics,
-        "best": step in best,
-        "tiers": tier.tiers(step, manifest) if tier is not None else [],
-        "for_upload": manifest.upload,
-    }
-
-
-# ------------------------------------------------------------ looking at checkpoints
+from shardckpt.remote import commit as remote_commit
+from shardckpt.remote import compressed
+from shardckpt.stores import redact
 
 
 def _kept(tier: Any) -> list[tuple[int, str]]:
@@ -171,15 +40,15 @@ def _kept(tier: Any) -> list[tuple[int, str]]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    tier = _open(args)
+    tier = open_location(args)
     try:
-        manifests = _committed(tier, tier.memory() if hasattr(tier, "memory") else None)
+        manifests = committed_manifests(tier, tier.memory() if hasattr(tier, "memory") else None)
         live, abandoned = tier.live(manifests)
-        metric, best = _best_steps(manifests, live, args)
-        rows = [_step_row(s, m, abandoned, tier, best) for s, m in manifests.items()]
+        metric, best = best_steps(manifests, live, args)
+        rows = [step_row(s, m, abandoned, tier, best) for s, m in manifests.items()]
         kept = _kept(tier)
         if args.json:
-            _print_json({"source": tier.where, "steps": rows, "best_metric": metric,
+            print_json({"source": tier.where, "steps": rows, "best_metric": metric,
                          "unreadable": {str(k): v for k, v in tier.unreadable.items()},
                          "kept_aside": [{"step": s, "path": p} for s, p in kept]})
             return OK
@@ -209,10 +78,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    tier = _open(args)
+    tier = open_location(args)
     try:
-        manifests = _committed(tier)
-        step = _pick(tier, manifests, args.step)
+        manifests = committed_manifests(tier)
+        step = pick_step(tier, manifests, args.step)
         manifest = manifests[step]
         _live, abandoned = tier.live(manifests)
         keys = looked = None
@@ -230,10 +99,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 body["saved_keys"] = keys
             if looked is not None:
                 body.update(values=looked["values"], value_tensors=looked["tensors"], run_config=looked["run_config"])
-            _print_json(body)
+            print_json(body)
             return OK
         print(f"step {step} in {tier.step_where(step)}" + (f" ({abandoned[step]})" if step in abandoned else ""))
-        print(f"  saved {_when(manifest.created)} UTC by world size {manifest.world_size}; {len(manifest.files)} "
+        print(f"  saved {when_utc(manifest.created)} UTC by world size {manifest.world_size}; {len(manifest.files)} "
               f"files, {fmt_bytes(manifest.total_bytes)}" + compressed.stored_note(manifest, fmt_bytes))
         print(f"  torch {manifest.torch_version}, shardckpt {manifest.shardckpt_version}"
               + (f", run {manifest.run_id}" if manifest.run_id else ""))
@@ -264,12 +133,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    tier = _open(args)
+    tier = open_location(args)
     try:
-        manifests = _committed(tier)
-        steps = sorted(manifests) if args.all else [_pick(tier, manifests, args.step)]
+        manifests = committed_manifests(tier)
+        steps = sorted(manifests) if args.all else [pick_step(tier, manifests, args.step)]
         total = sum(manifests[s].total_bytes for s in steps)
-        bar = _bar(total, "verifying", not args.json)
+        bar = progress_bar(total, "verifying", not args.json)
         reports = []
         try:
             for step in steps:
@@ -279,7 +148,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 bar.close()
         bad = [r for r in reports if not r.ok] + [None] * len([s for s in tier.unreadable if args.all])
         if args.json:
-            _print_json({
+            print_json({
                 "source": tier.where,
                 "ok": not bad,
                 "steps": [{"step": r.step, "ok": r.ok, "files": len(r.names), "bytes": r.bytes,
@@ -312,7 +181,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """``shardckpt export``: write the file and print one line saying what was written."""
-    from shardckpt.export import export_step  # imports torch: only for this command
+    from shardckpt.convert.export import export_step  # imports torch: only for this command
 
     result = export_step(
         args.src, args.out, step=args.step, fmt=args.format, optimizer=args.optimizer, key=args.key,
@@ -331,9 +200,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    tier = _open(args)
+    tier = open_location(args)
     try:
-        manifests = _committed(tier)
+        manifests = committed_manifests(tier)
         live, abandoned = tier.live(manifests)
         policy = retention.policy_from(args.keep_last, args.keep_every, keep_best=args.keep_best,
                                        best_metric=args.best_metric, best_mode=args.best_mode,
@@ -393,7 +262,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     }
     body["memory"], memory_line = shm.status(root)
     if args.json:
-        _print_json(body)
+        print_json(body)
         return OK if url else BAD
     if not url:
         print(f"{root}: {len(steps)} committed step(s), newest {body['latest_local']}"
@@ -405,7 +274,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     state = "running" if running is not None else (body["uploader"]["state"] or "not running")
     pid = f" (pid {running})" if running else ""
     print(f"{root} -> {url}")
-    print(f"  uploader: {state}{pid}; last update {_when(info['updated']) + ' UTC' if info.get('updated') else 'never'}")
+    print(f"  uploader: {state}{pid}; last update {when_utc(info['updated']) + ' UTC' if info.get('updated') else 'never'}")
     print(f"  newest step: local {body['latest_local']}"
           + (f", peer {body['latest_peer']}" if body["peer"] else "") + f", remote {latest_remote}"
           + (f" (lag {body['lag_steps']} steps)" if body["lag_steps"] else ""))
@@ -418,13 +287,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         for step, failed in sorted(body["failed_commits"].items(), key=lambda kv: int(kv[0])):
             print(f"  FAILED: {failure_text(int(step), failed, url)}")
     if body["last_error"]:
-        print(f"  last error ({_when(body['last_error_time']) + ' UTC' if body['last_error_time'] else '?'}): "
+        print(f"  last error ({when_utc(body['last_error_time']) + ' UTC' if body['last_error_time'] else '?'}): "
               f"{body['last_error']}")
     return OK
 
 
 def cmd_adopt(args: argparse.Namespace) -> int:
-    from shardckpt.tiers import adopt
+    from shardckpt.convert import adopt
 
     final = adopt.adopt(args.source, args.into, args.step, trust_pickles=args.trust_pickles)
     manifest = layout.read_manifest(final)
@@ -433,106 +302,13 @@ def cmd_adopt(args: argparse.Namespace) -> int:
     return OK
 
 
-# ------------------------------------------------------------ moving steps between tiers
-
-
-def _with_bars(enabled: bool) -> None:
-    """Transfers of push / pull / sync show tqdm bars on a terminal (else their log lines)."""
-    remote_commit.Progress.bar_factory = (lambda what, total: _bar(total, what, True)) if enabled and sys.stderr.isatty() else None
-
-
-def cmd_sync(args: argparse.Namespace) -> int:
-    return sync_from_args(args)
-
-
-def cmd_push(args: argparse.Namespace) -> int:
-    _with_bars(True)
-    store = store_from_args(args)
-    try:
-        committed = layout.committed_steps(args.local)
-        if args.step is not None and args.step not in committed:
-            raise Problem(f"step {args.step} is not committed in {args.local}; committed: {committed or 'none'}")
-        if args.step is not None:
-            steps = [args.step]
-        elif args.no_verify:
-            steps = remote_commit.pending_steps(args.local, args.remote)
-        else:
-            steps = committed
-        failed = 0
-        for step in steps:
-            result = remote_commit.push_step(
-                store, args.local, step, node=args.node or socket.gethostname(), policy=policy_from_args(args),
-                verify_remote=not args.no_verify,
-            )
-            if result.state == remote_commit.COMMITTED:
-                what = f"{fmt_bytes(result.uploaded_bytes)} sent" + (f"; {result.detail}" if result.detail else "")
-                print(f"committed step {step} on {store.where(layout.step_dirname(step))} ({what})")
-            else:
-                failed += 1
-                print(f"step {step}: uploaded this node's files; not committed yet ({result.detail or result.state})")
-        if not steps:
-            print(f"nothing to push: every committed step of {args.local} is committed on the remote")
-        return BAD if failed else OK
-    finally:
-        store.close()
-
-
-def cmd_pull(args: argparse.Namespace) -> int:
-    _with_bars(True)
-    store = store_from_args(args)
-    try:
-        step = args.step
-        if step is None:
-            infos, _unreadable = remote_index.survey(store, Deadline(args.step_deadline))
-            live, _abandoned = lineage.classify(infos)
-            if not live:
-                raise Problem(f"no committed step on {store.where('')}. Remedy: check the URL and the endpoint.")
-            step = live[-1]
-        step_dir = os.path.join(args.local, layout.step_dirname(step))
-        had = layout.read_manifest(step_dir) is not None
-        fetched = steps_mod.fetch_step(store, args.local, step, verify_local=True)
-        if had:
-            print(f"step {step} in {step_dir}: local files checked; fetched {len(fetched)} missing or failing "
-                  f"file(s){': ' + ', '.join(sorted(fetched)) if fetched else ''}; all verified")
-        else:
-            print(f"step {step} in {step_dir}: fetched {len(fetched)} file(s), all verified")
-        return OK
-    finally:
-        store.close()
-
-
-# ------------------------------------------------------------ the parser
-
-
-def _source_args(p: argparse.ArgumentParser, what: str = "checkpoint location") -> None:
-    p.add_argument("src", metavar="SRC", help=f"{what}: a local directory (the local_dir of a Checkpointer) or a "
-                   "remote URL (s3://bucket/prefix, file:///mnt/nfs/run, any fsspec URL)")
-    p.add_argument("--endpoint-url", default=os.environ.get("SHARDCKPT_ENDPOINT_URL"),
-                   help="S3-compatible endpoint (default: SHARDCKPT_ENDPOINT_URL, AWS_ENDPOINT_URL, or AWS)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="shardckpt",
-        description="Look at, verify, export, clean up and move shardckpt checkpoints, on a local directory or "
-        "a remote (S3 or any fsspec URL). A step exists once its manifest (shardckpt.json) does; anything "
-        "else in a checkpoint directory is ignored.",
-        epilog="Exit status: 0 all good, 1 what was asked about is bad or absent, 2 the command could not run. "
-        "`shardckpt COMMAND --help` explains each command.",
-    )
-    parser.add_argument("--version", action="version", version=f"shardckpt {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_parser = sub.add_parser
-    sub.add_parser = lambda *a, **kw: add_parser(*a, parents=[common], **kw)  # type: ignore[method-assign]
-
+def add_parsers(sub: Any) -> None:
+    """The commands that look at checkpoints, on the subparsers of the ``shardckpt`` parser."""
     p = sub.add_parser("ls", help="list committed steps",
                        description="List the committed steps: size, files, world size, when saved; steps of a "
                        "branch abandoned by a rollback are marked. An absent directory or a remote without any "
                        "committed step is an error (exit 2 / 1).")
-    _source_args(p)
+    add_source_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output (keys: see the README)")
     p.add_argument("--best-metric", help="mark the best step by this metric (default: the run's best_metric)")
     p.add_argument("--best-mode", choices=["min", "max"], help="lower (min) or higher is better (default: the run's)")
@@ -541,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="show one step's manifest",
                        description="Show one step's manifest: world size, files, saved state keys and their "
                        "kinds, user metadata, the node-local copies it was saved to.")
-    _source_args(p)
+    add_source_args(p)
     p.add_argument("--step", type=int, help="step to show (default: the newest live step)")
     p.add_argument("--keys", action="store_true", help="also list every saved tensor / object with shape and dtype "
                    "(reads DCP's metadata through the restricted unpickler; imports torch)")
@@ -558,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Check every file of a step (size and checksum) against its manifest; a "
                        "remote step's objects are streamed through the checksum. Each bad file is named; exit "
                        "status 1 when any fails.")
-    _source_args(p)
+    add_source_args(p)
     group = p.add_mutually_exclusive_group()
     group.add_argument("--step", type=int, help="step to verify (default: the newest live step)")
     group.add_argument("--all", action="store_true", help="verify every committed step")
@@ -570,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "of full, unsharded tensors with the keys of model.state_dict() of the unwrapped module: "
                        "for inference and tools that do not read DCP. From a remote URL only the files holding "
                        "the exported tensors are downloaded (each checked against the manifest).")
-    _source_args(p)
+    add_source_args(p)
     p.add_argument("out", metavar="OUT", help="output file")
     p.add_argument("--step", type=int, help="step to export (default: the newest live step)")
     p.add_argument("--format", choices=["safetensors", "torch"], default="safetensors",
@@ -585,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Delete committed steps that the retention policy drops among the live steps "
                        "(never the newest), the steps a rollback abandoned (unless --keep-abandoned), and, in a "
                        "local directory, leftovers of interrupted saves. Do not run while a job saves there.")
-    _source_args(p)
+    add_source_args(p)
     p.add_argument("--keep-last", type=int, required=True, help="keep the newest N live steps (N >= 1)")
     p.add_argument("--keep-every", type=int, help="also keep every step that is a multiple of K")
     p.add_argument("--keep-abandoned", action="store_true", help="keep steps that a rollback abandoned")
@@ -619,82 +395,3 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-pickles", action="store_true", help="read the metadata without the allow-list")
     p.set_defaults(func=cmd_adopt)
 
-    p = sub.add_parser(
-        "sync",
-        help="run the per-node uploader",
-        description="Upload every committed step of a node's local directory to the remote and commit it "
-        "there (files, then this node's marker; the node holding rank 0's files writes the manifest once "
-        "every node's marker is present). Runs until SIGTERM unless --once or --exit-when-idle. One "
-        "uploader per directory: a second one exits at once. Options default to the SHARDCKPT_* "
-        "variables of the same fields.",
-    )
-    add_sync_args(p)
-    p.set_defaults(func=cmd_sync)
-
-    p = sub.add_parser("push", help="upload committed steps now; repair the remote copy",
-                       description="Upload this node's files of committed local steps and commit them when "
-                       "every node's files are there. Steps already committed remotely are checked: this "
-                       "node's objects are downloaded and hashed, and any that fail are uploaded again "
-                       "(--no-verify skips that).")
-    add_transfer_args(p)
-    p.add_argument("--step", type=int, help="step to push (default: every committed local step)")
-    p.add_argument("--keep-last", type=int, help="remote retention after the commit: keep the newest N")
-    p.add_argument("--keep-every", type=int, help="remote retention: also keep every multiple of K")
-    add_best_args(p)
-    p.add_argument("--no-verify", action="store_true", help="only upload pending steps; do not check (and repair) "
-                   "the remote copies of steps already committed there")
-    p.set_defaults(func=cmd_push)
-
-    p = sub.add_parser("pull", help="fetch a remote step; repair the local copy",
-                       description="Download a committed remote step (default: the newest live one) into the "
-                       "local directory, checking every file against the manifest; the step becomes a "
-                       "committed local step only once all files passed. A local copy that exists is checked "
-                       "and its missing or failing files are replaced.")
-    add_transfer_args(p)
-    p.add_argument("--step", type=int, help="step to fetch (default: the newest live step on the remote)")
-    p.set_defaults(func=cmd_pull)
-    check_resume.add_parser(sub)
-    return parser
-
-
-def _setup_logging() -> None:
-    """The library's INFO lines (progress of long transfers, what was repaired) go to stderr."""
-    logger = logging.getLogger("shardckpt")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
-    logger.setLevel(os.environ.get("SHARDCKPT_LOG_LEVEL", "INFO").upper())
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if getattr(args, "keep_last", None) is not None and args.keep_last < 1:
-        parser.error("--keep-last must be >= 1")
-    _setup_logging()
-    try:
-        return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        print("shardckpt: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # `shardckpt ls DIR | head`: the reader left; not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return OK
-    except Exception as exc:  # noqa: BLE001 - one readable line, the traceback with --debug
-        if args.debug:
-            raise
-        return _report(exc)
-
-
-def _report(exc: BaseException) -> int:
-    code = BAD if isinstance(exc, Problem) else ERROR
-    text = redact(str(exc)) if isinstance(exc, ShardckptError) else redact(f"{type(exc).__name__}: {exc}")
-    hint = "" if isinstance(exc, ShardckptError) else " (run with --debug for the traceback)"
-    print(f"shardckpt: error: {text}{hint}", file=sys.stderr)
-    return code
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -54,10 +54,10 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from shardckpt.format import layout, lineage
 from shardckpt.dcp import planner as dcp_planner
-from shardckpt.tiers import remote_commit, remote_index
-from shardckpt.tiers import steps as steps_mod
+from shardckpt.remote import commit as remote_commit, index as remote_index
+from shardckpt import steps as steps_mod
 from shardckpt import stores
-from shardckpt import state as state_mod
+from shardckpt.state import capture as state_mod
 from shardckpt._text import fmt_bytes
 from shardckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, ShardckptError
 

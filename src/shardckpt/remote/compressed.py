@@ -53,9 +53,9 @@ from typing import Any, Callable, Iterator, Mapping
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format import codec, layout
 from shardckpt.stores import Deadline, Store, safe_url
-from shardckpt.tiers import auto_compress
-from shardckpt.tiers.auto_compress import WORKERS
-from shardckpt.tiers.missing import read_committed
+from shardckpt.remote import auto_compress
+from shardckpt.remote.auto_compress import WORKERS
+from shardckpt.remote.missing import read_committed
 
 log = logging.getLogger("shardckpt")
 

@@ -10,7 +10,7 @@ and wakes the uploader. The uploader's early pass (:class:`EarlyUploads`,
 run at the start of each of its passes) uploads every published file of a
 partial save to its final key ``<remote>/step_<N>/<file>``, verified as any
 upload, and remembers what it sent. What keeps the remote commit protocol
-(:mod:`shardckpt.tiers.remote_commit`) whole:
+(:mod:`shardckpt.remote.commit`) whole:
 
 * nothing is uploaded early into a step committed remotely (its manifest is
   there, whatever its version): a save of a committed number (a rollback, a
@@ -25,9 +25,9 @@ upload, and remembers what it sent. What keeps the remote commit protocol
   each node uploads only the files its own local directory holds.
 
 Where the node's uploads are compressed (``remote_compression``, with
-``auto`` decided by :mod:`shardckpt.tiers.auto_compress` while the first
-save is written; :func:`shardckpt.tiers.compressed.chooser`), early uploads are compressed and streamed like any other
-(:func:`shardckpt.tiers.compressed.put_compressed`, chunked as the writer
+``auto`` decided by :mod:`shardckpt.remote.auto_compress` while the first
+save is written; :func:`shardckpt.remote.compressed.chooser`), early uploads are compressed and streamed like any other
+(:func:`shardckpt.remote.compressed.put_compressed`, chunked as the writer
 checksummed them: the sidecar names its chunk size); their stored forms go
 into the node's marker after the local commit. Until ``auto`` has decided,
 the pass leaves the files for a later pass.
@@ -52,8 +52,8 @@ from typing import Any, Mapping
 from shardckpt.format import layout
 from shardckpt._proc import pid_alive, proc_start
 from shardckpt.stores import Deadline, Store, join
-from shardckpt.tiers import compressed
-from shardckpt.tiers.remote_commit import withdraw_overwritten
+from shardckpt.remote import compressed
+from shardckpt.remote.commit import withdraw_overwritten
 
 log = logging.getLogger("shardckpt")
 
