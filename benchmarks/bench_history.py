@@ -9,9 +9,9 @@ date by one survey. Then, counting every HTTP request boto3 sends (botocore's
 event hooks) and the bytes of the answers:
 
 * ``find newest``: what a restore's rank 0 does before any fetch
-  (``remote_commit.remote_infos``);
-* ``uploader start``: ``remote_commit.remote_steps``;
-* ``retention``: ``remote_commit.apply_remote_retention`` with ``KeepLast(held - 1)``
+  (``remote_listing.remote_infos``);
+* ``uploader start``: ``remote_listing.remote_steps``;
+* ``retention``: ``remote_listing.apply_remote_retention`` with ``KeepLast(held - 1)``
   (one step deleted; none at one step held).
 
 Each runs once with this tree's code ("after") and once with the code of
@@ -42,7 +42,7 @@ def child(held: list[int], scratch: str) -> dict:
     import shardckpt
     from remote_history import RequestLog, clone_steps
     from s3server import BUCKET
-    from shardckpt.remote import commit as remote_commit
+    from shardckpt.remote import listing as remote_listing
     from shardckpt import stores
     from shardckpt.node import uploader
     from shardckpt.format.retention import KeepLast
@@ -64,12 +64,12 @@ def child(held: list[int], scratch: str) -> dict:
         for op in OPS:
             log.clear()
             if op == "find newest":
-                infos, _bad = remote_commit.remote_infos(store, deadline)
+                infos, _bad = remote_listing.remote_infos(store, deadline)
                 assert max(infos) == n
             elif op == "uploader start":
-                assert remote_commit.remote_steps(store, deadline)[-1] == n
+                assert remote_listing.remote_steps(store, deadline)[-1] == n
             else:
-                doomed = remote_commit.apply_remote_retention(store, KeepLast(max(1, n - 1)), deadline)
+                doomed = remote_listing.apply_remote_retention(store, KeepLast(max(1, n - 1)), deadline)
                 assert doomed == ([1] if n > 1 else [])
             row[op] = {"requests": log.requests(), "kinds": dict(log.kinds), "manifest_gets": log.manifest_gets,
                        "bytes_in": log.bytes_in}
@@ -80,7 +80,7 @@ def child(held: list[int], scratch: str) -> dict:
 
 def bring_index_up_to_date(store, deadline) -> None:
     """As the committer's commits keep it (in code before the index there is none to update)."""
-    from shardckpt.remote import commit as remote_commit
+    from shardckpt.remote import listing as remote_listing
 
     try:
         from shardckpt.remote import index as remote_index
@@ -89,7 +89,7 @@ def bring_index_up_to_date(store, deadline) -> None:
     try:
         remote_index.survey(store, deadline, write_back=True)
     except TypeError:  # code in which every survey writes its repairs back
-        remote_commit.remote_infos(store, deadline)
+        remote_listing.remote_infos(store, deadline)
 
 
 def run_child(src: str, held: list[int], scratch: str) -> dict:

@@ -355,6 +355,7 @@ sys.path.insert(0, {str(PROGRAM.parent)!r})
 import soak_train, shardckpt
 from shardckpt.node import node_registry, uploader
 from shardckpt.tiers import remote_commit
+from shardckpt.remote import listing as remote_listing
 from shardckpt import stores
 
 {_LOAD_EACH}
@@ -368,7 +369,7 @@ def load_all(ckpt, steps):
 ckpt = shardckpt.Checkpointer(local_dir={str(ckpt_dir)!r}, preemption_signals=())
 local, local_newest = load_all(ckpt, ckpt.steps())
 store = stores.open_store({url!r})
-listed = remote_commit.remote_steps(store, stores.Deadline(60))
+listed = remote_listing.remote_steps(store, stores.Deadline(60))
 store.close()
 ckpt = shardckpt.Checkpointer(local_dir={str(scratch)!r}, remote={url!r}, uploader="off", preemption_signals=())
 rem, remote_newest = load_all(ckpt, listed)

@@ -25,6 +25,7 @@ from s3server import BUCKET, reset_if_used, stop_uploaders  # noqa: E402
 from shardckpt import _failpoints, cli
 from shardckpt.format import layout, manifest_schema
 from shardckpt.remote import commit as remote_commit  # noqa: E402
+from shardckpt.remote import listing as remote_listing
 from shardckpt import stores  # noqa: E402
 
 
@@ -38,7 +39,7 @@ def fresh_bucket(request, tmp_path):
 def remote_steps(url: str) -> list[int]:
     store = stores.open_store(url)
     try:
-        return remote_commit.remote_steps(store, stores.Deadline(60))
+        return remote_listing.remote_steps(store, stores.Deadline(60))
     finally:
         store.close()
 

@@ -25,7 +25,7 @@ from helpers import PROGRAMS, child_env, run_torchrun  # noqa: E402
 from s3server import BUCKET, stop_uploaders  # noqa: E402
 from shardckpt import Checkpointer, cli
 from shardckpt.saving import policy
-from shardckpt.remote import commit as remote_commit  # noqa: E402
+from shardckpt.remote import listing as remote_listing
 from shardckpt import stores  # noqa: E402
 from shardckpt.options import CheckpointConfig  # noqa: E402
 
@@ -56,7 +56,7 @@ def results(out, world=2):
 def remote_steps(url: str) -> list[int]:
     store = stores.open_store(url)
     try:
-        return remote_commit.remote_steps(store, stores.Deadline(60))
+        return remote_listing.remote_steps(store, stores.Deadline(60))
     finally:
         store.close()
 

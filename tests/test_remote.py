@@ -29,6 +29,7 @@ from shardckpt import cli
 from shardckpt.format import layout
 from shardckpt.node import node_registry, uploader
 from shardckpt.remote import early_upload, ranged, commit as remote_commit  # noqa: E402
+from shardckpt.remote import listing as remote_listing
 from shardckpt import steps as steps_mod  # noqa: E402
 from shardckpt import stores  # noqa: E402
 from shardckpt.errors import CorruptCheckpointError, RemoteError  # noqa: E402
@@ -277,7 +278,7 @@ def test_a_dead_node_costs_each_poll_the_same_and_one_node_reports_it_for_all(s3
 
     for n in "cba":
         push(n, 1)
-    assert remote_commit.committed_record(opened["a"], 1, stores.Deadline(30)) is not None
+    assert remote_listing.committed_record(opened["a"], 1, stores.Deadline(30)) is not None
     marked = {}
     for step in (2, 3):
         for n in "ba":
@@ -344,7 +345,7 @@ def test_uploader_commits_after_trainer_is_sigkilled(s3, tmp_path):
     early = [k for k in s3.keys(f"killed/{layout.step_dirname(4)}/") if k.rsplit("/", 1)[1].startswith("__")]
     assert {k.rsplit("/", 1)[1][:4] for k in early} == {"__0_", "__1_"}, early
     assert remote_manifests(s3, "killed") == [2, 3]
-    assert remote_commit.remote_steps(stores.open_store(url, _opts()), stores.Deadline(60)) == [2, 3]
+    assert remote_listing.remote_steps(stores.open_store(url, _opts()), stores.Deadline(60)) == [2, 3]
     for step in layout.committed_steps(str(local_dir)):
         assert remote_commit.is_uploaded(str(local_dir / layout.step_dirname(step)), url)
 
@@ -604,7 +605,7 @@ def test_errors_never_carry_credentials_and_name_the_object(s3, tmp_path):
     url = "s3://no-such-bucket-xyz/run"
     store = stores.open_store(url, _opts(max_attempts=2))
     with pytest.raises(RemoteError) as info:
-        remote_commit.remote_steps(store, stores.Deadline(30))
+        remote_listing.remote_steps(store, stores.Deadline(30))
     text = str(info.value)
     assert "NoSuchBucket" in text and "no-such-bucket-xyz" in text and "Remedy" in text
     assert s3.credentials["AWS_SECRET_ACCESS_KEY"] not in text
@@ -691,7 +692,7 @@ def test_files_upload_while_the_save_is_written_and_never_over_a_committed_step(
         assert seen["after_refusal"] == committed_etags
         local = layout.read_manifest(str(local_dir / layout.step_dirname(1)))
         store = stores.open_store(url, _opts())
-        wait_for(lambda: getattr(remote_commit.committed_record(store, 1, stores.Deadline(10)), "files_digest", None)
+        wait_for(lambda: getattr(remote_listing.committed_record(store, 1, stores.Deadline(10)), "files_digest", None)
                  == remote_commit.files_digest(local), 60, "the second save of step 1 committed remotely")
         assert remote_commit.files_digest(check_remote_step(s3, "early", 1)) == remote_commit.files_digest(local)
     finally:
@@ -764,7 +765,7 @@ def test_one_node_uploads_metadata_per_step_and_the_step_restores(s3, tmp_path):
     b_log.clear()  # a waiting pass, then the pass that sees step 1 committed: the step record, never the manifest
     assert push(b_store, b, 2, node="b", policy=None, skip_upload_digest=marked.marked).state == remote_commit.WAITING
     assert push(b_store, b, 1, node="b", policy=None).state == remote_commit.COMMITTED
-    assert b_log.manifest_gets == 0 and b_log.gets[remote_commit.STEP_RECORD_NAME] == 2, (b_log.kinds, b_log.gets)
+    assert b_log.manifest_gets == 0 and b_log.gets[remote_listing.STEP_RECORD_NAME] == 2, (b_log.kinds, b_log.gets)
     assert b_log.bytes_in < 4096, b_log.bytes_in
     b_store.close()
     assert push(store, a, 2, node="a", policy=None).state == remote_commit.COMMITTED

@@ -22,6 +22,7 @@ from remote_history import RequestLog, clone_steps  # noqa: E402
 from s3server import BUCKET, reset_if_used  # noqa: E402
 from shardckpt.format import layout
 from shardckpt.remote import commit as remote_commit, index as remote_index
+from shardckpt.remote import listing as remote_listing
 from shardckpt import stores
 from shardckpt.node import uploader  # noqa: E402
 from shardckpt.format.retention import KeepLast  # noqa: E402
@@ -59,7 +60,7 @@ def test_newest_step_and_retention_read_o1_manifests_with_50_steps_held(s3, tmp_
 
     # Committed steps missing from the index are found (their manifests read once); a reader does
     # not write the index, the committer's survey does.
-    infos, bad = remote_commit.remote_infos(store, deadline)
+    infos, bad = remote_listing.remote_infos(store, deadline)
     assert sorted(infos) == list(range(1, HELD + 1)) and bad == {}
     assert log.manifest_gets == HELD - 1
     assert index_steps(s3, "held") == [1]
@@ -68,21 +69,21 @@ def test_newest_step_and_retention_read_o1_manifests_with_50_steps_held(s3, tmp_
 
     # From then on: one listing, the index, and the head's manifest.
     log.clear()
-    infos, _bad = remote_commit.remote_infos(store, deadline)
+    infos, _bad = remote_listing.remote_infos(store, deadline)
     assert max(infos) == HELD and infos[HELD][4] != infos[HELD - 1][4]  # versions kept apart
     assert log.manifest_gets <= 1, log.gets
     assert log.kinds["LIST"] == 1 and log.requests() <= 4, log.kinds
 
     log.clear()
-    assert remote_commit.remote_steps(store, deadline) == list(range(1, HELD + 1))  # an uploader's start
+    assert remote_listing.remote_steps(store, deadline) == list(range(1, HELD + 1))  # an uploader's start
     assert log.kinds["HEAD"] == 0 and log.manifest_gets <= 1, (log.kinds, log.gets)
 
     log.clear()
-    doomed = remote_commit.apply_remote_retention(store, KeepLast(HELD - 10), deadline)
+    doomed = remote_listing.apply_remote_retention(store, KeepLast(HELD - 10), deadline)
     assert doomed == list(range(1, 11))
     assert log.manifest_gets <= 1, log.gets
     assert index_steps(s3, "held") == list(range(11, HELD + 1))
-    assert remote_commit.remote_steps(store, deadline) == list(range(11, HELD + 1))
+    assert remote_listing.remote_steps(store, deadline) == list(range(11, HELD + 1))
 
     # A commit through the uploader (of a new branch: nothing was loaded, so retention counts it alone):
     # it adds its entry, and its retention pass reads no manifest of the steps held.
@@ -161,19 +162,19 @@ def test_an_older_step_committing_late_stays_retired_and_readers_never_write_the
 
     assert push(2) == remote_commit.COMMITTED and push(3) == remote_commit.COMMITTED
     assert push(1) == remote_commit.SUPERSEDED
-    assert remote_commit.remote_steps(store, deadline) == [2, 3] and index_steps(s3, "late") == [2, 3]
+    assert remote_listing.remote_steps(store, deadline) == [2, 3] and index_steps(s3, "late") == [2, 3]
     assert not s3.keys(f"late/{layout.step_dirname(1)}/{layout.MANIFEST_NAME}")
 
     # The index lost an entry: readers find the step from its manifest and write nothing.
     s3.client().put_object(Bucket=BUCKET, Key=f"late/{remote_index.INDEX_NAME}",
                            Body=json.dumps({"format": remote_index.INDEX_FORMAT, "steps": {}}).encode())
     log = RequestLog(store)
-    assert remote_commit.remote_steps(store, deadline) == [2, 3]
-    assert sorted(remote_commit.remote_infos(store, deadline)[0]) == [2, 3]
+    assert remote_listing.remote_steps(store, deadline) == [2, 3]
+    assert sorted(remote_listing.remote_infos(store, deadline)[0]) == [2, 3]
     assert log.kinds["PUT"] == 0, log.kinds
     assert index_steps(s3, "late") == []
     # The committer's next pass writes the repair.
-    remote_commit.apply_remote_retention(store, KeepLast(2), deadline)
+    remote_listing.apply_remote_retention(store, KeepLast(2), deadline)
     assert index_steps(s3, "late") == [2, 3]
 
 
@@ -202,7 +203,7 @@ def test_a_listing_that_lags_behind_the_commit_never_resumes_the_older_step(s3, 
         manifest = layout.read_manifest(str(local_dir / layout.step_dirname(2)))
         remote_index.record(store, manifest, stores.Deadline(60))  # the commit's index write
         assert index_steps(s3, "lag") == [1, 2]
-        remote_commit.apply_remote_retention(store, KeepLast(5), stores.Deadline(60))
+        remote_listing.apply_remote_retention(store, KeepLast(5), stores.Deadline(60))
         assert index_steps(s3, "lag") == [1, 2]  # the committer's retention pass keeps it too
 
         model = torch.nn.Linear(64, 64)

@@ -20,7 +20,6 @@ from s3server import BUCKET, reset_if_used, stop_uploaders, transfer_options  # 
 from shardckpt import cli
 from shardckpt.format import layout
 from shardckpt.node import node_registry, uploader, uploader_client
-from shardckpt.remote import commit as remote_commit  # noqa: E402
 from shardckpt import steps as steps_mod  # noqa: E402
 from shardckpt import stores  # noqa: E402
 

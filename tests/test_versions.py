@@ -28,6 +28,7 @@ from s3server import BUCKET, reset_if_used, stop_uploaders
 from shardckpt import _failpoints, cli
 from shardckpt.format import layout, retention
 from shardckpt.remote import commit as remote_commit
+from shardckpt.remote import listing as remote_listing
 from shardckpt import steps as steps_mod  # noqa: E402
 from shardckpt import stores
 
@@ -313,7 +314,7 @@ def test_a_step_saved_again_while_two_nodes_upload_it_is_never_committed_mixed(s
     assert result.state == remote_commit.COMMITTED, result
     assert b_result and b_result[0].state == remote_commit.WAITING, b_result
     assert remote_commit.remote_manifest(store, 5, deadline) is None
-    assert remote_commit.committed_record(store, 5, deadline) is None
+    assert remote_listing.committed_record(store, 5, deadline) is None
     # The fourth save commits once A's node has it too; every object is its own.
     fourth = layout.read_manifest(str(base4 / "rank0" / layout.step_dirname(5)))
     assert layout.version_of(fourth) not in (layout.version_of(third), layout.version_of(second))

@@ -29,7 +29,7 @@ import torch
 import xxhash
 
 from shardckpt.state import capture as state_mod
-from shardckpt.state.values import MODULE, OPTIMIZER, STATEFUL
+from shardckpt.state.keys import MODULE, OPTIMIZER, STATEFUL
 
 MAX_PARTS = 4096
 """Entries of one key digested one by one; a larger entry keeps its whole digest only."""

@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from shardckpt.format import layout, lineage
 from shardckpt.dcp import planner as dcp_planner
 from shardckpt.remote import commit as remote_commit, index as remote_index
+from shardckpt.remote import listing as remote_listing
 from shardckpt import steps as steps_mod
 from shardckpt import stores
 from shardckpt.state import capture as state_mod
@@ -307,7 +308,7 @@ def _export_remote(src: str, step: int | None, job: _Job, options: stores.Transf
             step = _choose_step(infos, None, where)
         manifest = remote_commit.remote_manifest(store, step, deadline)
         if manifest is None:
-            raise _not_committed(step, where, remote_commit.remote_steps(store, deadline))
+            raise _not_committed(step, where, remote_listing.remote_steps(store, deadline))
         view = steps_mod.StepView(store, manifest)
         tmp = tempfile.mkdtemp(prefix=f".shardckpt-export-{step}-", dir=os.path.dirname(job.out))
         fetched: list[str] = []

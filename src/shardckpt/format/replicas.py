@@ -21,7 +21,7 @@ import uuid
 from typing import Any
 
 from shardckpt.errors import CorruptCheckpointError
-from shardckpt.format import layout, lineage
+from shardckpt.format import layout
 
 REPLICAS_DIR = ".shardckpt-replicas"
 

@@ -41,8 +41,8 @@ from shardckpt.remote.commit import (
     pending_steps,
     present_files,
     push_step,
-    remote_steps,
 )
+from shardckpt.remote.listing import remote_steps
 from shardckpt.format.retention import RetentionPolicy, policy_from
 
 log = logging.getLogger("shardckpt")

@@ -44,7 +44,7 @@ from shardckpt.restoring import run_config as run_config_mod
 from shardckpt.restoring import targets as targets_mod
 from shardckpt.format import lineage as lineage_mod
 from shardckpt.state import capture as state_mod
-from shardckpt.state import values as values_mod
+from shardckpt.state import keys as keys_mod, per_rank
 from shardckpt._text import fmt_bytes
 from shardckpt.errors import (
     CorruptCheckpointError,
@@ -407,15 +407,15 @@ class Restorer:
         targets_mod.refuse_unrestored(left, step, step_dir, os.path.join(step_dir, layout.MANIFEST_NAME), strict=strict)
         # Per-rank entries (generators, data loaders): each rank reads its own; a data loader's only at the
         # world size that saved it. A key holding nothing else that this rank does not read is left as it is.
-        own_entries = values_mod.per_rank_entries(saved_paths)
+        own_entries = per_rank.per_rank_entries(saved_paths)
         same_world = manifest.world_size == _dist.world_size()
         unread = {k for k, e in own_entries.items() if e["only"] and (rank not in e["ranks"] or (e["whole"] and not same_world))}
-        note = values_mod.per_rank_note(own_entries, manifest.world_size, _dist.world_size())
+        note = per_rank.per_rank_note(own_entries, manifest.world_size, _dist.world_size())
         if note and rank == 0:
             log.warning("shardckpt: step %d: %s", step, note)
 
         def rebuild(path: tuple) -> bool:
-            own = values_mod.path_rank(path)
+            own = keys_mod.path_rank(path)
             if own is not None and (own[0] != rank or (own[1] and not same_world)):
                 return False
             if path[0] in rebuild_keys:

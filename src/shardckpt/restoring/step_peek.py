@@ -26,7 +26,7 @@ import torch
 
 from shardckpt.format import layout, lineage
 from shardckpt.state import capture as state_mod
-from shardckpt.state import values as values_mod
+from shardckpt.state import keys as keys_mod
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UntrustedCheckpointError
 from shardckpt.format.safe_pickle import safe_load_metadata
 from shardckpt.steps import LocalSteps, Steps
@@ -186,7 +186,7 @@ def read_values(
                 f"{exc}. Remedy: only if you trust this checkpoint's origin, pass trust_pickles=True."
             ) from exc
         set_element(values, path, obj)
-    return values_mod.decode_keys(values), tensors
+    return keys_mod.decode_keys(values), tensors
 
 
 def _jsonable(value: Any) -> Any:

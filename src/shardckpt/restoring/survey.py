@@ -28,7 +28,7 @@ from shardckpt.format import layout, retention
 from shardckpt.format import lineage as lineage_mod
 from shardckpt.options import CheckpointConfig, OnCorrupt
 from shardckpt.tiers import memory as memory_mod
-from shardckpt.remote import commit as remote_commit
+from shardckpt.remote import listing as remote_listing
 from shardckpt.topology import Topology
 
 log = logging.getLogger("shardckpt")
@@ -93,7 +93,7 @@ class Surveyor:
         remote_report: tuple[dict[int, Any], dict[int, str], str | None] | None = None
         if self.config.remote is not None and _dist.rank() == 0:
             try:
-                listed, bad = remote_commit.remote_infos(self.sources.store(), stores.Deadline(self.config.step_deadline_s),
+                listed, bad = remote_listing.remote_infos(self.sources.store(), stores.Deadline(self.config.step_deadline_s),
                                                          read=self.sources.surveyed)
                 remote_report = (listed, bad, None)
             except RemoteError as exc:

@@ -16,7 +16,7 @@ from shardckpt import stores
 from shardckpt.errors import ConfigError, CorruptCheckpointError, RemoteError
 from shardckpt.format import lineage as lineage_mod
 from shardckpt.options import CheckpointConfig, OnRemoteUnavailable, UploaderMode
-from shardckpt.remote import commit as remote_commit
+from shardckpt.remote import listing as remote_listing
 
 log = logging.getLogger("shardckpt")
 
@@ -35,7 +35,7 @@ def check_remote(cfg: CheckpointConfig, groups: _dist.SideGroups, store: Callabl
     if _dist.rank() == 0:
         deadline = stores.Deadline(min(60.0, cfg.step_deadline_s))
         try:
-            remote_commit.probe(store(), deadline, write=uploads)
+            remote_listing.probe(store(), deadline, write=uploads)
             if uploads and writer.lineage is None:
                 foreign = _foreign_history(cfg, store(), deadline)
         except (RemoteError, OSError, ConfigError, CorruptCheckpointError) as exc:
@@ -84,7 +84,7 @@ def _foreign_history(config: CheckpointConfig, store: stores.Store, deadline: st
     where = stores.safe_url(config.remote)
     if config.start_fresh:
         try:
-            dirs, newest = remote_commit.newest_committed(store, deadline)
+            dirs, newest = remote_listing.newest_committed(store, deadline)
         except CorruptCheckpointError:  # an unreadable newest step: the new saves come after now
             log.warning("shardckpt: start_fresh=True: the newest step on %s cannot be read; a new history starts "
                         "beside it", where)
@@ -92,7 +92,7 @@ def _foreign_history(config: CheckpointConfig, store: stores.Store, deadline: st
         if newest is None:
             return None
     else:
-        dirs, newest = remote_commit.newest_committed(store, deadline)
+        dirs, newest = remote_listing.newest_committed(store, deadline)
         if newest is None:
             return None
         raise ConfigError(

@@ -13,7 +13,7 @@ back into the live objects. Kinds:
 
 A data loader or sampler with ``state_dict()`` (other than a
 :class:`~shardckpt.ResumableSampler`, whose position is global) is stateful
-and per rank by nature: its state is captured as :class:`values.Own` and
+and per rank by nature: its state is captured as :class:`keys.Own` and
 stored under this rank's key (see :mod:`shardckpt.state.values`), as is every
 ``torch.Generator`` in a plain value or a stateful object's state.
 """
@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from shardckpt.state.sampler import ResumableSampler
 from shardckpt.errors import ConfigError, MetaDeviceError
-from shardckpt.state.values import Own, decode_key, decode_keys
+from shardckpt.state.keys import Own, decode_key, decode_keys
 
 try:  # numpy is optional
     import numpy as np
@@ -46,7 +46,7 @@ except ImportError:  # pragma: no cover - numpy ships with torch wheels' users
 log = logging.getLogger("shardckpt")
 
 RESERVED_KEY = "_shardckpt"
-from shardckpt.state.values import MODULE, OPTIMIZER, RNG, STATEFUL, STOCK, VALUE  # noqa: E402,F401 - the kinds, part of this API
+from shardckpt.state.keys import MODULE, OPTIMIZER, RNG, STATEFUL, STOCK, VALUE  # noqa: E402,F401 - the kinds, part of this API
 
 
 def rng_key(rank: int) -> str:
@@ -217,7 +217,7 @@ class LiveTensors:
     """The caller's own tensors that saved plain values and stateful objects can be read into.
 
     ``find(path, md)`` walks the saved path (dict keys as DCP stores them:
-    tagged by :func:`values.encode_keys`; list positions) through the live
+    tagged by :func:`keys.encode_keys`; list positions) through the live
     ``state[key]`` of a plain value, or through ``state_dict()`` of a stateful
     object (called once per key in ``keys``: its tensors are usually the
     object's own), and returns the tensor there when it is a plain tensor of

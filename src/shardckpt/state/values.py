@@ -1,19 +1,6 @@
-"""Plain values in a save: their dict keys' types, one value for every rank, and what belongs to one rank.
+"""One value for every rank: the plain values and stateful objects' state of a save compared across ranks.
 
-DCP stores nested dicts under string paths, so a key's type is lost on the
-way (``{0: "a"}`` comes back as ``{"0": "a"}``) and keys whose strings
-coincide (``1`` and ``"1"``) collide. :func:`encode_keys` writes a key that is
-not a ``str`` as a tagged string, ``"#int:5"``, ``"#float:0.5"``,
-``"#bool:True"``, ``"#none"`` (a ``str`` key starting with ``#`` is escaped as
-``"#str:..."``); :func:`decode_keys` turns them back. Other key types are
-refused at save with a :class:`ConfigError` naming the key.
-
-DCP also drops an empty dict (it has no leaf to write), and with it a list
-that holds nothing else (``LambdaLR``'s ``lr_lambdas: [{}]``): the key would be
-missing from what is restored. :func:`encode_keys` writes an empty dict as the
-leaf :data:`EMPTY_DICT` and :func:`decode_keys` turns it back into ``{}``.
-
-**One value for every rank.** DCP keeps one copy of an entry that several
+DCP keeps one copy of an entry that several
 ranks save under the same name, written by whichever rank its planner picks;
 when the ranks' values differ (a metric computed on rank 0 only), that is an
 arbitrary rank's value, and when their types differ (a 0-d tensor on one
@@ -29,18 +16,7 @@ by rank is left out by the other ranks; a stateful object's entry held by
 several ranks is kept from the lowest of them (entries that only some ranks
 hold, a state keyed by rank, are each rank's own). DTensor shards and the
 state of modules and optimizers are DCP's to reconcile and are not compared.
-
-**What belongs to one rank.** Some values are per rank by nature: a
-``torch.Generator`` anywhere in a plain value or a stateful object's state (a
-per-rank shuffle generator), and the state of a data loader or sampler
-(``torch.utils.data.DataLoader`` / ``Sampler`` with ``state_dict()``, other
-than :class:`shardckpt.ResumableSampler`, whose position is global). Those
-are saved under a key of their own rank, ``#rank:<r>``, and each rank reads
-back its own (:func:`rank_of`). At another world size a generator follows
-the RNG rule (rank ``r`` gets saved rank ``r``'s; a new rank keeps its
-current state), and a data loader's or sampler's per-rank state is not
-applied at all (its position belongs to the saved layout):
-:func:`per_rank_note` says which in one WARNING.
+Entries that belong to one rank (:mod:`shardckpt.state.keys`) are never compared.
 """
 
 from __future__ import annotations
@@ -56,177 +32,12 @@ import xxhash
 
 from shardckpt import _dist
 from shardckpt.errors import ConfigError, SaveError
-
-MODULE, OPTIMIZER, STATEFUL, VALUE, RNG = "module", "optimizer", "stateful", "value", "rng"
-"""The kinds of a state key (recorded in the manifest's ``keys`` table)."""
-STOCK = "stock"  # a key of an adopted stock DCP checkpoint: kind unknown until loaded
+from shardckpt.state.keys import ABSENT, STATEFUL, VALUE, encode_keys, path_rank
 
 log = logging.getLogger("shardckpt")
 
-_TAG = "#"
-EMPTY_DICT = "\x00shardckpt:empty-dict\x00"
-"""The leaf an empty dict is saved as (DCP writes nothing for an empty dict)."""
-_RANK = "#rank:"
-"""The key of a per-rank entry: ``#rank:<r>`` holds rank ``r``'s value."""
-_GENERATOR = "#generator:"
-"""The key of a ``torch.Generator``'s state: ``{"#generator:<device type>": get_state()}``."""
 _SMALL_PICKLE = 4096  # plain leaves up to this size are compared by value, larger ones by digest
 _SMALL_TENSOR = 64  # tensors with up to this many elements are compared by value, larger ones by digest
-
-
-class Own:
-    """A captured value that belongs to this rank: :func:`encode_keys` stores it under ``#rank:<r>``."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-def rank_of(part: Any) -> int | None:
-    """The rank a ``#rank:<r>`` path element names, else ``None``."""
-    if isinstance(part, str) and part.startswith(_RANK) and part[len(_RANK):].isdigit():
-        return int(part[len(_RANK):])
-    return None
-
-
-def path_rank(path: tuple) -> tuple[int, bool] | None:
-    """``(rank, whole)`` of a saved path inside a per-rank entry, else ``None``; ``whole``: the
-    entry is a whole object's per-rank state (a data loader's), not a generator."""
-    for i, part in enumerate(path):
-        r = rank_of(part)
-        if r is not None:
-            after = path[i + 1] if i + 1 < len(path) else None
-            return r, not (isinstance(after, str) and after.startswith(_GENERATOR))
-    return None
-
-
-# ------------------------------------------------------------------ dict keys
-
-
-def _encode_key(key: Any, where: str) -> str:
-    if type(key) is str:
-        return f"{_TAG}str:{key}" if key.startswith(_TAG) else key
-    if type(key) is bool:
-        return f"{_TAG}bool:{key}"
-    if type(key) is int:
-        return f"{_TAG}int:{key}"
-    if type(key) is float:
-        return f"{_TAG}float:{key!r}"
-    if key is None:
-        return f"{_TAG}none"
-    raise ConfigError(
-        f"the dict at {where} has a key {key!r} of type {type(key).__name__}: keys of plain values must be "
-        f"str, int, float, bool or None to round-trip. Remedy: convert the key (e.g. int(key) or str(key)), or "
-        f"keep the object in a stateful object with its own state_dict()"
-    )
-
-
-def decode_key(key: Any) -> Any:
-    """One dict key as it was before :func:`encode_keys` tagged it."""
-    if not isinstance(key, str) or not key.startswith(_TAG):
-        return key
-    tag, _, text = key[1:].partition(":")
-    if tag == "str":
-        return text
-    if tag == "int":
-        return int(text)
-    if tag == "float":
-        return float(text)
-    if tag == "bool":
-        return text == "True"
-    if tag == "none":
-        return None
-    return key  # not ours
-
-
-def encode_keys(value: Any, where: str, rank: int = 0, _own: bool = False) -> Any:
-    """``value`` with every dict key DCP would turn into a string written as a tagged string.
-
-    Walks dicts and lists (what DCP walks into; a tuple is stored whole, its
-    keys intact). A ``torch.Generator`` becomes its state under this rank's
-    key (``{"#rank:<r>": {"#generator:cpu": state}}``), an :class:`Own`
-    value its content under this rank's key. Returns ``value`` itself when
-    nothing needs a tag: the caller's objects are never changed.
-    """
-    if isinstance(value, Own):
-        return {f"{_RANK}{rank}": encode_keys(value.value, where, rank, True)}
-    if isinstance(value, torch.Generator):
-        body = {f"{_GENERATOR}{value.device.type}": value.get_state()}
-        return body if _own else {f"{_RANK}{rank}": body}
-    if isinstance(value, dict):
-        if not value:
-            return EMPTY_DICT
-        out = {}
-        changed = False
-        for k, v in value.items():
-            name = _encode_key(k, where)
-            item = encode_keys(v, f"{where}[{k!r}]", rank, _own)
-            changed |= name is not k or item is not v
-            out[name] = item
-        return out if changed else value
-    if isinstance(value, list):
-        items = [encode_keys(v, f"{where}[{i}]", rank, _own) for i, v in enumerate(value)]
-        return items if any(a is not b for a, b in zip(items, value)) else value
-    if isinstance(value, tuple) and _holds_generator(value):
-        raise ConfigError(
-            f"{where} is a tuple holding a torch.Generator: a tuple is stored whole (pickled), and a generator "
-            f"is each rank's own, stored under its rank's key. Remedy: hold it in a list or a dict"
-        )
-    return value
-
-
-def _holds_generator(value: Any) -> bool:
-    if isinstance(value, torch.Generator):
-        return True
-    if isinstance(value, dict):
-        return any(_holds_generator(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_generator(v) for v in value)
-    return False
-
-
-def decode_keys(value: Any, rank: int | None = None) -> Any:
-    """The inverse of :func:`encode_keys` (in place for dicts and lists, which are freshly loaded).
-
-    A per-rank entry becomes ``rank``'s value (default: this process's rank);
-    a rank without one is left out of its dict (``None`` for a whole value).
-    """
-    out = _decode(value, _dist.rank() if rank is None else rank)
-    return None if out is _ABSENT else out
-
-
-class _Absent:
-    def __repr__(self) -> str:  # pragma: no cover - debugging aid
-        return "<absent>"
-
-
-_ABSENT = _Absent()
-
-
-def _decode(value: Any, rank: int) -> Any:
-    if isinstance(value, str) and value == EMPTY_DICT:
-        return {}
-    if isinstance(value, dict):
-        if value and all(rank_of(k) is not None for k in value):
-            own = value.get(f"{_RANK}{rank}", _ABSENT)
-            return _ABSENT if own is _ABSENT else _decode(own, rank)
-        if len(value) == 1:
-            (name, state), = value.items()
-            if isinstance(name, str) and name.startswith(_GENERATOR) and isinstance(state, torch.Tensor):
-                generator = torch.Generator(device=name[len(_GENERATOR):])
-                generator.set_state(state.to(torch.uint8).cpu())
-                return generator
-        items = [(decode_key(k), _decode(v, rank)) for k, v in value.items()]
-        value.clear()
-        value.update((k, v) for k, v in items if v is not _ABSENT)
-        return value
-    if isinstance(value, list):
-        value[:] = [None if item is _ABSENT else item for item in (_decode(v, rank) for v in value)]
-    return value
-
-
-# ---------------------------------------------------------- one value per key
 
 
 def _leaf(value: Any) -> tuple:
@@ -299,10 +110,10 @@ def _summaries(key: str, value: Any) -> tuple[dict[str, tuple], dict[str, tuple]
 def _without(value: Any, path: tuple) -> Any:
     """``value`` without the leaf at ``path`` (containers on the way copied; a list goes whole)."""
     if not path or not isinstance(value, dict) or path[0] not in value:
-        return _ABSENT
+        return ABSENT
     rest = _without(value[path[0]], path[1:])
     out = dict(value)
-    if rest is _ABSENT:
+    if rest is ABSENT:
         del out[path[0]]
     else:
         out[path[0]] = rest
@@ -310,27 +121,27 @@ def _without(value: Any, path: tuple) -> Any:
 
 
 def _at(value: Any, path: tuple) -> Any:
-    """The leaf of ``value`` at ``path`` (dict keys, list and tuple indices), else ``_ABSENT``."""
+    """The leaf of ``value`` at ``path`` (dict keys, list and tuple indices), else ``ABSENT``."""
     for part in path:
         if isinstance(value, dict) and part in value:
             value = value[part]
         elif type(value) in (list, tuple) and isinstance(part, int) and 0 <= part < len(value):
             value = value[part]
         else:
-            return _ABSENT
+            return ABSENT
     return value
 
 
 def _replaced(value: Any, path: tuple, held: bool, leaf: Any) -> Any:
     """``value`` with its leaf at ``path`` (non-empty, present) set to ``leaf`` (``held``) or removed,
-    containers on the way copied; ``_ABSENT`` where that cannot be done (a path it lacks, a list item removed)."""
+    containers on the way copied; ``ABSENT`` where that cannot be done (a path it lacks, a list item removed)."""
     part, rest = path[0], path[1:]
     if isinstance(value, dict) and part in value:
         out = dict(value)
         if rest:
             inner = _replaced(value[part], rest, held, leaf)
-            if inner is _ABSENT:
-                return _ABSENT
+            if inner is ABSENT:
+                return ABSENT
             out[part] = inner
         elif held:
             out[part] = leaf
@@ -340,8 +151,8 @@ def _replaced(value: Any, path: tuple, held: bool, leaf: Any) -> Any:
     if type(value) in (list, tuple) and isinstance(part, int) and 0 <= part < len(value) and (rest or held):
         items = list(value)
         items[part] = _replaced(value[part], rest, held, leaf) if rest else leaf
-        return _ABSENT if items[part] is _ABSENT else type(value)(items)
-    return _ABSENT
+        return ABSENT if items[part] is ABSENT else type(value)(items)
+    return ABSENT
 
 
 def _on_cpu(value: Any) -> Any:
@@ -392,7 +203,7 @@ class _Keys:
             if stateful:
                 for path, _text, _ref, _fqn in left:
                     pruned = _without({key: out[key]}, path)
-                    out[key] = pruned[key] if pruned is not _ABSENT and key in pruned else {}
+                    out[key] = pruned[key] if pruned is not ABSENT and key in pruned else {}
             else:
                 out.pop(key)
         if key not in self.warned:
@@ -409,10 +220,10 @@ class _Keys:
         sent: bytes | None = None
         error = None
         try:
-            leaves = {fqn: _at({key: out[key]}, where) if key in out else _ABSENT
+            leaves = {fqn: _at({key: out[key]}, where) if key in out else ABSENT
                       for entries in differ.values() for where, _t, ref, fqn in entries if ref == rank}
             if leaves:
-                sent = pickle.dumps({f: (v is not _ABSENT, None if v is _ABSENT else _on_cpu(v)) for f, v in leaves.items()})
+                sent = pickle.dumps({f: (v is not ABSENT, None if v is ABSENT else _on_cpu(v)) for f, v in leaves.items()})
         except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange, then all raise
             error = f"{type(exc).__name__}: {exc}"
         gathered = self.gather((sent, error))
@@ -430,10 +241,10 @@ class _Keys:
                 theirs[ref] = pickle.loads(gathered[ref][0])
             held, leaf = theirs[ref].get(fqn, (False, None))
             if len(where) == 1:  # the whole value is the leaf
-                changed = (leaf if held else _ABSENT) if fqn == key else _ABSENT
+                changed = (leaf if held else ABSENT) if fqn == key else ABSENT
             else:
                 changed = _replaced(out[key], where[1:], held, leaf)
-            if changed is _ABSENT:
+            if changed is ABSENT:
                 left.append(entry)
             else:
                 out[key] = changed
@@ -579,48 +390,3 @@ def digest(tensor: torch.Tensor) -> str:
     if data.dim() == 0:
         data = data.reshape(1)
     return xxhash.xxh3_128_hexdigest(data.view(torch.uint8).numpy())
-
-
-# ---------------------------------------------------------- per-rank entries after a restore
-
-
-def per_rank_entries(saved_paths: list[tuple]) -> dict[str, dict[str, Any]]:
-    """``{key: {"ranks": {...}, "whole": bool, "only": bool}}`` of the keys holding per-rank entries:
-    which ranks saved one, whether it is a whole object's state (a data loader's), and whether the key
-    holds nothing else."""
-    out: dict[str, dict[str, Any]] = {}
-    shared: set[str] = set()
-    for path in saved_paths:
-        found = path_rank(path)
-        if found is None:
-            shared.add(str(path[0]))
-            continue
-        entry = out.setdefault(str(path[0]), {"ranks": set(), "whole": False, "only": True})
-        entry["ranks"].add(found[0])
-        entry["whole"] |= found[1] and len(path) > 1 and rank_of(path[1]) is not None
-    for key, entry in out.items():
-        entry["only"] = key not in shared
-    return out
-
-
-def per_rank_note(entries: dict[str, dict[str, Any]], saved_world: int, world: int) -> str | None:
-    """One line on what a world-size change does to the per-rank entries (``None`` at the same size)."""
-    if saved_world == world or not entries:
-        return None
-    whole = sorted(k for k, e in entries.items() if e["whole"])
-    gens = sorted(k for k, e in entries.items() if not e["whole"])
-    parts = []
-    if whole:
-        parts.append(f"the per-rank state of {', '.join(map(repr, whole))} (a data loader's or sampler's position "
-                     f"belongs to the {saved_world}-rank layout) is not restored on any rank: it keeps its current "
-                     f"state (a shardckpt.ResumableSampler keeps a global position across world sizes)")
-    if gens:
-        what = f"the random generator(s) in {', '.join(map(repr, gens))}"
-        if world > saved_world:
-            lo, hi = saved_world, world - 1
-            parts.append(f"{what}: rank(s) {lo}{'' if lo == hi else f'..{hi}'} have no saved state and keep their "
-                         f"current one")
-        else:
-            lo, hi = world, saved_world - 1
-            parts.append(f"{what}: the states saved by rank(s) {lo}{'' if lo == hi else f'..{hi}'} are dropped")
-    return f"saved by {saved_world} ranks, restored by {world}: " + "; ".join(parts)

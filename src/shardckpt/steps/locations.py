@@ -16,13 +16,12 @@ import logging
 import os
 import shutil
 import uuid
-from typing import Any, Callable
 
 from shardckpt.format import layout, lineage, node_state, shm, step_dirs
-from shardckpt.remote import compressed, commit as remote_commit
-from shardckpt.remote.missing import read_committed
+from shardckpt.remote import commit as remote_commit
+from shardckpt.remote import listing as remote_listing
 from shardckpt.errors import CorruptCheckpointError, RemoteError, ShardckptError
-from shardckpt.stores import Deadline, LocalDirStore, join, Store, TransferOptions, open_store, safe_url, split_url
+from shardckpt.stores import Deadline, LocalDirStore, Store, TransferOptions, open_store, safe_url, split_url
 
 log = logging.getLogger("shardckpt")
 
@@ -149,7 +148,7 @@ class RemoteSteps(Steps):
 
     def manifests(self) -> dict[int, layout.Manifest]:
         deadline = Deadline(self.deadline_s)
-        steps = remote_commit.remote_steps(self.store, deadline)
+        steps = remote_listing.remote_steps(self.store, deadline)
         out: dict[int, layout.Manifest] = {}
         self.unreadable = {}
 
@@ -166,7 +165,7 @@ class RemoteSteps(Steps):
         return dict(sorted(out.items()))
 
     def delete(self, step: int) -> None:
-        remote_commit.delete_remote_step(self.store, step, Deadline(self.deadline_s))
+        remote_listing.delete_remote_step(self.store, step, Deadline(self.deadline_s))
 
 
 # ---------------------------------------------------------------- whole steps into a directory

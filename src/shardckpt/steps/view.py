@@ -15,20 +15,15 @@ fetches all go through these. Nothing here imports torch.
 
 from __future__ import annotations
 
-import dataclasses
-import errno
-import json
 import logging
 import os
-import shutil
-import uuid
 from typing import Any, Callable
 
-from shardckpt.format import layout, lineage, node_state, shm, step_dirs
-from shardckpt.remote import compressed, commit as remote_commit
+from shardckpt.format import layout
+from shardckpt.remote import compressed
 from shardckpt.remote.missing import read_committed
-from shardckpt.errors import CorruptCheckpointError, RemoteError, ShardckptError
-from shardckpt.stores import Deadline, LocalDirStore, join, Store, TransferOptions, open_store, safe_url, split_url
+from shardckpt.errors import CorruptCheckpointError
+from shardckpt.stores import Deadline, join, Store
 
 log = logging.getLogger("shardckpt")
 
