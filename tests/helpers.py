@@ -252,7 +252,7 @@ def mount_tmpfs(mount: Path, options: str, why: str) -> None:
 def flip_byte_in_tensor(path: str, info, mask: int = 0x01) -> None:
     """Flip one byte in the middle of the raw data of the stored tensor that ``info`` (a DCP
     storage record of ``path``) holds: a bit rot that leaves the record's structure intact."""
-    from shardckpt.dcp.reader import stored_tensor
+    from shardckpt.dcp.record_layout import stored_tensor
 
     with open(path, "r+b") as f:
         where = stored_tensor(f, info.offset, info.length)

@@ -15,7 +15,7 @@ from shardckpt.dcp import planner as local
 from shardckpt.dcp import writer as dcp_writer
 from shardckpt.convert import adopt as adopt_mod
 from helpers import flip_byte_in_tensor
-from shardckpt.dcp.reader import stored_tensor
+from shardckpt.dcp.record_layout import stored_tensor
 
 
 class Mixed(nn.Module):

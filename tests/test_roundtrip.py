@@ -12,7 +12,7 @@ import pytest
 
 from helpers import PROGRAMS, run_torchrun
 from shardckpt.dcp import planner as local
-from shardckpt.dcp.reader import stored_tensor
+from shardckpt.dcp.record_layout import stored_tensor
 
 MODES = ("ddp", "fsdp2")
 

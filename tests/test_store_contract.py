@@ -14,8 +14,8 @@ leaves nothing behind, deletion, and concurrent use from several threads.
 
 from __future__ import annotations
 
-import dataclasses
 import concurrent.futures
+import dataclasses
 import json
 import os
 import shutil
@@ -27,15 +27,20 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from s3server import BUCKET, apply_env, restore_env, start_server
+
 from shardckpt import stores
-from shardckpt.errors import CorruptCheckpointError, ObjectNotFoundError, ObjectRangeError
+from shardckpt.errors import (
+    CorruptCheckpointError,
+    ObjectNotFoundError,
+    ObjectRangeError,
+    PeerStoreReadOnly,
+)
 from shardckpt.format import layout
 from shardckpt.node import node_registry, peer_daemon
 from shardckpt.stores import s3 as s3_module
-from shardckpt.stores.peer import PeerStore, PeerStoreReadOnly
 from shardckpt.stores import tls
+from shardckpt.stores.peer import PeerStore
 from shardckpt.stores.peer_client import PeerClient
 
 WRITABLE = ("moto", "rclone", "fsspec", "local", "replica")

@@ -71,3 +71,40 @@ class ObjectRangeError(RemoteError):
     """A byte range asked of a store reaches past the end of its object."""
 
     retryable = False
+
+
+class PeerTLSError(ShardckptError, OSError):
+    """A key or certificate of the peer tier cannot be used (missing, unreadable, readable by others, or
+    not matching); the message names the file and the remedy."""
+
+
+class PeerError(RemoteError):
+    """A peer request failed (refused, unreachable, or the bytes did not match). ``status`` is the
+    peer's HTTP answer when it answered (404: it holds no such file), else ``None``."""
+
+    def __init__(self, message: str, status: int | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.headers = dict(headers or {})
+
+
+class PeerStoreReadOnly(RemoteError):
+    """A write or a deletion asked of a peer daemon, which takes replicas only whole."""
+
+    retryable = False
+
+
+class ExportError(ShardckptError, ValueError):
+    """The step cannot be exported as asked: no module key, an ambiguous one, an unsupported dtype."""
+
+
+class ExportIOError(ShardckptError, OSError):
+    """Reading the source or writing the output failed (no space, no permission); ``__cause__`` kept."""
+
+
+class CopiesRacedError(SaveError):
+    """A saved tensor was written while its device-to-host copy could still read it."""
+
+
+class FailedElsewhere(SaveError):
+    """This rank did not write because another rank failed before the write (that rank's error is the cause)."""

@@ -52,15 +52,23 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from shardckpt.format import layout, lineage
-from shardckpt.dcp import planner as dcp_planner
-from shardckpt.remote import commit as remote_commit, index as remote_index
-from shardckpt.remote import listing as remote_listing
 from shardckpt import steps as steps_mod
 from shardckpt import stores
-from shardckpt.state import capture as state_mod
 from shardckpt._text import fmt_bytes
-from shardckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, ShardckptError
+from shardckpt.dcp import planner as dcp_planner
+from shardckpt.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    ExportError,
+    ExportIOError,
+    ShardckptError,
+)
+from shardckpt.format import layout, lineage
+from shardckpt.remote import commit as remote_commit
+from shardckpt.remote import index as remote_index
+from shardckpt.remote import listing as remote_listing
+from shardckpt.state import capture as state_mod
 
 log = logging.getLogger("shardckpt")
 
@@ -89,14 +97,6 @@ _SAFETENSORS_DTYPES = {
     torch.float8_e5m2: "F8_E5M2",
     torch.complex64: "C64",
 }
-
-
-class ExportError(ShardckptError, ValueError):
-    """The step cannot be exported as asked: no module key, an ambiguous one, an unsupported dtype."""
-
-
-class ExportIOError(ShardckptError, OSError):
-    """Reading the source or writing the output failed (no space, no permission); ``__cause__`` kept."""
 
 
 @dataclasses.dataclass

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from shardckpt.dcp.reader import _memory_of
+from shardckpt.dcp.record_layout import memory_of as _memory_of
 from shardckpt.errors import ShardckptError
 
 try:

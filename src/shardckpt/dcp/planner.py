@@ -19,7 +19,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from shardckpt.errors import CorruptCheckpointError, ShardckptError, UntrustedCheckpointError
+from shardckpt.errors import (
+    CorruptCheckpointError,
+    ShardckptError,
+    UntrustedCheckpointError,
+)
 from shardckpt.format import layout
 from shardckpt.format.safe_pickle import safe_load_metadata
 

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from shardckpt.format import layout, step_dirs
 
+
 class _HashingStream(io.RawIOBase):
     """A file opened for writing that checksums what passes through it.
 

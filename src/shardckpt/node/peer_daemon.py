@@ -36,14 +36,21 @@ import threading
 import time
 from typing import Any
 
+from shardckpt.errors import PeerError
 from shardckpt.format import layout, lineage, node_state
 from shardckpt.format.replicas import committed_replicas, manifest_or_none, placement
-from shardckpt.node.node_registry import (acquire_lock, daemon_logging, process_record, read_json, state_dir,
-                                         trainers_alive)
+from shardckpt.node.node_registry import (
+    acquire_lock,
+    daemon_logging,
+    process_record,
+    read_json,
+    state_dir,
+    trainers_alive,
+)
 from shardckpt.node.peer_server import PeerServer, serve
 from shardckpt.node.peer_service import PeerService
 from shardckpt.stores import tls
-from shardckpt.stores.peer_client import PeerClient, PeerError
+from shardckpt.stores.peer_client import PeerClient
 
 log = logging.getLogger("shardckpt")
 

@@ -40,15 +40,18 @@ from typing import Any, Callable
 import torch
 
 from shardckpt import _dist, _failpoints
-from shardckpt._version import __version__
-from shardckpt.format import layout, retention, step_dirs
-from shardckpt.dcp import writer as dcp_writer
-from shardckpt.format import lineage as lineage_mod
 from shardckpt._text import fmt_bytes
-from shardckpt.errors import InsufficientSpaceError, SaveError
+from shardckpt._version import __version__
+from shardckpt.dcp import writer as dcp_writer
+from shardckpt.errors import (
+    CopiesRacedError,
+    FailedElsewhere,
+    InsufficientSpaceError,
+    SaveError,
+)
+from shardckpt.format import layout, retention, step_dirs
+from shardckpt.format import lineage as lineage_mod
 from shardckpt.options import CheckpointConfig, OnDiskFull
-from shardckpt.saving.stage import CopiesRacedError
-from shardckpt.state.values import FailedElsewhere
 from shardckpt.topology import Topology
 
 log = logging.getLogger("shardckpt")

@@ -23,7 +23,7 @@ from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_st
 from torch.distributed.tensor import DTensor
 
 from shardckpt import _failpoints
-from shardckpt.errors import SaveError
+from shardckpt.errors import CopiesRacedError
 
 _PLAIN = (int, float, bool, str, bytes, type(None))
 
@@ -70,10 +70,6 @@ def split_bytes(state_dict: dict[str, Any], own_keys: set[str]) -> tuple[int, in
             elif isinstance(obj, (list, tuple)):
                 stack.extend(obj)
     return own, shared
-
-
-class CopiesRacedError(SaveError):
-    """A saved tensor was written while its device-to-host copy could still read it."""
 
 
 class CopyFence:

@@ -31,7 +31,7 @@ import torch
 import xxhash
 
 from shardckpt import _dist
-from shardckpt.errors import ConfigError, SaveError
+from shardckpt.errors import ConfigError, FailedElsewhere, SaveError
 from shardckpt.state.keys import ABSENT, STATEFUL, VALUE, encode_keys, path_rank
 
 log = logging.getLogger("shardckpt")
@@ -375,10 +375,6 @@ class Later:
         for key in sorted(by_key):
             out = self.keys.resolve(out, key, by_key[key])
         return out
-
-
-class FailedElsewhere(SaveError):
-    """This rank did not write because another rank failed before the write (that rank's error is the cause)."""
 
 
 def digest(tensor: torch.Tensor) -> str:

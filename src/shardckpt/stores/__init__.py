@@ -7,7 +7,14 @@ leaf helper :mod:`shardckpt._failpoints`).
 from shardckpt.stores.base import Deadline, Store, join
 from shardckpt.stores.fsspec_store import FsspecStore
 from shardckpt.stores.local import LocalDirStore, ReplicaDirStore
-from shardckpt.stores.network import NetworkStore, TransferOptions, check_remote_url, redact, safe_url, split_url
+from shardckpt.stores.network import (
+    NetworkStore,
+    TransferOptions,
+    check_remote_url,
+    redact,
+    safe_url,
+    split_url,
+)
 from shardckpt.stores.registry import open_location, open_store
 from shardckpt.stores.s3 import S3Store
 

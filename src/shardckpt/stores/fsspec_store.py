@@ -12,19 +12,17 @@ import uuid
 from typing import Any, Callable, Iterable
 
 from shardckpt import _failpoints
-from shardckpt.format import layout
 from shardckpt.errors import RemoteError
+from shardckpt.format import layout
 from shardckpt.stores.base import Deadline, OnBytes, range_past_end
-from shardckpt.stores.network import (
-    NetworkStore,
-    TransferOptions,
-    _check_download,
-    _copy_checked,
-    _file_chunks,
-    _local_mismatch,
-    _Transient,
+from shardckpt.stores.network import NetworkStore, TransferOptions, split_url
+from shardckpt.stores.transfer import (
+    Transient,
+    check_download,
+    copy_checked,
+    file_chunks,
     guarded,
-    split_url,
+    local_mismatch,
 )
 
 _XATTR = "user.shardckpt.checksum"
@@ -49,7 +47,7 @@ class FsspecStore(NetworkStore):
     def is_retryable(self, exc: BaseException) -> bool:
         if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
             return False
-        return isinstance(exc, (OSError, _Transient)) or super().is_retryable(exc)
+        return isinstance(exc, (OSError, Transient)) or super().is_retryable(exc)
 
     def path(self, key: str) -> str:
         return self.root + ("/" + key.strip("/") if key.strip("/") else "")
@@ -68,7 +66,7 @@ class FsspecStore(NetworkStore):
         if not self.local:
             f = self.fs.open(target, "wb")
             try:
-                got = _copy_checked(chunks(), f, like=like)
+                got = copy_checked(chunks(), f, like=like)
             except BaseException:
                 # Abandoned unfinished: closing would store what was written so far under the key.
                 getattr(f, "discard", lambda: None)()
@@ -79,7 +77,7 @@ class FsspecStore(NetworkStore):
         tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             with open(tmp, "wb") as f:
-                got = _copy_checked(chunks(), f, like=like)
+                got = copy_checked(chunks(), f, like=like)
                 _failpoints.hit("remote.file_written")
                 f.flush()
                 os.fsync(f.fileno())
@@ -99,11 +97,11 @@ class FsspecStore(NetworkStore):
     ) -> None:
         def chunks():
             with open(path, "rb") as f:
-                yield from _file_chunks(f)
+                yield from file_chunks(f)
 
         n, digest = self.retry(lambda: self._write(key, chunks, like=checksum, expect=(size, checksum)), "upload of", key, deadline)
         if n != size or digest != checksum:
-            raise _local_mismatch(path, self.where(key), "differs (size or checksum)")
+            raise local_mismatch(path, self.where(key), "differs (size or checksum)")
         self._record(key, checksum)
         self._check_size(key, size, deadline, on_bytes)
 
@@ -155,7 +153,7 @@ class FsspecStore(NetworkStore):
                 total = self.fs.size(self.path(key))
                 if total is not None and offset + length > total:
                     raise range_past_end(self.where(key), offset, length, total)
-                raise _Transient(f"short ranged read of {self.where(key)}")
+                raise Transient(f"short ranged read of {self.where(key)}")
             return data
 
         return self.retry(call, "download of", key, deadline)
@@ -178,7 +176,7 @@ class FsspecStore(NetworkStore):
             n = 0
             try:
                 with self.fs.open(self.path(key), "rb") as f:
-                    for chunk in _file_chunks(f):
+                    for chunk in file_chunks(f):
                         digest.update(chunk)
                         n += len(chunk)
             except FileNotFoundError:
@@ -192,7 +190,7 @@ class FsspecStore(NetworkStore):
     ) -> None:
         def call() -> tuple[int, str]:
             with self.fs.open(self.path(key), "rb") as src, open(path, "wb") as dst:
-                return _copy_checked(_file_chunks(src), dst, like=checksum)
+                return copy_checked(file_chunks(src), dst, like=checksum)
 
         try:
             got_size, got_sha = self.retry(call, "download of", key, deadline)
@@ -200,7 +198,7 @@ class FsspecStore(NetworkStore):
             if os.path.exists(path):
                 os.unlink(path)
             raise
-        _check_download(path, self.where(key), size, checksum, got_size, got_sha)
+        check_download(path, self.where(key), size, checksum, got_size, got_sha)
         if on_bytes is not None:
             on_bytes(got_size)
 

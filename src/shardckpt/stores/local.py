@@ -15,8 +15,8 @@ import shutil
 import uuid
 from typing import Iterable
 
-from shardckpt.format import layout
 from shardckpt.errors import CorruptCheckpointError, ObjectNotFoundError, RemoteError
+from shardckpt.format import layout
 from shardckpt.stores.base import Deadline, OnBytes, Store, range_past_end
 
 _CHUNK = 8 << 20

@@ -15,7 +15,6 @@ a transient error outlasted the attempts or the deadline.
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
 import dataclasses
 import logging
@@ -25,11 +24,16 @@ import re
 import socket
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, TypeVar
 
-from shardckpt.format import layout
-from shardckpt.errors import ConfigError, CorruptCheckpointError, ObjectNotFoundError, RemoteError
+from shardckpt.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    ObjectNotFoundError,
+    RemoteError,
+)
 from shardckpt.stores.base import Deadline, Store, run_in_pool
+from shardckpt.stores.transfer import StreamError, Transient
 
 log = logging.getLogger("shardckpt")
 
@@ -128,34 +132,11 @@ def check_remote_url(url: str) -> None:
         ) from exc
 
 
-def _copy_checked(chunks: Any, dst: Any, like: str | None = None) -> tuple[int, str]:
-    """Write ``chunks`` to the open file ``dst``; their total size and checksum (algorithm of ``like``)."""
-    digest = layout.Checksum.like(like)
-    n = 0
-    for chunk in chunks:
-        digest.update(chunk)
-        dst.write(chunk)
-        n += len(chunk)
-    return n, digest.value()
-
-
-def _file_chunks(f: Any, size: int = 8 << 20) -> Any:
-    return iter(lambda: f.read(size), b"")
-
-
-def _b64_crc32(value: int) -> str:
-    return base64.b64encode(value.to_bytes(4, "big")).decode()
-
-
-class _Transient(Exception):
-    """A failure worth retrying that did not come as a backend exception."""
-
-
 class NetworkStore(Store):
     """Retries, thread pools and error translation shared by the network stores; subclasses
     implement the raw calls."""
 
-    retryable_types: tuple[type, ...] = (ConnectionError, TimeoutError, socket.timeout, _Transient)
+    retryable_types: tuple[type, ...] = (ConnectionError, TimeoutError, socket.timeout, Transient)
 
     def __init__(self, url: str, options: TransferOptions) -> None:
         self.url = url.rstrip("/")
@@ -264,7 +245,7 @@ class NetworkStore(Store):
         is raised as it is."""
         try:
             return fn()
-        except _StreamError as exc:
+        except StreamError as exc:
             raise exc.__cause__  # type: ignore[misc]
         except (RemoteError, CorruptCheckpointError):
             raise
@@ -287,58 +268,3 @@ class NetworkStore(Store):
         if len(jobs) == 1:
             return [jobs[0]()]
         return run_in_pool(self.file_pool() if files else self.pool(), jobs)
-
-
-
-class _StreamError(Exception):
-    """An error raised by the iterator a stream upload reads; its ``__cause__`` is raised again as it is."""
-
-
-def guarded(chunks: Iterable[bytes]) -> Iterator[bytes]:
-    """The pieces of ``chunks``, its errors wrapped in :class:`_StreamError` (told apart from the store's
-    own); the iterator is closed when this one is (a generator holding a lock lets it go)."""
-    it = iter(chunks)
-    try:
-        while True:
-            try:
-                piece = next(it)
-            except StopIteration:
-                return
-            except Exception as exc:  # noqa: BLE001 - raised again by the store as it is
-                raise _StreamError() from exc
-            yield piece
-    finally:
-        close = getattr(it, "close", None)
-        if close is not None:
-            close()
-
-
-def _read_exact(path: str, offset: int, length: int) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        data = f.read(length)
-    return data
-
-
-def _local_mismatch(path: str, key_where: str, what: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
-        f"local file {path} {what} than its manifest entry, so it was not uploaded to {key_where}. "
-        f"Remedy: the local copy is damaged; run `shardckpt verify` on its directory and save a new step."
-    )
-
-
-def _check_download(path: str, where: str, size: int, checksum: str, got_size: int, got_sum: str) -> None:
-    if got_size != size or got_sum != checksum:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-        detail = f"{got_size} bytes, expected {size}" if got_size != size else "checksum differs from the manifest"
-        raise CorruptCheckpointError(
-            f"remote object {where} is corrupt ({detail}); it was not loaded. Remedy: load an earlier "
-            f"step (load(step=...)) or set on_corrupt='fallback'; repair it from a node that still has "
-            f"the step (`shardckpt push --local LOCAL_DIR --remote URL --step N` checks the remote copy and "
-            f"uploads again what fails)."
-        )
-
-

@@ -20,17 +20,16 @@ import concurrent.futures
 import re
 from typing import Any, Callable
 
-from shardckpt.errors import CorruptCheckpointError, ObjectNotFoundError, RemoteError
+from shardckpt.errors import (
+    CorruptCheckpointError,
+    ObjectNotFoundError,
+    PeerError,
+    PeerStoreReadOnly,
+)
 from shardckpt.format import layout
 from shardckpt.format.replicas import owner_dirname
 from shardckpt.stores.base import Deadline, OnBytes, Store, range_past_end, run_in_pool
-from shardckpt.stores.peer_client import PeerClient, PeerError
-
-
-class PeerStoreReadOnly(RemoteError):
-    """A write or a deletion asked of a peer daemon, which takes replicas only whole."""
-
-    retryable = False
+from shardckpt.stores.peer_client import PeerClient
 
 
 class PeerStore(Store):

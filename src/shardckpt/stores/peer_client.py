@@ -27,7 +27,7 @@ import urllib.parse
 import uuid
 from typing import Any, Callable, Iterator
 
-from shardckpt.errors import CorruptCheckpointError, RemoteError
+from shardckpt.errors import CorruptCheckpointError, PeerError
 from shardckpt.format import layout
 from shardckpt.format.replicas import owner_dirname, version_tag
 from shardckpt.stores.tls import fingerprint
@@ -43,16 +43,6 @@ LIVE_HEADER = "X-Shardckpt-Live-Lineage"
 number may replace a newer one on the holder (a rollback) or not (a replay)."""
 _STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ssl.SSLEOFError)
 """What a kept-open connection that the peer closed meanwhile (its idle limit) answers a new request with."""
-
-
-class PeerError(RemoteError):
-    """A peer request failed (refused, unreachable, or the bytes did not match). ``status`` is the
-    peer's HTTP answer when it answered (404: it holds no such file), else ``None``."""
-
-    def __init__(self, message: str, status: int | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.headers = dict(headers or {})
 
 
 class PeerClient:

@@ -29,17 +29,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from shardckpt.errors import ShardckptError
+from shardckpt.errors import PeerTLSError
 from shardckpt.format.node_state import private_dir
 
 KEY_NAME = "peer-key.pem"
 CERT_NAME = "peer-cert.pem"
 VALID_DAYS = 3650
-
-
-class PeerTLSError(ShardckptError, OSError):
-    """A key or certificate of the peer tier cannot be used (missing, unreadable, readable by others, or
-    not matching); the message names the file and the remedy."""
 
 
 @dataclasses.dataclass(frozen=True)
