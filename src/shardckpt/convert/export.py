@@ -35,32 +35,29 @@ file under the key ``"optimizer"``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-import pickle
 import shutil
-import struct
-import sys
 import tempfile
 import threading
-import uuid
-from typing import Any, Callable, Iterable, Iterator
-
-import torch
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from typing import Callable, Iterable
 
 from shardckpt import steps as steps_mod
 from shardckpt import stores
 from shardckpt._text import fmt_bytes
-from shardckpt.dcp import planner as dcp_planner
+from shardckpt.convert.export_plan import (
+    DEFAULT_BATCH_BYTES,
+    FORMATS,
+    ExportJob,
+    ExportResult,
+    ExportSource,
+    make_plan,
+)
+from shardckpt.convert.export_write import write_export
 from shardckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
-    ExportError,
     ExportIOError,
     ShardckptError,
 )
@@ -68,94 +65,8 @@ from shardckpt.format import layout, lineage
 from shardckpt.remote import commit as remote_commit
 from shardckpt.remote import index as remote_index
 from shardckpt.remote import listing as remote_listing
-from shardckpt.state import capture as state_mod
 
 log = logging.getLogger("shardckpt")
-
-FORMATS = ("safetensors", "torch")
-OPTIMIZER_PREFIX = "optimizer"
-"""Output names of optimizer tensors start with ``optimizer.``; its plain values sit under this key."""
-MODULE_VALUES_KEY = "module_values"
-"""safetensors header key of the module's non-tensor entries (JSON), when it has any."""
-DEFAULT_BATCH_BYTES = 64 << 20
-
-_SAFETENSORS_DTYPES = {
-    torch.bool: "BOOL",
-    torch.uint8: "U8",
-    torch.int8: "I8",
-    torch.int16: "I16",
-    torch.uint16: "U16",
-    torch.int32: "I32",
-    torch.uint32: "U32",
-    torch.int64: "I64",
-    torch.uint64: "U64",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float32: "F32",
-    torch.float64: "F64",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.complex64: "C64",
-}
-
-
-@dataclasses.dataclass
-class ExportResult:
-    """What :func:`export_step` wrote."""
-
-    step: int
-    path: str
-    format: str
-    tensors: int
-    """Tensors in the file (module and optimizer)."""
-    bytes: int
-    """Size of the written file."""
-    module_key: str
-    optimizer_key: str | None = None
-    """The state key of the exported optimizer (``optimizer=True``)."""
-    optimizer_keys: list[str] = dataclasses.field(default_factory=list)
-    """Names of the optimizer tensors in the file (``optimizer.state.<fqn>.<name>``)."""
-    source: str = ""
-    fetched_files: int | None = None
-    """Remote sources: files downloaded (manifest not counted); ``None`` for a local directory."""
-    fetched_bytes: int | None = None
-    step_files: int = 0
-    """Files of the whole step (manifest not counted), to compare with what was fetched or read."""
-    step_bytes: int = 0
-
-
-@dataclasses.dataclass
-class _Item:
-    name: str
-    """Name in the output file."""
-    fqn: str
-    """Name in the checkpoint (DCP's flattened key)."""
-    path: tuple
-    """Path below the state key (to rebuild nested plain values)."""
-    md: Any
-    """TensorStorageMetadata or BytesStorageMetadata."""
-
-    @property
-    def is_tensor(self) -> bool:
-        return isinstance(self.md, TensorStorageMetadata)
-
-    @property
-    def nbytes(self) -> int:
-        return self.md.size.numel() * self.md.properties.dtype.itemsize if self.is_tensor else 0
-
-
-@dataclasses.dataclass
-class _Plan:
-    module_key: str
-    optimizer_key: str | None
-    module: list[_Item]
-    optimizer: list[_Item]
-    files: list[str]
-
-    @property
-    def tensors(self) -> list[_Item]:
-        return [i for i in self.module + self.optimizer if i.is_tensor]
-
 
 # ---------------------------------------------------------------- entry point
 
@@ -199,7 +110,7 @@ def export_step(
     if os.path.isdir(out):
         raise ConfigError(f"cannot export to {out}: it is a directory. Remedy: name the file to write, e.g. {out}/model.{_suffix(fmt)}.")
     report = _locked(progress)
-    job = _Job(out=out, fmt=fmt, optimizer=optimizer, key=key, trust=trust_pickles, progress=report, batch_bytes=batch_bytes)
+    job = ExportJob(out=out, fmt=fmt, optimizer=optimizer, key=key, trust=trust_pickles, progress=report, batch_bytes=batch_bytes)
     try:
         if "://" not in src:
             return _export_local(src, step, job)
@@ -234,17 +145,6 @@ def _locked(progress: Callable[[int], None] | None) -> Callable[[int], None]:
     return report
 
 
-@dataclasses.dataclass
-class _Job:
-    out: str
-    fmt: str
-    optimizer: bool
-    key: str | None
-    trust: bool
-    progress: Callable[[int], None]
-    batch_bytes: int
-
-
 # ---------------------------------------------------------------- locating the step
 
 
@@ -270,7 +170,7 @@ def _choose_step(infos: dict[int, lineage.StepInfo], step: int | None, where: st
     return live[-1]
 
 
-def _export_local(src: str, step: int | None, job: _Job) -> ExportResult:
+def _export_local(src: str, step: int | None, job: ExportJob) -> ExportResult:
     if os.path.isfile(os.path.join(src, layout.MANIFEST_NAME)):  # one step directory
         step_dir = src
         manifest = layout.read_manifest(step_dir)
@@ -292,13 +192,13 @@ def _export_local(src: str, step: int | None, job: _Job) -> ExportResult:
                 f"cannot export step {manifest.step} from {src}: {exc} Or export another step with --step."
             ) from exc
 
-    result = _export_dir(step_dir, manifest, src, verify, job)
+    result = export_dir(step_dir, manifest, src, verify, job)
     result.source = src
     result.step_files, result.step_bytes = _step_size(manifest)
     return result
 
 
-def _export_remote(src: str, step: int | None, job: _Job, options: stores.TransferOptions) -> ExportResult:
+def _export_remote(src: str, step: int | None, job: ExportJob, options: stores.TransferOptions) -> ExportResult:
     store = stores.open_store(src, options)
     where = stores.safe_url(src)
     try:
@@ -324,7 +224,7 @@ def _export_remote(src: str, step: int | None, job: _Job, options: stores.Transf
                     view.fetch_into(tmp, names, report)
                 fetched.extend(names)
 
-            result = _export_dir(tmp, manifest, where, fetch, job)
+            result = export_dir(tmp, manifest, where, fetch, job)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     finally:
@@ -345,345 +245,11 @@ def _step_size(manifest: layout.Manifest) -> tuple[int, int]:
     return len(manifest.files), sum(e.size for e in manifest.files.values())
 
 
-# ---------------------------------------------------------------- planning
-
-
-class _Source:
-    """A step directory whose files are made present and verified on demand by ``obtain(names)``.
-
-    Locally ``obtain`` verifies files against the manifest; for a remote it
-    downloads them (each verified while downloading). Each file is obtained once.
-    """
-
-    def __init__(self, step_dir: str, manifest: layout.Manifest, where: str, obtain: Callable[[list[str]], None], trust: bool) -> None:
-        self.step_dir, self.manifest, self.where, self.trust = step_dir, manifest, where, trust
-        self.step = manifest.step
-        self._obtain = obtain
-        self._done: set[str] = set()
-        if layout.METADATA_NAME not in manifest.files:
-            raise CorruptCheckpointError(
-                f"step {self.step} in {where}: the manifest lists no {layout.METADATA_NAME}; the step cannot be read. "
-                f"Remedy: export another step with --step."
-            )
-        self.need([layout.METADATA_NAME])
-        self.metadata = dcp_planner.read_metadata(step_dir, self.step, trust_pickles=trust)
-
-    def need(self, names: Iterable[str]) -> None:
-        todo = sorted(set(names) - self._done)
-        if todo:
-            self._obtain(todo)
-            self._done.update(todo)
-
-    def files_of(self, items: Iterable[_Item]) -> list[str]:
-        """The shard files holding ``items`` (DCP's storage_data), each one the manifest lists."""
-        wanted = {i.fqn for i in items}
-        files = sorted({info.relative_path for idx, info in self.metadata.storage_data.items() if idx.fqn in wanted})
-        for name in files:
-            if name not in self.manifest.files:
-                raise CorruptCheckpointError(
-                    f"step {self.step} in {self.where}: {layout.METADATA_NAME} points at {name!r}, which the manifest "
-                    f"does not list; the step cannot be trusted. Remedy: export another step with --step."
-                )
-        return files
-
-    def read(self, items: list[_Item]) -> dict[str, Any]:
-        self.need(self.files_of(items))
-        return _read(self.step_dir, self.metadata, items, self.trust)
-
-
-def _export_dir(
-    step_dir: str, manifest: layout.Manifest, where: str, obtain: Callable[[list[str]], None], job: _Job
+def export_dir(
+    step_dir: str, manifest: layout.Manifest, where: str, obtain: Callable[[list[str]], None], job: ExportJob
 ) -> ExportResult:
     """Export from ``step_dir`` once ``obtain(names)`` made each named file present and verified."""
-    src = _Source(step_dir, manifest, where, obtain, job.trust)
-    plan = _plan(src, job)
+    src = ExportSource(step_dir, manifest, where, obtain, job.trust)
+    plan = make_plan(src, job)
     src.need(plan.files)  # all at once: a remote fetches them concurrently
-    return _write(src, plan, job)
-
-
-def _items_of(metadata: Metadata, key: str, prefix: str) -> list[_Item]:
-    """Every saved item under the top-level state key ``key``, in saved order."""
-    items = []
-    for fqn, md in metadata.state_dict_metadata.items():
-        path = tuple((metadata.planner_data or {}).get(fqn) or fqn.split("."))
-        if str(path[0]) != key:
-            continue
-        rest = path[1:] or (fqn[len(key) + 1:],)
-        name = ".".join(str(p) for p in rest)
-        items.append(_Item(f"{prefix}.{name}" if prefix else name, fqn, rest, md))
-    return items
-
-
-def _keys_line(manifest: layout.Manifest) -> str:
-    return ", ".join(f"{k} ({v})" for k, v in sorted(manifest.keys.items()) if k != state_mod.RESERVED_KEY) or "none"
-
-
-def _module_key(manifest: layout.Manifest, key: str | None, where: str) -> str:
-    modules = sorted(k for k, kind in manifest.keys.items() if kind == state_mod.MODULE)
-    saved = _keys_line(manifest)
-    if key is not None:
-        kind = manifest.keys.get(key)
-        if kind in (state_mod.MODULE, state_mod.STOCK):  # stock: an adopted DCP checkpoint, kind unknown
-            return key
-        what = f"is a saved {kind}, not a module" if kind else "is not a saved state key"
-        raise ExportError(
-            f"step {manifest.step} in {where}: --key {key!r} {what}; saved keys: {saved}. "
-            f"Remedy: name a module key with --key."
-        )
-    return _the_one(
-        modules,
-        several=f"step {manifest.step} in {where} holds several modules ({', '.join(modules)}); which one to export "
-        f"is ambiguous. Remedy: choose one with --key (key=...).",
-        none=f"step {manifest.step} in {where} holds no module (saved keys: {saved}); there is no model to export. "
-        f"Remedy: export a step saved with an nn.Module in its state, or for a key of an adopted checkpoint "
-        f"name it with --key.",
-    )
-
-
-def _the_one(found: list[str], *, several: str, none: str) -> str:
-    """The only element of ``found``; an :class:`ExportError` saying ``several`` or ``none`` otherwise."""
-    if len(found) == 1:
-        return found[0]
-    raise ExportError(several if found else none)
-
-
-def _optimizer_params(src: _Source, key: str) -> set[str]:
-    """The parameter names an optimizer's saved state refers to: its ``state.<fqn>`` entries and param groups."""
-    items = _items_of(src.metadata, key, "")
-    names = {str(i.path[1]) for i in items if len(i.path) > 2 and i.path[0] == "state"}
-    groups = [i for i in items if i.path[0] == "param_groups" and i.path[-1] == "params" and not i.is_tensor]
-    for value in src.read(groups).values() if groups else ():
-        names.update(str(p) for p in value)
-    return names
-
-
-def _optimizer_key(src: _Source, module_key: str, module_names: set[str]) -> str:
-    """The optimizer saved for the module: the one whose parameters are all the module's."""
-    manifest = src.manifest
-    optimizers = sorted(k for k, kind in manifest.keys.items() if kind == state_mod.OPTIMIZER)
-    fits = [k for k in optimizers if (params := _optimizer_params(src, k)) and params <= module_names]
-    found = f"its optimizers ({', '.join(optimizers)}) are for other parameters" if optimizers else "it holds no optimizer"
-    return _the_one(
-        fits,
-        several=f"step {src.step} in {src.where}: several optimizers ({', '.join(fits)}) hold state for module "
-        f"{module_key!r}; which one to export is ambiguous. Remedy: export without --optimizer.",
-        none=f"step {src.step} in {src.where}: no optimizer state for module {module_key!r} to export ({found}; "
-        f"saved keys: {_keys_line(manifest)}). Remedy: export without --optimizer.",
-    )
-
-
-def _plan(src: _Source, job: _Job) -> _Plan:
-    step, where = src.step, src.where
-    module_key = _module_key(src.manifest, job.key, where)
-    module = _items_of(src.metadata, module_key, "")
-    if not module:
-        raise ExportError(
-            f"step {step} in {where}: the module {module_key!r} has no saved entries. Remedy: choose another "
-            f"key with --key; saved keys: {_keys_line(src.manifest)}."
-        )
-    optimizer_key = None
-    opt_items: list[_Item] = []
-    if job.optimizer:
-        optimizer_key = _optimizer_key(src, module_key, {i.name for i in module})
-        opt_items = _items_of(src.metadata, optimizer_key, OPTIMIZER_PREFIX)
-        clash = sorted(i.name for i in module if i.name == OPTIMIZER_PREFIX or i.name.startswith(OPTIMIZER_PREFIX + "."))
-        if clash:
-            raise ExportError(
-                f"step {step} in {where}: the module has entries named {clash[0]!r}, which would collide with the "
-                f"optimizer's names in the file. Remedy: export without --optimizer."
-            )
-    for item in module + opt_items:
-        if item.is_tensor and job.fmt == "safetensors" and item.md.properties.dtype not in _SAFETENSORS_DTYPES:
-            raise ExportError(
-                f"step {step} in {where}: {item.fqn} is {item.md.properties.dtype}, which safetensors cannot hold. "
-                f"Remedy: export with --format torch."
-            )
-    return _Plan(module_key, optimizer_key, module, opt_items, src.files_of(module + opt_items))
-
-
-# ---------------------------------------------------------------- reading and writing
-
-
-def _read(step_dir: str, metadata: Metadata, items: list[_Item], trust: bool) -> dict[str, Any]:
-    """``{saved fqn: value}`` of ``items``, each whole, through DCP's loader (one process, no collectives)."""
-    target: dict[str, Any] = {}
-    for item in items:
-        md = item.md
-        target[item.fqn] = torch.empty(md.size, dtype=md.properties.dtype) if item.is_tensor else md
-    planner = dcp_planner.RestorePlanner(lambda _path: False, allow_partial_load=False, trust_pickles=trust)
-    try:
-        _load_state_dict(target, storage_reader=dcp_planner.TrustingReader(step_dir, metadata), planner=planner, no_dist=True)
-    except CheckpointException as exc:
-        raise dcp_planner.unwrap_failure(exc, f"reading {step_dir}") from exc
-    return target
-
-
-def _batches(items: Iterable[_Item], limit: int) -> Iterator[list[_Item]]:
-    """Consecutive runs of ``items`` holding at most ``limit`` bytes (a larger item alone)."""
-    batch: list[_Item] = []
-    size = 0
-    for item in items:
-        if batch and size + item.nbytes > limit:
-            yield batch
-            batch, size = [], 0
-        batch.append(item)
-        size += item.nbytes
-    if batch:
-        yield batch
-
-
-def _plain_values(items: list[_Item], values: dict[str, Any]) -> dict[str, Any]:
-    """Non-tensor items as one nested structure (their saved paths), e.g. ``{"param_groups": [{...}]}``."""
-    out: dict[str, Any] = {}
-    for item in items:
-        dcp_planner.set_element(out, item.path, values[item.fqn])
-    return out
-
-
-def _json(value: Any) -> str:
-    def default(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return obj.tolist()
-        if isinstance(obj, (set, frozenset)):
-            return sorted(obj, key=repr)
-        return str(obj)
-
-    return json.dumps(value, default=default)
-
-
-def _write(src: _Source, plan: _Plan, job: _Job) -> ExportResult:
-    objects = [i for i in plan.module + plan.optimizer if not i.is_tensor]
-    values = src.read(objects) if objects else {}
-    module_values = {i.name: values[i.fqn] for i in plan.module if not i.is_tensor}
-    optimizer_values = _plain_values([i for i in plan.optimizer if not i.is_tensor], values)
-
-    def read(batch: list[_Item]) -> dict[str, Any]:
-        got = src.read(batch)
-        job.progress(sum(i.nbytes for i in batch))
-        return got
-
-    tmp = f"{job.out}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        with open(tmp, "wb") as f:
-            if job.fmt == "safetensors":
-                header = {"format": "pt", "shardckpt.step": str(src.step), "shardckpt.module_key": plan.module_key}
-                if module_values:
-                    header[MODULE_VALUES_KEY] = _json(module_values)
-                if plan.optimizer_key is not None:
-                    header[OPTIMIZER_PREFIX] = _json(optimizer_values)
-                _write_safetensors(f, plan.tensors, header, read, job.batch_bytes)
-            else:
-                _write_torch(f, plan, module_values, optimizer_values, read, job.batch_bytes)
-            f.flush()
-            os.fsync(f.fileno())
-        _check_written(tmp, job.fmt, plan, src.step)
-        os.replace(tmp, job.out)
-        layout.fsync_dir(os.path.dirname(job.out))
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return ExportResult(
-        step=src.step,
-        path=job.out,
-        format=job.fmt,
-        tensors=len(plan.tensors),
-        bytes=os.path.getsize(job.out),
-        module_key=plan.module_key,
-        optimizer_key=plan.optimizer_key,
-        optimizer_keys=[i.name for i in plan.optimizer if i.is_tensor],
-    )
-
-
-def _safetensors_order(items: list[_Item]) -> list[_Item]:
-    """Wider dtypes first, then by name: every tensor starts aligned to its element size (as safetensors does)."""
-    return sorted(items, key=lambda i: (-i.md.properties.dtype.itemsize, i.name))
-
-
-def _write_safetensors(
-    f: Any, tensors: list[_Item], metadata: dict[str, str], read: Callable[[list[_Item]], dict[str, Any]], batch_bytes: int
-) -> None:
-    """8-byte little-endian header length, the JSON header (padded to 8 bytes), then each tensor's bytes in order.
-
-    The header needs only names, dtypes and shapes, known from the metadata;
-    tensors are then read in batches of at most ``batch_bytes`` and written
-    one by one, each dropped once written.
-    """
-    if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian, as torch is on x86 / ARM
-        raise ExportError("safetensors export needs a little-endian machine. Remedy: export with --format torch.")
-    order = _safetensors_order(tensors)
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for item in order:
-        md = item.md
-        header[item.name] = {
-            "dtype": _SAFETENSORS_DTYPES[md.properties.dtype],
-            "shape": list(md.size),
-            "data_offsets": [offset, offset + item.nbytes],
-        }
-        offset += item.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)
-    f.write(struct.pack("<Q", len(raw)))
-    f.write(raw)
-    for batch in _batches(order, batch_bytes):
-        values = read(batch)
-        for item in batch:
-            tensor = values.pop(item.fqn).contiguous()
-            data = tensor.reshape(-1).view(torch.uint8).numpy()
-            if data.nbytes != item.nbytes:
-                raise CorruptCheckpointError(f"{item.fqn} read back as {data.nbytes} bytes, expected {item.nbytes}")
-            f.write(memoryview(data))
-            del tensor, data
-
-
-def _write_torch(
-    f: Any,
-    plan: _Plan,
-    module_values: dict[str, Any],
-    optimizer_values: dict[str, Any],
-    read: Callable[[list[_Item]], dict[str, Any]],
-    batch_bytes: int,
-) -> None:
-    """One dict, in saved order (the module's own ``state_dict()`` order), ``torch.save``d once."""
-    out: dict[str, Any] = {}
-    tensors = plan.tensors
-    for batch in _batches(tensors, batch_bytes):
-        values = read(batch)
-        for item in batch:
-            out[item.name] = values.pop(item.fqn)
-    ordered = {i.name: out[i.name] if i.is_tensor else module_values[i.name] for i in plan.module}
-    ordered.update((i.name, out[i.name]) for i in plan.optimizer if i.is_tensor)
-    if plan.optimizer_key is not None:
-        ordered[OPTIMIZER_PREFIX] = optimizer_values
-    out.clear()
-    torch.save(ordered, f)
-
-
-def _check_written(path: str, fmt: str, plan: _Plan, step: int) -> None:
-    """The file opens with its format's own reader and lists every tensor with its shape and dtype."""
-    expected = {i.name: (list(i.md.size), i.md.properties.dtype) for i in plan.tensors}
-    if fmt == "safetensors":
-        from safetensors import safe_open
-
-        with safe_open(path, framework="pt") as f:
-            got = {}
-            for name in f.keys():
-                view = f.get_slice(name)
-                got[name] = (list(view.get_shape()), view.get_dtype())
-        expected = {n: (shape, _SAFETENSORS_DTYPES[dt]) for n, (shape, dt) in expected.items()}
-    else:
-        try:
-            loaded = torch.load(path, weights_only=True, mmap=True)
-        except pickle.UnpicklingError as exc:
-            raise ExportError(
-                f"the export of step {step} holds objects that torch.load(weights_only=True) refuses ({exc}); "
-                f"they came in through trust_pickles. Remedy: export without --optimizer or with --format safetensors."
-            ) from exc
-        got = {n: (list(v.shape), v.dtype) for n, v in loaded.items() if isinstance(v, torch.Tensor)}
-        del loaded
-    wrong = sorted(n for n in set(got) | set(expected) if got.get(n) != expected.get(n))
-    if wrong:
-        raise ExportError(
-            f"the export of step {step} did not read back as written ({len(wrong)} tensor(s) differ in name, "
-            f"shape or dtype, e.g. {wrong[0]!r}); the output was not replaced. Remedy: report this as a bug."
-        )
+    return write_export(src, plan, job)

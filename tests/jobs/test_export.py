@@ -18,14 +18,14 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import shardckpt  # noqa: E402
 from programs.common import TinyNet  # noqa: E402  (benchmarks/ has a module named common too)
 from helpers import PROGRAMS, run_torchrun  # noqa: E402
 from s3server import BUCKET  # noqa: E402
 from shardckpt import cli
-from shardckpt.convert import export
+from shardckpt.convert import export, export_plan
 from shardckpt.format import layout
 from shardckpt.dcp import planner as local
 from shardckpt import stores
@@ -34,6 +34,8 @@ from shardckpt.errors import (  # noqa: E402
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
+    ExportError,
+    ExportIOError,
     ShardckptError,
 )
 
@@ -161,13 +163,13 @@ def test_safetensors_are_read_and_written_one_bounded_batch_at_a_time(tmp_path, 
     net = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 32))
     save_steps(tmp_path / "ckpt", {1: {"model": net}})
     reads: list[int] = []
-    real_read = export._read
+    real_read = export_plan.read_items
 
     def spy(step_dir, metadata, items, trust):
         reads.append(sum(i.nbytes for i in items))
         return real_read(step_dir, metadata, items, trust)
 
-    monkeypatch.setattr(export, "_read", spy)
+    monkeypatch.setattr(export_plan, "read_items", spy)
     limit = 20 * 1024  # one 64x64 fp32 weight is 16 KiB
     result = export.export_step(str(tmp_path / "ckpt"), str(tmp_path / "m.safetensors"), batch_bytes=limit)
     assert len(reads) >= 3 and max(reads) <= limit, reads
@@ -283,10 +285,10 @@ def test_errors_name_the_step_the_path_and_the_remedy(tmp_path, monkeypatch):
     out = str(tmp_path / "m.safetensors")
     src = str(local_dir)
     cases = [
-        (dict(step=1), export.ExportError, r"step 1 in .*ckpt holds no module \(saved keys: w \(value\)\).*Remedy"),
-        (dict(step=2), export.ExportError, r"step 2 in .*ckpt holds several modules \(a, b\).*--key"),
-        (dict(step=2, key="opt"), export.ExportError, r"--key 'opt' is a saved optimizer, not a module.*Remedy"),
-        (dict(step=2, key="b", optimizer=True), export.ExportError, r"no optimizer state for module 'b'"),
+        (dict(step=1), ExportError, r"step 1 in .*ckpt holds no module \(saved keys: w \(value\)\).*Remedy"),
+        (dict(step=2), ExportError, r"step 2 in .*ckpt holds several modules \(a, b\).*--key"),
+        (dict(step=2, key="opt"), ExportError, r"--key 'opt' is a saved optimizer, not a module.*Remedy"),
+        (dict(step=2, key="b", optimizer=True), ExportError, r"no optimizer state for module 'b'"),
         (dict(step=3), CheckpointNotFoundError, r"step 3 is not committed in .*ckpt; committed: \[1, 2\].*Remedy"),
         (dict(fmt="onnx"), ConfigError, r"unknown export format 'onnx'.*safetensors, torch"),
     ]
@@ -304,7 +306,7 @@ def test_errors_name_the_step_the_path_and_the_remedy(tmp_path, monkeypatch):
     full_dir.mkdir()
     with monkeypatch.context() as patch:
         patch.setattr(os, "fsync", disk_full)
-        with pytest.raises(export.ExportIOError, match=r"export of step 2 of .*ckpt to .*full/m.pt failed.*No space.*Remedy"):
+        with pytest.raises(ExportIOError, match=r"export of step 2 of .*ckpt to .*full/m.pt failed.*No space.*Remedy"):
             export.export_step(src, str(full_dir / "m.pt"), step=2, key="a")
     assert os.listdir(full_dir) == []  # no partial output left behind
 
