@@ -7,7 +7,7 @@ class with the messages the package raises it with are read from the
 package. Each part sits in its page between ``<!-- gen:NAME -->`` and
 ``<!-- end:gen -->``, committed, so that the pages read the same on GitHub as
 on the site; ``docs/hooks.py`` fails the site's build while a part differs
-from what this module renders now, and ``tests/test_docs.py`` builds the site
+from what this module renders now, and ``tests/jobs/test_docs.py`` builds the site
 and checks that nothing the code has is missing from it.
 
     python docs/gen_reference.py --write    refresh every stale part in docs/
@@ -36,7 +36,7 @@ PACKAGE_DIR = Path(inspect.getfile(shardckpt)).resolve().parent
 
 # Variables the package reads that are not ``SHARDCKPT_<FIELD>`` of a config
 # field. A variable found in the code and absent here fails the build (and
-# tests/test_docs.py), so that a new variable cannot go undocumented.
+# tests/jobs/test_docs.py), so that a new variable cannot go undocumented.
 OTHER_VARIABLES: dict[str, str] = {
     "SHARDCKPT_LOG_LEVEL": (
         "Level of the `shardckpt` logger (`DEBUG`, `INFO`, `WARNING`, ...) in trainers, the CLI and the "
@@ -527,7 +527,23 @@ def render_api() -> str:
 
 BLOCK = re.compile(r"(<!-- gen:([a-z-]+)(?::([A-Za-z_]+))? -->\n)(.*?)(<!-- end:gen -->)", re.S)
 
+def render_restore_order() -> str:
+    """The restore's order of sources, as ``restoring/sources.py`` states it (the one place it is written)."""
+    doc = (PACKAGE_DIR / "restoring" / "sources.py").read_text()
+    doc = ast.get_docstring(ast.parse(doc)) or ""
+    start = doc.index("\n0. ")
+    end = doc.index("\n\n", doc.index("\n5. "))
+    items = re.split(r"\n(?=\d\. )", doc[start:end].strip())
+    lines = []
+    for item in items:
+        text = " ".join(line.strip() for line in item.splitlines())
+        lines.append(_rst_to_md(text))
+    return ("The order, as `restoring/sources.py` states it (generated from its docstring):\n\n"
+            + "\n".join(lines) + "\n")
+
+
 RENDERERS = {
+    "restore-order": render_restore_order,
     "config": render_config,
     "env": render_env,
     "cli": render_cli,

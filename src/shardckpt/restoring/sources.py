@@ -28,11 +28,11 @@ first source that holds it, in this order:
 3. **other nodes of the job over the process group** (no remote holds the
    save): each file a copy still lacks is sent by the committer of a copy that
    has it, checked on arrival (:mod:`.exchange`);
-4. **the remote** (the save committed there, any store, ``tiers/steps.py``):
+4. **the remote** (the save committed there, any store, ``steps/view.py``):
    a copy still holding nothing of the step becomes a sparse copy given,
    during the read, only the byte ranges its ranks read (need-only,
    chunk-verified, read once per job and shared between nodes:
-   ``tiers/ranged.py``); a copy holding part of it, or a step without chunk
+   ``remote/ranged.py``); a copy holding part of it, or a step without chunk
    checksums, takes the whole files it lacks through the remote's step view,
    each verified while it downloads;
 5. **refetch after a bad read**: a file that fails its size check before the
@@ -73,6 +73,7 @@ from shardckpt.errors import CorruptCheckpointError, RemoteError
 from shardckpt.format import layout
 from shardckpt.options import CheckpointConfig
 from shardckpt.restoring import exchange
+from shardckpt.restoring.failure import Failure, raise_first
 from shardckpt.restoring.survey import Survey, raise_not_found
 from shardckpt.restoring.views import CopyFill, Peers, Provider, ReplicasHere, View
 from shardckpt.remote import ranged, commit as remote_commit
@@ -84,20 +85,6 @@ log = logging.getLogger("shardckpt")
 OTHER_NODES = "other nodes"
 """The process group's kind in :attr:`Sources.report`."""
 REMOTE = "remote"
-
-
-def _raise_first(errors: list[tuple[str, str] | None], more: str = "") -> None:
-    """Raise the first gathered ``(kind, message)`` error, a corrupt file before a network failure.
-
-    ``more`` (with ``{}`` for the count of the other errors) is appended when there are several.
-    """
-    found = [e for e in errors if e is not None]
-    if not found:
-        return
-    kind, message = next((e for e in found if e[0] == "corrupt"), found[0])
-    if more and len(found) > 1:
-        message += more.format(len(found) - 1)
-    raise (CorruptCheckpointError if kind == "corrupt" else RemoteError)(message)
 
 
 class Sources:
@@ -118,8 +105,8 @@ class Sources:
         """Source 0: the memory tier (``tiers/memory.py``), set by the Checkpointer."""
         self.sparse: dict[int, ranged.SparseStep] = {}
         """Steps this rank reads from a sparse copy (need-only fetch from the remote, ``ranged.py``)."""
-        self.surveyed: dict[int, layout.Manifest] = {}
-        """Remote manifests read by this rank's survey (rank 0): the chosen step's is not read again."""
+        self._surveyed: dict[int, layout.Manifest] = {}
+        """Remote manifests read by the survey of the step being completed (rank 0's): not read again."""
         self._report: dict[str, dict[str, int]] = {}
         self._read_sparse: ranged.SparseStep | None = None
 
@@ -156,6 +143,10 @@ class Sources:
                     held.extend(n for n in names if n not in held)
         return out
 
+    def memory_report(self) -> Any:
+        """What this machine's shared memory holds for the survey (``None`` while the memory tier is off)."""
+        return self.memory.report() if self.memory is not None else None
+
     def peers_on(self) -> bool:
         """Whether every copy can read the other nodes' daemons (the peer tier is on: the same on every rank)."""
         return bool(self.peer is not None and self.peer.on)
@@ -172,7 +163,7 @@ class Sources:
         need-only restore).
         """
         self.sparse.pop(step, None)
-        self._report, self._read_sparse = {}, None
+        self._report, self._read_sparse, self._surveyed = {}, None, survey.remote_manifests
         if step in survey.memory:  # source 0: the copies in this machine's shared memory
             return self.memory.complete(step, survey.memory[step], self._groups)
         received: set[str] = set()
@@ -219,7 +210,7 @@ class Sources:
         on_remote = step in survey.remote_steps
         copy: CopyFill | None = None
         stale = step in survey.stale[_dist.rank()]
-        state: tuple[bool, list[str] | None, tuple[str, str] | None, bool] = (False, None, None, stale)
+        state: tuple[bool, list[str] | None, Failure | None, bool] = (False, None, None, stale)
         try:
             if topo.committer:
                 try:
@@ -227,12 +218,10 @@ class Sources:
                     if copy.lacking() != []:
                         copy.fill([v for provider in self.providers for v in provider.views(step, version)])
                     state = (copy.manifest is not None, copy.lacking(), None, stale)
-                except CorruptCheckpointError as exc:
-                    state = (False, None, ("corrupt", str(exc)), stale)
-                except (RemoteError, OSError) as exc:
-                    state = (False, None, ("remote", stores.redact(str(exc))), stale)
+                except OSError as exc:  # damage (CorruptCheckpointError) or a store failing
+                    state = (False, None, Failure.of(exc), stale)
             gathered = self._groups.all_gather_ctl(state)
-            _raise_first([g[2] for g in gathered], more=" ({} more node(s) failed too)")
+            raise_first([g[2] for g in gathered], more=" ({} more node(s) failed too)")
             remote_manifest = None
             if on_remote:
                 if self._open_need_only(step, version, gathered):
@@ -241,16 +230,16 @@ class Sources:
                 received = self._exchange(step, copy, gathered)
                 if copy is not None:
                     copy.received |= received
-            error: tuple[str, str] | None = None
+            error: Failure | None = None
             if copy is not None and step not in self.sparse:
                 try:
                     copy.commit(remote_manifest)
                     copy.count_own()
                 except (CorruptCheckpointError, OSError) as exc:
-                    error = ("corrupt", str(exc))
+                    error = Failure.damage(exc)
             done = self._groups.all_gather_ctl((error, sorted(copy.received) if copy else [],
                                                 copy.report if copy else {}))
-            _raise_first([d[0] for d in done], more=" ({} more node(s) failed too)")
+            raise_first([d[0] for d in done], more=" ({} more node(s) failed too)")
             mine = done[topo.copy[0]]
             self._report = mine[2]
             if topo.committer and self._report:
@@ -267,7 +256,7 @@ class Sources:
     def _fetch_rest(self, step: int, copy: CopyFill | None) -> layout.Manifest | None:
         """Each copy's committer takes what its copy still lacks from the remote (whole files through its
         step view, each verified while it downloads); all ranks agree. Returns the remote manifest."""
-        error: tuple[str, str] | None = None
+        error: Failure | None = None
         manifest = None
         if copy is not None and step not in self.sparse:
             try:
@@ -287,11 +276,9 @@ class Sources:
                     if got.get("files"):
                         log.info("shardckpt: fetched %d file(s) of step %d from %s: %s in %.2f s", got["files"],
                                  step, where, fmt_bytes(got["bytes"]), time.monotonic() - t0)
-            except CorruptCheckpointError as exc:
-                error = ("corrupt", str(exc))
-            except (RemoteError, OSError) as exc:
-                error = ("remote", stores.redact(str(exc)))
-        _raise_first(self._groups.all_gather_ctl(error), more=" ({} more node(s) failed too)")
+            except OSError as exc:  # damage (CorruptCheckpointError) or a store failing
+                error = Failure.of(exc)
+        raise_first(self._groups.all_gather_ctl(error), more=" ({} more node(s) failed too)")
         return manifest
 
     def check_share(self, step_dir: str, manifest: layout.Manifest, skip: set[str]) -> tuple[str | None, list[str]]:
@@ -353,7 +340,7 @@ class Sources:
 
     def _remote_manifest(self, step: int, deadline: stores.Deadline) -> layout.Manifest | None:
         """The remote manifest of ``step``: the survey's when it read it (one read per node per restore)."""
-        surveyed = self.surveyed.get(step)
+        surveyed = self._surveyed.get(step)
         return surveyed if surveyed is not None else remote_commit.remote_manifest(self.store(), step, deadline)
 
     def _open_need_only(self, step: int, version: str, gathered: list[Any]) -> bool:
@@ -367,7 +354,7 @@ class Sources:
         """
         topo = self.topology
         empty = not gathered[topo.copy[0]][0] and not gathered[topo.copy[0]][3]
-        result: tuple[str | None, tuple[str, str] | None, bool] = (None, None, False)
+        result: tuple[str | None, Failure | None, bool] = (None, None, False)
         sparse = None
         if empty and topo.committer:
             try:
@@ -378,12 +365,10 @@ class Sources:
                     lambda: self._remote_manifest(step, source.deadline), source, metadata=False,
                 )
                 result = (None if sparse is None else sparse.dir, None, sparse is not None and sparse.has_metadata())
-            except CorruptCheckpointError as exc:
-                result = (None, ("corrupt", str(exc)), False)
-            except (RemoteError, OSError) as exc:
-                result = (None, ("remote", stores.redact(str(exc))), False)
+            except OSError as exc:  # damage (CorruptCheckpointError) or a store failing
+                result = (None, Failure.of(exc), False)
         answers = self._groups.all_gather_ctl(result)
-        _raise_first([e for _d, e, _m in answers])
+        raise_first([e for _d, e, _m in answers])
         self._share_metadata(step, sparse, [(r, g[2]) for r, g in enumerate(answers)
                                             if g[0] is not None and topo.copy_of(r)[0] == r])
         mine = answers[topo.copy[0]][0]
@@ -404,20 +389,18 @@ class Sources:
         if len(order) == len(holders):
             return  # every copy holds it (every rank computes the same)
         me = _dist.rank()
-        error: tuple[str, str] | None = None
+        error: Failure | None = None
         if me in order and sparse is not None:
             path = os.path.join(sparse.dir, layout.METADATA_NAME)
             size = sparse.manifest.files[layout.METADATA_NAME].size
             source = steps_mod.StepView.of_step(self.store(), step)
 
-            def fetch() -> tuple[str, str] | None:
+            def fetch() -> Failure | None:
                 try:
                     sparse._ensure_metadata(source)
                     return None
-                except CorruptCheckpointError as exc:
-                    return ("corrupt", str(exc))
-                except (RemoteError, OSError) as exc:
-                    return ("remote", stores.redact(str(exc)))
+                except OSError as exc:  # damage (CorruptCheckpointError) or a store failing
+                    return Failure.of(exc)
 
             if not holders and me == order[0]:
                 error = fetch()  # on failure it sends what it has: the receivers' check refuses it
@@ -435,7 +418,7 @@ class Sources:
                             log.warning("shardckpt: step %d: %s; fetching it from the remote instead", step, exc)
                             error = fetch()
                 have *= 2
-        _raise_first(self._groups.all_gather_ctl(error))
+        raise_first(self._groups.all_gather_ctl(error))
 
     def _exchange(self, step: int, copy: CopyFill | None, gathered: list[Any]) -> set[str]:
         """Node-local copies without the save on a remote: each copy receives the files it still lacks

@@ -3,7 +3,7 @@
 One exchange over the ``ctl`` side group: every rank reads the manifests of
 its directory, each copy's committer lists what its step views hold on this
 node (the replicas held here: :meth:`Sources.offers`), rank 0 lists the
-remote (the index, ``tiers/remote_index.py``); every rank then computes alike
+remote (the index, ``remote/index.py``); every rank then computes alike
 which steps are live (``lineage.py``: steps of a branch abandoned by a
 rollback are not resumed by default) and which of them every rank can load:
 held complete in the shared memory of the ranks' machines
@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any
+from typing import Any, Protocol
 
 from shardckpt import _dist
 from shardckpt import stores
@@ -59,12 +59,33 @@ class Survey:
     """Steps every rank can restore from the copies in its machine's shared memory (``tiers/memory.py``)."""
     elsewhere: set[int] = dataclasses.field(default_factory=set)
     """Candidates every rank can load without the memory copies (from disk, the other nodes, the remote)."""
+    remote_manifests: dict[int, layout.Manifest] = dataclasses.field(default_factory=dict)
+    """Remote manifests read by this rank's listing (rank 0's only): the chosen step's is not read again."""
+
+
+class SurveySources(Protocol):
+    """What the survey asks of the restore's sources (:class:`~shardckpt.restoring.sources.Sources`):
+    it reads them and never writes into them."""
+
+    @property
+    def topology(self) -> Topology: ...
+
+    def store(self) -> stores.Store: ...
+
+    def offers(self) -> dict[int, dict[str, list[str]]]: ...
+
+    def peers_on(self) -> bool: ...
+
+    def memory_report(self) -> Any: ...
+
+    def check_share(self, step_dir: str, manifest: layout.Manifest, skip: set[str]) -> tuple[str | None, list[str]]:
+        ...
 
 
 class Surveyor:
     """Runs the survey for a :class:`~shardckpt.restoring.restorer.Restorer` (collective over ``ctl``)."""
 
-    def __init__(self, config: CheckpointConfig, root: str, groups: _dist.SideGroups, sources: Any) -> None:
+    def __init__(self, config: CheckpointConfig, root: str, groups: _dist.SideGroups, sources: SurveySources) -> None:
         self.config = config
         self.root = root
         self._groups = groups
@@ -89,12 +110,12 @@ class Surveyor:
         absent there (kept aside and replaced when the step is fetched).
         """
         infos, missing, present, unreadable = _scan(self.root)
-        self.sources.surveyed.clear()
+        read: dict[int, layout.Manifest] = {}
         remote_report: tuple[dict[int, Any], dict[int, str], str | None] | None = None
         if self.config.remote is not None and _dist.rank() == 0:
             try:
                 listed, bad = remote_listing.remote_infos(self.sources.store(), stores.Deadline(self.config.step_deadline_s),
-                                                         read=self.sources.surveyed)
+                                                         read=read)
                 remote_report = (listed, bad, None)
             except RemoteError as exc:
                 remote_report = ({}, {}, stores.redact(str(exc)))
@@ -108,7 +129,7 @@ class Surveyor:
             "remote": remote_report,
             "early": early,
             "partials": _partial_saves(self.root),
-            "memory": self.sources.memory.report() if self.sources.memory is not None else None,
+            "memory": self.sources.memory_report(),
         }
         gathered = self._groups.all_gather_ctl(payload)
 
@@ -195,7 +216,8 @@ class Surveyor:
         if candidates and all(r is not None and r[0] == candidates[0] for r in reports):
             verified[candidates[0]] = [r[1] for r in reports if r[1]]
         return Survey(merged, live, abandoned, candidates, remote_steps, per_rank_missing, verified, stale,
-                      remote_unreadable, conflicts, memory, {s for s in candidates if s in merged and elsewhere(s)})
+                      remote_unreadable, conflicts, memory, {s for s in candidates if s in merged and elsewhere(s)},
+                      read)
 
     def _unassembled(self, step: int, gathered: list[dict[str, Any]], stale: list[set[int]], older: int) -> bool:
         """The newest live step cannot be assembled from what this job has: raise on every rank.
