@@ -4,7 +4,7 @@
 
 Prints one JSON line: RSS after the first save and at the end (growth in
 percent), open file descriptors, threads and child processes before/after.
-The test suite runs a smaller version (tests/test_reliability.py).
+The test suite runs a smaller version (tests/jobs/test_reliability.py).
 """
 
 from __future__ import annotations

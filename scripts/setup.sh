@@ -16,13 +16,13 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch first and pinned: letting pip choose pulls a multi-GB CUDA build.
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-# test: the suite's servers and tools; docs: MkDocs, which tests/test_docs.py runs; hf and lightning:
-# the frameworks of tests/test_hf.py and tests/test_lightning.py (torch stays pinned by the constraints)
+# test: the suite's servers and tools; docs: MkDocs, which tests/jobs/test_docs.py runs; hf and lightning:
+# the frameworks of tests/jobs/test_hf.py and tests/jobs/test_lightning.py (torch stays pinned by the constraints)
 "$VENV/bin/python" -m pip install -q -c deploy/constraints.txt -e ".[test,docs,hf,lightning]"
 # torchtitan goes in without pip's resolver (below): out of the way of the check, reinstalled after it.
 "$VENV/bin/python" -m pip uninstall -q -y torchtitan >/dev/null 2>&1 || true
 "$VENV/bin/python" -m pip check
-# The "torchtitan" extra, for tests/test_torchtitan.py.
+# The "torchtitan" extra, for tests/jobs/test_torchtitan.py.
 # torchtitan 0.3.0 declares datasets<4.8, which needs fsspec<=2026.2 while s3fs 2026.9 needs fsspec 2026.9:
 # pip would fall back to torchtitan 0.2 (no BaseCheckpointManager). Installed without its dependencies, with
 # what its checkpointer, optimizer and dataloader components import (18 MB in all; its full dependency set

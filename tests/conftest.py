@@ -40,8 +40,16 @@ SLOW_FIRST = (
 )
 
 
+JOBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs")
+"""Tests that launch processes or start servers live here; tests/unit/ holds the fast ones (no process)."""
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n``): the slow files first, the tests of each in their own order."""
+    """The marker by folder: every test under tests/jobs/ is ``slow`` (``-m "not slow"`` runs tests/unit/
+    alone). Under pytest-xdist (``-n``): the slow files first, the tests of each in their own order."""
+    for item in items:
+        if str(item.path).startswith(JOBS + os.sep):
+            item.add_marker(pytest.mark.slow)
     if not getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
         return
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}

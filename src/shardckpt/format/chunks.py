@@ -1,7 +1,7 @@
 """Chunk arithmetic of a step's files: which chunks cover byte ranges, requests, read-once plans.
 
 Pure functions over the manifest's chunk tables (:data:`layout.CHUNK_BYTES`);
-used by the need-only restore (``tiers/ranged.py``) and by the checked reader's
+used by the need-only restore (``remote/ranged.py``) and by the checked reader's
 coordinator (``dcp/reader.py``).
 """
 

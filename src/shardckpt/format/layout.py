@@ -254,7 +254,7 @@ class Manifest:
     :func:`version_of`. Empty in manifests from before it was recorded."""
     stored: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     """Remote manifests only: the files stored compressed, ``{name: stored form}`` (see
-    :mod:`shardckpt.format.codec` and ``tiers/compressed.py``). Not part of the step's identity
+    :mod:`shardckpt.format.codec` and ``remote/compressed.py``). Not part of the step's identity
     (:func:`files_digest`): the files' logical bytes are. Empty for local copies and for files
     stored as they are."""
     format: str = MANIFEST_FORMAT

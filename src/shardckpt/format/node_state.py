@@ -9,7 +9,7 @@ job's nodes and their certificates, written by the trainer),
 ``peer.json`` (the peer daemon's address and what it replicated),
 ``peer.lock`` and ``peer.log``; and one file per live trainer in
 ``trainers/``. Readers here import no daemon: what a status file says is read
-by path (the ``tiers/`` and ``saving/`` layers use it without importing
+by path (the ``remote/``, ``steps/`` and ``saving/`` layers use it without importing
 ``node/``).
 """
 

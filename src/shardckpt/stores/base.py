@@ -10,7 +10,7 @@ Implementations, one class each: :class:`~shardckpt.stores.local.LocalDirStore`
 :class:`~shardckpt.stores.peer.PeerStore` (another node's peer daemon, over
 HTTP), :class:`~shardckpt.stores.s3.S3Store` (boto3) and
 :class:`~shardckpt.stores.fsspec_store.FsspecStore` (any fsspec URL). One
-contract suite (``tests/test_store_contract.py``) runs the same cases over
+contract suite (``tests/jobs/test_store_contract.py``) runs the same cases over
 all of them.
 
 Semantics every implementation keeps (checked by the contract suite):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from helpers import PROGRAMS, ROOT, child_env, kill_job, run_torchrun, start_torchrun, wait_for  # noqa: E402
 from s3server import BUCKET, stop_uploaders  # noqa: E402

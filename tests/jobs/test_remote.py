@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import shardckpt  # noqa: E402
 from faultproxy import FaultProxy  # noqa: E402

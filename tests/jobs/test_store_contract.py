@@ -110,7 +110,7 @@ def peer_daemon_addr(tmp_path_factory):
     served = tls.node_identity(node_registry.state_dir(str(root)), "contract:0")
     member = tls.node_identity(str(tmp_path_factory.mktemp("peer-member-keys")), "member:0")
     trainer = node_registry.register_trainer(str(root))  # this process stands for the node's trainer
-    src = str(Path(__file__).resolve().parent.parent / "src")
+    src = str(Path(__file__).resolve().parents[2] / "src")
     env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
         [sys.executable, "-c", "import sys; from shardckpt.node.peer_daemon import peer_main; "
@@ -277,7 +277,7 @@ def test_a_verified_fetch_refuses_a_checksum_or_size_mismatch_and_leaves_nothing
 def test_put_file_refuses_bytes_that_differ_from_their_checksum(store, tmp_path):
     src = tmp_path / "src.bin"
     src.write_bytes(_blob(5000))
-    if not _writable(store):  # a peer takes replicas only whole (tests/test_peer.py): a single write is refused
+    if not _writable(store):  # a peer takes replicas only whole (tests/jobs/test_peer.py): a single write is refused
         with pytest.raises(PeerStoreReadOnly):
             store.put_file(str(src), f"{S[4]}/x.bin", 5000, layout.checksum_bytes(src.read_bytes()), DEADLINE)
         assert not store.exists(f"{S[4]}/x.bin", DEADLINE)
@@ -323,7 +323,7 @@ def test_a_stream_is_stored_as_it_comes_and_a_failing_stream_leaves_nothing(stor
 
 
 def test_deletion(store, tmp_path):
-    if not _writable(store):  # the peer deletes nothing on request (its retention: tests/test_peer.py)
+    if not _writable(store):  # the peer deletes nothing on request (its retention: tests/jobs/test_peer.py)
         store.seed(f"{S[5]}/a.bin", b"kept")
         with pytest.raises(PeerStoreReadOnly):
             store.delete(f"{S[5]}/a.bin", DEADLINE)

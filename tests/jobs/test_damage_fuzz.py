@@ -38,7 +38,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import shardckpt  # noqa: E402
 from s3server import BUCKET, reset_if_used  # noqa: E402

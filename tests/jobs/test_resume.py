@@ -1,7 +1,7 @@
 """Crash consistency of an interrupted save, and SIGTERM to torchrun.
 
 (Bit-exact resume after a SIGKILL, DDP at 2 ranks with dropout, a shuffled sampler, AdamW and an LR
-schedule, compared step by step with an uninterrupted run: tests/test_check_resume.py.)"""
+schedule, compared step by step with an uninterrupted run: tests/jobs/test_check_resume.py.)"""
 
 import json
 import os

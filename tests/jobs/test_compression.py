@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import shardckpt  # noqa: E402
 from faultproxy import FaultProxy  # noqa: E402

@@ -14,7 +14,7 @@ several ways and check several guarantees on it:
   trained on at each step.
 - accelerate loop with a StatefulDataLoader (2 workers per rank): a 2-rank
   run's step resumed by 1 rank continues the global data position (the 2-rank
-  SIGKILL and resume, bitwise, is a case of tests/test_check_resume.py).
+  SIGKILL and resume, bitwise, is a case of tests/jobs/test_check_resume.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from helpers import PROGRAMS, ROOT, child_env, kill_job, run_torchrun, skip_module_unless_installed, start_torchrun, wait_for  # noqa: E402
 from s3server import BUCKET, stop_uploaders  # noqa: E402
@@ -175,7 +175,7 @@ def test_accelerate_loop_a_stateful_loader_continues_2_to_1(tmp_path):
     """A 2-rank run's step 14 resumed by 1 rank with the same 2 workers: the loader state does not fit, the
     sampler's global position does, and each step trains on the samples the 2-rank run did. (That the 2-rank
     job resumes bitwise after a SIGKILL, each rank's own loader state with its workers included, is
-    tests/test_check_resume.py's accelerate case.)"""
+    tests/jobs/test_check_resume.py's accelerate case.)"""
     env = child_env()
     steps = 14  # 12 steps per epoch at 2 ranks x 4: the resume is in the second epoch
     ref = tmp_path / "ref"
