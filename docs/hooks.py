@@ -9,9 +9,7 @@
 * ``benchmarks/results.md`` and its plots are generated from
   ``benchmarks/results/`` (written by ``benchmarks/run.py``): the site shows
   the tables of the last measured run, never a copy of them.
-* Pages other work adds in parallel may be named in the nav before they
-  exist: ``OPTIONAL_PAGES`` lists them, and the nav drops each one while its
-  file is absent. Any other missing page fails the strict build.
+* A page the nav names that does not exist fails the strict build.
 
 An error class exported by ``shardckpt`` without its section in
 ``operations/errors.md``, or a marker that names nothing, fails the build.
@@ -31,16 +29,6 @@ DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
-OPTIONAL_PAGES = {
-    "concepts/architecture.md",
-    "operations/damaged-checkpoints.md",
-    "operations/security.md",
-    "guides/meta-init.md",
-    "guides/peer-tier.md",
-    "guides/huggingface.md",
-    "guides/lightning.md",
-    "guides/torchtitan.md",
-}
 
 def _gen() -> Any:
     if str(DOCS) not in sys.path:
@@ -48,32 +36,6 @@ def _gen() -> Any:
     import gen_reference
 
     return gen_reference
-
-
-def _prune(nav: Any, present: set[str]) -> Any:
-    """The nav without the optional pages that do not exist (yet)."""
-    if isinstance(nav, list):
-        out = [_prune(item, present) for item in nav]
-        return [item for item in out if item is not None]
-    if isinstance(nav, dict):
-        out = {}
-        for key, value in nav.items():
-            pruned = _prune(value, present)
-            if pruned is None or pruned == []:
-                continue
-            out[key] = pruned
-        return out or None
-    if isinstance(nav, str) and nav in OPTIONAL_PAGES and nav not in present:
-        return None
-    return nav
-
-
-def on_config(config: Any) -> Any:
-    docs_dir = Path(config["docs_dir"])
-    present = {p for p in OPTIONAL_PAGES if (docs_dir / p).is_file()}
-    if config.get("nav"):
-        config["nav"] = _prune(config["nav"], present)
-    return config
 
 
 def on_files(files: Files, config: Any) -> Files:
