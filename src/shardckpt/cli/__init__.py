@@ -77,6 +77,3 @@ def _report(exc: BaseException) -> int:
     print(f"shardckpt: error: {text}{hint}", file=sys.stderr)
     return code
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
