@@ -85,11 +85,12 @@ def child(nodes: list[int], scratch: str) -> dict:
     from helpers import PROGRAMS, run_torchrun
     from remote_history import RequestLog
     from s3server import BUCKET
+
+    from shardckpt import stores
     from shardckpt.format import layout
+    from shardckpt.format.retention import KeepLast
     from shardckpt.node.uploader import Uploader
     from shardckpt.remote import commit as remote_commit
-    from shardckpt import stores
-    from shardckpt.format.retention import KeepLast
 
     out: dict = {}
     for k in nodes:

@@ -61,7 +61,8 @@ import torch
 import shardckpt  # noqa: E402
 from shardckpt import cli, stores  # noqa: E402
 from shardckpt.format import codec, layout  # noqa: E402
-from shardckpt.remote import auto_compress, compressed, commit as remote_commit  # noqa: E402
+from shardckpt.remote import auto_compress, compressed  # noqa: E402
+from shardckpt.remote import commit as remote_commit  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 PROXY = (

@@ -31,10 +31,10 @@ import resource
 import shutil
 import time
 
+import common  # noqa: E402  (puts src/ on sys.path)
 import torch
 import torch.distributed.checkpoint as dcp
 
-import common  # noqa: E402  (puts src/ on sys.path)
 import shardckpt  # noqa: E402
 
 

@@ -38,14 +38,14 @@ OPS = ("find newest", "uploader start", "retention")
 def child(held: list[int], scratch: str) -> dict:
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import torch
-
-    import shardckpt
     from remote_history import RequestLog, clone_steps
     from s3server import BUCKET
-    from shardckpt.remote import listing as remote_listing
+
+    import shardckpt
     from shardckpt import stores
-    from shardckpt.node import uploader
     from shardckpt.format.retention import KeepLast
+    from shardckpt.node import uploader
+    from shardckpt.remote import listing as remote_listing
 
     out: dict = {}
     for n in held:

@@ -59,9 +59,10 @@ def one(k: int, width: int, repeats: int, scratch: str, server, mode: str = "fsd
     from faultproxy import FaultProxy
     from helpers import child_env
     from s3server import BUCKET
+
+    from shardckpt import stores
     from shardckpt.format import layout
     from shardckpt.remote import commit as remote_commit
-    from shardckpt import stores
 
     url = f"s3://{BUCKET}/needonly-{mode}{k}"
     base = os.path.join(scratch, f"{mode}-k{k}")

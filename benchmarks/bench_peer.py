@@ -184,9 +184,9 @@ def main() -> None:
     import shardckpt
     from shardckpt.format import layout, replicas
     from shardckpt.restoring import views
+    from shardckpt.steps import StepView
     from shardckpt.stores import peer_client, tls
     from shardckpt.stores.peer import PeerStore
-    from shardckpt.steps import StepView
 
     args = common.sized_args(__doc__, "timed runs per tool (default 3)")
     common.require_memory(3 * args.gib * common.GIB, f"a {args.gib} GiB state, moto's copy and a restore")

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import common  # noqa: E402  (puts src/ on sys.path)
+
 import shardckpt  # noqa: E402
 from shardckpt import cli  # noqa: E402
 

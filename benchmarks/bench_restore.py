@@ -34,11 +34,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import common  # noqa: E402  (puts src/ on sys.path)
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-import common  # noqa: E402  (puts src/ on sys.path)
 import shardckpt  # noqa: E402
 
 
@@ -62,16 +62,18 @@ def kind_states(gib: float):
     """``(kind, state, live tensors)`` per kind of state, each about ``gib`` of fp32."""
     nbytes = int(gib * common.GIB)
     model = common.make_model(nbytes)
-    yield "module", {"model": model}, lambda: list(model.parameters())
+    # F821 is silenced on the lambdas below: each reads a name the del further down removes, and is only called
+    # while the generator waits at its own yield, before that del runs.
+    yield "module", {"model": model}, lambda: list(model.parameters())  # noqa: F821
     sd = model.state_dict()
-    yield "dict of tensors", {"model": sd}, lambda: list(sd.values())
+    yield "dict of tensors", {"model": sd}, lambda: list(sd.values())  # noqa: F821
     ts = list(sd.values())
     nested = {"name": "run", "layers": [{"w": t, "index": i} for i, t in enumerate(ts[::2])],
               "by_id": {i: {"w": t, "scale": 0.5} for i, t in enumerate(ts[1::2])}}
     yield ("nested plain values", {"values": nested},
-           lambda: [d["w"] for d in nested["layers"]] + [d["w"] for d in nested["by_id"].values()])
+           lambda: [d["w"] for d in nested["layers"]] + [d["w"] for d in nested["by_id"].values()])  # noqa: F821
     holder = Holder(ts)
-    yield "stateful object", {"holder": holder}, lambda: list(holder.tensors)
+    yield "stateful object", {"holder": holder}, lambda: list(holder.tensors)  # noqa: F821
     del model, sd, ts, nested, holder
     small = common.make_model(nbytes // 3)
     opt = torch.optim.Adam(small.parameters(), lr=1e-3)

@@ -58,12 +58,12 @@ import tempfile
 import time
 from typing import Any, Callable, Iterator
 
+import common  # noqa: E402  (puts src/ on sys.path)
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-import common  # noqa: E402  (puts src/ on sys.path)
 import shardckpt  # noqa: E402
 
 TOOLS = {

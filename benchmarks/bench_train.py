@@ -41,12 +41,12 @@ import tempfile
 import time
 from typing import Any, Callable
 
+import common  # noqa: E402  (puts src/ on sys.path)
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-import common  # noqa: E402  (puts src/ on sys.path)
 import shardckpt  # noqa: E402
 
 

@@ -28,7 +28,7 @@ import re
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import shardckpt
 

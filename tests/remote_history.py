@@ -18,9 +18,9 @@ import urllib.parse
 import uuid
 from typing import Any
 
+from shardckpt import stores
 from shardckpt.format import layout
 from shardckpt.remote import commit as remote_commit
-from shardckpt import stores
 
 
 def clone_steps(store: stores.Store, source: int, steps: list[int]) -> None:

@@ -19,12 +19,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import shardckpt  # noqa: E402
 from helpers import ROOT, child_env  # noqa: E402
 from s3server import BUCKET, reset_if_used, stop_uploaders  # noqa: E402
-from shardckpt import cli
+
+import shardckpt  # noqa: E402
+from shardckpt import cli, stores
 from shardckpt.format import layout
-from shardckpt import stores
 from shardckpt.node import uploader  # noqa: E402
 
 LS_KEYS = {"step", "bytes", "files", "world_size", "created", "created_utc", "live", "abandoned", "branch",

@@ -29,16 +29,18 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import shardckpt  # noqa: E402
 from faultproxy import FaultProxy  # noqa: E402
 from helpers import PROGRAMS, child_env, free_port, kill_job, run_torchrun, start_torchrun, wait_for  # noqa: E402
 from s3server import BUCKET, reset_if_used, stop_uploaders, transfer_options  # noqa: E402
+
+import shardckpt  # noqa: E402
 from shardckpt import cli, stores  # noqa: E402
+from shardckpt import steps as steps_mod  # noqa: E402
 from shardckpt.errors import CorruptCheckpointError  # noqa: E402
 from shardckpt.format import codec, layout  # noqa: E402
 from shardckpt.node import node_registry, uploader  # noqa: E402
-from shardckpt.remote import auto_compress, compressed, early_upload, commit as remote_commit  # noqa: E402
-from shardckpt import steps as steps_mod  # noqa: E402
+from shardckpt.remote import auto_compress, compressed, early_upload  # noqa: E402
+from shardckpt.remote import commit as remote_commit  # noqa: E402
 
 MiB = 1 << 20
 CHUNK = 64 << 10  # small chunks: many chunk edges in a small step
@@ -104,7 +106,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-        assert torch.equal(a[k].view(-1).view(torch.uint8) if a[k].numel() else a[k], 
+        assert torch.equal(a[k].view(-1).view(torch.uint8) if a[k].numel() else a[k],
                            b[k].view(-1).view(torch.uint8) if b[k].numel() else b[k]), k
 
 

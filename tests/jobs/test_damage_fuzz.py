@@ -40,13 +40,14 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import shardckpt  # noqa: E402
 from s3server import BUCKET, reset_if_used  # noqa: E402
+from test_remote import _opts  # noqa: E402
+
+import shardckpt  # noqa: E402
+from shardckpt import stores  # noqa: E402
 from shardckpt.format import layout, manifest_schema  # noqa: E402
 from shardckpt.node import uploader  # noqa: E402
-from shardckpt import stores  # noqa: E402
 from shardckpt.remote import commit as remote_commit  # noqa: E402
-from test_remote import _opts  # noqa: E402
 
 LOCAL_CASES = 128
 REMOTE_CASES = 48

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from helpers import ROOT, child_env  # noqa: E402
 from s3server import stop_peer_daemons, stop_uploaders  # noqa: E402
+
 from shardckpt.format import shm  # noqa: E402
 
 

@@ -26,7 +26,6 @@ from urllib.parse import urlparse
 import pytest
 import torch
 import yaml
-
 from helpers import ROOT, child_env, descendants, free_port, kill_job, wait_for
 from s3server import S3Server, stop_uploaders
 
@@ -495,6 +494,7 @@ def test_fsdp2_example_resumes_at_half_the_world_size_with_the_accumulation_of_t
     import shutil
 
     from helpers import run_torchrun
+
     from shardckpt import cli
     from shardckpt.format import layout
 

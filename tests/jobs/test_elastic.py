@@ -34,10 +34,9 @@ import math
 import subprocess
 import sys
 
+import helpers
 import pytest
 import torch
-
-import helpers
 from helpers import PROGRAMS, ROOT, run_torchrun
 
 pytestmark = pytest.mark.slow

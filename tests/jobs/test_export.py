@@ -20,16 +20,14 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import shardckpt  # noqa: E402
-from programs.common import TinyNet  # noqa: E402  (benchmarks/ has a module named common too)
 from helpers import PROGRAMS, run_torchrun  # noqa: E402
+from programs.common import TinyNet  # noqa: E402  (benchmarks/ has a module named common too)
 from s3server import BUCKET  # noqa: E402
-from shardckpt import cli
+
+import shardckpt  # noqa: E402
+from shardckpt import cli, stores
 from shardckpt.convert import export, export_plan
-from shardckpt.format import layout
 from shardckpt.dcp import planner as local
-from shardckpt import stores
-from shardckpt.node import uploader  # noqa: E402
 from shardckpt.errors import (  # noqa: E402
     CheckpointNotFoundError,
     ConfigError,
@@ -38,6 +36,9 @@ from shardckpt.errors import (  # noqa: E402
     ExportIOError,
     ShardckptError,
 )
+from shardckpt.format import layout
+from shardckpt.node import uploader  # noqa: E402
+
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:

@@ -19,14 +19,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import shardckpt  # noqa: E402
 from helpers import PROGRAMS, ROOT, child_env, run_torchrun  # noqa: E402
 from s3server import BUCKET, reset_if_used, stop_uploaders  # noqa: E402
-from shardckpt import _failpoints, cli
+
+import shardckpt  # noqa: E402
+from shardckpt import _failpoints, cli, stores  # noqa: E402
 from shardckpt.format import layout, manifest_schema
 from shardckpt.remote import commit as remote_commit  # noqa: E402
 from shardckpt.remote import listing as remote_listing
-from shardckpt import stores  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

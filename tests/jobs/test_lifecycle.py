@@ -16,9 +16,9 @@ import time
 import pytest
 import torch
 import torch.nn as nn
+from helpers import PROGRAMS, mount_tmpfs, run_torchrun
 
 import shardckpt
-from helpers import PROGRAMS, mount_tmpfs, run_torchrun
 from shardckpt import _failpoints
 
 PROG = PROGRAMS / "lifecycle.py"

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from helpers import PROGRAMS, mount_tmpfs, run_torchrun
 
 import shardckpt
-from helpers import PROGRAMS, mount_tmpfs, run_torchrun
 from shardckpt.format import layout, manifest_schema
 
 

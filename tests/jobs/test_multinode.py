@@ -14,8 +14,8 @@ import subprocess
 import sys
 
 import torch
-
 from helpers import PROGRAMS, ROOT, child_env, job_output, run_two_nodes
+
 from shardckpt import cli
 from shardckpt.format import layout
 

@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from helpers import PROGRAMS, child_env, run_torchrun  # noqa: E402
 from s3server import BUCKET, stop_uploaders  # noqa: E402
-from shardckpt import Checkpointer, cli
-from shardckpt.saving import policy
-from shardckpt.remote import listing as remote_listing
-from shardckpt import stores  # noqa: E402
+
+from shardckpt import Checkpointer, cli, stores  # noqa: E402
 from shardckpt.options import CheckpointConfig  # noqa: E402
+from shardckpt.remote import listing as remote_listing
+from shardckpt.saving import policy
 
 PROG = PROGRAMS / "policies.py"
 

@@ -24,6 +24,7 @@ def test_sigkill_at_every_kill_point_loses_nothing(tmp_path):
     """The CI-sized crash-consistency soak: one SIGKILL at each named point, one at random."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import soak_kill
+
     from shardckpt import _failpoints
 
     cycle = "p" * len(_failpoints.POINTS) + "r"

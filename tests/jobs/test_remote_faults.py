@@ -33,14 +33,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import shardckpt  # noqa: E402
 from faultproxy import FaultProxy  # noqa: E402
 from helpers import ROOT, free_port  # noqa: E402
 from s3server import BUCKET, CREDENTIALS, Server, reset_if_used, stop_uploaders  # noqa: E402
+
+import shardckpt  # noqa: E402
+from shardckpt.errors import RemoteError  # noqa: E402
 from shardckpt.format import layout
 from shardckpt.node import node_registry
 from shardckpt.remote import commit as remote_commit  # noqa: E402
-from shardckpt.errors import RemoteError  # noqa: E402
 
 BOUND_S = 120.0  # generous: a hang, not slowness, is what fails these tests
 
@@ -381,6 +382,7 @@ def test_sigkill_of_trainer_and_uploader_loses_no_remote_step(tmp_path):
     """
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import soak_kill
+
     from shardckpt import _failpoints
 
     cycle = "u" * len(_failpoints.UPLOADER_POINTS) + "rt"  # every uploader point, random kills, a trainer point
@@ -404,6 +406,7 @@ def test_sigkill_during_s3_uploads_loses_no_remote_step(s3, tmp_path):
     first kill point (files sent, no marker), then trainer and uploader at random moments."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import soak_kill
+
     from shardckpt import _failpoints
 
     s3.reset()

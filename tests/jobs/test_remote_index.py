@@ -16,17 +16,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import shardckpt  # noqa: E402
 from faultproxy import FaultProxy  # noqa: E402
 from remote_history import RequestLog, clone_steps  # noqa: E402
 from s3server import BUCKET, reset_if_used  # noqa: E402
-from shardckpt.format import layout
-from shardckpt.remote import commit as remote_commit, index as remote_index
-from shardckpt.remote import listing as remote_listing
-from shardckpt import stores
-from shardckpt.node import uploader  # noqa: E402
-from shardckpt.format.retention import KeepLast  # noqa: E402
 from test_remote import _opts, save_local_steps  # noqa: E402
+
+import shardckpt  # noqa: E402
+from shardckpt import stores
+from shardckpt.format import layout
+from shardckpt.format.retention import KeepLast  # noqa: E402
+from shardckpt.node import uploader  # noqa: E402
+from shardckpt.remote import commit as remote_commit
+from shardckpt.remote import index as remote_index
+from shardckpt.remote import listing as remote_listing
 
 HELD = 50
 

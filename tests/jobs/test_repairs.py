@@ -14,14 +14,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import shardckpt  # noqa: E402
 from helpers import free_port, wait_for  # noqa: E402
 from s3server import BUCKET, reset_if_used, stop_uploaders, transfer_options  # noqa: E402
-from shardckpt import cli
+
+import shardckpt  # noqa: E402
+from shardckpt import cli, stores  # noqa: E402
+from shardckpt import steps as steps_mod  # noqa: E402
 from shardckpt.format import layout
 from shardckpt.node import node_registry, uploader, uploader_client
-from shardckpt import steps as steps_mod  # noqa: E402
-from shardckpt import stores  # noqa: E402
 
 MiB = 1 << 20
 

@@ -7,9 +7,9 @@ import json
 import os
 
 import torch
+from helpers import PROGRAMS, kill_job, start_torchrun, wait_for
 
 import shardckpt
-from helpers import PROGRAMS, kill_job, start_torchrun, wait_for
 
 
 def test_kill_during_save_leaves_previous_step_loadable(tmp_path):

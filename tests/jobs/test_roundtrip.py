@@ -9,8 +9,8 @@ import json
 import shutil
 
 import pytest
-
 from helpers import PROGRAMS, run_torchrun
+
 from shardckpt.dcp import planner as local
 from shardckpt.dcp.record_layout import stored_tensor
 

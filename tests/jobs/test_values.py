@@ -16,10 +16,10 @@ import threading
 import pytest
 import torch
 import torch.nn as nn
+from helpers import PROGRAMS, ROOT, child_env, import_program, run_torchrun
 
 import shardckpt
 from shardckpt import _failpoints
-from helpers import PROGRAMS, ROOT, child_env, import_program, run_torchrun
 
 
 def ckpt_for(path, **kw):

@@ -21,16 +21,15 @@ import threading
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
-import shardckpt
 from helpers import PROGRAMS, ROOT, child_env, run_torchrun, run_two_nodes
 from s3server import BUCKET, reset_if_used, stop_uploaders
-from shardckpt import _failpoints, cli
+
+import shardckpt
+from shardckpt import _failpoints, cli, stores
+from shardckpt import steps as steps_mod  # noqa: E402
 from shardckpt.format import layout, retention
 from shardckpt.remote import commit as remote_commit
 from shardckpt.remote import listing as remote_listing
-from shardckpt import steps as steps_mod  # noqa: E402
-from shardckpt import stores
 
 PROG = PROGRAMS / "multinode.py"
 ONE_SERVER = pytest.mark.parametrize("s3", ["moto"], indirect=True)

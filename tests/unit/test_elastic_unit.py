@@ -9,8 +9,8 @@ import torch
 
 import shardckpt
 from shardckpt.restoring import elastic
-from shardckpt.state.sampler import ResumableSampler, rank_slice
 from shardckpt.restoring.elastic import ElasticPolicy, apply_lr_factor, compute_plan
+from shardckpt.state.sampler import ResumableSampler, rank_slice
 
 
 def _plan(policy=None, **kw):

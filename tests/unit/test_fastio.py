@@ -8,14 +8,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from helpers import flip_byte_in_tensor
 
 import shardckpt
-from shardckpt.format import layout
+from shardckpt.convert import adopt as adopt_mod
 from shardckpt.dcp import planner as local
 from shardckpt.dcp import writer as dcp_writer
-from shardckpt.convert import adopt as adopt_mod
-from helpers import flip_byte_in_tensor
 from shardckpt.dcp.record_layout import stored_tensor
+from shardckpt.format import layout
 
 
 class Mixed(nn.Module):

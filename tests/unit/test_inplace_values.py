@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 import torch.nn as nn
+from helpers import flip_byte_in_tensor
 
 import shardckpt
-from helpers import flip_byte_in_tensor
 from shardckpt.dcp import planner as local
 
 

@@ -11,9 +11,9 @@ import uuid
 import torch
 
 from shardckpt.dcp.planner import read_metadata
+from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format import layout, step_dirs
 from shardckpt.format import lineage as lineage_mod
-from shardckpt.errors import CorruptCheckpointError
 
 
 def adopt(source: str, root: str, step: int, *, trust_pickles: bool = False) -> str:

@@ -29,8 +29,8 @@ import os
 import uuid
 from typing import Any, Mapping
 
-from shardckpt.format import layout
 from shardckpt.errors import CorruptCheckpointError
+from shardckpt.format import layout
 
 NO_STEP = -1
 """The fork point of a branch started without loading any step."""

@@ -22,16 +22,21 @@ import threading
 import time
 from typing import Any
 
-from shardckpt.format import layout
-from shardckpt.remote.early_upload import EarlyUploads
-from shardckpt.format.node_state import make_state_dir, write_private
-from shardckpt.node.node_registry import (acquire_lock, daemon_logging, lock_path, process_record, state_dir,
-                                         trainers_alive)
 from shardckpt.errors import RemoteError
-from shardckpt.format import codec
+from shardckpt.format import codec, layout
+from shardckpt.format.node_state import make_state_dir, write_private
+from shardckpt.format.retention import RetentionPolicy, policy_from
+from shardckpt.node.node_registry import (
+    acquire_lock,
+    daemon_logging,
+    lock_path,
+    process_record,
+    state_dir,
+    trainers_alive,
+)
 from shardckpt.options import CheckpointConfig
-from shardckpt.stores import Deadline, Store, open_store, redact, safe_url
-from shardckpt.remote import auto_compress, node_markers, index as remote_index
+from shardckpt.remote import auto_compress, node_markers
+from shardckpt.remote import index as remote_index
 from shardckpt.remote.commit import (
     COMMITTED,
     SUPERSEDED,
@@ -42,8 +47,9 @@ from shardckpt.remote.commit import (
     present_files,
     push_step,
 )
+from shardckpt.remote.early_upload import EarlyUploads
 from shardckpt.remote.listing import remote_steps
-from shardckpt.format.retention import RetentionPolicy, policy_from
+from shardckpt.stores import Deadline, Store, open_store, redact, safe_url
 
 log = logging.getLogger("shardckpt")
 

@@ -18,13 +18,20 @@ import time
 from typing import Any
 
 from shardckpt import _dist
-from shardckpt.format import layout
-from shardckpt.remote import commit as remote_commit
-from shardckpt.node.uploader import failure_text
-from shardckpt.node.node_registry import (pid_alive, read_status, register_trainer, spawn_node_daemon, state_dir,
-                                         unregister_trainer, uploader_running)
-from shardckpt.options import CheckpointConfig, UploaderMode
 from shardckpt._text import fmt_bytes
+from shardckpt.format import layout
+from shardckpt.node.node_registry import (
+    pid_alive,
+    read_status,
+    register_trainer,
+    spawn_node_daemon,
+    state_dir,
+    unregister_trainer,
+    uploader_running,
+)
+from shardckpt.node.uploader import failure_text
+from shardckpt.options import CheckpointConfig, UploaderMode
+from shardckpt.remote import commit as remote_commit
 from shardckpt.stores import safe_url
 
 log = logging.getLogger("shardckpt")

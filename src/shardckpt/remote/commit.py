@@ -57,12 +57,12 @@ import time
 from typing import Any, Mapping
 
 from shardckpt import _failpoints
-from shardckpt.format import layout, step_dirs
-from shardckpt.remote import compressed, node_markers, index as remote_index
-from shardckpt.format import lineage as lineage_mod
 from shardckpt.errors import CorruptCheckpointError, RemoteError
-from shardckpt.stores import Deadline, Store, safe_url
+from shardckpt.format import layout, step_dirs
+from shardckpt.format import lineage as lineage_mod
 from shardckpt.format.retention import RetentionPolicy, plan_deletions
+from shardckpt.remote import compressed, node_markers
+from shardckpt.remote import index as remote_index
 from shardckpt.remote.listing import (
     STEP_RECORD_NAME,
     apply_remote_retention,
@@ -79,6 +79,7 @@ from shardckpt.remote.upload_marks import (  # noqa: F401 - part of this module'
     pending_steps,
     present_files,
 )
+from shardckpt.stores import Deadline, Store, safe_url
 
 log = logging.getLogger("shardckpt")
 
@@ -95,7 +96,6 @@ GONE = "gone"
 # ------------------------------------------------------------ small helpers
 
 from shardckpt.stores.progress import PROGRESS_S, Progress  # noqa: E402,F401 - used here and by callers
-
 
 files_digest = layout.files_digest
 

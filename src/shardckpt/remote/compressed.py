@@ -52,10 +52,10 @@ from typing import Any, Callable, Iterator, Mapping
 
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format import codec, layout
-from shardckpt.stores import Deadline, Store, safe_url
 from shardckpt.remote import auto_compress
 from shardckpt.remote.auto_compress import WORKERS
 from shardckpt.remote.missing import read_committed
+from shardckpt.stores import Deadline, Store, safe_url
 
 log = logging.getLogger("shardckpt")
 

@@ -49,11 +49,11 @@ import os
 import threading
 from typing import Any, Mapping
 
-from shardckpt.format import layout
 from shardckpt._proc import pid_alive, proc_start
-from shardckpt.stores import Deadline, Store, join
+from shardckpt.format import layout
 from shardckpt.remote import compressed
 from shardckpt.remote.commit import withdraw_overwritten
+from shardckpt.stores import Deadline, Store, join
 
 log = logging.getLogger("shardckpt")
 

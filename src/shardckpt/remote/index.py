@@ -39,9 +39,9 @@ import logging
 import time
 from typing import Any, Mapping
 
+from shardckpt.errors import CorruptCheckpointError, RemoteError
 from shardckpt.format import layout
 from shardckpt.format import lineage as lineage_mod
-from shardckpt.errors import CorruptCheckpointError, RemoteError
 from shardckpt.stores import Deadline, Store, join
 
 log = logging.getLogger("shardckpt")

@@ -70,9 +70,9 @@ import time
 from typing import Any
 
 from shardckpt.format import layout
-from shardckpt.stores import Deadline, Store
 from shardckpt.remote import compressed
 from shardckpt.remote.index import step_key
+from shardckpt.stores import Deadline, Store
 
 log = logging.getLogger("shardckpt")
 

@@ -47,9 +47,9 @@ import time
 from typing import Any, Callable, Protocol
 
 from shardckpt import _failpoints
+from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format import layout
 from shardckpt.format.chunks import Chunks, _union_bytes, chunk_runs, coalesce, share_plan  # noqa: F401 - part of this API
-from shardckpt.errors import CorruptCheckpointError
 from shardckpt.stores import safe_url
 
 log = logging.getLogger("shardckpt")

@@ -17,15 +17,15 @@ import os
 import shutil
 import uuid
 
+from shardckpt.errors import CorruptCheckpointError, RemoteError, ShardckptError
 from shardckpt.format import layout, lineage, node_state, shm, step_dirs
 from shardckpt.remote import commit as remote_commit
 from shardckpt.remote import listing as remote_listing
-from shardckpt.errors import CorruptCheckpointError, RemoteError, ShardckptError
+from shardckpt.steps.view import CheckReport, OnBytes, StepView, is_url
 from shardckpt.stores import Deadline, LocalDirStore, Store, TransferOptions, open_store, safe_url, split_url
 
 log = logging.getLogger("shardckpt")
 
-from shardckpt.steps.view import CheckReport, OnBytes, StepView, is_url
 
 class Steps:
     """The committed steps of one location; see :func:`open_steps`."""

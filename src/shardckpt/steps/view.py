@@ -19,11 +19,11 @@ import logging
 import os
 from typing import Any, Callable
 
+from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format import layout
 from shardckpt.remote import compressed
 from shardckpt.remote.missing import read_committed
-from shardckpt.errors import CorruptCheckpointError
-from shardckpt.stores import Deadline, join, Store
+from shardckpt.stores import Deadline, Store, join
 
 log = logging.getLogger("shardckpt")
 
