@@ -203,7 +203,8 @@ def check(got: dict) -> list[str]:
 # ------------------------------------------------------------ 1,000 nodes
 
 SCALE = {"nodes": 1000, "ranks_per_node": 8, "files_per_rank": 2, "step_bytes": 840e9, "manifest_bytes": 5.9e6,
-         "marker_bytes": 2.4e3, "marker_bytes_before": 1.4e3, "inflight": 8, "request_s": 0.020, "list_page_s": 0.100, "put_bytes_per_s": 100e6,
+         "marker_bytes": 2.4e3, "marker_bytes_before": 1.4e3, "inflight": 8, "request_s": 0.020, "list_page_s": 0.100,
+         "put_bytes_per_s": 100e6,
          "commit_poll_s": 0.5, "old_slot_s": 5.0, "young_s": 120.0, "poll_s": 0.5, "save_every_s": 60.0,
          "prefix_get_per_s": 5500.0}
 """The model's inputs: the issue's job (1,000 nodes x 8 ranks x 2 files, an 840 GB step, a

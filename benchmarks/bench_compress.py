@@ -315,7 +315,8 @@ def first_save(argv: list[str]) -> None:
     finally:
         store.close()
     said = (Path(args.local) / ".shardckpt-remote" / "uploader.log").read_text()
-    decided = [ln.split("remote_compression=auto for ", 1)[1] for ln in said.splitlines() if "remote_compression=auto" in ln]
+    decided = [ln.split("remote_compression=auto for ", 1)[1] for ln in said.splitlines()
+               if "remote_compression=auto" in ln]
     print(json.dumps({"seconds": took, "local_commit_s": local, "load_1m": max(load, os.getloadavg()[0]),
                       "trainer_cpu_s": trainer_cpu, "uploader_cpu_s": uploader_cpu,
                       "stored_ratio": compressed.stored_bytes(manifest) / manifest.total_bytes,
@@ -332,7 +333,8 @@ def run_first(args: argparse.Namespace, endpoint: str, links: dict[str, str], ro
 
     def clear() -> None:
         """Untimed: drop earlier runs' objects (moto holds them in RAM) and their local directories."""
-        keys = [o["Key"] for page in admin.get_paginator("list_objects_v2").paginate(Bucket=args.bucket, Prefix="first/")
+        keys = [o["Key"]
+                for page in admin.get_paginator("list_objects_v2").paginate(Bucket=args.bucket, Prefix="first/")
                 for o in page.get("Contents", [])]
         for i in range(0, len(keys), 1000):
             admin.delete_objects(Bucket=args.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]]})

@@ -97,7 +97,8 @@ def compare_in(result: dict, base: str | None, group: str, model, state, nbytes:
         ckpt = shardckpt.Checkpointer(local_dir=str(ours_dir), keep_last=None, preemption_signals=())
         tools = [
             common.Tool("dd conv=fdatasync (floor)",
-                        with_cpu(lambda: common.dd_write(str(out / "dd.bin"), nbytes), nbytes), before=clear, floor=True),
+                        with_cpu(lambda: common.dd_write(str(out / "dd.bin"), nbytes), nbytes),
+                        before=clear, floor=True),
             common.Tool("dd oflag=direct (floor)",
                         with_cpu(lambda: common.dd_write(str(out / "dd.bin"), nbytes, direct=True), nbytes),
                         before=clear, floor=True),

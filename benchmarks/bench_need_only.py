@@ -11,10 +11,10 @@ every rank, every rank reading all of it) (``tests/programs/remote_train.py``, `
 local disks are wiped and K new nodes restore it onto empty disks, each through
 its own byte-counting proxy in front of the server (``tests/faultproxy.py``),
 ``--repeats`` times (fresh disks each time). Per node: the bytes of every GET it
-sent (index, manifest, ``.metadata``, ranges; the manifest's GETs are counted apart: one per node) against the bytes its ranks' load
-plans read (the restore's log line, ``.metadata`` included) and the bytes it received
-from other nodes (read once, shared); in all: the nodes' GET bytes against the step's bytes. Byte counts do not depend on the machine;
-the restore times do (2 shared cores here: medians and spread are shown).
+sent (index, manifest, ``.metadata``, ranges; the manifest's GETs are counted apart: one per node) against the bytes
+its ranks' load plans read (the restore's log line, ``.metadata`` included) and the bytes it received
+from other nodes (read once, shared); in all: the nodes' GET bytes against the step's bytes. Byte counts do not depend
+on the machine; the restore times do (2 shared cores here: medians and spread are shown).
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ def one(k: int, width: int, repeats: int, scratch: str, server, mode: str = "fsd
 
 def table(results: list[dict]) -> list[str]:
     lines = ["| state | nodes | step bytes | S3 bytes per node ÷ bytes its ranks read | received from nodes ÷ bytes "
-             "its ranks read | total egress ÷ step bytes | GETs per node | manifest GETs per node | restore s (the job's, "
+             "its ranks read | total egress ÷ step bytes | GETs per node | manifest GETs per node | "
+             "restore s (the job's, "
              "median [min–max]) |", "|---|---:|---:|---|---|---:|---|---|---|"]
     for r in results:
         ratio = ", ".join(f"{x:.2f}" for x in r["s3_over_need"])

@@ -193,9 +193,9 @@ def main() -> None:
         peer_durable = replicating.status().get("latest_peer")
         replicating.close()
     if rank == 0:
-        result = common.new_result("peer_training" if args.nodes else "training", state_bytes, unit="steps/s", better="higher",
-                                   ratio_label="no checkpointing", repeats=args.repeats, world_size=world,
-                                   steps=args.steps, every=args.every, step_sleep=args.step_sleep)
+        result = common.new_result("peer_training" if args.nodes else "training", state_bytes, unit="steps/s",
+                                   better="higher", ratio_label="no checkpointing", repeats=args.repeats,
+                                   world_size=world, steps=args.steps, every=args.every, step_sleep=args.step_sleep)
         for i, (label, _, _) in enumerate(variants):
             common.add_row(result, label, rates[label], floor=i == 0)
         result["notes"].append(

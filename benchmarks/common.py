@@ -279,7 +279,8 @@ def table(results: list[dict]) -> list[str]:
     unit = results[0]["unit"] if results else "s"
     label = results[0].get("ratio_label", "floor") if results else "floor"
     groups = {row["group"] for r in results for row in r["rows"]} - {""}
-    head = ["state", *([("cache" if groups <= {"warm", "cold"} else "on")] if grouped else []), "tool", f"median ({unit})", f"min ({unit})", f"× {label}",
+    head = ["state", *([("cache" if groups <= {"warm", "cold"} else "on")] if grouped else []), "tool",
+            f"median ({unit})", f"min ({unit})", f"× {label}",
             *(COLUMNS.get(k, k) for k in extras)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
@@ -599,7 +600,8 @@ def hardware(path: str | os.PathLike = ".") -> dict[str, Any]:
     df = _run(["df", "-hT", str(path)]).splitlines()
     source = df[-1].split()[0] if len(df) > 1 else ""
     device = ""
-    if source.startswith("/dev/") and len(fields := _run(["lsblk", "-ndo", "NAME,ROTA,SIZE,MODEL", source]).split()) >= 3:
+    if (source.startswith("/dev/")
+            and len(fields := _run(["lsblk", "-ndo", "NAME,ROTA,SIZE,MODEL", source]).split()) >= 3):
         model = " ".join(fields[3:])
         device = (f"{fields[0]}, {fields[2]}{', ' + model if model else ''}, "
                   f"{'rotational' if fields[1] == '1' else 'non-rotational'} as the kernel reports it")

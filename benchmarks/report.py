@@ -157,7 +157,8 @@ def plot(doc: dict, out: Path) -> Path | None:
             lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "25" else ""))
         ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.grid(True, which="major", alpha=0.3)
-        ax.set_title(f"{doc['title']}{f' — {group} page cache' if group in ('warm', 'cold') else f' — {group}' if group else ''}",
+        ax.set_title(f"{doc['title']}"
+                     f"{f' — {group} page cache' if group in ('warm', 'cold') else f' — {group}' if group else ''}",
                      fontsize=10)
     axes[0][0].set_ylabel(f"median time ({results[0]['unit']}, log scale)")
     handles, labels = axes[0][0].get_legend_handles_labels()

@@ -715,7 +715,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--torchrun-every", type=int, default=10, help="every N-th trial runs 2 ranks under torchrun (0: never)")
+    parser.add_argument("--torchrun-every", type=int, default=10,
+                        help="every N-th trial runs 2 ranks under torchrun (0: never)")
     parser.add_argument("--remote", action="store_true", help="also upload to a remote and kill the uploader")
     parser.add_argument("--store", choices=["file", "s3"], default="file",
                         help="with --remote: a file:// directory, or an S3 bucket on moto's server (127.0.0.1)")
@@ -727,11 +728,13 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="soak-kill-"))
     t0 = time.monotonic()
     try:
-        stats = run_peer_trials(args.trials, args.seed, work, progress=True) if args.peer else run_trials(args.trials, args.seed, work, args.torchrun_every, remote=args.remote, progress=True,
-                           nodes=args.nodes, store=args.store)
+        stats = run_peer_trials(args.trials, args.seed, work, progress=True) if args.peer else run_trials(
+            args.trials, args.seed, work, args.torchrun_every, remote=args.remote, progress=True,
+            nodes=args.nodes, store=args.store)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"\ntrials: {stats['trials']}, wall time {time.monotonic() - t0:.0f} s, newest step reached {stats['max_step']}")
+    print(f"\ntrials: {stats['trials']}, wall time {time.monotonic() - t0:.0f} s, "
+          f"newest step reached {stats['max_step']}")
     print(f"| {'kill point':<34} | {'trials':>6} |")
     print(f"|{'-' * 36}|{'-' * 8}|")
     for name, count in sorted(stats["points"].items()):

@@ -79,7 +79,9 @@ OTHER_VARIABLES: dict[str, str] = {
 
 # Variables of the scripts (not of the package), documented on the same page.
 SCRIPT_VARIABLES: dict[str, str] = {
-    "SHARDCKPT_VENV": "`scripts/setup.sh`, `demo.sh`, `test.sh`: the virtual environment to create or use (default `.venv`).",
+    "SHARDCKPT_VENV": (
+        "`scripts/setup.sh`, `demo.sh`, `test.sh`: the virtual environment to create or use (default `.venv`)."
+    ),
 }
 
 _ENV_PATTERN = re.compile(r"SHARDCKPT_[A-Z][A-Z0-9_]*")

@@ -53,10 +53,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--every", type=int, default=5, help="save every N steps")
     p.add_argument("--keep-last", type=int, default=3, help="committed steps kept locally")
     p.add_argument("--out", default=None, help="final weights (rank 0 writes them; default: CKPT_DIR/../final.pt)")
-    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (makes demos interruptible)")
+    p.add_argument("--step-sleep", type=float, default=0.0,
+                   help="seconds to sleep per step (makes demos interruptible)")
     p.add_argument("--digests", default=env("TRAIN_DIGESTS") or None,
-                   help="rank 0 appends '<event> <step> model=<sha256> optimizer=... scheduler=... data=...' at resume, preemption "
-                   "and finish (to compare runs; default: $TRAIN_DIGESTS, else none)")
+                   help="rank 0 appends '<event> <step> model=<sha256> optimizer=... scheduler=... data=...' "
+                   "at resume, preemption and finish (to compare runs; default: $TRAIN_DIGESTS, else none)")
     return p.parse_args()
 
 
@@ -143,7 +144,8 @@ def main() -> None:
             optimizer.zero_grad()
             scheduler.step()
             if rank == 0 and step % 5 == 0:
-                print(f"[train_ddp] step {step:4d}  loss {loss.item() * accum:.4f}  lr {scheduler.get_last_lr()[0]:.5f}",
+                print(f"[train_ddp] step {step:4d}  loss {loss.item() * accum:.4f}  "
+                      f"lr {scheduler.get_last_lr()[0]:.5f}",
                       flush=True)
             ckpt.save(state, step)
             if ckpt.preempted:

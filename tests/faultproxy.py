@@ -39,7 +39,9 @@ _ERROR_BODY = (
 
 
 class FaultProxy:
-    def __init__(self, upstream: str, *, seed: int = 0, rate: float = 0.3, stall_s: float = 3.0, every: int = 3) -> None:
+    def __init__(
+        self, upstream: str, *, seed: int = 0, rate: float = 0.3, stall_s: float = 3.0, every: int = 3
+    ) -> None:
         parsed = urllib.parse.urlparse(upstream)
         self.up_host, self.up_port = parsed.hostname, parsed.port
         self.rate = rate

@@ -122,8 +122,8 @@ def _save_and_push(tmp_path: Path, url: str, steps=(1, 2), compression: str = "b
         ckpt.save(state, step).wait()
         saved[step] = _snapshot(state)
     ckpt.close()
-    up = uploader.Uploader(str(src), stores.open_store(url, transfer_options(compression=compression)), node="n0", once=True,
-                           poll_s=0.05)
+    up = uploader.Uploader(str(src), stores.open_store(url, transfer_options(compression=compression)), node="n0",
+                           once=True, poll_s=0.05)
     assert up.run() == 0
     return saved
 

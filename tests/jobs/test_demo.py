@@ -75,7 +75,8 @@ def test_demo_script_preempts_on_two_ranks_and_resumes_from_the_bucket_on_one_th
     # The peer scene: node 1 lost, node 0 alone resumed the 2-node job's last step from node 1's replica.
     scene = out.split("== 6.")[1]
     # node 0's copy was completed from node 1's replica held on node 0 (the line counts the files each source gave)
-    assert re.search(r"this node's copy from .*replicas here: [1-9]\d* file", scene) and "world size 2 -> 1" in scene, scene
+    assert (re.search(r"this node's copy from .*replicas here: [1-9]\d* file", scene)
+            and "world size 2 -> 1" in scene), scene
     assert "elastic plan for step 10" in scene and "accumulation 1 -> 2" in scene, scene
     assert not (run / "peer" / "node1").exists()
     peer_events = [line.split() for line in (run / "peer" / "digests.txt").read_text().splitlines()]

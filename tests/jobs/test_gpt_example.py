@@ -155,7 +155,8 @@ def test_peek_reads_values_and_config_without_tensors_the_step_load_would_choose
     assert looked.values["train"]["iter_num"] == 7 and torch.equal(looked.values["train"]["best"], torch.tensor(2.5))
     assert looked.values["model_args"] == {"n_embd": 8, "names": ["a", "b"]}
     assert looked.values["empty"] == {}
-    assert "big" not in looked.values["train"] and looked.tensors["train.big"] == {"shape": [300000], "dtype": "float32"}
+    assert ("big" not in looked.values["train"]
+            and looked.tensors["train.big"] == {"shape": [300000], "dtype": "float32"})
     assert "model" not in looked.values and looked.keys["model"] == "module"
     assert ckpt.peek(5).values["train"]["iter_num"] == 9
     with pytest.raises(shardckpt.CheckpointNotFoundError, match="step 4 is not committed"):

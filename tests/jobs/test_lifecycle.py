@@ -229,7 +229,9 @@ def _loaded(path, step: int) -> dict:
 
 
 def _assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), [
+        k for k in a if not torch.equal(a[k], b[k])
+    ]
 
 
 def test_overlap_orders_the_optimizer_step_and_buffer_forwards_after_the_copies(tmp_path, slow_copies):

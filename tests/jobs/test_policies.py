@@ -72,7 +72,8 @@ def test_best_light_full_and_run_config(local_runs, capsys):
     assert got["default_loaded"] == 7 and got["default_params_equal"] and got["default_has_optimizer_state"]
     assert got["light_loaded"] == 8 and got["light_params_equal"] and got["light_left_optimizer_empty"]
     warnings = (out / "warnings.log").read_text()
-    assert "run_config differs from the one step 4 was saved with (2 key(s)): extra: '(absent)' -> 1; lr: 0.1 -> 0.2" in warnings, warnings
+    assert ("run_config differs from the one step 4 was saved with (2 key(s)): extra: '(absent)' -> 1; "
+            "lr: 0.1 -> 0.2" in warnings), warnings
     assert "step 8 is a light step (no optimizer state): optimizer keep(s) the state they have" in warnings
     # ls marks the best step and the kinds; inspect shows the run
     assert cli.main(["ls", str(root / "best"), "--json"]) == 0

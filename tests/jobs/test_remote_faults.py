@@ -441,7 +441,9 @@ def test_slow_upload_logs_progress_and_commits(s3, tmp_path, caplog):
     _failpoints.arm("upload.files_sent", lambda: seen_when_files_sent.append(len(progress_lines())))
     try:
         with caplog.at_level(logging.INFO, logger="shardckpt"):
-            result = bounded(lambda: remote_commit.push_step(store, str(src), 3, node="n0", policy=None, progress_s=0.05))
+            result = bounded(
+                lambda: remote_commit.push_step(store, str(src), 3, node="n0", policy=None, progress_s=0.05)
+            )
     finally:
         _failpoints.arm("upload.files_sent", lambda: None, nth=0)  # disarmed
         store.close()

@@ -48,7 +48,8 @@ def one_real_step(tmp_path: Path, prefix: str) -> tuple[Path, stores.Store]:
     url = f"s3://{BUCKET}/{prefix}"
     local_dir = tmp_path / "local"
     save_local_steps(local_dir, [1])
-    assert uploader.Uploader(str(local_dir), stores.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
+    assert uploader.Uploader(str(local_dir), stores.open_store(url, _opts()), node="n0", once=True,
+                             poll_s=0.05).run() == 0
     return local_dir, stores.open_store(url, _opts())
 
 
@@ -137,7 +138,8 @@ def test_a_missing_stale_or_corrupt_index_is_repaired(s3, tmp_path):
     assert json.loads(client.get_object(Bucket=BUCKET, Key=index_key)["Body"].read())["steps"]["4"][4] == after[4][4]
 
     # Stale: a deleted step directory drops its entry without reading anything of it.
-    client.delete_objects(Bucket=BUCKET, Delete={"Objects": [{"Key": k} for k in s3.keys(f"stale/{layout.step_dirname(2)}/")]})
+    client.delete_objects(Bucket=BUCKET,
+                          Delete={"Objects": [{"Key": k} for k in s3.keys(f"stale/{layout.step_dirname(2)}/")]})
     assert sorted(remote_infos(store, deadline)[0]) == [1, 3, 4]
     assert index_steps(s3, "stale") == [1, 3, 4]
 

@@ -168,7 +168,8 @@ def test_unreachable_store_shows_in_the_trainers_log_and_close_says_why_it_waits
     with caplog.at_level(logging.INFO, logger="shardckpt"):
         ckpt.save({"model": model}, 1).wait()
         local_dir = str(tmp_path / "local")
-        wait_for(lambda: node_registry.read_status(local_dir).get("last_error"), 120, "the uploader to record its error")
+        wait_for(lambda: node_registry.read_status(local_dir).get("last_error"), 120,
+                 "the uploader to record its error")
         ckpt.save({"model": model}, 2).wait()
         warned = [r.getMessage() for r in caplog.records if "uploads to" in r.getMessage()]
         assert warned and "are failing" in warned[0] and dead.split("//")[1] in warned[0], caplog.text

@@ -351,7 +351,9 @@ def test_concurrent_use_from_several_threads(store, tmp_path):
             srcs[key] = tmp_path / key.replace("/", "_")
             srcs[key].write_bytes(data)
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            list(pool.map(lambda k: store.put_file(str(srcs[k]), k, len(blobs[k]), layout.checksum_bytes(blobs[k]), DEADLINE), blobs))
+            list(pool.map(
+                lambda k: store.put_file(str(srcs[k]), k, len(blobs[k]), layout.checksum_bytes(blobs[k]), DEADLINE),
+                blobs))
         # Writers racing on one key: the object is always one writer's bytes whole, never a mix.
         versions = [_blob(50_000, salt=100 + i) for i in range(4)]
         barrier = threading.Barrier(len(versions))

@@ -58,7 +58,8 @@ def test_values_that_differ_by_rank_save_rank_0s_with_one_warning(ddp_values):
     assert sorted(line.split("'")[1] for line in in_memory) == ["meter", "notes", "stats"], in_memory
     warned = [line for line in log.splitlines()
               if "differs across ranks" in line and "step 6:" not in line and "step 7:" not in line]
-    by_key = {key: [line for line in warned if f" {key!r} differs" in line] for key in ("meta", "stats", "notes", "meter")}
+    by_key = {key: [line for line in warned if f" {key!r} differs" in line]
+              for key in ("meta", "stats", "notes", "meter")}
     assert all(len(lines) == 1 for lines in by_key.values()) and len(warned) == 4, warned  # two saves each
     assert "stats.big" in by_key["stats"][0] and "content digest" in by_key["stats"][0]
     assert "rank(s) 1" in by_key["meta"][0] and "rank 0" in by_key["meta"][0]
@@ -97,8 +98,8 @@ def test_generators_and_samplers_come_back_to_the_rank_that_saved_them(ddp_value
 
     shuffle, sampler = torch.Generator().manual_seed(999), RankSampler(7)
     before = sampler.order.clone()
-    state = {"model": TinyNet(width=4), "stats": {}, "notes": [], "data": {"shuffle": shuffle, "epoch": 0}, "sampler": sampler,
-             "meter": Meter(-1.0)}
+    state = {"model": TinyNet(width=4), "stats": {}, "notes": [], "data": {"shuffle": shuffle, "epoch": 0},
+             "sampler": sampler, "meter": Meter(-1.0)}
     with caplog.at_level(logging.WARNING, logger="shardckpt"):
         with ckpt_for(own_dir) as ckpt:
             assert ckpt.load(state) == 5

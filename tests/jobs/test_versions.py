@@ -116,7 +116,8 @@ def test_a_lost_nodes_disk_makes_every_rank_raise_and_start_fresh_keeps_the_surv
         assert "start_fresh=True" in error and "load(state, step=N)" in error, error
     # start_fresh=True is the deliberate new start: it loads nothing and saves 1 and 2 ...
     # (node 0 still lists the old step 3: kept, abandoned by the new history)
-    assert [(res["fresh_restored"], res["fresh_steps"]) for res in results] == [(None, [1, 2, 3]), (None, [1, 2])], results
+    assert ([(res["fresh_restored"], res["fresh_steps"]) for res in results]
+            == [(None, [1, 2, 3]), (None, [1, 2])]), results
     # Starting fresh while committed steps exist is said at WARNING, naming them and why none is resumed.
     assert "WARNING shardckpt: committed steps exist" in logs[0] and "step 3 (not complete on every rank" in logs[0]
     # ... and every committed file of the surviving node is still there, byte for byte: the
@@ -317,7 +318,8 @@ def test_a_step_saved_again_while_two_nodes_upload_it_is_never_committed_mixed(s
     # The fourth save commits once A's node has it too; every object is its own.
     fourth = layout.read_manifest(str(base4 / "rank0" / layout.step_dirname(5)))
     assert layout.version_of(fourth) not in (layout.version_of(third), layout.version_of(second))
-    assert remote_commit.push_step(store, str(base4 / "rank0"), 5, node="a", policy=one).state == remote_commit.COMMITTED
+    assert (remote_commit.push_step(store, str(base4 / "rank0"), 5, node="a", policy=one).state
+            == remote_commit.COMMITTED)
     assert layout.version_of(remote_commit.remote_manifest(store, 5, deadline)) == layout.version_of(fourth)
     steps_mod.fetch_step(store, str(tmp_path / "fetched4"), 5)
     store.close()

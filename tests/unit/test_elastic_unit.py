@@ -166,7 +166,8 @@ def _consume(samplers, steps, accum):
 
 
 def _ranks(world, b, accum=1, n=200):
-    return [ResumableSampler(n, batch_size=b, rank=r, world_size=world, seed=5, accum_steps=accum) for r in range(world)]
+    return [ResumableSampler(n, batch_size=b, rank=r, world_size=world, seed=5, accum_steps=accum)
+            for r in range(world)]
 
 
 @pytest.mark.parametrize("world, b", [(4, 2), (2, 4), (16, 1), (1, 16)])

@@ -108,9 +108,11 @@ def export_step(
     if not os.path.isdir(out_dir):
         raise ConfigError(f"cannot export to {out}: the directory {out_dir} does not exist. Remedy: create it first.")
     if os.path.isdir(out):
-        raise ConfigError(f"cannot export to {out}: it is a directory. Remedy: name the file to write, e.g. {out}/model.{_suffix(fmt)}.")
+        raise ConfigError(f"cannot export to {out}: it is a directory. "
+                          f"Remedy: name the file to write, e.g. {out}/model.{_suffix(fmt)}.")
     report = _locked(progress)
-    job = ExportJob(out=out, fmt=fmt, optimizer=optimizer, key=key, trust=trust_pickles, progress=report, batch_bytes=batch_bytes)
+    job = ExportJob(out=out, fmt=fmt, optimizer=optimizer, key=key, trust=trust_pickles, progress=report,
+                    batch_bytes=batch_bytes)
     try:
         if "://" not in src:
             return _export_local(src, step, job)

@@ -131,7 +131,9 @@ class ExportSource:
     downloads them (each verified while downloading). Each file is obtained once.
     """
 
-    def __init__(self, step_dir: str, manifest: layout.Manifest, where: str, obtain: Callable[[list[str]], None], trust: bool) -> None:
+    def __init__(
+        self, step_dir: str, manifest: layout.Manifest, where: str, obtain: Callable[[list[str]], None], trust: bool
+    ) -> None:
         self.step_dir, self.manifest, self.where, self.trust = step_dir, manifest, where, trust
         self.step = manifest.step
         self._obtain = obtain
@@ -228,7 +230,8 @@ def _optimizer_key(src: ExportSource, module_key: str, module_names: set[str]) -
     manifest = src.manifest
     optimizers = sorted(k for k, kind in manifest.keys.items() if kind == state_mod.OPTIMIZER)
     fits = [k for k in optimizers if (params := _optimizer_params(src, k)) and params <= module_names]
-    found = f"its optimizers ({', '.join(optimizers)}) are for other parameters" if optimizers else "it holds no optimizer"
+    found = (f"its optimizers ({', '.join(optimizers)}) are for other parameters" if optimizers
+             else "it holds no optimizer")
     return _the_one(
         fits,
         several=f"step {src.step} in {src.where}: several optimizers ({', '.join(fits)}) hold state for module "
@@ -252,7 +255,8 @@ def make_plan(src: ExportSource, job: ExportJob) -> ExportPlan:
     if job.optimizer:
         optimizer_key = _optimizer_key(src, module_key, {i.name for i in module})
         opt_items = _items_of(src.metadata, optimizer_key, OPTIMIZER_PREFIX)
-        clash = sorted(i.name for i in module if i.name == OPTIMIZER_PREFIX or i.name.startswith(OPTIMIZER_PREFIX + "."))
+        clash = sorted(i.name for i in module
+                       if i.name == OPTIMIZER_PREFIX or i.name.startswith(OPTIMIZER_PREFIX + "."))
         if clash:
             raise ExportError(
                 f"step {step} in {where}: the module has entries named {clash[0]!r}, which would collide with the "
@@ -275,7 +279,8 @@ def read_items(step_dir: str, metadata: Metadata, items: list[ExportItem], trust
         target[item.fqn] = torch.empty(md.size, dtype=md.properties.dtype) if item.is_tensor else md
     planner = dcp_planner.RestorePlanner(lambda _path: False, allow_partial_load=False, trust_pickles=trust)
     try:
-        _load_state_dict(target, storage_reader=dcp_planner.TrustingReader(step_dir, metadata), planner=planner, no_dist=True)
+        _load_state_dict(target, storage_reader=dcp_planner.TrustingReader(step_dir, metadata), planner=planner,
+                         no_dist=True)
     except CheckpointException as exc:
         raise dcp_planner.unwrap_failure(exc, f"reading {step_dir}") from exc
     return target

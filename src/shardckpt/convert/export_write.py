@@ -119,7 +119,11 @@ def _safetensors_order(items: list[ExportItem]) -> list[ExportItem]:
 
 
 def _write_safetensors(
-    f: Any, tensors: list[ExportItem], metadata: dict[str, str], read: Callable[[list[ExportItem]], dict[str, Any]], batch_bytes: int
+    f: Any,
+    tensors: list[ExportItem],
+    metadata: dict[str, str],
+    read: Callable[[list[ExportItem]], dict[str, Any]],
+    batch_bytes: int,
 ) -> None:
     """8-byte little-endian header length, the JSON header (padded to 8 bytes), then each tensor's bytes in order.
 

@@ -311,7 +311,8 @@ class CheckedReader(TrustingReader):
     def _check_extents(self, path: str, name: str) -> None:
         """DCP writes a file's records one after the other: records of ``.metadata`` that overlap are refused."""
         extents = sorted(
-            {(i.offset, i.offset + i.length, index.fqn) for index, i in self.storage_data.items() if i.relative_path == name}
+            {(i.offset, i.offset + i.length, index.fqn) for index, i in self.storage_data.items()
+             if i.relative_path == name}
         )
         for (a_start, a_end, a_fqn), (b_start, b_end, b_fqn) in zip(extents, extents[1:]):
             if b_start < a_end and (a_start, a_end) != (b_start, b_end):
@@ -381,7 +382,9 @@ def _read_into(f: Any, offset: int, view: memoryview, hasher: _Hasher | None, ow
         want = min(CHUNK, n - done)
         got = os.preadv(f.fileno(), [view[done : done + want]], offset + done)
         if got <= 0:
-            raise CorruptCheckpointError(f"{f.name}: ends at {offset + done}, the item needs {n - done} more bytes (truncated)")
+            raise CorruptCheckpointError(
+                f"{f.name}: ends at {offset + done}, the item needs {n - done} more bytes (truncated)"
+            )
         if hasher is not None:
             hasher.feed(view[done : done + got], owner if owner is not None else view)
         done += got

@@ -144,7 +144,8 @@ def central_directory(f: Any, offset: int, length: int) -> tuple[int, str | None
         cd_size, cd_offset = struct.unpack("<QQ", zip64[40:56])
         cd_end = zip64_at
     if cd_offset + cd_size != cd_end:
-        return -1, f"has a central directory at [{cd_offset}, {cd_offset + cd_size}) that does not end where its end record starts ({cd_end})"
+        return -1, (f"has a central directory at [{cd_offset}, {cd_offset + cd_size}) "
+                    f"that does not end where its end record starts ({cd_end})")
     return cd_offset, None
 
 
@@ -179,7 +180,8 @@ def stored_tensor(f: Any, offset: int, length: int) -> StoredTensor | None:
             info = infos[stored[0]]
     except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError, AttributeError):
         return None
-    if not isinstance(lay, _Layout) or info.compress_type != zipfile.ZIP_STORED or stored[0] != prefix + "data/" + lay.ref.key:
+    if (not isinstance(lay, _Layout) or info.compress_type != zipfile.ZIP_STORED
+            or stored[0] != prefix + "data/" + lay.ref.key):
         return None
     numel = math.prod(lay.size)
     expected_stride, acc = [], 1

@@ -11,8 +11,8 @@ Every manifest written since the digest was introduced carries
 ``"digest": "sha256:<hex>"``, the SHA-256 of its own bytes (with those hex
 digits written as zeros: :func:`seal`). It is checked before anything in the
 manifest is used: an edit of any byte (a kinds table entry, a checksum, the
-step number) that did not go through the writer is refused. Manifests written before it have no digest and are validated field
-by field only. Like the file checksums, the digest detects damage, not a
+step number) that did not go through the writer is refused. Manifests written before it have no digest and are
+validated field by field only. Like the file checksums, the digest detects damage, not a
 forger: whoever can rewrite a manifest can recompute it (see
 :data:`shardckpt.format.layout.CHECKSUM_ALGO`).
 
@@ -127,7 +127,8 @@ def _list(value: Any, what: str) -> list[Any]:
 
 
 def _show(value: Any) -> str:
-    text = json.dumps(value, allow_nan=True) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
+    text = (json.dumps(value, allow_nan=True) if isinstance(value, (str, int, float, bool, type(None)))
+            else type(value).__name__)
     kind = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
         type(value), "a number"
     )

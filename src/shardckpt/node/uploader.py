@@ -3,7 +3,8 @@
 One process per node (per local directory) uploads every committed local
 step to the remote and commits it there with the protocol of
 :mod:`shardckpt.remote.commit`; the shard files of a save still being
-written are uploaded as the writer publishes them (:mod:`shardckpt.remote.early_upload`). It is started by a trainer (see
+written are uploaded as the writer publishes them (:mod:`shardckpt.remote.early_upload`). It is started by a
+trainer (see
 :mod:`shardckpt.node.uploader_client`), by a sidecar or by systemd, holds
 ``uploader.lock`` so that a second one exits at once, and reports through
 ``status.json`` (:mod:`shardckpt.node.node_registry`). It imports no torch.
@@ -183,7 +184,8 @@ class Uploader:
         if not self.acquire_lock():
             log.info("shardckpt: an uploader already serves %s; this one exits", self.root)
             return 0
-        log.info("shardckpt: uploader (pid %d, node %s) syncing %s -> %s", os.getpid(), self.node, self.root, safe_url(self.store.url))
+        log.info("shardckpt: uploader (pid %d, node %s) syncing %s -> %s", os.getpid(), self.node, self.root,
+                 safe_url(self.store.url))
         if getattr(self.store.options, "compression", "off") == "auto":
             # Measured now, while the first save is still being written: decided before its first upload.
             auto_compress.start(self.store, auto_compress.links_path(self.root))
@@ -224,7 +226,8 @@ class Uploader:
                     all(s in self.steps and self.steps[s].attempts > 0 for s in pending)
                     or now - self._last_progress > self.give_up_s
                 ):
-                    log.error("shardckpt: steps %s are not committed on %s (last error: %s)", pending, safe_url(self.store.url), self.last_error)
+                    log.error("shardckpt: steps %s are not committed on %s (last error: %s)", pending,
+                              safe_url(self.store.url), self.last_error)
                     return 1
                 if (
                     self.exit_when_idle
@@ -274,9 +277,9 @@ class Uploader:
             t0 = time.monotonic()
             try:
                 result = push_step(
-                    self.store, self.root, step, node=self.node, policy=self.policy, skip_upload_digest=st.marker_digest,
-                    early=self.early.sent, early_tags=self.early.tags, markers=self.markers,
-                    early_forms=self.early.forms,
+                    self.store, self.root, step, node=self.node, policy=self.policy,
+                    skip_upload_digest=st.marker_digest, early=self.early.sent, early_tags=self.early.tags,
+                    markers=self.markers, early_forms=self.early.forms,
                 )
             except Exception as exc:  # noqa: BLE001 - reported and retried later
                 st.attempts += 1
@@ -285,7 +288,8 @@ class Uploader:
                 delay = min(60.0, 1.0 * 2 ** min(st.attempts - 1, 6))
                 st.next_try = time.monotonic() + delay
                 self._record_error(step, exc)
-                log.error("shardckpt: upload of step %d failed (attempt %d; retry in %.0f s): %s", step, st.attempts, delay, st.error)
+                log.error("shardckpt: upload of step %d failed (attempt %d; retry in %.0f s): %s", step, st.attempts,
+                          delay, st.error)
                 self._check_deadline(step, st)
                 continue
             st.permanent = False
@@ -327,7 +331,8 @@ class Uploader:
                 self._check_deadline(step, st)
             elif result.state == SUPERSEDED:
                 self._last_progress = time.monotonic()
-                log.info("shardckpt: step %d is not committed remotely but %s; not uploaded further", step, result.detail)
+                log.info("shardckpt: step %d is not committed remotely but %s; not uploaded further", step,
+                         result.detail)
                 self.steps.pop(step, None)
             else:
                 self.steps.pop(step, None)
@@ -405,7 +410,8 @@ class Uploader:
             "latest_local": steps[-1] if steps else None,
             "latest_remote": self.latest_remote,
             "pending_steps": pending,
-            "pending_bytes": sum(local_bytes(self.root, s) for s in pending if self.steps.get(s) is None or self.steps[s].marker_digest is None),
+            "pending_bytes": sum(local_bytes(self.root, s) for s in pending
+                                 if self.steps.get(s) is None or self.steps[s].marker_digest is None),
             "waiting": {str(s): st.waiting for s, st in self.steps.items() if st.waiting and s in pending},
             "failed": {str(s): st.error for s, st in self.steps.items() if st.error and s in pending},
             # Pending steps whose last attempt failed for a reason retries do not fix.
@@ -526,15 +532,17 @@ def add_transfer_args(p: Any) -> None:
 
 def add_sync_args(p: Any) -> None:
     add_transfer_args(p)
-    p.add_argument("--keep-last", type=int, default=_env("remote_keep_last", None, int),
-                   help="remote retention: keep the newest N live steps (default: SHARDCKPT_REMOTE_KEEP_LAST, else all)")
+    p.add_argument("--keep-last", type=int, default=_env("remote_keep_last", None, int), help="remote retention: "
+                   "keep the newest N live steps (default: SHARDCKPT_REMOTE_KEEP_LAST, else all)")
     p.add_argument("--keep-every", type=int, default=_env("remote_keep_every", None, int),
                    help="remote retention: also keep every multiple of K (default: SHARDCKPT_REMOTE_KEEP_EVERY)")
     add_best_args(p)
     p.add_argument("--once", action="store_true", help="exit when nothing is pending (status 1 if a step failed)")
-    p.add_argument("--exit-when-idle", action="store_true", help="exit when nothing is pending and no trainer of this node is alive")
+    p.add_argument("--exit-when-idle", action="store_true",
+                   help="exit when nothing is pending and no trainer of this node is alive")
     p.add_argument("--poll", type=float, default=0.5, help="seconds between scans of the local directory")
-    p.add_argument("--give-up", type=float, default=600.0, help="with --exit-when-idle/--once: exit after this many seconds without progress")
+    p.add_argument("--give-up", type=float, default=600.0,
+                   help="with --exit-when-idle/--once: exit after this many seconds without progress")
     p.add_argument("--commit-timeout", type=float, default=_env("remote_commit_timeout_s", 1800.0, float),
                    help="report a step failed when it is not committed this many seconds after its save "
                         "(default: SHARDCKPT_REMOTE_COMMIT_TIMEOUT_S, else 1800)")
@@ -575,17 +583,9 @@ def policy_from_args(args: Any) -> RetentionPolicy | None:
 
 
 def sync_from_args(args: Any) -> int:
-    uploader = Uploader(
-        args.local,
-        store_from_args(args),
-        node=args.node or socket.gethostname(),
-        policy=policy_from_args(args),
-        poll_s=args.poll,
-        exit_when_idle=args.exit_when_idle,
-        once=args.once,
-        give_up_s=args.give_up,
-        commit_timeout_s=args.commit_timeout,
-    )
+    uploader = Uploader(args.local, store_from_args(args), node=args.node or socket.gethostname(),
+                        policy=policy_from_args(args), poll_s=args.poll, exit_when_idle=args.exit_when_idle,
+                        once=args.once, give_up_s=args.give_up, commit_timeout_s=args.commit_timeout)
     return run_uploader(uploader)
 
 

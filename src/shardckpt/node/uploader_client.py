@@ -125,7 +125,8 @@ class UploaderClient:
             self._warn(
                 "restart", now,
                 "shardckpt: the uploader of %s is not running while steps %s wait for %s; starting it again "
-                "(its log: %s)", self.root, pending, safe_url(self.url), os.path.join(state_dir(self.root), "uploader.log"),
+                "(its log: %s)", self.root, pending, safe_url(self.url),
+                os.path.join(state_dir(self.root), "uploader.log"),
             )
             spawn_uploader(self.root, self.url, self.uploader_args())
             self._spawned_at = now
@@ -145,7 +146,8 @@ class UploaderClient:
                 "error", now,
                 "shardckpt: uploads to %s are failing: %s. Steps %s (%s) wait on the local disk; the uploader "
                 "keeps retrying (its log: %s)",
-                safe_url(self.url), error, pending, fmt_bytes(sum(remote_commit.local_bytes(self.root, s) for s in pending)),
+                safe_url(self.url), error, pending,
+                fmt_bytes(sum(remote_commit.local_bytes(self.root, s) for s in pending)),
                 os.path.join(state_dir(self.root), "uploader.log"),
             )
 
@@ -231,7 +233,8 @@ class UploaderClient:
             "last_upload_error": info.get("last_error"),
             "failed_commits": {int(k): v for k, v in (info.get("failed_steps") or {}).items()
                                if k.isdigit() and int(k) in pending},
-            "uploader": {"pid": pid, "running": pid is not None, "state": info.get("state"), "mode": self.config.uploader.value},
+            "uploader": {"pid": pid, "running": pid is not None, "state": info.get("state"),
+                         "mode": self.config.uploader.value},
             "drain": self.drain_report,
         }
 
@@ -296,7 +299,8 @@ class UploaderClient:
                 ended = "permanent upload error"
                 break
             # Every pending step is past remote_commit_timeout_s: another node's part is missing.
-            if running is not None and {str(s) for s in pending} <= set(read_status(self.root).get("failed_steps") or {}):
+            if (running is not None
+                    and {str(s) for s in pending} <= set(read_status(self.root).get("failed_steps") or {})):
                 ended = "remote_commit_timeout_s"
                 break
             if time.monotonic() - last_log >= 10.0:
@@ -329,7 +333,8 @@ class UploaderClient:
                     f"{safe_url(url)} --once` to upload them"
                 )
             log.warning(
-                "shardckpt: close(): steps %s (%s) of %s are not yet committed on %s after %.0f s; %s. Last upload error: %s",
+                "shardckpt: close(): steps %s (%s) of %s are not yet committed on %s after %.0f s; %s. "
+                "Last upload error: %s",
                 pending, fmt_bytes(report["pending_bytes"]), self.root, safe_url(url), report["waited_s"], what,
                 report["last_error"],
             )

@@ -210,15 +210,18 @@ def push_step(
     # The step record, not the manifest: only the committer ever downloads the whole manifest.
     record = committed_record(store, step, deadline)
     committed = None if record is None else (
-        manifest if record.files_digest == digest else record.manifest or remote_index.remote_manifest(store, step, deadline)
+        manifest if record.files_digest == digest
+        else record.manifest or remote_index.remote_manifest(store, step, deadline)
     )
     if committed is not None:
         if files_digest(committed) == digest:
             # Any node's copy of .metadata may repair the remote one (it is the same file).
-            repaired = _repair_remote(store, step_dir, step, remote_index.remote_manifest(store, step, deadline) or manifest, held,
+            repaired = _repair_remote(store, step_dir, step,
+                                      remote_index.remote_manifest(store, step, deadline) or manifest, held,
                                       deadline) if verify_remote else []
             mark_uploaded(step_dir, store.url, manifest)
-            detail = f"already committed; replaced {len(repaired)} corrupt object(s): {', '.join(repaired)}" if repaired else "already committed"
+            detail = (f"already committed; replaced {len(repaired)} corrupt object(s): {', '.join(repaired)}"
+                      if repaired else "already committed")
             return PushResult(COMMITTED, sum(manifest.files[n].size for n in repaired), detail)
         if committed.created >= manifest.created:
             raise RemoteError(
@@ -356,7 +359,8 @@ def push_step(
         try:
             apply_remote_retention(store, policy, deadline, known={step: manifest}, protect_known=False)
         except (RemoteError, CorruptCheckpointError) as exc:
-            log.warning("shardckpt: step %d is committed on %s, but remote retention failed: %s", step, safe_url(store.url), exc)
+            log.warning("shardckpt: step %d is committed on %s, but remote retention failed: %s", step,
+                        safe_url(store.url), exc)
     return PushResult(COMMITTED, sent, committer=True)
 
 

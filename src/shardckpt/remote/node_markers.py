@@ -136,7 +136,8 @@ def read_markers(
     """
     prefix = step_key(step, NODES_DIR)
     listed = store.list_tags(prefix, deadline)
-    names = sorted(n for n in (listed if listed is not None else store.list_sizes(prefix, deadline)) if n.endswith(".json"))
+    names = sorted(n for n in (listed if listed is not None else store.list_sizes(prefix, deadline))
+                   if n.endswith(".json"))
     if only is not None:
         names = [n for n in names if (marker_ranks(n) or only) & only]
     tags = {n: (listed or {}).get(n, (0, ""))[1] for n in names}

@@ -130,7 +130,8 @@ class StepView:
         key = self.key(name)
         form = self._form(name)
         if form is not None:
-            compressed.fetch_whole(self.store, key + compressed.SUFFIX, self.step, entry, form, path, self.deadline, on_bytes)
+            compressed.fetch_whole(self.store, key + compressed.SUFFIX, self.step, entry, form, path, self.deadline,
+                                   on_bytes)
             return
         read_committed(self.store, key, self.step, self.deadline,
                        lambda: self.store.get_file(key, path, entry.size, entry.checksum, self.deadline, on_bytes),
@@ -152,13 +153,16 @@ class StepView:
         entry = self.manifest.files.get(name)
         where = self.where(name)
         if entry is None:
-            raise CorruptCheckpointError(f"step {self.step}: {where} is not in the manifest; the step cannot be trusted")
+            raise CorruptCheckpointError(
+                f"step {self.step}: {where} is not in the manifest; the step cannot be trusted"
+            )
         data = self.read(name, 0, entry.size) if self._form(name) is not None else \
             self.store.get_bytes(self.key(name), self.deadline)
         if data is None:
             raise CorruptCheckpointError(f"step {self.step}: file {where} named in the manifest is missing. "
                                          + layout.verify_remedy(self.step))
-        problem = layout.file_problem(self.step, where, entry, len(data), layout.checksum_bytes(data, like=entry.checksum))
+        problem = layout.file_problem(self.step, where, entry, len(data),
+                                      layout.checksum_bytes(data, like=entry.checksum))
         if problem:
             raise CorruptCheckpointError(problem)
         return data
@@ -182,7 +186,8 @@ class StepView:
                                            self.deadline)
             if got is None:
                 raise CorruptCheckpointError(
-                    f"step {self.step}: file {where} named in the manifest is missing. {layout.verify_remedy(self.step)}"
+                    f"step {self.step}: file {where} named in the manifest is missing. "
+                    f"{layout.verify_remedy(self.step)}"
                 )
             problem = layout.file_problem(self.step, where, entry, got[0], got[1])
             if problem:

@@ -93,13 +93,15 @@ class FsspecStore(NetworkStore):
         self.retry(lambda: self._write(key, lambda: [data]), "upload of", key, deadline)
 
     def put_file(
-        self, path: str, key: str, size: int, checksum: str, deadline: Deadline, on_bytes: Callable[[int], None] | None = None
+        self, path: str, key: str, size: int, checksum: str, deadline: Deadline,
+        on_bytes: Callable[[int], None] | None = None
     ) -> None:
         def chunks():
             with open(path, "rb") as f:
                 yield from file_chunks(f)
 
-        n, digest = self.retry(lambda: self._write(key, chunks, like=checksum, expect=(size, checksum)), "upload of", key, deadline)
+        n, digest = self.retry(lambda: self._write(key, chunks, like=checksum, expect=(size, checksum)), "upload of",
+                               key, deadline)
         if n != size or digest != checksum:
             raise local_mismatch(path, self.where(key), "differs (size or checksum)")
         self._record(key, checksum)
@@ -186,7 +188,8 @@ class FsspecStore(NetworkStore):
         return self.retry(call, "verification of", key, deadline)
 
     def get_file(
-        self, key: str, path: str, size: int, checksum: str, deadline: Deadline, on_bytes: Callable[[int], None] | None = None
+        self, key: str, path: str, size: int, checksum: str, deadline: Deadline,
+        on_bytes: Callable[[int], None] | None = None
     ) -> None:
         def call() -> tuple[int, str]:
             with self.fs.open(self.path(key), "rb") as src, open(path, "wb") as dst:

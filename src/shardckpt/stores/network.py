@@ -117,7 +117,9 @@ def check_remote_url(url: str) -> None:
         try:
             import boto3  # noqa: F401
         except ImportError as exc:
-            raise ConfigError(f"remote={safe_url(url)!r} needs boto3: pip install 'boto3' (see deploy/constraints.txt)") from exc
+            raise ConfigError(
+                f"remote={safe_url(url)!r} needs boto3: pip install 'boto3' (see deploy/constraints.txt)"
+            ) from exc
         return
     try:
         import fsspec
@@ -236,7 +238,8 @@ class NetworkStore(Store):
                     )
                     err.retryable = True  # transient by kind; may succeed later
                     raise err from exc
-                log.debug("shardckpt: %s %s: %s; retry %d in %.2f s", what, self.where(key), self.describe(exc), attempt, delay)
+                log.debug("shardckpt: %s %s: %s; retry %d in %.2f s", what, self.where(key), self.describe(exc),
+                          attempt, delay)
                 time.sleep(delay)
 
     def once(self, fn: Callable[[], T], what: str, key: str) -> T:

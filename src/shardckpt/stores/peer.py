@@ -44,7 +44,8 @@ class PeerStore(Store):
 
     def _steps(self) -> set[int]:
         listing: dict[str, Any] = self.client.list_steps()
-        held = listing.get("local") if self.owner is None else (listing.get("replicas") or {}).get(owner_dirname(self.owner))
+        held = (listing.get("local") if self.owner is None
+                else (listing.get("replicas") or {}).get(owner_dirname(self.owner)))
         return {int(s) for s in (held or {}) if str(s).isdigit()}
 
     def _split(self, key: str) -> tuple[int, str] | None:

@@ -121,7 +121,8 @@ class S3Store(S3Uploads, NetworkStore):
                     f"({self.endpoint or 'AWS'}) is the store those credentials belong to."
                 )
             if status == 403:
-                return "Remedy: the credentials lack permission for this bucket/prefix (s3:GetObject, PutObject, ListBucket, DeleteObject)."
+                return ("Remedy: the credentials lack permission for this bucket/prefix "
+                        "(s3:GetObject, PutObject, ListBucket, DeleteObject).")
             if code == "NoSuchBucket":
                 return f"Remedy: create the bucket {self.bucket!r} or fix the remote URL."
         if isinstance(exc, (self._bexc.EndpointConnectionError, self._bexc.ConnectTimeoutError)):
@@ -200,7 +201,8 @@ class S3Store(S3Uploads, NetworkStore):
         return self.retry(call, "lookup of", key, deadline)
 
     def get_file(
-        self, key: str, path: str, size: int, checksum: str, deadline: Deadline, on_bytes: Callable[[int], None] | None = None
+        self, key: str, path: str, size: int, checksum: str, deadline: Deadline,
+        on_bytes: Callable[[int], None] | None = None
     ) -> None:
         try:
             self._get_file(key, path, size, checksum, deadline, on_bytes)
@@ -411,7 +413,8 @@ class S3Store(S3Uploads, NetworkStore):
             )
 
     def delete(self, key: str, deadline: Deadline) -> None:
-        self.retry(lambda: self.client.delete_object(Bucket=self.bucket, Key=self.full_key(key)), "deletion of", key, deadline)
+        self.retry(lambda: self.client.delete_object(Bucket=self.bucket, Key=self.full_key(key)), "deletion of", key,
+                   deadline)
 
 
 _PAGE = 1000

@@ -44,7 +44,8 @@ class S3Uploads:
         )
 
     def put_file(
-        self, path: str, key: str, size: int, checksum: str, deadline: Deadline, on_bytes: Callable[[int], None] | None = None
+        self, path: str, key: str, size: int, checksum: str, deadline: Deadline,
+        on_bytes: Callable[[int], None] | None = None
     ) -> str | None:
         opts = self.options
         if size < opts.multipart_threshold:
