@@ -157,11 +157,17 @@ def test_two_nodes_upload_then_restore_on_new_instances(s3, tmp_path):
         for proxy in proxies:
             proxy.stop()
     saved = torch.load(tmp_path / "saved.pt")
-    restored = torch.load(tmp_path / "restored.pt")
-    assert restored["step"] == 3
-    assert saved["tensors"].keys() == restored["tensors"].keys()
-    for key, value in saved["tensors"].items():
-        assert torch.equal(value, restored["tensors"][key]), key
+    # Both loads bitwise: the first (which received the damaged chunk) and the second (which read what the
+    # first fetched); and no chunk the sparse copies hold fails its checksum on disk (a received chunk that
+    # failed was never written as held).
+    for restored in (torch.load(tmp_path / "restored.pt.first"), torch.load(tmp_path / "restored.pt")):
+        assert restored["step"] == 3
+        assert saved["tensors"].keys() == restored["tensors"].keys()
+        for key, value in saved["tensors"].items():
+            assert torch.equal(value, restored["tensors"][key]), key
+    for node in range(2):
+        held = json.loads((tmp_path / f"restored.pt.held{node}.json").read_text())
+        assert held["held"] > 0 and held["bad"] == [], (node, held)
     # Each new node fetched the ranges its rank read: about half of the shard bytes.
     shards = sum(e.size for n, e in manifest.files.items() if n.endswith(".distcp"))
     where = f"/{layout.step_dirname(3)}/"

@@ -66,6 +66,33 @@ def dump(model, optim, step, out, rank, extra=None):
         torch.save({"step": step, "tensors": flat}, out)
 
 
+def held_report(local_dir, out):
+    """On each node's first rank: the chunks its sparse copy says it holds that fail their checksum on disk."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    import json
+
+    from shardckpt.format import layout
+    from shardckpt.tiers import ranged
+
+    report = {"held": 0, "bad": []}
+    for sparse in sorted(n for n in os.listdir(local_dir) if n.startswith(ranged.SPARSE_PREFIX)):
+        directory = os.path.join(local_dir, sparse)
+        manifest = ranged._read_manifest_copy(directory)
+        with open(os.path.join(directory, ranged.HELD_NAME), encoding="utf-8") as f:
+            held = json.load(f)
+        for name, indices in held.items():
+            entry = manifest.files[name]
+            chunk, sums = layout.chunk_table(entry.chunks, entry.size)
+            with open(os.path.join(directory, name), "rb") as f:
+                for i in indices:
+                    report["held"] += 1
+                    if layout.chunk_sum(os.pread(f.fileno(), chunk, i * chunk)) != sums[i]:
+                        report["bad"].append([sparse, name, i])
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(report, f)
+
+
 def main() -> None:
     mode, base, remote, out = sys.argv[1:5]
     if os.environ.get("RT_CHUNK"):
@@ -91,6 +118,10 @@ def main() -> None:
     if mode == "restore":
         step = ckpt.load(state)
         if os.environ.get("RT_LOAD_TWICE") == "1":
+            # What the first load gave, and whether every chunk its sparse copy holds is intact, before the
+            # second load (which checks held chunks from disk and would mend a bad one) reads it again.
+            dump(model, optim, step, out + ".first", rank, extra)
+            held_report(local_dir, f"{out}.held{node}.json")
             assert ckpt.load(state) == step
         dump(model, optim, step, out, rank, extra)
         ckpt.close()
