@@ -73,7 +73,7 @@ def held_report(local_dir, out):
     import json
 
     from shardckpt.format import layout
-    from shardckpt.tiers import ranged
+    from shardckpt.remote import ranged
 
     report = {"held": 0, "bad": []}
     for sparse in sorted(n for n in os.listdir(local_dir) if n.startswith(ranged.SPARSE_PREFIX)):

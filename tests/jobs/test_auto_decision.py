@@ -18,7 +18,7 @@ import pytest
 from faultproxy import FaultProxy
 from s3server import BUCKET, reset_if_used, transfer_options
 from shardckpt import stores
-from shardckpt.tiers import auto_compress, compressed
+from shardckpt.remote import auto_compress, compressed
 
 BIG = 64 << 20
 """A shard file's size well over ``AUTO_MIN_FILE_BYTES``: auto compresses it when it decided to compress."""

@@ -14,8 +14,8 @@ import torch
 import shardckpt
 from shardckpt import _failpoints, stores
 from shardckpt.format import layout
-from shardckpt.tiers import remote_commit
-from shardckpt.tiers import steps as steps_mod
+from shardckpt.remote import commit as remote_commit
+from shardckpt import steps as steps_mod
 
 
 def _save(local_dir, step: int, value: float) -> None:

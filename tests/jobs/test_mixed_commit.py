@@ -24,8 +24,9 @@ from s3server import BUCKET, reset_if_used
 from shardckpt import _failpoints, stores
 from shardckpt.errors import RemoteError
 from shardckpt.format import layout
-from shardckpt.tiers import remote_commit
-from shardckpt.tiers import steps as steps_mod
+from shardckpt.remote import commit as remote_commit
+from shardckpt.remote import listing as remote_listing
+from shardckpt import steps as steps_mod
 
 PROG = PROGRAMS / "multinode.py"
 
@@ -76,8 +77,8 @@ def test_objects_of_another_save_landing_before_the_commit_are_never_committed(s
     # the end nor at any moment of A's pass (A never wrote its manifest over them).
     assert seen_committed == [], seen_committed
     assert remote_commit.remote_manifest(store, 5, deadline) is None
-    assert remote_commit.committed_record(store, 5, deadline) is None
-    assert remote_commit.remote_steps(store, deadline) == []
+    assert remote_listing.committed_record(store, 5, deadline) is None
+    assert remote_listing.remote_steps(store, deadline) == []
     for name in b_first:
         data = store.get_bytes(remote_commit.step_key(5, name), deadline)
         assert layout.checksum_bytes(data, like=second.files[name].checksum) == second.files[name].checksum, name
