@@ -23,9 +23,9 @@ from shardckpt import cli
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format import layout
 from shardckpt.format import replicas
-from shardckpt.node import peer_daemon, peer_server, peer_service
+from shardckpt.node import peer_admission, peer_daemon, peer_server, peer_service
 from shardckpt.restoring import views
-from shardckpt.stores import peer_client, tls
+from shardckpt.stores import admission, peer_client, tls
 
 class Job:
     """The TLS identities of a few simulated nodes (each its own key pair) and what pins them."""
@@ -78,6 +78,7 @@ def _tier(job, me, nodes):
 
     return types.SimpleNamespace(
         on=True, committer=True, node_name=f"{me}:0", client_context=tls.client_context(job.ids[me], job.certs),
+        admission=admission.load(job.ids[me], job.certs),
         nodes=[{"node": f"{n}:0", "addr": a, "cert": job.ids[c].cert_pem} for n, a, c in nodes])
 
 
@@ -946,7 +947,7 @@ def test_strangers_flooding_the_endpoint_neither_stop_replication_nor_take_its_c
               f"(median {sorted(answered)[len(answered) // 2] * 1000:.0f} ms), {len(failed)} failed")
         assert sent >= 500 and not failed and len(answered) >= 10, (sent, failed[:3], len(answered))
         # The flooding address got its budget of handshakes (a burst, then a rate), not one per ClientHello.
-        budget = 1.2 * (peer_server.HANDSHAKE_BURST + peer_server.HANDSHAKES_PER_S * wall)  # 20 %: the clock's edges
+        budget = 1.2 * (peer_admission.HANDSHAKE_BURST + peer_admission.HANDSHAKES_PER_S * wall)  # 20 %: the clock's edges
         assert worked <= budget, f"the endpoint worked on {worked} of {sent} replayed ClientHellos (budget {budget:.0f})"
         # Each ClientHello beyond the budget is closed unworked (~0.05 ms here; a handshake costs ~0.35 ms), and
         # the endpoint never spends more than its one loop thread on them, however fast the flood comes.

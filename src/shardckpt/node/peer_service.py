@@ -27,6 +27,7 @@ from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format import layout, lineage
 from shardckpt.format.replicas import (committed_replicas, file_size, manifest_or_none, owner_dirname, remove_step,
                                        replicas_root, version_tag)
+from shardckpt.stores.admission import Admission
 from shardckpt.stores.tls import fingerprint
 
 log = logging.getLogger("shardckpt")
@@ -83,6 +84,9 @@ class PeerService:
         """The server TLS context (:func:`shardckpt.stores.tls.server_context`); ``None``: no connection is served."""
         self.members: dict[str, str] = dict(members or {})
         """``{certificate fingerprint: node}`` of the job's nodes: who may write which owner's replicas."""
+        self.admission: Admission | None = None
+        """This node's admission keys with the members (:mod:`shardckpt.stores.admission`): whose token
+        puts a connection in its member's own queue (``None``: every connection waits with strangers)."""
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
         self.last_request = time.monotonic()
@@ -92,9 +96,10 @@ class PeerService:
         """The newest step complete across any single node's loss, as the job's nodes agreed at a save
         (``peer-agreed.json``, set by the daemon): replicas of it and of newer steps are never deleted."""
 
-    def configure(self, context: ssl.SSLContext, members: dict[str, str]) -> None:
-        """Serve new connections with ``context`` (a relaunch's certificates); connections open go on."""
-        self.context, self.members = context, dict(members)
+    def configure(self, context: ssl.SSLContext, members: dict[str, str], admission: Admission | None = None) -> None:
+        """Serve new connections with ``context`` (a relaunch's certificates) and ``admission`` (the members'
+        tokens); connections open go on."""
+        self.context, self.members, self.admission = context, dict(members), admission
 
     def owner_lock(self, owner: str) -> threading.Lock:
         with self._locks_lock:

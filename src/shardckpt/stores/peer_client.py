@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator
 from shardckpt.errors import CorruptCheckpointError, RemoteError
 from shardckpt.format import layout
 from shardckpt.format.replicas import owner_dirname, version_tag
+from shardckpt.stores.admission import Admission
 from shardckpt.stores.tls import fingerprint
 
 log = logging.getLogger("shardckpt")
@@ -63,18 +64,22 @@ class PeerClient:
     certificate the node at ``addr`` must present (``None``: any certificate the
     context trusts, e.g. an operator's CA). At most ``connections`` requests are
     in flight at once, each on a connection kept open for the next (bounded by
-    ``timeout_s`` per blocking step); every call raises :class:`PeerError` when
+    ``timeout_s`` per blocking step); ``admission``: this node's admission keys
+    (:mod:`shardckpt.stores.admission`), whose token for ``expect`` opens each
+    new connection, so that the peer takes it in its member's queue rather than
+    the strangers'. Every call raises :class:`PeerError` when
     the peer refuses, cannot be reached, or is not the node expected. Safe to
     use from several threads; :meth:`close` ends the kept connections.
     """
 
     def __init__(self, addr: str, context: ssl.SSLContext, *, expect: str | None = None,
-                 timeout_s: float = 60.0, connections: int = PARALLEL) -> None:
+                 timeout_s: float = 60.0, connections: int = PARALLEL, admission: Admission | None = None) -> None:
         host, _, port = addr.rpartition(":")
         self.addr = addr
         self.host, self.port = host, int(port)
         self.context = context
         self.expect = expect
+        self.admission = admission
         self.timeout_s = timeout_s
         self.connections = max(1, connections)
         self._idle: list[_PinnedConnection] = []
@@ -87,7 +92,7 @@ class PeerClient:
         """An open connection to the peer, its certificate checked against the one pinned for it (and again
         on any reconnection the connection makes by itself)."""
         conn = _PinnedConnection(self.host, self.port, timeout=self.timeout_s, context=self.context)
-        conn.pinned, conn.addr = self.expect, self.addr
+        conn.pinned, conn.addr, conn.admission = self.expect, self.addr, self.admission
         try:
             conn.connect()
         except PeerError:
@@ -335,10 +340,17 @@ class _PinnedConnection(http.client.HTTPSConnection):
 
     pinned: str | None = None
     addr: str = ""
+    admission: Admission | None = None
     _transfer: memoryview | None = None
 
     def connect(self) -> None:
-        super().connect()
+        token = self.admission.preamble(self.pinned) if self.admission is not None else None
+        if token is None:
+            super().connect()
+        else:  # http.client's HTTPSConnection.connect, with the token sent before the ClientHello
+            http.client.HTTPConnection.connect(self)
+            self.sock.sendall(token)
+            self.sock = self._context.wrap_socket(self.sock, server_hostname=self.host)
         presented = self.sock.getpeercert(binary_form=True) if self.sock is not None else None
         if self.pinned is not None and (presented is None or fingerprint(presented) != self.pinned):
             self.close()
