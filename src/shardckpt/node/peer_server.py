@@ -47,7 +47,7 @@ from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format import lineage
 from shardckpt.format.replicas import owner_dirname
 from shardckpt.node.peer_admission import MAX_PENDING, Doorway, Pending
-from shardckpt.node.peer_service import MAX_SMALL_BODY, PeerService, _Refused
+from shardckpt.node.peer_service import MAX_SMALL_BODY, PeerService, _Refused, number
 from shardckpt.stores.peer_client import LIVE_HEADER
 from shardckpt.stores.tls import fingerprint
 
@@ -127,7 +127,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         # first, so that the client gets the answer rather than a reset.
         self.close_connection = True
         raw = self.headers.get("Content-Length", "") if self.headers is not None else ""
-        if not getattr(self, "_body_taken", True) and raw.isdigit() and int(raw) <= 65536:
+        if not getattr(self, "_body_taken", True) and raw.isascii() and raw.isdigit() and len(raw) <= 5 \
+                and int(raw) <= 65536:
             self._body_taken = True
             try:
                 self.rfile.read(int(raw))
@@ -162,11 +163,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self.headers.get("Transfer-Encoding"):
             raise _Refused(411, "a body must have a Content-Length")
         raw = self.headers.get("Content-Length")
-        if raw is None or not raw.isdigit():
+        length = number(raw, "Content-Length") if raw is not None else None
+        if length is None:
             raise _Refused(411, "a body must have a Content-Length")
-        if int(raw) > limit:
+        if length > limit:
             raise _Refused(413, f"body of {raw} bytes is larger than {limit}")
-        return int(raw)
+        return length
 
     def _small_body(self) -> bytes:
         length = self._length(MAX_SMALL_BODY)
@@ -215,9 +217,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         start, end, status = 0, size, 200
         spec = self.headers.get("Range")
         if spec:
-            match = re.fullmatch(r"bytes=(\d+)-(\d*)", spec.strip())
-            start = int(match.group(1)) if match else 0
-            end = (min(size, int(match.group(2)) + 1) if match.group(2) else size) if match else 0
+            match = re.fullmatch(r"bytes=([0-9]+)-([0-9]*)", spec.strip())
+            start = (number(match.group(1), "Range start") or 0) if match else 0
+            end = (min(size, (number(match.group(2), "Range end") or 0) + 1) if match.group(2) else size) \
+                if match else 0
             if not match or start >= size or end <= start:
                 raise _Refused(416, f"range {spec!r} of a {size}-byte file", {"Content-Range": f"bytes */{size}"})
             status = 206
@@ -240,9 +243,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _post(self) -> None:
         parts = self._route()
-        if len(parts) != 5 or parts[0] != "replica" or not parts[2].isdigit() or parts[4] not in ("begin", "commit"):
+        step = number(parts[2], "step") if len(parts) == 5 else None
+        if step is None or parts[0] != "replica" or parts[4] not in ("begin", "commit"):
             raise _Refused(404, "no such resource")
-        owner, step, tag = parts[1], int(parts[2]), parts[3]
+        owner, tag = parts[1], parts[3]
         body = self._small_body()  # read first (bounded): the refusal below then reaches the client
         self._writer(owner)
         if parts[4] == "begin":
@@ -265,7 +269,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _put(self) -> None:
         parts = self._route()
-        if len(parts) != 6 or parts[0] != "replica" or not parts[2].isdigit() or parts[4] != "f":
+        step = number(parts[2], "step") if len(parts) == 6 else None
+        if step is None or parts[0] != "replica" or parts[4] != "f":
             raise _Refused(404, "no such resource")
         self._writer(parts[1])
         length = self._length(1 << 62)
@@ -274,7 +279,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._body_taken = True
             return self.rfile.readinto(into) or 0
 
-        self.service.receive(parts[1], int(parts[2]), parts[3], parts[5], length, readinto)
+        self.service.receive(parts[1], step, parts[3], parts[5], length, readinto)
         self._reply(200, b"{}")
 
     def do_DELETE(self) -> None:  # noqa: N802

@@ -48,6 +48,20 @@ class _Refused(Exception):
         self.headers = dict(headers or {})
 
 
+MAX_DIGITS = 18
+"""Digits of a number a request may carry (a step, a byte offset, a length): below 10**18."""
+
+
+def number(text: str, what: str) -> int | None:
+    """``text`` as a number (``None``: not plain ASCII digits); refused with 400 when it has more than
+    :data:`MAX_DIGITS` digits (Python would not even convert 5,000)."""
+    if not text or not text.isascii() or not text.isdigit():
+        return None
+    if len(text) > MAX_DIGITS:
+        raise _Refused(400, f"{what} {text[:24]}... has {len(text)} digits; at most {MAX_DIGITS} are accepted")
+    return int(text)
+
+
 def _safe_name(name: str) -> str:
     """A file name from a request path: one plain component, no way out of its directory."""
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
@@ -133,9 +147,10 @@ class PeerService:
             base, rest = os.path.join(replicas_root(self.root), self._owner(parts[1])), parts[2:]
         else:
             raise _Refused(404, "no such resource")
-        if not rest[0].isdigit():
-            raise _Refused(400, f"step {rest[0]!r} is not a number")
-        return os.path.join(base, layout.step_dirname(int(rest[0]))), rest[1:]
+        step = number(rest[0], "step")
+        if step is None:
+            raise _Refused(400, f"step {rest[0][:40]!r} is not a number")
+        return os.path.join(base, layout.step_dirname(step)), rest[1:]
 
     @staticmethod
     def _owner(name: str) -> str:
