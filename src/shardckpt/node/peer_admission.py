@@ -21,9 +21,9 @@ a TLS ClientHello out of the socket) and sorts it:
   newer connection of its address closes it, its address is charged one
   handshake.
 
-A full pool gives way from its oldest connection once that one had
-:data:`MIN_PENDING_S` (else the newcomer is closed), per source first, then
-in all. Every pending connection has :data:`PENDING_S` seconds to end its
+A full pool gives way from its oldest connection, per source first, then in
+all (never the newcomer: it may be a member whose token is on its way).
+Every pending connection has :data:`PENDING_S` seconds to end its
 handshake. It imports no torch.
 """
 
@@ -41,18 +41,15 @@ from shardckpt.stores import admission as tokens
 MAX_PENDING = 256
 """Strangers' connections whose TLS handshake is not done yet, all sources together (at most a quarter of
 the open-file limit)."""
-PENDING_PER_SOURCE = 16
-"""Strangers' pending connections per source address."""
+PENDING_PER_SOURCE = 64
+"""Strangers' pending connections per source address (a socket each, no TLS object until it speaks)."""
 PENDING_S = 3.0
 """Seconds a connection has from its acceptance to the end of its TLS handshake."""
-MIN_PENDING_S = 0.5
-"""Seconds a pending connection keeps its place when every place is taken (so that a flood turning over
-its connections cannot push another's handshake out, nor spin the loop)."""
 HANDSHAKES_PER_S = 20.0
 """Strangers' ClientHellos per second and source address that are given a TLS handshake (on average)."""
 HANDSHAKE_BURST = 40.0
 """Strangers' ClientHellos one source address may send at once before its rate applies."""
-STRANGER_CPU_SHARE = 0.2
+STRANGER_CPU_SHARE = 0.15
 """Share of one core that strangers' TLS handshakes may take, all sources together (measured per handshake)."""
 MEMBER_PENDING = 16
 """A member's own connections pending at once (a member's client keeps a few per peer)."""
@@ -280,18 +277,16 @@ class Doorway:
     # ---- the strangers' places
 
     def _place(self, pending: Pending, now: float) -> bool:
-        """A place in the strangers' pool, its address's oldest or the oldest in all giving way (or not)."""
+        """A place in the strangers' pool: when its address's places (or all) are taken, the oldest of them
+        gives way. The newcomer never does: a member's connection whose token is a moment late (its
+        process descheduled between its connect and its send) thus keeps its place for as long as the
+        flood takes to open as many connections as there are places (:data:`PENDING_PER_SOURCE` / rate)."""
         mine = self._by_source.setdefault(pending.source, collections.OrderedDict())
         for pool, bound, what in ((mine, PENDING_PER_SOURCE, f"from {pending.source}"),
                                   (self.strangers, self.max_pending, "in all")):
             if len(pool) < bound:
                 continue
             oldest = next(iter(pool.values()))
-            if now - oldest.since < MIN_PENDING_S:
-                self.note(f"a connection from {pending.source}: {bound} strangers' connections pending {what}")
-                self.sources.charge(pending.source, now)
-                self._close(pending)
-                return False
             self.note(f"a pending connection from {oldest.source}: {bound} strangers' connections pending {what}, "
                       f"the oldest gives way")
             self.sources.charge(oldest.source, now)

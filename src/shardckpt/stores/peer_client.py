@@ -46,6 +46,11 @@ _STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError,
 """What a kept-open connection that the peer closed meanwhile (its idle limit) answers a new request with."""
 
 
+_RESET = (ConnectionResetError, BrokenPipeError, ssl.SSLEOFError)
+"""What a new connection that the peer closed before its TLS handshake ended answers (nothing was asked of
+the peer yet: it is opened once more)."""
+
+
 class PeerError(RemoteError):
     """A peer request failed (refused, unreachable, or the bytes did not match). ``status`` is the
     peer's HTTP answer when it answered (404: it holds no such file), else ``None``."""
@@ -91,18 +96,26 @@ class PeerClient:
     def _connect(self) -> "_PinnedConnection":
         """An open connection to the peer, its certificate checked against the one pinned for it (and again
         on any reconnection the connection makes by itself)."""
-        conn = _PinnedConnection(self.host, self.port, timeout=self.timeout_s, context=self.context)
-        conn.pinned, conn.addr, conn.admission = self.expect, self.addr, self.admission
-        try:
-            conn.connect()
-        except PeerError:
-            conn.close()
-            raise
-        except (OSError, http.client.HTTPException) as exc:
-            conn.close()
+        for attempt in (1, 2):
+            conn = _PinnedConnection(self.host, self.port, timeout=self.timeout_s, context=self.context)
+            conn.pinned, conn.addr, conn.admission = self.expect, self.addr, self.admission
+            try:
+                conn.connect()
+                return conn
+            except PeerError:
+                conn.close()
+                raise
+            except _RESET as exc:  # dropped before the handshake ended (a flood's turnover): once more
+                conn.close()
+                if attempt == 1:
+                    continue
+                failure: Exception = exc
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                failure = exc
             raise PeerError(f"peer {self.addr}: no TLS connection (refused, not a job peer, or unreachable): "
-                            f"{type(exc).__name__}: {exc}") from exc
-        return conn
+                            f"{type(failure).__name__}: {failure}") from failure
+        raise AssertionError("unreachable")
 
     @contextlib.contextmanager
     def _connection(self) -> Iterator[tuple["_PinnedConnection", bool]]:
