@@ -334,3 +334,68 @@ def test_an_operators_ca_replaces_the_nodes_own_keys(endpoint, tmp_path, monkeyp
         from helpers import UNCHECKED
 
         UNCHECKED.append("a key owned by another user is named as such (needs root to chown)")
+
+
+def test_numbers_beyond_any_step_or_offset_are_refused_with_400(endpoint):
+    """A step, a Range or a Content-Length of 5,000 digits (more than Python converts) is a client's error:
+    400 naming the number, never a 500; a step of non-ASCII digits is no step either. Nothing is written."""
+    owner, holder, addr, job = endpoint
+    shutil.copytree(owner / layout.step_dirname(1), holder / layout.step_dirname(1))
+    manifest = layout.read_manifest(str(holder / layout.step_dirname(1)))
+    name = sorted(manifest.files)[0]
+    member = tls.client_context(job.ids["owner"], job.certs)
+    huge = "9" * 5000
+    before = _tree(holder)
+    for method, path, headers in [
+            ("GET", f"/v1/local/{huge}/{name}", {}), ("GET", f"/v1/local/{huge}/", {}),
+            ("GET", f"/v1/replica/owner_0/{huge}/{name}", {}),
+            ("POST", f"/v1/replica/owner_0/{huge}/tag/begin", {}),
+            ("PUT", f"/v1/replica/owner_0/{huge}/tag/f/{name}", {}),
+            ("GET", f"/v1/local/1/{name}", {"Range": f"bytes={huge}-"}),
+            ("GET", f"/v1/local/1/{name}", {"Range": f"bytes=0-{huge}"}),
+            ("POST", "/v1/replica/owner_0/2/tag/begin", {"Content-Length": huge})]:
+        status, body = _raw(addr, method, path, b"" if "Content-Length" in headers else b"{}", headers, member)
+        assert status == 400 and b"digits" in body, (method, path[:60], headers.keys(), status, body[:200])
+    status, body = _raw(addr, "GET", f"/v1/local/%C2%B2/{name}", context=member)  # '²': a digit, not ASCII
+    assert status == 400, (status, body[:200])
+    assert _tree(holder) == before
+    assert _raw(addr, "GET", f"/v1/local/1/{name}", headers={"Range": "bytes=0-9"}, context=member)[0] == 206
+
+
+def test_a_member_at_its_connection_limit_is_refused_another_is_served(endpoint):
+    """A member holding MAX_PER_MEMBER connections open gets its next one closed (no answer), while another
+    member is served at once; once one of the first member's connections closes, it is served again."""
+    _owner, _holder, addr, job = endpoint
+    host, port = addr.rsplit(":", 1)
+    owner_ctx = tls.client_context(job.ids["owner"], job.certs)
+
+    def ask(context):
+        conn = http.client.HTTPSConnection(host, int(port), timeout=10, context=context)
+        try:
+            conn.request("GET", "/v1/steps")
+            resp = conn.getresponse()
+            resp.read()
+            return conn, resp.status
+        except (OSError, http.client.HTTPException):
+            conn.close()
+            return None, None
+
+    held = []
+    try:
+        for _ in range(peer_server.MAX_PER_MEMBER):
+            conn, status = ask(owner_ctx)
+            assert status == 200
+            held.append(conn)  # kept open: each holds its place (and a thread) on the endpoint
+        conn, status = ask(owner_ctx)
+        assert status is None, f"member's connection {peer_server.MAX_PER_MEMBER + 1} was served"
+        other, status = ask(tls.client_context(job.ids["second"], job.certs))
+        assert status == 200
+        other.close()
+        held.pop().close()
+        deadline = time.monotonic() + 10
+        while (status := ask(owner_ctx)[1]) is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the endpoint sees the close when its thread wakes
+        assert status == 200
+    finally:
+        for conn in held:
+            conn.close()
