@@ -36,6 +36,7 @@ class Job:
     def serve(self, who, root):
         service = peer_service.PeerService(str(root), f"{who}:0", tls.server_context(self.ids[who], self.certs),
                                            self.members)
+        service.admission = admission.load(self.ids[who], self.certs)  # members' tokens taken (clients may send none)
         server = peer_server.serve(service, "127.0.0.1")
         return server, f"127.0.0.1:{server.server_address[1]}"
 

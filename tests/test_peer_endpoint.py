@@ -21,8 +21,8 @@ from shardckpt.format import layout
 from shardckpt.format import replicas
 from shardckpt.node import peer_server, peer_service
 from shardckpt.restoring import views
-from shardckpt.stores import peer_client, tls
-from peer_helpers import Job, _answer_or_closed, _quiet, _raw, _routes, _tier, _tree
+from shardckpt.stores import admission, peer_client, tls
+from peer_helpers import Job, _answer_or_closed, _client_hello, _quiet, _raw, _routes, _tier, _tree
 from peer_helpers import endpoint  # noqa: F401 - a fixture
 
 
@@ -399,3 +399,44 @@ def test_a_member_at_its_connection_limit_is_refused_another_is_served(endpoint)
     finally:
         for conn in held:
             conn.close()
+
+
+def test_an_admission_token_is_the_members_own_used_once_and_fresh(endpoint, tmp_path):
+    """A member's token (HMAC with the key of that client and that server, from their own ECDH secret) puts
+    its connection in the member's queue once: the same bytes replayed, a token for another server, one
+    signed with a stranger's key or one out of the window are not a member's (a replay is closed unworked,
+    the others wait with strangers); a member whose token is checked is served over it."""
+    _owner, _holder, addr, job = endpoint
+    owner_keys = admission.load(job.ids["owner"], job.certs)
+    holder_keys = admission.load(job.ids["holder"], job.certs)
+    holder_fp = job.ids["holder"].fingerprint
+    token = owner_keys.preamble(holder_fp)
+    assert holder_keys.check(token) is not None
+    flipped = token[:-1] + bytes([token[-1] ^ 1])
+    stranger = tls.node_identity(str(tmp_path / "stranger"), "stranger:0")  # a key pair no member pinned
+    forged = admission.load(stranger, job.certs + [stranger.cert_pem]).preamble(holder_fp)
+    for bad in (flipped, owner_keys.preamble(job.ids["second"].fingerprint), forged,
+                owner_keys.preamble(holder_fp, now=time.time() - 2 * admission.WINDOW_S)):
+        assert holder_keys.check(bad) is None
+    assert owner_keys.preamble(tls.fingerprint(stranger.cert_pem)) is None  # no key with a non-member
+
+    # Over the wire: the first use of a captured token gets a handshake (ServerHello), its replay none.
+    hello = _client_hello()
+    host, port = addr.rsplit(":", 1)
+
+    def send(first):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(first + hello)
+            try:
+                return sock.recv(65536)
+            except OSError:
+                return b""
+
+    fresh = owner_keys.preamble(holder_fp)
+    assert send(fresh)[:1] == b"\x16", "a member's first token got no handshake"
+    assert send(fresh) == b"", "a replayed token was worked on"
+    assert send(flipped)[:1] == b"\x16"  # a stranger's ClientHello: its address's budget, not the member's
+    member = peer_client.PeerClient(addr, tls.client_context(job.ids["owner"], job.certs), expect=holder_fp,
+                                    admission=owner_keys)
+    assert member.list_steps()["node"] == "holder:0"
+    member.close()
