@@ -3,7 +3,8 @@ address, several, or the member's own, never keep a member from its replicas nor
 
 The endpoint runs in a process of its own (its CPU is measured there), the floods in others
 (tests/programs/peer_flood.py), each for a few seconds, at the rates they can make on a busy machine (each
-test prints the rate reached and checks a floor). A member's requests and ``put_replica`` calls go over fresh connections throughout.
+test prints the rate reached and checks a floor). A member's requests and ``put_replica`` calls go over
+fresh connections throughout.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def holder(tmp_path_factory):
 
 
 def _member(job, addr, who="owner"):
-    return peer_client.PeerClient(addr, tls.client_context(job.ids[who], job.certs), expect=job.ids["holder"].fingerprint,
+    return peer_client.PeerClient(addr, tls.client_context(job.ids[who], job.certs),
+                                  expect=job.ids["holder"].fingerprint,
                                   admission=admission.load(job.ids[who], job.certs), timeout_s=10)
 
 

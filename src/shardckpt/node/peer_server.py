@@ -436,7 +436,8 @@ def _drop(sock: socket.socket) -> None:
 
 
 def _pending_bound() -> int:
-    """The strangers' pending places: :data:`~shardckpt.node.peer_admission.MAX_PENDING`, or a quarter of the open-file limit when that is lower (at least 16)."""
+    """The strangers' pending places: :data:`~shardckpt.node.peer_admission.MAX_PENDING`, or a quarter of the
+    open-file limit when that is lower (at least 16)."""
     try:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     except (OSError, ValueError):
