@@ -1,6 +1,6 @@
 """The peer endpoint under floods, and what a member's fresh connection costs with its admission token.
 
-    python benchmarks/bench_peer_flood.py [--seconds 3] [--baseline e80985a] [--json FILE]
+    python benchmarks/bench_peer_flood.py [--seconds 3] [--baseline e80985a] [--floods-on this|baseline] [--json FILE]
 
 A holder's endpoint runs in a process of its own (``shardckpt.node.peer_server``
 with the members' admission keys); strangers flood it from processes of their
@@ -104,6 +104,8 @@ def main() -> int:
     parser.add_argument("--baseline", default="e80985a",
                         help="commit whose endpoint the connection cost is compared with")
     parser.add_argument("--connections", type=int, default=100)
+    parser.add_argument("--floods-on", choices=("this", "baseline"), default="this",
+                        help="flood this endpoint (members with tokens) or the baseline's (the figures before)")
     parser.add_argument("--json")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "src"))
@@ -152,26 +154,26 @@ def main() -> int:
             finally:
                 conn.close()
 
-        def member(addr):
+        def member(addr, tokens=True):
             puts = requests = fresh = 0
             for i in range(40):
                 if i < 8:
                     shutil.rmtree(root / replicas.REPLICAS_DIR, ignore_errors=True)
-                    c = client(addr)
+                    c = client(addr, tokens)
                     try:
                         c.put_replica("owner:0", step_dir, manifest, names)
                         puts += 1
                     except (peer_client.PeerError, OSError):
                         pass
                     c.close()
-                c = client(addr)
+                c = client(addr, tokens)
                 try:
                     c.list_steps()
                     requests += 1
                 except (peer_client.PeerError, OSError):
                     pass
                 c.close()
-                fresh += bare(addr)
+                fresh += bare(addr, tokens)
                 time.sleep(args.seconds / 40)
             return {"put_replica": f"{puts}/8", "requests": f"{requests}/40", "bare fresh connections": f"{fresh}/40"}
 
@@ -210,8 +212,12 @@ def main() -> int:
         for endpoint in (holder, old):
             endpoint.close()
             endpoints.remove(endpoint)
-        holder = Endpoint(REPO / "src", work, root, True)  # a fresh endpoint: no budget spent before the floods
+        # A fresh endpoint (no budget spent before the floods): this one, or the baseline's (``--floods-on``).
+        tokens = args.floods_on == "this"
+        holder = Endpoint(REPO / "src" if tokens else old_src / "src", work, root, tokens)
         endpoints.append(holder)
+        figures["floods_on"] = "this endpoint" if tokens else f"{args.baseline}'s endpoint (members send no token)"
+        print(f"floods on {figures['floods_on']}:")
         cases = [("idle, 1 address, 1000/s", "idle", ["127.0.0.1"], 1000, 1),
                  ("idle, 1 address, 3000/s", "idle", ["127.0.0.1"], 3000, 1),
                  ("idle, 4 addresses, 6000/s", "idle", [f"127.0.0.{i}" for i in range(1, 5)], 6000, 1),
@@ -222,7 +228,7 @@ def main() -> int:
             flood = Flood(kind, holder.addr, sources, amount, processes)
             time.sleep(0.5)
             cpu0, t0 = cpu_seconds(holder.proc.pid), time.monotonic()
-            done = member(holder.addr)
+            done = member(holder.addr, tokens)
             cpu, wall = cpu_seconds(holder.proc.pid) - cpu0, time.monotonic() - t0
             result = flood.stop()
             row = {"flood": name, **done, "flood_rate_reached": result["rate"], "worked_on": result["worked"],
