@@ -24,9 +24,9 @@ Cost of a member's fresh connection (``fresh connection``): TCP connect, the
 token, the mutual TLS 1.3 handshake and one listing, 200 times in a row, with
 the token (this endpoint) against the same without a token on the endpoint of
 ``--baseline`` (a commit of this repository, checked out with ``git archive``
-into a temporary directory: the endpoint as it was), 5 alternated rounds of
-``--connections`` each, the best round of each kept — in the same run, as a
-ratio, in wall time per connection and in the endpoint's CPU per connection.
+into a temporary directory: the endpoint as it was), ``--connections`` of
+each in turn — in the same run, as ratios: of the median wall time per
+connection, and of the endpoint's CPU per connection.
 """
 
 from __future__ import annotations
@@ -101,9 +101,10 @@ class Flood:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--cost-only", action="store_true", help="the connection cost only, no flood")
     parser.add_argument("--baseline", default="e80985a",
                         help="commit whose endpoint the connection cost is compared with")
-    parser.add_argument("--connections", type=int, default=100)
+    parser.add_argument("--connections", type=int, default=300)
     parser.add_argument("--floods-on", choices=("this", "baseline"), default="this",
                         help="flood this endpoint (members with tokens) or the baseline's (the figures before)")
     parser.add_argument("--json")
@@ -187,25 +188,28 @@ def main() -> int:
         endpoints.append(old)
         holder = Endpoint(REPO / "src", work, root, True)
         endpoints.append(holder)
-        costs: dict = {}
-        for _round in range(5):  # alternated, the best round of each kept: the machine's noise is others' work
-            for label, addr, tokens, pid in (("baseline (no token)", old.addr, False, old.proc.pid),
-                                             ("with token", holder.addr, True, holder.proc.pid)):
-                cpu0, t0 = cpu_seconds(pid), time.monotonic()
-                ok = sum(bare(addr, tokens) for _ in range(args.connections))
-                wall, cpu = time.monotonic() - t0, cpu_seconds(pid) - cpu0
-                costs.setdefault(label, []).append((wall / args.connections, cpu / args.connections, ok))
-        best = {k: (min(w for w, _c, _o in v), min(c for _w, c, _o in v)) for k, v in costs.items()}
-        ratio_wall = best["with token"][0] / best["baseline (no token)"][0]
-        ratio_cpu = best["with token"][1] / max(1e-9, best["baseline (no token)"][1])
+        # One connection of each in turn (the machine's load drifts alike for both), the median of each kept;
+        # the endpoints' CPU over the whole run, per connection.
+        walls: dict = {"baseline": [], "token": []}
+        cpu0 = {"baseline": cpu_seconds(old.proc.pid), "token": cpu_seconds(holder.proc.pid)}
+        for _ in range(args.connections):
+            for label, addr, tokens in (("baseline", old.addr, False), ("token", holder.addr, True)):
+                t0 = time.monotonic()
+                if bare(addr, tokens):
+                    walls[label].append(time.monotonic() - t0)
+        cpu = {"baseline": cpu_seconds(old.proc.pid) - cpu0["baseline"],
+               "token": cpu_seconds(holder.proc.pid) - cpu0["token"]}
+        median = {k: sorted(v)[len(v) // 2] for k, v in walls.items()}
+        per = {k: cpu[k] / max(1, len(walls[k])) for k in walls}
+        ratio_wall, ratio_cpu = median["token"] / median["baseline"], per["token"] / max(1e-9, per["baseline"])
         figures["fresh_connection"] = {
-            "baseline": args.baseline, "ms_baseline": round(best["baseline (no token)"][0] * 1e3, 2),
-            "ms_token": round(best["with token"][0] * 1e3, 2), "ratio_wall": round(ratio_wall, 3),
-            "endpoint_cpu_ms_baseline": round(best["baseline (no token)"][1] * 1e3, 3),
-            "endpoint_cpu_ms_token": round(best["with token"][1] * 1e3, 3), "ratio_endpoint_cpu": round(ratio_cpu, 3)}
+            "baseline": args.baseline, "connections": {k: len(v) for k, v in walls.items()},
+            "ms_baseline": round(median["baseline"] * 1e3, 2), "ms_token": round(median["token"] * 1e3, 2),
+            "ratio_wall": round(ratio_wall, 3), "endpoint_cpu_ms_baseline": round(per["baseline"] * 1e3, 3),
+            "endpoint_cpu_ms_token": round(per["token"] * 1e3, 3), "ratio_endpoint_cpu": round(ratio_cpu, 3)}
         f = figures["fresh_connection"]
-        print(f"  a member's fresh connection (TCP, token, TLS 1.3, one listing; best of 5 alternated rounds of "
-              f"{args.connections}): "
+        print(f"  a member's fresh connection (TCP, token, TLS 1.3, one listing; {args.connections} of each in turn, "
+              f"medians): "
               f"{f['ms_token']} ms with its token vs {f['ms_baseline']} ms on {args.baseline}'s endpoint "
               f"({ratio_wall:.2f}x wall); endpoint CPU {f['endpoint_cpu_ms_token']} vs "
               f"{f['endpoint_cpu_ms_baseline']} ms ({ratio_cpu:.2f}x)")
@@ -224,7 +228,7 @@ def main() -> int:
                  ("ClientHello replay from the member's address, x1", "hello", ["127.0.0.1"], 8, 1),
                  ("ClientHello replay from the member's address, x8", "hello", ["127.0.0.1"], 8, 8),
                  ("handshakes from 64 addresses", "hello", [f"127.0.1.{i}" for i in range(1, 65)], 64, 4)]
-        for name, kind, sources, amount, processes in cases:
+        for name, kind, sources, amount, processes in [] if args.cost_only else cases:
             flood = Flood(kind, holder.addr, sources, amount, processes)
             time.sleep(0.5)
             cpu0, t0 = cpu_seconds(holder.proc.pid), time.monotonic()
