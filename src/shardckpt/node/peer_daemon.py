@@ -49,7 +49,7 @@ from shardckpt.node.node_registry import (
 )
 from shardckpt.node.peer_server import PeerServer, serve
 from shardckpt.node.peer_service import PeerService
-from shardckpt.stores import tls
+from shardckpt.stores import admission, tls
 from shardckpt.stores.peer_client import PeerClient
 
 log = logging.getLogger("shardckpt")
@@ -98,6 +98,7 @@ class PeerDaemon:
         self._failing_since: float | None = None
         self._tls_seen: Any = None
         self._client_ctx: ssl.SSLContext | None = None
+        self._admission: admission.Admission | None = None
         self._members: dict[str, str] = {}
         self._tls_failed = False
         self._clients: dict[tuple[str, str | None, int], PeerClient] = {}
@@ -197,6 +198,7 @@ class PeerDaemon:
             members = {tls.fingerprint(n["cert"]): n["node"] for n in nodes if n.get("cert")}
             server_ctx = tls.server_context(identity, trusted)
             self._client_ctx = tls.client_context(identity, trusted)
+            self._admission = admission.load(identity, trusted)
         except (tls.PeerTLSError, ValueError, KeyError, TypeError) as exc:
             self._client_ctx = None
             self.service.context = None
@@ -204,7 +206,7 @@ class PeerDaemon:
             log.error("shardckpt: the peer daemon of %s cannot use its TLS identity: %s", self.root, exc)
             return False
         self._members = members
-        self.service.configure(server_ctx, members)
+        self.service.configure(server_ctx, members, self._admission)
         if self._tls_failed:
             self.last_error, self._tls_failed = None, False
         return True
@@ -289,7 +291,7 @@ class PeerDaemon:
                 if old.addr == addr:
                     old.close()
             self._clients = {k: c for k, c in self._clients.items() if c.addr != addr}
-            client = self._clients[key] = PeerClient(addr, self._client_ctx, expect=expect)
+            client = self._clients[key] = PeerClient(addr, self._client_ctx, expect=expect, admission=self._admission)
         return client
 
     def _write_status(self, state: str) -> None:

@@ -2,32 +2,25 @@
 
 A connection passes three gates before a request of it is read:
 
-1. **Pending**: accepted by one event loop (a :mod:`selectors` loop in one
-   thread), where the TLS handshake runs non-blocking — a pending connection
-   costs a socket and a TLS object, no thread, and has :data:`PENDING_S`
-   seconds to finish. At most :data:`MAX_PENDING` are pending at once (fewer
-   under a low open-file limit); when they are all taken, a new connection
-   takes the place of the oldest one once that one had
-   :data:`MIN_PENDING_S` for its handshake (else the new one is closed).
-   There is no per-address limit before the handshake: strangers holding
-   connections open from a member's own address (a local user of its host, a
-   NAT address) cannot keep that member out.
-2. **Handshake work**, the CPU a ClientHello costs, is budgeted per source
-   address (:data:`HANDSHAKES_PER_S`, bursts of :data:`HANDSHAKE_BURST`; a
-   member's handshake gives its token back): once an address spent its
-   budget, its ClientHellos are closed without TLS work and its new
-   connections are closed as they are accepted, so the endpoint's CPU stays
-   bounded (one loop thread at most) and every other source keeps its turn.
-   An idle connection spends no budget.
-3. **Authenticated**: the client presented a certificate the TLS context
+1. **Sorted, pending**: accepted by one event loop (a :mod:`selectors` loop in
+   one thread) and handed to :mod:`shardckpt.node.peer_admission`, which reads
+   its first bytes: a member's admission token puts it in that member's own
+   queue and budget; anything else (no token, a forged or replayed one, or
+   nothing yet) waits in the strangers' pool, bounded in all and per source
+   address, whose handshakes share one budget (per address, and of CPU in
+   all). The TLS handshake runs non-blocking in the same loop — a pending
+   connection costs a socket and a TLS object, no thread — and must end
+   within :data:`~shardckpt.node.peer_admission.PENDING_S` seconds.
+2. **Authenticated**: the client presented a certificate the TLS context
    trusts (CERT_REQUIRED: the job's pinned certificates, or an operator CA's)
    *and* it is the certificate of a member of this launch (an operator CA
    signs more than the job's nodes: such a certificate is closed here, on
-   every route). Only then does the connection get a thread of its own;
-   members' connections are bounded per certificate
-   (:data:`MAX_PER_MEMBER`), never per address, and no stranger counts
-   against them. Every request checks membership again (a relaunch that
-   dropped a node ends its connections' rights).
+   every route) — the very member whose token it sent, when it sent one.
+3. **Served**: only then does the connection get a thread of its own;
+   members' connections are bounded per certificate (:data:`MAX_PER_MEMBER`),
+   never per address, and no stranger counts against them. Every request
+   checks membership again (a relaunch that dropped a node ends its
+   connections' rights).
 
 Refusals are logged at a bounded rate. What a member may read and write is
 :mod:`shardckpt.node.peer_service`'s. It imports no torch.
@@ -35,7 +28,6 @@ Refusals are logged at a bounded rate. What a member may read and write is
 
 from __future__ import annotations
 
-import collections
 import errno
 import http.server
 import json
@@ -54,24 +46,13 @@ from typing import Any, Callable
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format import lineage
 from shardckpt.format.replicas import owner_dirname
-from shardckpt.node.peer_service import MAX_SMALL_BODY, PeerService, _Refused
+from shardckpt.node.peer_admission import MAX_PENDING, Doorway, Pending
+from shardckpt.node.peer_service import MAX_SMALL_BODY, PeerService, _Refused, number
 from shardckpt.stores.peer_client import LIVE_HEADER
 from shardckpt.stores.tls import fingerprint
 
 log = logging.getLogger("shardckpt")
 
-MAX_PENDING = 256
-"""Connections whose TLS handshake is not done yet, all sources together (at most a quarter of the
-open-file limit); a new one evicts the oldest."""
-PENDING_S = 3.0
-"""Seconds a connection has from its acceptance to the end of its TLS handshake."""
-MIN_PENDING_S = 0.5
-"""Seconds a pending connection keeps its place when every place is taken (so that a flood turning over
-its connections cannot push a member's handshake out, nor spin the loop)."""
-HANDSHAKES_PER_S = 20.0
-"""ClientHellos per second and source address that are given a TLS handshake (on average)."""
-HANDSHAKE_BURST = 40.0
-"""ClientHellos one source address may send at once before its rate applies."""
 MAX_PER_MEMBER = 32
 """Connections open at once per member certificate (its client keeps a few per peer)."""
 IDLE_S = 60.0
@@ -80,10 +61,6 @@ SEND_BUFFER = 4 << 20
 """Bytes of a served file read and sent at a time (one buffer per connection, reused)."""
 REFUSAL_LOG_EVERY_S = 10.0
 """At most one log line of refused connections per this many seconds (the rest are counted in it)."""
-_SOURCES_KEPT = 4096
-"""Source addresses whose handshake budget is remembered; full budgets are forgotten beyond it."""
-
-
 class _Refusals:
     """Refused connections and requests, logged at most once per :data:`REFUSAL_LOG_EVERY_S` (with a count)."""
 
@@ -103,49 +80,6 @@ class _Refusals:
             quiet, self._quiet, self._next = self._quiet, 0, now + REFUSAL_LOG_EVERY_S
         log.warning("shardckpt: peer endpoint refused %s%s", what,
                     f" (and {quiet} more refusal(s) in the last {REFUSAL_LOG_EVERY_S:.0f} s)" if quiet else "")
-
-
-class _Budgets:
-    """Per source address, a token bucket of new connections (:data:`HANDSHAKES_PER_S`, :data:`HANDSHAKE_BURST`)."""
-
-    def __init__(self, rate: float, burst: float) -> None:
-        self.rate, self.burst = rate, burst
-        self._held: dict[str, tuple[float, float]] = {}
-
-    def _level(self, source: str, now: float) -> float:
-        """The tokens ``source`` has at ``now`` (a source not seen holds a full bucket)."""
-        tokens, last = self._held.get(source, (self.burst, now))
-        return min(self.burst, tokens + (now - last) * self.rate)
-
-    def take(self, source: str, now: float) -> bool:
-        tokens = self._level(source, now)
-        if tokens < 1.0:
-            self._held[source] = (tokens, now)
-            return False
-        self._held[source] = (tokens - 1.0, now)
-        if len(self._held) > _SOURCES_KEPT:
-            self._forget_full(now)
-        return True
-
-    def spent(self, source: str, now: float) -> bool:
-        """Whether ``source`` has no handshake left for now (nothing is taken)."""
-        return source in self._held and self._level(source, now) < 1.0
-
-    def give_back(self, source: str, now: float) -> None:
-        self._held[source] = (min(self.burst, self._level(source, now) + 1.0), now)
-
-    def _forget_full(self, now: float) -> None:
-        for source in list(self._held):
-            if self._level(source, now) >= self.burst:
-                del self._held[source]
-
-
-class _Pending:
-    __slots__ = ("sock", "source", "since", "deadline", "budgeted")
-
-    def __init__(self, sock: ssl.SSLSocket, source: str, since: float) -> None:
-        self.sock, self.source, self.since, self.deadline = sock, source, since, since + PENDING_S
-        self.budgeted = False
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -193,7 +127,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         # first, so that the client gets the answer rather than a reset.
         self.close_connection = True
         raw = self.headers.get("Content-Length", "") if self.headers is not None else ""
-        if not getattr(self, "_body_taken", True) and raw.isdigit() and int(raw) <= 65536:
+        if not getattr(self, "_body_taken", True) and raw.isascii() and raw.isdigit() and len(raw) <= 5 \
+                and int(raw) <= 65536:
             self._body_taken = True
             try:
                 self.rfile.read(int(raw))
@@ -228,11 +163,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self.headers.get("Transfer-Encoding"):
             raise _Refused(411, "a body must have a Content-Length")
         raw = self.headers.get("Content-Length")
-        if raw is None or not raw.isdigit():
+        length = number(raw, "Content-Length") if raw is not None else None
+        if length is None:
             raise _Refused(411, "a body must have a Content-Length")
-        if int(raw) > limit:
+        if length > limit:
             raise _Refused(413, f"body of {raw} bytes is larger than {limit}")
-        return int(raw)
+        return length
 
     def _small_body(self) -> bytes:
         length = self._length(MAX_SMALL_BODY)
@@ -281,9 +217,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         start, end, status = 0, size, 200
         spec = self.headers.get("Range")
         if spec:
-            match = re.fullmatch(r"bytes=(\d+)-(\d*)", spec.strip())
-            start = int(match.group(1)) if match else 0
-            end = (min(size, int(match.group(2)) + 1) if match.group(2) else size) if match else 0
+            match = re.fullmatch(r"bytes=([0-9]+)-([0-9]*)", spec.strip())
+            start = (number(match.group(1), "Range start") or 0) if match else 0
+            end = (min(size, (number(match.group(2), "Range end") or 0) + 1) if match.group(2) else size) \
+                if match else 0
             if not match or start >= size or end <= start:
                 raise _Refused(416, f"range {spec!r} of a {size}-byte file", {"Content-Range": f"bytes */{size}"})
             status = 206
@@ -306,9 +243,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _post(self) -> None:
         parts = self._route()
-        if len(parts) != 5 or parts[0] != "replica" or not parts[2].isdigit() or parts[4] not in ("begin", "commit"):
+        step = number(parts[2], "step") if len(parts) == 5 else None
+        if step is None or parts[0] != "replica" or parts[4] not in ("begin", "commit"):
             raise _Refused(404, "no such resource")
-        owner, step, tag = parts[1], int(parts[2]), parts[3]
+        owner, tag = parts[1], parts[3]
         body = self._small_body()  # read first (bounded): the refusal below then reaches the client
         self._writer(owner)
         if parts[4] == "begin":
@@ -331,7 +269,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _put(self) -> None:
         parts = self._route()
-        if len(parts) != 6 or parts[0] != "replica" or not parts[2].isdigit() or parts[4] != "f":
+        step = number(parts[2], "step") if len(parts) == 6 else None
+        if step is None or parts[0] != "replica" or parts[4] != "f":
             raise _Refused(404, "no such resource")
         self._writer(parts[1])
         length = self._length(1 << 62)
@@ -340,7 +279,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._body_taken = True
             return self.rfile.readinto(into) or 0
 
-        self.service.receive(parts[1], int(parts[2]), parts[3], parts[5], length, readinto)
+        self.service.receive(parts[1], step, parts[3], parts[5], length, readinto)
         self._reply(200, b"{}")
 
     def do_DELETE(self) -> None:  # noqa: N802
@@ -355,14 +294,13 @@ class PeerServer:
     def __init__(self, address: tuple[str, int], service: PeerService) -> None:
         self.service = service
         self.refusals = _Refusals()
-        self.max_pending = _pending_bound()
         self._sock = socket.create_server(address, backlog=1024)
         self._sock.setblocking(False)
         self.server_address = self._sock.getsockname()[:2]
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._sock, selectors.EVENT_READ, None)
-        self._pending: collections.OrderedDict[int, _Pending] = collections.OrderedDict()
-        self._budgets = _Budgets(HANDSHAKES_PER_S, HANDSHAKE_BURST)
+        self.doorway = Doorway(self._sel, lambda: self.service.context, lambda: self.service.admission,
+                               self.refusals.note, self._authenticated, _pending_bound())
         self._lock = threading.Lock()
         self._members: dict[str, int] = {}
         """Open connections per member certificate fingerprint."""
@@ -380,9 +318,8 @@ class PeerServer:
             if self._paused_until and now >= self._paused_until:
                 self._paused_until = 0.0
                 self._sel.register(self._sock, selectors.EVENT_READ, None)
-            soonest = next(iter(self._pending.values())).deadline if self._pending else now + 0.25
             try:
-                events = self._sel.select(max(0.0, min(0.25, soonest - now)))
+                events = self._sel.select(max(0.0, min(0.25, self.doorway.soonest(now) - now)))
             except (OSError, ValueError):
                 if self._closed.is_set():
                     return
@@ -391,8 +328,8 @@ class PeerServer:
                 if key.data is None:
                     self._accept_some()
                 else:
-                    self._advance(key.data)
-            self._expire(time.monotonic())
+                    self.doorway.advance(key.data)
+            self.doorway.expire(time.monotonic())
 
     def _accept_some(self) -> None:
         for _ in range(64):
@@ -410,100 +347,25 @@ class PeerServer:
                 if self._closed.is_set():
                     return
                 continue
-            self._admit(conn, client[0] if isinstance(client, tuple) else str(client))
-
-    def _admit(self, conn: socket.socket, source: str) -> None:
-        now = time.monotonic()
-        context = self.service.context
-        if context is None:
-            self.refusals.note(f"a connection from {source}: this node has no TLS identity yet")
-            _drop(conn)
-            return
-        if self._budgets.spent(source, now):  # a ClientHello flood: closed before any TLS work, or a place
-            self.refusals.note(f"a connection from {source}: more than {HANDSHAKES_PER_S:.0f} TLS handshakes per "
-                               f"second from that address")
-            _drop(conn)
-            return
-        if len(self._pending) >= self.max_pending:
-            _fd, oldest = next(iter(self._pending.items()))
-            if now - oldest.since < MIN_PENDING_S:
-                self.refusals.note(f"a connection from {source}: {self.max_pending} TLS handshakes pending")
-                _drop(conn)
-                return
-            del self._pending[_fd]
-            self.refusals.note(f"a pending connection from {oldest.source}: {self.max_pending} TLS handshakes "
-                               f"pending, the oldest gives way")
-            self._forget(oldest)
-        try:
-            conn.setblocking(False)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock = context.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
-        except (OSError, ValueError) as exc:
-            self.refusals.note(f"a connection from {source}: {exc}")
-            _drop(conn)
-            return
-        pending = _Pending(sock, source, now)
-        self._pending[sock.fileno()] = pending
-        self._sel.register(sock, selectors.EVENT_READ, pending)
-
-    def _advance(self, pending: _Pending) -> None:
-        if not pending.budgeted:  # its ClientHello arrived: the handshake's work is about to be spent
-            pending.budgeted = True
-            if not self._budgets.take(pending.source, time.monotonic()):
-                self.refusals.note(f"a TLS handshake from {pending.source}: more than {HANDSHAKES_PER_S:.0f} per "
-                                   f"second from that address")
-                self._pending.pop(pending.sock.fileno(), None)
-                self._forget(pending)
-                return
-        try:
-            pending.sock.do_handshake()
-        except ssl.SSLWantReadError:
-            self._sel.modify(pending.sock, selectors.EVENT_READ, pending)
-            return
-        except ssl.SSLWantWriteError:
-            self._sel.modify(pending.sock, selectors.EVENT_WRITE, pending)
-            return
-        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-            self.refusals.note(f"a TLS handshake from {pending.source} (not a job peer): {exc}")
-            self._pending.pop(pending.sock.fileno(), None)
-            self._forget(pending)
-            return
-        self._pending.pop(pending.sock.fileno(), None)
-        self._sel.unregister(pending.sock)
-        self._authenticated(pending)
-
-    def _expire(self, now: float) -> None:
-        while self._pending:
-            fd, first = next(iter(self._pending.items()))
-            if first.deadline > now:
-                return
-            del self._pending[fd]
-            self.refusals.note(f"a connection from {first.source}: no TLS handshake within {PENDING_S:.0f} s")
-            self._forget(first)
-
-    def _forget(self, pending: _Pending) -> None:
-        try:
-            self._sel.unregister(pending.sock)
-        except (KeyError, ValueError):
-            pass
-        _drop(pending.sock)
+            self.doorway.admit(conn, client[0] if isinstance(client, tuple) else str(client))
 
     # ---- members
 
-    def _authenticated(self, pending: _Pending) -> None:
+    def _authenticated(self, pending: Pending) -> None:
         sock = pending.sock
         try:
             der = sock.getpeercert(binary_form=True)
         except (OSError, ValueError):
             der = None
         node = self.service.member(der)
-        if node is None:
-            # A certificate the context trusts (an operator CA's) that is no member of this launch.
-            self.refusals.note(f"a connection from {pending.source}: its certificate is not one of this job's nodes")
+        key = fingerprint(der) if der else ""
+        if node is None or (pending.member is not None and pending.member != key):
+            # A certificate the context trusts (an operator CA's) that is no member of this launch, or another
+            # member's than the token named.
+            self.refusals.note(f"a connection from {pending.source}: its certificate is not one of this job's nodes"
+                               f"{' (or not the one its token named)' if node else ''}")
             _drop(sock)
             return
-        self._budgets.give_back(pending.source, time.monotonic())
-        key = fingerprint(der)
         with self._lock:
             if self._members.get(key, 0) >= MAX_PER_MEMBER:
                 refused = True
@@ -548,9 +410,7 @@ class PeerServer:
             return
         self._closed.set()
         self._loop_thread.join(timeout=5)
-        for pending in list(self._pending.values()):
-            self._forget(pending)
-        self._pending.clear()
+        self.doorway.close_all()
         with self._lock:
             serving = list(self._serving)
         for sock in serving:
@@ -576,7 +436,8 @@ def _drop(sock: socket.socket) -> None:
 
 
 def _pending_bound() -> int:
-    """:data:`MAX_PENDING`, or a quarter of the open-file limit when that is lower (at least 16)."""
+    """The strangers' pending places: :data:`~shardckpt.node.peer_admission.MAX_PENDING`, or a quarter of the
+    open-file limit when that is lower (at least 16)."""
     try:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     except (OSError, ValueError):

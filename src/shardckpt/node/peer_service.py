@@ -27,6 +27,7 @@ from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format import layout, lineage
 from shardckpt.format.replicas import (committed_replicas, file_size, manifest_or_none, owner_dirname, remove_step,
                                        replicas_root, version_tag)
+from shardckpt.stores.admission import Admission
 from shardckpt.stores.tls import fingerprint
 
 log = logging.getLogger("shardckpt")
@@ -45,6 +46,20 @@ class _Refused(Exception):
         super().__init__(message)
         self.status = status
         self.headers = dict(headers or {})
+
+
+MAX_DIGITS = 18
+"""Digits of a number a request may carry (a step, a byte offset, a length): below 10**18."""
+
+
+def number(text: str, what: str) -> int | None:
+    """``text`` as a number (``None``: not plain ASCII digits); refused with 400 when it has more than
+    :data:`MAX_DIGITS` digits (Python would not even convert 5,000)."""
+    if not text or not text.isascii() or not text.isdigit():
+        return None
+    if len(text) > MAX_DIGITS:
+        raise _Refused(400, f"{what} {text[:24]}... has {len(text)} digits; at most {MAX_DIGITS} are accepted")
+    return int(text)
 
 
 def _safe_name(name: str) -> str:
@@ -83,6 +98,9 @@ class PeerService:
         """The server TLS context (:func:`shardckpt.stores.tls.server_context`); ``None``: no connection is served."""
         self.members: dict[str, str] = dict(members or {})
         """``{certificate fingerprint: node}`` of the job's nodes: who may write which owner's replicas."""
+        self.admission: Admission | None = None
+        """This node's admission keys with the members (:mod:`shardckpt.stores.admission`): whose token
+        puts a connection in its member's own queue (``None``: every connection waits with strangers)."""
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
         self.last_request = time.monotonic()
@@ -92,9 +110,10 @@ class PeerService:
         """The newest step complete across any single node's loss, as the job's nodes agreed at a save
         (``peer-agreed.json``, set by the daemon): replicas of it and of newer steps are never deleted."""
 
-    def configure(self, context: ssl.SSLContext, members: dict[str, str]) -> None:
-        """Serve new connections with ``context`` (a relaunch's certificates); connections open go on."""
-        self.context, self.members = context, dict(members)
+    def configure(self, context: ssl.SSLContext, members: dict[str, str], admission: Admission | None = None) -> None:
+        """Serve new connections with ``context`` (a relaunch's certificates) and ``admission`` (the members'
+        tokens); connections open go on."""
+        self.context, self.members, self.admission = context, dict(members), admission
 
     def owner_lock(self, owner: str) -> threading.Lock:
         with self._locks_lock:
@@ -128,9 +147,10 @@ class PeerService:
             base, rest = os.path.join(replicas_root(self.root), self._owner(parts[1])), parts[2:]
         else:
             raise _Refused(404, "no such resource")
-        if not rest[0].isdigit():
-            raise _Refused(400, f"step {rest[0]!r} is not a number")
-        return os.path.join(base, layout.step_dirname(int(rest[0]))), rest[1:]
+        step = number(rest[0], "step")
+        if step is None:
+            raise _Refused(400, f"step {rest[0][:40]!r} is not a number")
+        return os.path.join(base, layout.step_dirname(step)), rest[1:]
 
     @staticmethod
     def _owner(name: str) -> str:

@@ -27,7 +27,7 @@ from typing import Any
 from shardckpt import _dist
 from shardckpt.format import lineage, node_state, replicas
 from shardckpt.node import peer_daemon
-from shardckpt.stores import peer_client, tls
+from shardckpt.stores import admission, peer_client, tls
 from shardckpt.node.node_registry import (pid_alive, read_json, register_trainer, spawn_node_daemon, state_dir,
                                          unregister_trainer)
 from shardckpt.options import CheckpointConfig
@@ -69,6 +69,8 @@ class PeerTier:
         self.committer = False
         self.identity: tls.Identity | None = None
         self.client_context: ssl.SSLContext | None = None
+        self.admission: admission.Admission | None = None
+        """This node's admission keys with the job's nodes (a restore's connections open with a token)."""
         self._registered = registered
         self._trainer_file: str | None = None
         self._node = ""
@@ -128,6 +130,7 @@ class PeerTier:
         if self.committer and entry is not None and self.identity is not None:
             try:
                 self.client_context = tls.client_context(self.identity, [n["cert"] for n in self.nodes])
+                self.admission = admission.load(self.identity, [n["cert"] for n in self.nodes])
             except tls.PeerTLSError as exc:
                 log.error("shardckpt: the peer tier of %s: %s", self.root, exc)
             written = f"{time.time():.6f}-{os.getpid()}"

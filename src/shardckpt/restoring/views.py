@@ -162,7 +162,8 @@ class Peers:
         if not self._clients and self.on():
             tier = self._tier()
             me = tier.node_name
-            self._clients = [(n["node"], PeerClient(n["addr"], tier.client_context, expect=fingerprint(n["cert"])))
+            self._clients = [(n["node"], PeerClient(n["addr"], tier.client_context, expect=fingerprint(n["cert"]),
+                                                    admission=tier.admission))
                              for n in tier.nodes if n["node"] != me]
         return self._clients
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator
 from shardckpt.errors import CorruptCheckpointError, PeerError
 from shardckpt.format import layout
 from shardckpt.format.replicas import owner_dirname, version_tag
+from shardckpt.stores.admission import Admission
 from shardckpt.stores.tls import fingerprint
 
 log = logging.getLogger("shardckpt")
@@ -45,6 +46,11 @@ _STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError,
 """What a kept-open connection that the peer closed meanwhile (its idle limit) answers a new request with."""
 
 
+_RESET = (ConnectionResetError, BrokenPipeError, ssl.SSLEOFError)
+"""What a new connection that the peer closed before its TLS handshake ended answers (nothing was asked of
+the peer yet: it is opened once more)."""
+
+
 class PeerClient:
     """One peer endpoint, with the small interface the remote store has: list, get (a range), put.
 
@@ -53,18 +59,22 @@ class PeerClient:
     certificate the node at ``addr`` must present (``None``: any certificate the
     context trusts, e.g. an operator's CA). At most ``connections`` requests are
     in flight at once, each on a connection kept open for the next (bounded by
-    ``timeout_s`` per blocking step); every call raises :class:`PeerError` when
+    ``timeout_s`` per blocking step); ``admission``: this node's admission keys
+    (:mod:`shardckpt.stores.admission`), whose token for ``expect`` opens each
+    new connection, so that the peer takes it in its member's queue rather than
+    the strangers'. Every call raises :class:`PeerError` when
     the peer refuses, cannot be reached, or is not the node expected. Safe to
     use from several threads; :meth:`close` ends the kept connections.
     """
 
     def __init__(self, addr: str, context: ssl.SSLContext, *, expect: str | None = None,
-                 timeout_s: float = 60.0, connections: int = PARALLEL) -> None:
+                 timeout_s: float = 60.0, connections: int = PARALLEL, admission: Admission | None = None) -> None:
         host, _, port = addr.rpartition(":")
         self.addr = addr
         self.host, self.port = host, int(port)
         self.context = context
         self.expect = expect
+        self.admission = admission
         self.timeout_s = timeout_s
         self.connections = max(1, connections)
         self._idle: list[_PinnedConnection] = []
@@ -76,18 +86,26 @@ class PeerClient:
     def _connect(self) -> "_PinnedConnection":
         """An open connection to the peer, its certificate checked against the one pinned for it (and again
         on any reconnection the connection makes by itself)."""
-        conn = _PinnedConnection(self.host, self.port, timeout=self.timeout_s, context=self.context)
-        conn.pinned, conn.addr = self.expect, self.addr
-        try:
-            conn.connect()
-        except PeerError:
-            conn.close()
-            raise
-        except (OSError, http.client.HTTPException) as exc:
-            conn.close()
+        for attempt in (1, 2):
+            conn = _PinnedConnection(self.host, self.port, timeout=self.timeout_s, context=self.context)
+            conn.pinned, conn.addr, conn.admission = self.expect, self.addr, self.admission
+            try:
+                conn.connect()
+                return conn
+            except PeerError:
+                conn.close()
+                raise
+            except _RESET as exc:  # dropped before the handshake ended (a flood's turnover): once more
+                conn.close()
+                if attempt == 1:
+                    continue
+                failure: Exception = exc
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                failure = exc
             raise PeerError(f"peer {self.addr}: no TLS connection (refused, not a job peer, or unreachable): "
-                            f"{type(exc).__name__}: {exc}") from exc
-        return conn
+                            f"{type(failure).__name__}: {failure}") from failure
+        raise AssertionError("unreachable")
 
     @contextlib.contextmanager
     def _connection(self) -> Iterator[tuple["_PinnedConnection", bool]]:
@@ -325,10 +343,17 @@ class _PinnedConnection(http.client.HTTPSConnection):
 
     pinned: str | None = None
     addr: str = ""
+    admission: Admission | None = None
     _transfer: memoryview | None = None
 
     def connect(self) -> None:
-        super().connect()
+        token = self.admission.preamble(self.pinned) if self.admission is not None else None
+        if token is None:
+            super().connect()
+        else:  # http.client's HTTPSConnection.connect, with the token sent before the ClientHello
+            http.client.HTTPConnection.connect(self)
+            self.sock.sendall(token)
+            self.sock = self._context.wrap_socket(self.sock, server_hostname=self.host)
         presented = self.sock.getpeercert(binary_form=True) if self.sock is not None else None
         if self.pinned is not None and (presented is None or fingerprint(presented) != self.pinned):
             self.close()
