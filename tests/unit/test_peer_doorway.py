@@ -1,0 +1,104 @@
+"""The peer endpoint's doorway, on real loopback sockets in this process: the strangers' places per source
+address and the strangers' share of a core are each a bound a test breaks when the bound is removed.
+
+The flood tests (tests/jobs/test_peer_flood.py) show a member served through floods; on two shared cores
+their flood processes cannot send enough handshakes to pass the CPU share, nor do members need a stranger's
+place (they come with a token). These tests check the two bounds themselves.
+"""
+
+from __future__ import annotations
+
+import selectors
+import socket
+import ssl
+import time
+
+import pytest
+
+from shardckpt.node import peer_admission
+from shardckpt.node.peer_admission import PENDING_PER_SOURCE, STRANGER_CPU_SHARE, Doorway
+
+
+@pytest.fixture
+def door():
+    listener = socket.create_server(("127.0.0.1", 0))
+    sel = selectors.DefaultSelector()
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    notes: list[str] = []
+    doorway = Doorway(sel, lambda: context, lambda: None, notes.append, lambda pending: None)
+    clients: list[socket.socket] = []
+
+    def connect(source: str, send: bytes = b"") -> socket.socket:
+        """A client connection accepted by the doorway as coming from ``source`` (what it sent first)."""
+        client = socket.create_connection(listener.getsockname())
+        clients.append(client)
+        if send:
+            client.sendall(send)
+        conn, _addr = listener.accept()
+        if send:
+            deadline = time.monotonic() + 5
+            while not select_readable(conn) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        doorway.admit(conn, source)
+        return client
+
+    yield doorway, connect, notes
+    doorway.close_all()
+    for client in clients:
+        client.close()
+    sel.close()
+    listener.close()
+
+
+def select_readable(conn: socket.socket) -> bool:
+    with selectors.DefaultSelector() as probe:
+        probe.register(conn, selectors.EVENT_READ)
+        return bool(probe.select(0))
+
+
+def closed_by_server(client: socket.socket) -> bool:
+    client.settimeout(0.5)  # the doorway closes synchronously: a closed connection reads EOF at once
+    try:
+        return client.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_one_address_holds_at_most_its_share_of_the_strangers_places_and_its_oldest_gives_way(door):
+    doorway, connect, notes = door
+    other = connect("192.0.2.7")  # an idle connection of another address, opened first
+    flood = [connect("192.0.2.1") for _ in range(PENDING_PER_SOURCE + 5)]  # idle: no byte sent
+    counts = doorway.counts()
+    assert counts["by_source"]["192.0.2.1"] == PENDING_PER_SOURCE, counts
+    assert counts["by_source"]["192.0.2.7"] == 1, counts  # the other address keeps its place
+    assert all(closed_by_server(c) for c in flood[:5]), "the flood's oldest connections give way"
+    assert not closed_by_server(flood[-1]), "the newcomer keeps its place"
+    assert not closed_by_server(other)
+    assert any(f"{PENDING_PER_SOURCE} strangers' connections pending from 192.0.2.1" in n for n in notes), notes
+
+
+CLIENT_HELLO_START = b"\x16\x03\x01\x00\xc8\x01\x00\x00\xc4\x03\x03"
+"""The first bytes of a TLS ClientHello: a stranger's handshake (no admission token before it)."""
+
+
+def test_strangers_handshakes_stop_once_they_took_their_share_of_a_core(door):
+    doorway, connect, notes = door
+    fresh = connect("198.51.100.1", CLIENT_HELLO_START)
+    assert doorway.counts()["all"] == 1, "a stranger's handshake is begun while the strangers' CPU is not spent"
+    doorway.cpu.charge(STRANGER_CPU_SHARE * 3, time.monotonic())  # strangers' handshakes took more than the share
+    late = connect("198.51.100.2", CLIENT_HELLO_START)  # another address: its own budget is untouched
+    assert closed_by_server(late)
+    assert doorway.counts()["all"] == 1, doorway.counts()
+    assert any(f"strangers' handshakes took {STRANGER_CPU_SHARE:.0%} of a core" in n for n in notes), notes
+    assert not closed_by_server(fresh)
+
+
+def test_the_cpu_share_refills_with_time():
+    budget = peer_admission.CpuBudget(0.1)
+    now = time.monotonic()
+    budget.charge(0.3, now)
+    assert budget.spent(now)
+    assert budget.spent(now + 1.0)  # 0.1 s of CPU back per second: still in debt
+    assert not budget.spent(now + 3.0)
