@@ -8,12 +8,16 @@
        is kept in memory
     3. wait for the previous write (never two at once; the wait is logged; a save kept
        only in memory waits for none)
-    4. capture the state (``state.capture``: modules, optimizers, stateful objects, values,
-       RNG), then one value per entry for every rank (``values.agree``)
+    4. capture the state through its save plan (``plan.SavePlan``: DCP's ``state.capture``
+       -- modules, optimizers, stateful objects, values, RNG -- at the first save and
+       whenever the plan's cheap check finds the state's structure changed; else the
+       same tensors, with what changes every step read anew), then one value per entry
+       for every rank (``values.agree``)
     5. agree on free space; first save: agree on a nonce, clean leftovers
        (``commit.StepWriter``); the first memory save starts the memory tier
     6. stage into reused host buffers (``stage.HostStager``; with the memory tier a slot of
-       shared memory, then its record: memory-durable)
+       shared memory, then its record: memory-durable); the plan's fixed tensors are
+       copied by one batched copy recorded at the plan's first save into that buffer set
        <- training blocks until here
     7. start this call's vote, hand the write to the background thread
        (``commit.StepWriter.write_and_commit``), return a ``SaveHandle``; with a remote,
@@ -47,6 +51,7 @@ from shardckpt.saving import preflight
 from shardckpt.saving.commit import SaveJob, StepWriter
 from shardckpt.saving.durability import DurabilityLog
 from shardckpt.saving.handle import SaveHandle
+from shardckpt.saving.plan import SavePlan
 from shardckpt.saving.policy import SavePolicy
 from shardckpt.saving.stage import CopyFence, HostStager, split_bytes
 from shardckpt.tiers import early_upload
@@ -111,6 +116,9 @@ class Saver:
         self._hooked: set[int] = set()
         self._hooks: list[Any] = []
         self._saves = 0
+        self._plans: dict[bool, SavePlan] = {}
+        self.plans_built = 0
+        """How many save plans were built (one per change of the state's structure: ``plan.py``)."""
         self._warned_values: set[str] = set()
         self._frozen: dict[str, Any] | None = None
         self._run: dict[str, Any] | None = None
@@ -150,10 +158,8 @@ class Saver:
             if decision.due or self._writer.forks(step):  # a save kept only in memory waits for no write
                 self._wait_previous(step)
             kind = self._kind(light, decision.preempt) if decision.due else FULL
-            captured, kinds, frozen = state_mod.capture(
-                state, _dist.rank(), self.config.capture_rng, light=kind == LIGHT,
-                trainable_only=self.config.trainable_only,
-            )
+            plan = self._plan_for(state, kind == LIGHT)
+            captured, kinds, frozen = plan.capture(state)
             own_keys = {k for k, v in state.items() if isinstance(v, elastic_mod.PerRank)} | {state_mod.RESERVED_KEY}
             captured, later = values.agree(captured, kinds, self._groups, step, self._warned_values, own_keys, memory)
             if self._saves == 0 and self._memory.last is None:
@@ -169,9 +175,9 @@ class Saver:
                 self._frozen = self._fingerprint(state, frozen)
             if memory:  # the copy goes into shared memory: the disk write reads it there
                 writing = self.pending is not None and not self.pending.done()
-                staged, fence = self._memory.stage(captured, f"step {step}", disk=disk, writing=writing)
+                staged, fence = self._memory.stage(captured, f"step {step}", disk=disk, writing=writing, plan=plan)
             else:
-                staged, fence = self._stager.stage(captured, what=f"step {step}")
+                staged, fence = self._stager.stage(captured, what=f"step {step}", plan=plan)
             del captured
             if memory or not self.config.overlap_copies:
                 fence.complete()  # returns with the copies done: no later write can reach them
@@ -377,6 +383,16 @@ class Saver:
         fence = self._fence
         if fence is not None:
             fence.order_after()  # settles the version check even when the copies are done
+
+    def _plan_for(self, state: dict[str, Any], light: bool) -> SavePlan:
+        """The save plan of ``state`` (``plan.py``): the last one while it holds, else a new one (DCP's capture)."""
+        plan = self._plans.get(light)
+        if plan is None or not plan.holds(state):
+            plan = SavePlan(state, _dist.rank(), self.config.capture_rng, light=light,
+                            trainable_only=self.config.trainable_only)
+            self._plans[light] = plan
+            self.plans_built += 1
+        return plan
 
     def _kind(self, light: bool | None, preempt: bool) -> str:
         if preempt:
