@@ -7,9 +7,12 @@ fails when the check that notices its change is removed from ``SavePlan.holds``.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn as nn
+from helpers import PROGRAMS, run_torchrun
 
 import shardckpt
 from shardckpt import state as state_mod
@@ -297,3 +300,17 @@ def test_a_plain_value_that_changes_type(tmp_path, memory):
                                        lambda: {"model": Net(), "counter": Counter()})
     assert isinstance(other["counter"], Counter) and other["counter"].n == 41
     same_tensors(model.state_dict(), other["model"].state_dict())
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_two_ranks_capture_what_dcp_captures_and_an_fsdp2_shard_that_moves(tmp_path, mode):
+    """DDP and FSDP2 on 2 ranks: the plan's capture is DCP's; with FSDP2 an unshard/reshard cycle keeps the
+    plan, a local shard moved to new memory makes a new one, and the step saved after it resumes bitwise."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run_torchrun(2, PROGRAMS / "save_plan_job.py", mode, tmp_path / "ck", out)
+    for rank in (0, 1):
+        assert json.loads((out / f"equal.rank{rank}.json").read_text()) == []
+        result = json.loads((out / f"result.rank{rank}.json").read_text())
+        assert result["loaded"] == result["last"] and result["same"], result
+        assert result["plans"] == ([1, 1, 2] if mode == "fsdp2" else [1]), result
