@@ -69,9 +69,11 @@ def describe(
     every other item; ``planner_data``: each fqn's path. ``cache`` keeps the entries of buffers seen
     before (the same buffer object of the same fqn describes itself alike).
     """
-    flat, mappings = flatten_state_dict(staged)
+    flat, mappings = _flatten(staged, cache)
     tensors: list[list[Any]] = []
     values: list[tuple[str, bytes]] = []
+    pickled = cache.pop(_VALUES, {})
+    kept: dict[str, tuple[type, Any, bytes]] = {}
     for fqn, obj in flat.items():
         if isinstance(obj, torch.Tensor):
             key = (fqn, id(obj))
@@ -85,11 +87,67 @@ def describe(
                 cache[key] = entry
             tensors.append(entry)
         else:
-            buf = io.BytesIO()
-            torch.save(obj, buf)
-            values.append((fqn, buf.getvalue()))
+            before = pickled.get(fqn)
+            if before is not None and type(obj) is before[0] and _plain(obj) and _equal(obj, before[1]):
+                data = before[2]  # the same plain value as at the last save: its bytes again, not pickled
+            else:
+                buf = io.BytesIO()
+                torch.save(obj, buf)
+                data = buf.getvalue()
+            if _plain(obj):
+                kept[fqn] = (type(obj), obj, data)
+            values.append((fqn, data))
+    cache[_VALUES] = kept  # type: ignore[assignment]
     planner_data = {fqn: list(path) for fqn, path in mappings.items()}
     return tensors, values, planner_data
+
+
+_VALUES = ("values", 0)
+"""``describe``'s cache key of the last save's pickled plain values: ``{fqn: (type, value, bytes)}``."""
+_FLAT = ("flat", 0)
+"""``describe``'s cache key of the flattened subtrees of the last save: ``{id: (subtree, flat, mappings)}``."""
+_SCALARS = (int, float, str, bytes, bool, type(None))
+
+
+def _plain(obj: Any) -> bool:
+    """An immutable value made of scalars (compared by value: reusing its bytes is safe)."""
+    if type(obj) in _SCALARS:
+        return True
+    return type(obj) is tuple and all(type(v) in _SCALARS for v in obj)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Equal with the same types throughout (``1 == 1.0 == True`` pickle differently)."""
+    if type(a) is tuple:
+        return len(a) == len(b) and all(type(x) is type(y) and x == y for x, y in zip(a, b))
+    return bool(a == b)
+
+
+def _flatten(staged: dict[str, Any], cache: dict[Any, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """DCP's ``flatten_state_dict`` of ``staged``, two levels at a time: a subtree that is the same object as
+    at the last save (a staging program's buffers, which never change under one plan) is not walked again."""
+    before = cache.pop(_FLAT, {})
+    now: dict[int, tuple[Any, dict[str, Any], dict[str, Any]]] = {}
+    flat: dict[str, Any] = {}
+    mappings: dict[str, Any] = {}
+    for key, value in staged.items():
+        top = before.get(id(value))
+        if top is not None and top[0] is value:
+            parts: list[tuple[Any, Any]] = [(None, value)]  # the whole entry is as it was (a module's buffers)
+        else:
+            parts = list(value.items()) if isinstance(value, dict) and value else [(None, value)]
+        for sub, v in parts:
+            hit = before.get(id(v))
+            if hit is not None and hit[0] is v and isinstance(v, dict):
+                f, m = hit[1], hit[2]
+            else:
+                f, m = flatten_state_dict({key: v} if sub is None else {key: {sub: v}})
+            if isinstance(v, dict) and all(isinstance(t, torch.Tensor) for t in f.values()):
+                now[id(v)] = (v, f, m)  # tensors only: the same object holds the same leaves
+            flat.update(f)
+            mappings.update(m)
+    cache[_FLAT] = now
+    return flat, mappings
 
 
 def metadata(tables: list[dict[str, Any]]) -> Metadata:

@@ -130,6 +130,10 @@ def ensure_namespace(root: str) -> str:
     return path
 
 
+_TABLES = ("tensors", "planner_data", "layout")
+"""A record's tables that stay the same between saves of one state into one slot."""
+
+
 @dataclasses.dataclass
 class Record:
     """One rank's complete copy of one save, as its record describes it."""
@@ -168,10 +172,23 @@ class Record:
     def nbytes(self) -> int:
         return self.buffer_size + self.values_size
 
-    def to_json(self) -> str:
-        body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
-        body["format"] = FORMAT
-        return json.dumps(body, separators=(",", ":"))
+    def to_json(self, cache: dict[str, tuple[Any, str]] | None = None) -> str:
+        """The record's text. ``cache`` (kept by the caller between saves of one slot): the text of each large
+        table equal to the last one is reused, not encoded again (the same text as without it)."""
+        parts = []
+        for f in dataclasses.fields(self):
+            if f.name == "name":
+                continue
+            value = getattr(self, f.name)
+            if cache is not None and f.name in _TABLES:
+                hit = cache.get(f.name)
+                if hit is None or hit[0] != value:
+                    hit = cache[f.name] = (value, json.dumps(value, separators=(",", ":")))
+                parts.append(f"{json.dumps(f.name)}:{hit[1]}")
+            else:
+                parts.append(f"{json.dumps(f.name)}:{json.dumps(value, separators=(',', ':'))}")
+        parts.append(f'"format":{json.dumps(FORMAT)}')
+        return "{" + ",".join(parts) + "}"
 
     @classmethod
     def from_json(cls, text: str | bytes, name: str) -> "Record":
@@ -210,13 +227,13 @@ def _is(value: Any, kind: Any) -> bool:
     return isinstance(value, kind) and not isinstance(value, bool)
 
 
-def write_record(ns: str, record: Record) -> None:
+def write_record(ns: str, record: Record, cache: dict[str, tuple[Any, str]] | None = None) -> None:
     """Make ``record`` the slot's: after every byte it describes is in place (tmp + rename)."""
     final = os.path.join(ns, record_name(record.rank, record.slot))
     tmp = f"{final}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(record.to_json())
+        f.write(record.to_json(cache))
     os.replace(tmp, final)
 
 

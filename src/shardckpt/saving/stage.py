@@ -203,41 +203,88 @@ class HostStager:
         self._buffers: dict[tuple, Any] = {}
         self._signatures: dict[tuple, tuple] = {}
         self._stream: Any = None
+        self._program: dict[tuple, tuple[Any, list[_Pair]]] = {}
+        self._program_token: int | None = None
+        self._done_token: int | None = None
         self.allocations = 0
         """How many ``stage()`` calls had to allocate a buffer; 1 in steady state."""
 
     @torch.no_grad()
-    def stage(self, state_dict: dict[str, Any], what: str = "this save") -> tuple[dict[str, Any], CopyFence]:
+    def stage(self, state_dict: dict[str, Any], what: str = "this save", plan: Any = None
+              ) -> tuple[dict[str, Any], CopyFence]:
         """Copy ``state_dict`` into the buffers; returns the staged dict and the fence of its copies.
 
-        ``what`` names the save in the fence's errors (``"step 12"``).
+        ``what`` names the save in the fence's errors (``"step 12"``). ``plan`` (a ``saving.plan.SavePlan``):
+        the subtrees at its ``fixed`` paths hold the same tensors at every save under it; their copies are
+        recorded once (a *program*: buffer, source) and then run as one batched copy, without a walk.
         """
         on_gpu = torch.cuda.is_available() and _has_cuda_tensor(state_dict)
         deferred: list[Callable[[], Any]] | None = [] if not on_gpu and self.defer_cpu_copies else None
         track = on_gpu or deferred is not None
         allocated = [False]
         sources: list[tuple[str, torch.Tensor, int]] = []
+        fixed: set[tuple] = set(plan.fixed) if plan is not None else set()
+        if plan is None or self._program_token != plan.token:
+            self._program, self._program_token = {}, (plan.token if plan is not None else None)
+        self._done_token = None
+        program = self._program
+        batch: list[_Pair] = []
+        recording: list[list[_Pair] | None] = []
 
-        def walk(obj: Any, path: tuple) -> Any:
+        def walk(obj: Any, path: tuple, check: bool = True) -> Any:
+            if check and path in fixed:
+                return fixed_subtree(obj, path)
             if isinstance(obj, torch.Tensor):
                 if track:
                     key = ".".join(str(p) for p in path)
                     sources.extend((key, t, _version(t)) for t in _tracked(obj))
-                return self._copy_leaf(obj, path, on_gpu, allocated, deferred)
+                buf = self._copy_leaf(obj, path, on_gpu, allocated, deferred)
+                if recording and recording[-1] is not None:
+                    pair = _pair(buf, obj, path)
+                    if pair is None:
+                        recording[-1] = None  # a tensor type without a plain local tensor: walked at every save
+                    else:
+                        recording[-1].append(pair)
+                return buf
             if isinstance(obj, dict):
                 return {k: walk(v, path + (k,)) for k, v in obj.items()}
             if isinstance(obj, list):
                 return [walk(v, path + (i,)) for i, v in enumerate(obj)]
             if isinstance(obj, tuple):
                 return tuple(walk(v, path + (i,)) for i, v in enumerate(obj))
+            if recording:
+                recording[-1] = None  # a value that is not a tensor may change: walked at every save
             if isinstance(obj, _PLAIN):
                 return obj
             if isinstance(obj, io.BytesIO):
                 return io.BytesIO(obj.getvalue())
             return copy.deepcopy(obj)
 
+        def fixed_subtree(obj: Any, path: tuple) -> Any:
+            found = program.get(path)
+            if found is None:  # the first save under this plan: walked, and its copies recorded
+                recording.append([])
+                out = walk(obj, path, check=False)
+                pairs = recording.pop()
+                if pairs is not None:
+                    program[path] = (out, pairs)
+                return out
+            skeleton, pairs = found
+            if track:
+                sources.extend((p.key, t, _version(t)) for p in pairs for t in p.tracked)
+            batch.extend(pairs)
+            return skeleton  # never changed by a reader: the writer and the record copy what they change
+
+        def copy_batch() -> None:
+            if batch:
+                torch._foreach_copy_([p.buf for p in batch], [p.src for p in batch], non_blocking=on_gpu)
+
         if not on_gpu:
             staged = walk(state_dict, ())
+            if deferred is not None:
+                deferred.append(copy_batch)
+            else:
+                copy_batch()
             fence = CopyFence(sources=sources, deferred=deferred, what=what)
         else:
             # The copies go on a side stream, after what the compute stream queued so far.
@@ -246,6 +293,7 @@ class HostStager:
             self._stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._stream):
                 staged = walk(state_dict, ())
+                copy_batch()
                 for _key, source, _v in sources:
                     if source.is_cuda:
                         source.record_stream(self._stream)  # not reused while the copy reads it
@@ -256,7 +304,12 @@ class HostStager:
         # state) between full ones must not make the next full save allocate again.
         if allocated[0]:
             self.allocations += 1
+        self._done_token = self._program_token
         return staged, fence
+
+    def staged_under(self, plan: Any) -> bool:
+        """The last copy ran under ``plan`` (its fixed tensors have their buffers, of the same layout)."""
+        return self._done_token == plan.token
 
     def _copy_leaf(
         self, obj: torch.Tensor, path: tuple, non_blocking: bool, allocated: list[bool],
@@ -295,7 +348,28 @@ class HostStager:
     def release(self) -> None:
         self._buffers.clear()
         self._signatures.clear()
+        self._program, self._program_token, self._done_token = {}, None, None
         self.pinned_bytes = 0
+
+
+class _Pair:
+    """One recorded copy of a staging program: the buffer's and the source's plain local tensors."""
+
+    __slots__ = ("buf", "src", "key", "tracked")
+
+    def __init__(self, buf: torch.Tensor, src: torch.Tensor, key: str, tracked: list[torch.Tensor]) -> None:
+        self.buf, self.src, self.key, self.tracked = buf, src, key, tracked
+
+
+def _pair(buf: Any, obj: torch.Tensor, path: tuple) -> _Pair | None:
+    """The copy of ``obj`` into ``buf`` as two plain tensors (``None``: a type copied by torch's own helper)."""
+    key = ".".join(str(p) for p in path)
+    if isinstance(obj, DTensor) and isinstance(buf, DTensor) and buf is not obj:
+        return _Pair(buf._local_tensor, obj._local_tensor, key, [obj._local_tensor])
+    if (type(obj) is torch.Tensor or (isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor))) \
+            and type(buf) is torch.Tensor and buf is not obj:
+        return _Pair(buf, obj, key, _tracked(obj))
+    return None
 
 
 def _new_buffer(obj: torch.Tensor, pin: bool) -> Any:

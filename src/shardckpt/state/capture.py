@@ -127,27 +127,35 @@ def capture(
     sd: dict[str, Any] = {}
     frozen: dict[str, dict[str, Any]] = {}
     for key, kind in kinds.items():
-        value = state[key]
-        if kind == MODULE:
-            sd[key] = get_model_state_dict(value)
-            if trainable_only:
-                left_out = frozen_names(value) & set(sd[key])
-                frozen[key] = {n: _describe(sd[key][n]) for n in sorted(left_out)}
-                sd[key] = {n: v for n, v in sd[key].items() if n not in left_out}
-        elif kind == OPTIMIZER:
-            if light:
-                continue
-            sd[key] = get_optimizer_state_dict(state[pairs[key]], value)
-        elif kind == STATEFUL:
-            sd[key] = Own(value.state_dict()) if per_rank_by_nature(value) else value.state_dict()
-        else:
-            sd[key] = value
+        if kind == OPTIMIZER and light:
+            continue
+        sd[key], left_out = capture_entry(state, key, kind, pairs, trainable_only=trainable_only)
+        if left_out is not None:
+            frozen[key] = left_out
     if light:
         kinds = {k: v for k, v in kinds.items() if v != OPTIMIZER}
     if capture_rng:
         sd[RESERVED_KEY] = {RNG: {rng_key(rank): get_rng_state()}}
         kinds[RESERVED_KEY] = RNG
     return sd, kinds, frozen
+
+
+def capture_entry(
+    state: Mapping[str, Any], key: str, kind: str, pairs: Mapping[str, str], *, trainable_only: bool = False,
+) -> tuple[Any, dict[str, Any] | None]:
+    """One entry of :func:`capture`: ``(what is saved of state[key], what trainable_only left out or None)``."""
+    value = state[key]
+    if kind == MODULE:
+        sd = get_model_state_dict(value)
+        if not trainable_only:
+            return sd, None
+        left_out = frozen_names(value) & set(sd)
+        return {n: v for n, v in sd.items() if n not in left_out}, {n: _describe(sd[n]) for n in sorted(left_out)}
+    if kind == OPTIMIZER:
+        return get_optimizer_state_dict(state[pairs[key]], value), None
+    if kind == STATEFUL:
+        return (Own(value.state_dict()) if per_rank_by_nature(value) else value.state_dict()), None
+    return value, None
 
 
 def frozen_names(module: nn.Module) -> set[str]:

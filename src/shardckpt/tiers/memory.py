@@ -301,15 +301,18 @@ class MemoryTier:
             log.info("shardckpt: memory tier: steps %s of this history stay in %s", sorted(r.step for r in kept.values()),
                      self.ns)
 
-    def stage(self, captured: dict[str, Any], what: str, *, disk: bool, writing: bool = False
+    def stage(self, captured: dict[str, Any], what: str, *, disk: bool, writing: bool = False, plan: Any = None
               ) -> tuple[dict[str, Any], CopyFence]:
         """Steps 1-4 of the module docstring: the copy into a slot (its record removed first).
 
-        ``writing``: the disk write of the newest save due on disk still reads its slot.
+        ``writing``: the disk write of the newest save due on disk still reads its slot. ``plan``
+        (``saving.plan.SavePlan``): a slot whose stager copied under this plan before is laid out for its
+        fixed tensors; only the rest of the state is checked against the layout.
         """
-        wanted = self._wanted(captured, what)
         candidates = [s for s in self.slots if disk or not writing or s.index != self.disk_slot]
         slot = next((s for s in candidates if s.holds is None), None) or min(candidates, key=lambda s: s.holds[2])
+        planned = plan is not None and slot.stager is not None and slot.stager.staged_under(plan)
+        wanted = self._wanted(plan.volatile(captured) if planned else captured, what)
         shm.drop_record(self.ns, _dist.rank(), slot.index)
         slot.holds = None
         if slot.fits(wanted) and slot.base is None:  # a slot adopted from the process before: its file, mapped
@@ -323,7 +326,7 @@ class MemoryTier:
         if disk:
             self.disk_slot = slot.index
         self._writing = slot
-        return slot.stager.stage(captured, what=what)
+        return slot.stager.stage(captured, what=what, plan=plan)
 
     def _lay_out(self, slot: _Slot, wanted: list[tuple[str, str, int]], what: str) -> None:
         keys = {k for k, _s, _n in wanted}
@@ -412,7 +415,11 @@ class MemoryTier:
                 f"nothing of step {job.step} was kept in memory, earlier steps are intact. Remedy: make every "
                 f"non-tensor value picklable (or keep it behind a state_dict())."
             ) from exc
-        manifest.total_bytes = sum(len(v) for _f, v in values) + sum(_nbytes(t) for t in tensors)
+        ids = tuple(map(id, tensors))  # the entries are describe's cached ones: the same list, the same sizes
+        sized = slot.cache.get(("nbytes", 0))
+        if sized is None or sized[0] != ids:
+            sized = slot.cache[("nbytes", 0)] = (ids, sum(_nbytes(t) for t in tensors))  # type: ignore[assignment]
+        manifest.total_bytes = sum(len(v) for _f, v in values) + sized[1]
         items, pos = [], 0
         values_file = shm.values_name(rank, slot.index)
         try:
@@ -427,9 +434,9 @@ class MemoryTier:
                 created=manifest.created, boot_id=shm.boot_id(), local_dir=self.root, buffer=slot.buffer,
                 buffer_size=slot.size, values_file=values_file, values_size=pos, manifest=manifest.to_json(),
                 tensors=tensors, values=items, planner_data=planner_data,
-                layout=[[k, s, o, n] for k, (s, o, n) in slot.entries.items()], host=socket.gethostname(),
+                layout=self._layout_rows(slot), host=socket.gethostname(),
             )
-            shm.write_record(self.ns, rec)
+            shm.write_record(self.ns, rec, slot.cache.setdefault(("json", 0), {}))  # type: ignore[arg-type]
         except OSError as exc:
             raise SaveError(
                 f"step {job.step}: the memory copy could not be recorded in {self.ns} ({exc}); earlier steps are "
@@ -439,6 +446,15 @@ class MemoryTier:
         slot.holds = (job.step, rec.version, rec.created)
         self.last = job.step
         return os.path.join(self.ns, shm.record_name(rank, slot.index))
+
+    @staticmethod
+    def _layout_rows(slot: _Slot) -> list[list[Any]]:
+        """The slot's layout as its record lists it (made again only when the slot was laid out again)."""
+        found = slot.cache.get(("layout", 0))
+        if found is None or found[0] is not slot.entries:
+            found = slot.cache[("layout", 0)] = (  # type: ignore[assignment]
+                slot.entries, [[k, s, o, n] for k, (s, o, n) in slot.entries.items()])
+        return found[1]
 
     def release(self) -> None:
         """Free this rank's copies (``close()``, once nothing is only there: the job is over for this process)."""
