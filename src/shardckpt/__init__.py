@@ -54,7 +54,7 @@ _LAZY = {
     "ElasticPolicy": "restoring.elastic",
     "LRRule": "restoring.elastic",
     "OnInexact": "restoring.elastic",
-    "PerRank": "restoring.elastic",
+    "PerRank": "state.per_rank",
     "StepPeek": "restoring.step_peek",
 }
 

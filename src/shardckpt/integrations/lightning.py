@@ -68,7 +68,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 import shardckpt
 from shardckpt.errors import ConfigError
 from shardckpt.options import record_shape
-from shardckpt.restoring.elastic import ElasticPolicy, OnInexact, PerRank, compute_plan
+from shardckpt.restoring.elastic import ElasticPolicy, OnInexact, compute_plan
+from shardckpt.state.per_rank import PerRank
 
 log = logging.getLogger("shardckpt")
 

@@ -47,7 +47,7 @@ from shardckpt._version import __version__
 from shardckpt.errors import ConfigError, SaveError
 from shardckpt.format.retention import FULL, LIGHT
 from shardckpt.options import CheckpointConfig, SaveMode, run_config_of
-from shardckpt.restoring import elastic as elastic_mod
+from shardckpt.state.per_rank import PerRank
 from shardckpt.saving import preflight
 from shardckpt.saving.commit import SaveJob, StepWriter
 from shardckpt.saving.durability import DurabilityLog
@@ -161,7 +161,7 @@ class Saver:
             kind = self._kind(light, decision.preempt) if decision.due else FULL
             plan = self._plan_for(state, kind == LIGHT)
             captured, kinds, frozen = plan.capture(state)
-            own_keys = {k for k, v in state.items() if isinstance(v, elastic_mod.PerRank)} | {state_mod.RESERVED_KEY}
+            own_keys = {k for k, v in state.items() if isinstance(v, PerRank)} | {state_mod.RESERVED_KEY}
             captured, later = values.agree(captured, kinds, self._groups, step, self._warned_values, own_keys, memory)
             if self._saves == 0 and self._memory.last is None:
                 preflight.note_missing_optimizer(state)
