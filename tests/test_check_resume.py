@@ -67,7 +67,8 @@ def test_a_correct_script_resumes_exactly_and_its_own_checkpoints_are_untouched(
 def test_under_a_check_every_checkpointer_is_redirected_whatever_the_script_passes(tmp_path, monkeypatch):
     import json
 
-    from shardckpt import CheckpointConfig, resume_probe
+    from shardckpt import CheckpointConfig
+    from shardckpt.check_resume import probe as resume_probe
 
     for key in [k for k in os.environ if k.startswith("SHARDCKPT_")]:
         monkeypatch.delenv(key)

@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardckpt import _dist, _failpoints, resume_probe, state_digest, stores, topology, values
+from shardckpt import _dist, _failpoints, stores, topology, values
+from shardckpt.check_resume import digest as state_digest, probe as resume_probe
 from shardckpt.saving import preflight
 from shardckpt.restoring import elastic as elastic_mod, step_peek as peek_mod
 from shardckpt.tiers.steps import LocalSteps, RemoteSteps
@@ -201,8 +202,7 @@ class Checkpointer:
         """
         if self._probe is None:
             return self._save(state, step, force=force, metadata=metadata, metrics=metrics, light=light)
-        # `shardckpt check-resume`: the digests of what this call was given (before its write runs beside them)
-        digests = self._probe.digest(lambda: state_digest.digest(state, _dist.rank()))
+        digests = self._probe.digest(lambda: state_digest.digest(state, _dist.rank()))  # check-resume: before the write
         handle = self._save(state, step, force=force, metadata=metadata, metrics=metrics, light=light)
         self._probe.saved(_dist.rank(), _dist.world_size(), step, handle is not None, digests, metrics, self.wait)
         return handle

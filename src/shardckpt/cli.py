@@ -9,7 +9,7 @@ Looking at checkpoints, on either tier (a local directory or a remote URL)::
     shardckpt gc SRC --keep-last N [--keep-every K] [--keep-abandoned] [--dry-run]
     shardckpt status DIR [--json]                   the node's uploader, peer and memory tiers
     shardckpt adopt DCP_DIR --into DIR --step N     commit a copy of a stock DCP checkpoint
-    shardckpt check-resume [--steps N] [--kill-after STEP] -- COMMAND   a script resumes exactly? (check_resume.py)
+    shardckpt check-resume [--steps N] [--kill-after STEP] -- COMMAND   a script resumes exactly? (check_resume/run.py)
 
 Moving steps between tiers::
 
@@ -37,7 +37,7 @@ import socket
 import sys
 from typing import Any, Sequence
 
-from shardckpt import check_resume
+from shardckpt.check_resume import run as check_resume
 from shardckpt._version import __version__
 from shardckpt.format import layout, lineage, retention, shm, step_dirs
 from shardckpt._text import fmt_bytes

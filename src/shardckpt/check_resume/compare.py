@@ -1,6 +1,6 @@
 """Comparing the records of two runs of ``shardckpt check-resume``, and what a difference usually means (torch-free).
 
-A run's records (:mod:`shardckpt.resume_probe`) are, per *lane* (a rank, and
+A run's records (:mod:`shardckpt.check_resume.probe`) are, per *lane* (a rank, and
 the checkpointer when a script has several), one record per ``save()`` call:
 the step and, per top-level key of the state, its digest, the digests of its
 parts and its small plain values. Two runs agree at a step when every lane has

@@ -17,7 +17,7 @@ in key order, pickles of plain leaves). Per key it keeps
 * ``kind`` and ``role``: what the entry is (``model``, ``optimizer``,
   ``scheduler``, ``data``, ``rng``, ``value``, ``state``).
 
-Only used while a check runs (:mod:`shardckpt.resume_probe`).
+Only used while a check runs (:mod:`shardckpt.check_resume.probe`).
 """
 
 from __future__ import annotations

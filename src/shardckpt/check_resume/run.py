@@ -12,13 +12,13 @@ Runs COMMAND (``python train.py ...``, ``torchrun ... train.py ...``) three time
    committed, every process of the job is SIGKILLed;
 3. **resumed**: the same command again on the killed run's checkpoints, to step N.
 
-Each run gets ``SHARDCKPT_CHECK_RESUME`` (:mod:`shardckpt.resume_probe`): every
+Each run gets ``SHARDCKPT_CHECK_RESUME`` (:mod:`shardckpt.check_resume.probe`): every
 Checkpointer's ``local_dir`` and ``remote`` point into the check's own
 directory, every ``save()`` call records digests of the state it was given
 (per rank, per top-level key), and the first call at or after the run's last
 step waits there until the checker kills the job (a script that loops forever
 is stopped the same way). The resumed run is then compared with the reference
-at every step after the one it resumed (:mod:`shardckpt.resume_compare`).
+at every step after the one it resumed (:mod:`shardckpt.check_resume.compare`).
 
 Exit status: 0 equal at every step after the resume, on every rank; 1 a
 difference (the first step, the ranks and keys, what it usually means), a
@@ -40,11 +40,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import Any
 
-from shardckpt import resume_compare as compare
-from shardckpt import resume_probe
-from shardckpt._proc import proc_start
+from shardckpt._proc import kill_tree
+from shardckpt.check_resume import compare, probe
 from shardckpt.format import layout
 from shardckpt.format.retention import FULL
 from shardckpt.node import node_registry
@@ -208,7 +207,7 @@ def _execute(run: Run, command: list[str], workdir: str, ckpt: str, timeout: flo
     run.log = os.path.join(workdir, f"{run.name}.log")
     os.makedirs(run.out)
     env = dict(os.environ)
-    env[resume_probe.ENV] = json.dumps({"ckpt": ckpt, "out": run.out, "stop": run.stop, "commit": run.commit})
+    env[probe.ENV] = json.dumps({"ckpt": ckpt, "out": run.out, "stop": run.stop, "commit": run.commit})
     print(f"{PREFIX}: {run.name} run, to step {run.stop}{' (then SIGKILL)' if run.commit else ''}: "
           f"{' '.join(command)}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
@@ -221,7 +220,7 @@ def _execute(run: Run, command: list[str], workdir: str, ckpt: str, timeout: flo
     stops: dict[int, dict[str, Any]] = {}
     try:
         while True:
-            stops = resume_probe.read_stops(run.out)
+            stops = probe.read_stops(run.out)
             world = max((int(s.get("world", 1)) for s in stops.values()), default=0)
             if stops and all(rank in stops for rank in range(world)):
                 run.outcome = "stopped"
@@ -236,8 +235,8 @@ def _execute(run: Run, command: list[str], workdir: str, ckpt: str, timeout: flo
     finally:
         kill_tree(proc, [int(s["pid"]) for s in stops.values() if isinstance(s.get("pid"), int)])
     run.wall_s = time.monotonic() - t0
-    run.records = resume_probe.read_records(run.out)
-    run.stops = resume_probe.read_stops(run.out)
+    run.records = probe.read_records(run.out)
+    run.stops = probe.read_stops(run.out)
     print(f"{PREFIX}: {run.name} run: {_ended(run)} after {run.wall_s:.1f} s", file=sys.stderr, flush=True)
 
 
@@ -249,55 +248,6 @@ def _ended(run: Run) -> str:
     if run.outcome == "timeout":
         return f"still running ({at}): killed"
     return f"exited with status {run.rc} ({at})"
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (Linux; torchrun starts its workers in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    for entry in entries:
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-            except (OSError, ValueError, IndexError):
-                continue
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def kill_tree(proc: subprocess.Popen, pids: Sequence[int] = ()) -> None:
-    """SIGKILL a job started in a session of its own: the command, everything it started (and ``pids``).
-
-    Returns once every one of them is gone (a zombie at most): SIGKILL is
-    delivered at once but a big process takes a while to exit.
-    """
-    victims = [proc.pid, *descendants(proc.pid), *pids]
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except OSError:
-        pass
-    for pid in victims:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    proc.wait()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(running(pid) for pid in victims[1:]):
-        time.sleep(0.05)
-
-
-def running(pid: int) -> bool:
-    """``pid`` exists and has not exited (not a zombie)."""
-    return proc_start(pid) is not None
 
 
 def _tail(run: Run, lines: int = 15) -> str:
