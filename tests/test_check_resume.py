@@ -57,9 +57,15 @@ def test_a_correct_script_resumes_exactly_and_its_own_checkpoints_are_untouched(
     assert first.startswith("shardckpt check-resume: equal: steps 8..12 on every rank (1 rank, 5 save() calls "
                             "compared; killed after step 8, resumed from step 7)"), said(proc)
     assert "  note: step 8 committed too, light (without optimizer state" in proc.stdout, said(proc)
+    # Every user key under its own name (a user's torch.Generator under `rng` too, by its state, not its pickle);
+    # the process's generators apart; a NaN placeholder metric equal to itself.
     for key in ("model [model]", "optimizer [optimizer]", "scheduler [LR scheduler]", "sampler [data position]",
-                "noise [stateful object]", "rng [random generators]", "the reported loss"):
+                "noise [stateful object]", "process RNG [random generators], rng [random generators]",
+                "samples_seen [value]", "the reported loss, val_loss"):
         assert key in proc.stdout, key
+    # Progress: each run's timeout, and when its first save() call came.
+    assert "shardckpt check-resume: reference run, to step 12, timeout 400 s: " in proc.stderr, said(proc)
+    assert "shardckpt check-resume: resumed run: first save() call, step 8, after " in proc.stderr, said(proc)
     assert not own.exists()
     assert os.listdir(workdir) == []  # logs, records and checkpoints removed (no --keep)
 
@@ -191,6 +197,6 @@ def test_resume_matrix(tmp_path, case, command, steps, kill, first, ranks, needs
                                   f"rank{'s' if ranks > 1 else ''}, "), said(proc)
     assert f"killed after step {kill}, resumed from step {kill})" in proc.stdout, said(proc)
     if case == "ddp-and-fsdp2":
-        assert "  compared: model [model], noise [stateful object], optimizer [optimizer], rng [random generators], " \
-               "sampler [data position], scheduler [LR scheduler], sharded [model], sharded_optimizer [optimizer]" \
-               in proc.stdout, said(proc)
+        assert "  compared: model [model], noise [stateful object], optimizer [optimizer], process RNG [random " \
+               "generators], rng [random generators], sampler [data position], samples_seen [value], scheduler [LR " \
+               "scheduler], sharded [model], sharded_optimizer [optimizer]" in proc.stdout, said(proc)
