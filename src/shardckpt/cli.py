@@ -10,6 +10,7 @@ Looking at checkpoints, on either tier (a local directory or a remote URL)::
     shardckpt status DIR [--json]                   the node's uploader, peer and memory tiers
     shardckpt adopt DCP_DIR --into DIR --step N     commit a copy of a stock DCP checkpoint
     shardckpt check-resume [--steps N] [--kill-after STEP] -- COMMAND   a script resumes exactly? (check_resume/run.py)
+    shardckpt diff A [B] [--step N] [--step M] [--json]   two steps, key by key (check_resume/diff.py)
 
 Moving steps between tiers::
 
@@ -17,12 +18,11 @@ Moving steps between tiers::
     shardckpt push --local DIR --remote URL [--step N]   upload now; check and repair the remote copy
     shardckpt pull --remote URL --local DIR [--step N]   fetch; check and repair the local copy
 
-Exit status: 0 all good; 1 what was asked about is bad or absent (a file
-fails verification, nothing is committed, a step is not committed remotely
-yet); 2 the command could not run (bad arguments, no such directory, the
-remote unreachable). Errors are one line with the remedy; ``--debug`` adds
-the traceback. ``ls``, ``inspect`` (without ``--keys`` / ``--values``), ``verify``, ``gc``,
-``status``, ``sync``, ``push``, ``pull`` and ``check-resume`` do not import torch.
+Exit status: 0 all good; 1 what was asked about is bad or absent (a file fails verification, nothing is committed, a
+step is not committed remotely yet); 2 the command could not run (bad arguments, no such directory, the remote
+unreachable). Errors: one line with the remedy; ``--debug`` adds the traceback. ``ls``, ``inspect`` (without
+``--keys`` / ``--values``), ``verify``, ``gc``, ``status``, ``sync``, ``push``, ``pull`` and ``check-resume`` do not
+import torch.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import socket
 import sys
 from typing import Any, Sequence
 
-from shardckpt.check_resume import run as check_resume
+from shardckpt.check_resume import diff as diff_cmd, run as check_resume
 from shardckpt._version import __version__
 from shardckpt.format import layout, lineage, retention, shm, step_dirs
 from shardckpt._text import fmt_bytes
@@ -314,10 +314,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     """``shardckpt export``: write the file and print one line saying what was written."""
     from shardckpt.export import export_step  # imports torch: only for this command
 
-    result = export_step(
-        args.src, args.out, step=args.step, fmt=args.format, optimizer=args.optimizer, key=args.key,
-        trust_pickles=args.trust_pickles, endpoint_url=args.endpoint_url,
-    )
+    result = export_step(args.src, args.out, step=args.step, fmt=args.format, optimizer=args.optimizer, key=args.key,
+                         trust_pickles=args.trust_pickles, endpoint_url=args.endpoint_url)
     what = f"{result.tensors} tensors"
     if result.optimizer_key is not None:
         what += f" ({len(result.optimizer_keys)} of optimizer {result.optimizer_key!r})"
@@ -654,6 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="step to fetch (default: the newest live step on the remote)")
     p.set_defaults(func=cmd_pull)
     check_resume.add_parser(sub)
+    diff_cmd.add_parser(sub)
     return parser
 
 

@@ -52,8 +52,8 @@ def digest(state: Mapping[str, Any], rank: int) -> dict[str, dict[str, Any]]:
     captured, kinds, _frozen = state_mod.capture(state, rank, capture_rng=False)
     out = {}
     for key, value in captured.items():
-        out[key] = _entry(value, kinds[key], _role(key, state[key], kinds[key], value))
-    out[OWN] = _entry(state_mod.get_rng_state(), "rng", "rng")
+        out[key] = entry(value, kinds[key], _role(key, state[key], kinds[key], value))
+    out[OWN] = entry(state_mod.get_rng_state(), "rng", "rng")
     for key in pending_grads.pending(state):  # not state (a checkpoint holds no .grad): what a resume loses
         out[key]["pending_grads"] = True
     return out
@@ -74,7 +74,8 @@ def _role(key: str, live: Any, kind: str, captured: Any) -> str:
     return "state" if kind == STATEFUL else "value"
 
 
-def _entry(value: Any, kind: str, role: str) -> dict[str, Any]:
+def entry(value: Any, kind: str, role: str) -> dict[str, Any]:
+    """The digests of one top-level key's captured value (see the module's docstring)."""
     whole = xxhash.xxh3_64()
     entry: dict[str, Any] = {"kind": kind, "role": role}
     if isinstance(value, Mapping) and len(value) <= MAX_PARTS:
@@ -96,6 +97,13 @@ def _entry(value: Any, kind: str, role: str) -> dict[str, Any]:
             entry["value"] = value
     entry["d"] = whole.hexdigest()
     return entry
+
+
+def fingerprint(value: Any) -> str:
+    """The digest of one value (a tensor, a generator, a plain or nested value): equal exactly when the values are."""
+    h = xxhash.xxh3_64()
+    _feed(h, value)
+    return h.hexdigest()
 
 
 def _small(value: Any) -> bool:

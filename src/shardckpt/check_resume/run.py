@@ -436,6 +436,7 @@ def _verdict(refs: list[Run], killed: Run, resumed: Run, committed: dict[str, di
              f"{len(equal)} save() calls compared; {how})", f"  compared: {keys}"
              + (f"; the reported {', '.join(metrics)}" if metrics else "")]
     if skip:
-        lines.append(f"  not compared: {', '.join(sorted(f'{compare.label(k)}.{p}' for k, p in skip))} (never seeded: they differ "
+        lines.append(f"  not compared: {', '.join(sorted(f'{compare.label(k)}.{p}' for k, p in skip))} (never "
+                     f"seeded: they differ "
                      f"between two runs from scratch; were they used, what they feed would differ)")
     return _print(OK, "\n".join(lines + notes))

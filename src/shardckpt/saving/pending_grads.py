@@ -53,7 +53,8 @@ def _is_pending(optimizer: torch.optim.Optimizer) -> bool:
         return False
     param, grad = found
     seen = _after_step.get(optimizer)
-    if seen is not None and seen[0] is not None and seen[0]() is param and seen[1]() is grad and seen[2] == grad._version:
+    if seen is not None and seen[0] is not None and seen[0]() is param and seen[1]() is grad \
+            and seen[2] == grad._version:
         return False  # the gradient the last step used, untouched since
     local = grad.to_local() if callable(getattr(grad, "to_local", None)) else grad
     return bool(torch.count_nonzero(local).item())  # zero_grad(set_to_none=False) leaves zeros: nothing pending
