@@ -89,8 +89,9 @@ CAUSES = {
            "load()"],
     # Gradients of two steps, one optimizer step: the save of step 7 holds the first half in .grad only.
     "accum": ["differing: model, optimizer", "what it usually means: gradients were pending at the save() of step "
-              "7, the step the resume restored (optimizer optimizer", "  shardckpt said in the killed run:\n    "
-              "shardckpt: step 1: gradients are pending at save() for the optimizer 'optimizer'"],
+              "7, the step the resume restored (optimizer 'optimizer': a backward() after its last step()",
+              "  shardckpt said in the killed run:\n    shardckpt: step 1: gradients are pending at save() for the "
+              "optimizer 'optimizer'"],
     "counter": ["differing: samples_seen\n", "  rank 0: samples_seen [value]: 8 (reference 64)\n"],
 }
 
