@@ -36,10 +36,13 @@ SETTLE_S = 60.0
 class MemoryDirs:
     """The check's own tmpfs directory (under ``SHARDCKPT_SHM_DIR`` or ``/dev/shm``), one sub-directory per line."""
 
-    def __init__(self) -> None:
-        base = shm.shm_root()
-        os.makedirs(base, exist_ok=True)
-        self.root = tempfile.mkdtemp(prefix=f"shardckpt-check-{os.getuid()}-", dir=base)  # mode 0700
+    def __init__(self, fallback: str) -> None:
+        try:
+            base = shm.shm_root()
+            os.makedirs(base, exist_ok=True)
+            self.root = tempfile.mkdtemp(prefix=f"shardckpt-check-{os.getuid()}-", dir=base)  # mode 0700
+        except OSError:  # no usable tmpfs: the memory tier of the runs (if on) says so; keep them apart all the same
+            self.root = tempfile.mkdtemp(prefix="shm-", dir=fallback)
 
     def of(self, line: str) -> str:
         """The ``SHARDCKPT_SHM_DIR`` of the runs of ``line`` (created on first use)."""

@@ -138,7 +138,7 @@ def cmd_check_resume(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     memory = None
     try:
-        memory = isolate.MemoryDirs()
+        memory = isolate.MemoryDirs(workdir)
         code = _check(command, steps, kill, workdir, memory, args)
     finally:
         signal.signal(signal.SIGTERM, previous)
