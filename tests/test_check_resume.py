@@ -18,7 +18,8 @@ processes or torchrun jobs on gloo), every save() call recorded by every rank.
   Face Trainer (one process), an accelerate loop with a StatefulDataLoader,
   Lightning DDP and FSDP2, torchtitan's manager; each job killed mid-epoch
   after an epoch boundary and compared step by step, bitwise, with an
-  uninterrupted run: exit 0.
+  uninterrupted run: exit 0. Lightning DDP killed right after the last batch
+  of epoch 0 too (its loop counters as in the uninterrupted fit).
 """
 
 from __future__ import annotations
@@ -178,6 +179,10 @@ def _matrix():
                lambda t, strategy=strategy: torchrun_cmd(2, PROGRAMS / "lightning_job.py", t, "run",
                                                           f"ckpt={t / 'own'}", f"strategy={strategy}", "every=2",
                                                           "steps=1000"), 16, 10, 12, 2, ("lightning", "torchdata"))
+    # Killed right after the last batch of epoch 0 (step 8): Lightning's loop counters as the uninterrupted fit's.
+    yield ("lightning-ddp-epoch-end",
+           lambda t: torchrun_cmd(2, PROGRAMS / "lightning_job.py", t, "run", f"ckpt={t / 'own'}", "strategy=ddp",
+                                  "every=2", "steps=1000"), 12, 8, 10, 2, ("lightning", "torchdata"))
     # FSDP2, a save every 3 steps; each rank's data part re-looped every 4 steps.
     yield ("torchtitan", lambda t: torchrun_cmd(2, PROGRAMS / "torchtitan_job.py", t, "run", f"ckpt={t / 'own'}",
                                                  "steps=1000000"), 12, 6, 7, 2, ("torchtitan",))

@@ -80,8 +80,8 @@ CAUSES = {
     # The loop numbers the restored step again: one step of data shifted from there on.
     "again": ["differing: sampler, ", "what it usually means: the resumed run's first save() call is at step 7, the "
               "step it restored: the loop numbers the restored step again"],
-    "skip": ["what it usually means: the resumed run's first save() call is at step 9, after restoring step 7: the "
-             "loop skips step 8"],
+    "skip": ["what it usually means: the resumed run's first save() call is at step 9, after restoring step 7, "
+             "where the reference called save() at step 8: the loop skips step 8"],
     # ExponentialLR is chainable: the LR set after load() stays wrong, the scheduler's count is right.
     "lr": ["differing: optimizer, scheduler, model", "optimizer [optimizer]: learning rate [0.009] (reference "
            "[0.00430467])", "what it usually means: the learning rate differs though the LR scheduler 'scheduler' "

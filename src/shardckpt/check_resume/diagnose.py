@@ -34,19 +34,24 @@ def _first_save(records: list[dict[str, Any]]) -> int | None:
     return min(firsts) if firsts else None
 
 
-def numbering(resumed: list[dict[str, Any]], start: int) -> str | None:
-    """The resumed run numbers its steps differently: the restored step again, or a gap after it."""
+def numbering(resumed: list[dict[str, Any]], ref: list[dict[str, Any]], start: int) -> str | None:
+    """The resumed run numbers its steps differently: the restored step again, or a gap after it (its first
+    ``save()`` call after a step at which the reference called it; a script may call save() every k steps)."""
     first = _first_save(resumed)
-    if first is None or first == start + 1:
+    expected = min((s for steps in compare.series(ref).values() for s in steps if s > start), default=None)
+    if first is None or first == expected or (first > start and expected is None):
         return None
     if first <= start:
         return (f"the resumed run's first save() call is at step {first}, the step it restored: the loop numbers the "
                 f"restored step again (one step of data and updates shifted from there on). load() returns the "
                 f"step the checkpoint holds, already done: continue at the step after it (step = ckpt.load(state) "
                 f"or 0, then step += 1 before the step's work, as the first run counts).")
-    return (f"the resumed run's first save() call is at step {first}, after restoring step {start}: the loop skips "
-            f"step{'s' if first - start > 2 else ''} {start + 1}{f'..{first - 1}' if first - start > 2 else ''} "
-            f"(it counts from load()'s return + 1 twice, or from a counter that is not the saved step).")
+    if first < expected:
+        return None  # saves the reference does not make: the "missing save()" meaning says so
+    return (f"the resumed run's first save() call is at step {first}, after restoring step {start}, where the "
+            f"reference called save() at step {expected}: the loop skips step{'s' if first - start > 2 else ''} "
+            f"{start + 1}{f'..{first - 1}' if first - start > 2 else ''} (it counts from load()'s return + 1 "
+            f"twice, or from a counter that is not the saved step).")
 
 
 def pending(killed: list[dict[str, Any]], start: int) -> str | None:
@@ -88,7 +93,7 @@ def lr_after_load(diff: compare.Difference, mine: list[dict[str, Any]], ref: lis
 def causes(diff: compare.Difference, start: int, mine: list[dict[str, Any]], ref: list[dict[str, Any]],
            killed: list[dict[str, Any]], twice: bool) -> list[str]:
     """What the difference means, the causes the records prove first, then what the keys usually mean."""
-    found = [c for c in (numbering(mine, start), pending(killed, start), lr_after_load(diff, mine, ref)) if c]
+    found = [c for c in (numbering(mine, ref, start), pending(killed, start), lr_after_load(diff, mine, ref)) if c]
     return found or [compare.meaning(diff, twice)]
 
 
