@@ -32,7 +32,8 @@ import xxhash
 
 import common  # noqa: E402  (puts src/ on sys.path)
 import shardckpt  # noqa: E402
-from shardckpt import resume_probe, state_digest  # noqa: E402
+from shardckpt.check_resume import digest as state_digest
+from shardckpt.check_resume import probe as resume_probe  # noqa: E402
 
 SCRIPT = common.ROOT / "tests" / "programs" / "resume_script.py"
 

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from shardckpt.check_resume import descendants, kill_tree  # noqa: F401 - descendants: for the tests and benchmarks
+from shardckpt._proc import descendants, kill_tree  # noqa: F401 - descendants: for the tests and benchmarks
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = Path(__file__).resolve().parent / "programs"

@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardckpt import _dist, resume_probe, state_digest, stores, topology
+from shardckpt import _dist, stores, topology
+from shardckpt.check_resume import digest as state_digest
+from shardckpt.check_resume import probe as resume_probe
 from shardckpt.saving import preflight
 from shardckpt.restoring import elastic as elastic_mod, step_peek as peek_mod
 from shardckpt.steps import LocalSteps, RemoteSteps

@@ -15,7 +15,7 @@ import os
 import signal
 from typing import Any
 
-from shardckpt import resume_probe
+from shardckpt.check_resume import probe as resume_probe
 from shardckpt.errors import ConfigError
 from shardckpt.format import codec
 from shardckpt.stores import TransferOptions

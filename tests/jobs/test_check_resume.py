@@ -18,7 +18,8 @@ processes or torchrun jobs on gloo), every save() call recorded by every rank.
   Face Trainer (one process), an accelerate loop with a StatefulDataLoader,
   Lightning DDP and FSDP2, torchtitan's manager; each job killed mid-epoch
   after an epoch boundary and compared step by step, bitwise, with an
-  uninterrupted run: exit 0.
+  uninterrupted run: exit 0. Lightning DDP killed right after the last batch
+  of epoch 0 too (its loop counters as in the uninterrupted fit).
 """
 
 from __future__ import annotations
@@ -57,9 +58,15 @@ def test_a_correct_script_resumes_exactly_and_its_own_checkpoints_are_untouched(
     assert first.startswith("shardckpt check-resume: equal: steps 8..12 on every rank (1 rank, 5 save() calls "
                             "compared; killed after step 8, resumed from step 7)"), said(proc)
     assert "  note: step 8 committed too, light (without optimizer state" in proc.stdout, said(proc)
+    # Every user key under its own name (a user's torch.Generator under `rng` too, by its state, not its pickle);
+    # the process's generators apart; a NaN placeholder metric equal to itself.
     for key in ("model [model]", "optimizer [optimizer]", "scheduler [LR scheduler]", "sampler [data position]",
-                "noise [stateful object]", "rng [random generators]", "the reported loss"):
+                "noise [stateful object]", "process RNG [random generators], rng [random generators]",
+                "samples_seen [value]", "the reported loss, val_loss"):
         assert key in proc.stdout, key
+    # Progress: each run's timeout, and when its first save() call came.
+    assert "shardckpt check-resume: reference run, to step 12, timeout 400 s: " in proc.stderr, said(proc)
+    assert "shardckpt check-resume: resumed run: first save() call, step 8, after " in proc.stderr, said(proc)
     assert not own.exists()
     assert os.listdir(workdir) == []  # logs, records and checkpoints removed (no --keep)
 
@@ -67,7 +74,8 @@ def test_a_correct_script_resumes_exactly_and_its_own_checkpoints_are_untouched(
 def test_under_a_check_every_checkpointer_is_redirected_whatever_the_script_passes(tmp_path, monkeypatch):
     import json
 
-    from shardckpt import CheckpointConfig, resume_probe
+    from shardckpt import CheckpointConfig
+    from shardckpt.check_resume import probe as resume_probe
 
     for key in [k for k in os.environ if k.startswith("SHARDCKPT_")]:
         monkeypatch.delenv(key)
@@ -171,6 +179,10 @@ def _matrix():
                lambda t, strategy=strategy: torchrun_cmd(2, PROGRAMS / "lightning_job.py", t, "run",
                                                           f"ckpt={t / 'own'}", f"strategy={strategy}", "every=2",
                                                           "steps=1000"), 16, 10, 12, 2, ("lightning", "torchdata"))
+    # Killed right after the last batch of epoch 0 (step 8): Lightning's loop counters as the uninterrupted fit's.
+    yield ("lightning-ddp-epoch-end",
+           lambda t: torchrun_cmd(2, PROGRAMS / "lightning_job.py", t, "run", f"ckpt={t / 'own'}", "strategy=ddp",
+                                  "every=2", "steps=1000"), 12, 8, 10, 2, ("lightning", "torchdata"))
     # FSDP2, a save every 3 steps; each rank's data part re-looped every 4 steps.
     yield ("torchtitan", lambda t: torchrun_cmd(2, PROGRAMS / "torchtitan_job.py", t, "run", f"ckpt={t / 'own'}",
                                                  "steps=1000000"), 12, 6, 7, 2, ("torchtitan",))
@@ -190,6 +202,6 @@ def test_resume_matrix(tmp_path, case, command, steps, kill, first, ranks, needs
                                   f"rank{'s' if ranks > 1 else ''}, "), said(proc)
     assert f"killed after step {kill}, resumed from step {kill})" in proc.stdout, said(proc)
     if case == "ddp-and-fsdp2":
-        assert "  compared: model [model], noise [stateful object], optimizer [optimizer], rng [random generators], " \
-               "sampler [data position], scheduler [LR scheduler], sharded [model], sharded_optimizer [optimizer]" \
-               in proc.stdout, said(proc)
+        assert "  compared: model [model], noise [stateful object], optimizer [optimizer], process RNG [random " \
+               "generators], rng [random generators], sampler [data position], samples_seen [value], scheduler [LR " \
+               "scheduler], sharded [model], sharded_optimizer [optimizer]" in proc.stdout, said(proc)

@@ -5,6 +5,7 @@ Rules (docs/concepts/architecture.md):
 * no import cycle between modules, imports made inside functions included;
 * at most five imports of the package's own modules made inside functions
   (lazy imports of optional third-party packages are not counted);
+* the package root holds entry points and edges only: at most 12 modules (the rest live in packages);
 * no module over 600 lines, and each opens with a docstring naming its one job;
 * no arrow runs up: every import goes from a layer to a lower one (or within one),
   by the ranks in :data:`RANKS`;
@@ -34,6 +35,7 @@ PACKAGE = "shardckpt"
 ROOT = Path(__file__).resolve().parents[2] / "src" / PACKAGE
 MAX_LINES = 600
 MAX_TEST_LINES = 900
+MAX_ROOT_MODULES = 12
 MAX_INNER_IMPORTS = 5
 FACADE = {f"{PACKAGE}.checkpointer", f"{PACKAGE}.cli", PACKAGE, f"{PACKAGE}.__main__"}
 FACADE_PACKAGES = ("cli", "convert", "check_resume")
@@ -290,3 +292,8 @@ def test_every_module_names_its_job_in_a_docstring():
 def test_no_test_file_over_its_size_limit():
     long = {p.name: n for p in TESTS.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_TEST_LINES}
     assert set(long) <= TEST_OVERSIZE_ALLOWED, long
+
+
+def test_the_root_holds_entry_points_and_edges_only():
+    root = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, root

@@ -9,7 +9,8 @@ Looking at checkpoints, on either tier (a local directory or a remote URL)::
     shardckpt gc SRC --keep-last N [--keep-every K] [--keep-abandoned] [--dry-run]
     shardckpt status DIR [--json]                   the node's uploader, peer and memory tiers
     shardckpt adopt DCP_DIR --into DIR --step N     commit a copy of a stock DCP checkpoint
-    shardckpt check-resume [--steps N] [--kill-after STEP] -- COMMAND   a script resumes exactly? (check_resume.py)
+    shardckpt check-resume [--steps N] [--kill-after STEP] -- COMMAND   a script resumes exactly? (check_resume/run.py)
+    shardckpt diff A [B] [--step N] [--step M] [--json]   two steps, key by key (check_resume/diff.py)
 
 Moving steps between tiers::
 

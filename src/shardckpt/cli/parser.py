@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from shardckpt import check_resume
+from shardckpt.check_resume import diff as diff_cmd
+from shardckpt.check_resume import run as check_resume
 from shardckpt._version import __version__
 from shardckpt.cli import looking, moving
 
@@ -29,4 +30,5 @@ def build_parser() -> argparse.ArgumentParser:
     looking.add_parsers(sub)
     moving.add_parsers(sub)
     check_resume.add_parser(sub)
+    diff_cmd.add_parser(sub)
     return parser

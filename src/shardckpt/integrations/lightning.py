@@ -166,6 +166,7 @@ class ShardckptCheckpoint(ModelCheckpoint):
         self._loaders = LoaderStates()
         self._restored_data = False  # a restore whose data position is still to be applied to the loaders
         self._warned_sampler = False
+        self._after_epoch_end = False  # the restored step was saved after the last batch of its epoch
 
     # ------------------------------------------------------------ the checkpointer
 
@@ -253,6 +254,18 @@ class ShardckptCheckpoint(ModelCheckpoint):
         # Every rank reaches this hook with the same global step: they agree on the due steps.
         if step > 0 and step != self._last_saved and (step % self.every_n_train_steps == 0 or _last_step(trainer)):
             self._save(trainer)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        after, self._after_epoch_end = self._after_epoch_end, False
+        fit_loop = trainer.fit_loop
+        total = fit_loop.epoch_progress.total
+        done = total.ready == total.started == total.processed == total.completed
+        if after and fit_loop.restarted_mid_epoch and done:
+            # A step saved after the last batch of its epoch: Lightning restores its fit loop "mid-epoch", counts
+            # that epoch done, then starts the next one without counting it ready and started (two loop counters
+            # one lower than in the uninterrupted fit) and without on_train_epoch_start. Start it as that fit does.
+            fit_loop.reset_restart_stage()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._ckpt is not None:
@@ -447,6 +460,7 @@ class ShardckptCheckpoint(ModelCheckpoint):
         loader starts the next epoch, and return that epoch's number."""
         fit_loop = trainer.fit_loop
         states = fit_loop._combined_loader_states_to_load
+        self._after_epoch_end = True
         if all(isinstance(state, dict) and FINISHED in state for state in states):
             fit_loop._combined_loader_states_to_load = [{**state, FINISHED: True} for state in states]
         elif trainer.global_rank == 0:

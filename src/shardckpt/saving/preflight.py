@@ -1,5 +1,6 @@
 """Checks before the first save: the local directory is writable, the remote works and holds no other
-run's history, the state and the metrics make sense. Each says what to do when it fails."""
+run's history, the state and the metrics make sense (and, at every save, no gradients pending). Each says
+what to do when it fails."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from shardckpt.errors import ConfigError, CorruptCheckpointError, RemoteError
 from shardckpt.format import lineage as lineage_mod
 from shardckpt.options import CheckpointConfig, OnRemoteUnavailable, UploaderMode
 from shardckpt.remote import listing as remote_listing
+from shardckpt.saving import pending_grads
 
 log = logging.getLogger("shardckpt")
 
@@ -108,6 +110,13 @@ def _foreign_history(config: CheckpointConfig, store: stores.Store, deadline: st
         "are replaced)", where, newest.step,
     )
     return uuid.uuid4().hex[:10], newest.created
+
+
+def at_save(state: dict[str, Any], step: int, *, first: bool) -> None:
+    """Every save: gradients pending (``saving/pending_grads.py``); the first: an optimizer missing."""
+    pending_grads.warn(state, step)
+    if first:
+        note_missing_optimizer(state)
 
 
 def note_missing_optimizer(state: dict[str, Any]) -> None:

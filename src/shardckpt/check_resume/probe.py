@@ -18,7 +18,7 @@ While the variable is set:
   or written;
 * each ``save()`` call appends one record to ``<out>/rank<R>.<pid>.jsonl``: the
   step, whether it saved, a digest of the state it was given per top-level key
-  (:mod:`shardckpt.state_digest`) and the ``metrics`` passed; ``load()`` appends
+  (:mod:`shardckpt.check_resume.digest`) and the ``metrics`` passed; ``load()`` appends
   the step it restored;
 * the call at or after ``stop`` writes ``<out>/stop.rank<R>`` and then waits to
   be SIGKILLed by the checker (which kills the job once every rank wrote one).

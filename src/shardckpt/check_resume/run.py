@@ -12,13 +12,13 @@ Runs COMMAND (``python train.py ...``, ``torchrun ... train.py ...``) three time
    committed, every process of the job is SIGKILLed;
 3. **resumed**: the same command again on the killed run's checkpoints, to step N.
 
-Each run gets ``SHARDCKPT_CHECK_RESUME`` (:mod:`shardckpt.resume_probe`): every
+Each run gets ``SHARDCKPT_CHECK_RESUME`` (:mod:`shardckpt.check_resume.probe`): every
 Checkpointer's ``local_dir`` and ``remote`` point into the check's own
 directory, every ``save()`` call records digests of the state it was given
 (per rank, per top-level key), and the first call at or after the run's last
 step waits there until the checker kills the job (a script that loops forever
 is stopped the same way). The resumed run is then compared with the reference
-at every step after the one it resumed (:mod:`shardckpt.resume_compare`).
+at every step after the one it resumed (:mod:`shardckpt.check_resume.compare`).
 
 Exit status: 0 equal at every step after the resume, on every rank; 1 a
 difference (the first step, the ranks and keys, what it usually means), a
@@ -40,17 +40,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import Any
 
-from shardckpt import resume_compare as compare
-from shardckpt import resume_probe
-from shardckpt._proc import proc_start
+from shardckpt._proc import kill_tree
+from shardckpt.check_resume import compare, diagnose, isolate, probe
 from shardckpt.format import layout
 from shardckpt.format.retention import FULL
-from shardckpt.node import node_registry
 
 OK, BAD, ERROR = 0, 1, 2
 PREFIX = "shardckpt check-resume"
+FIRST_TIMEOUT_S = 1800.0
+"""Default ``--timeout`` of a run from scratch (an import, a dataset, a compile before the first step)."""
+LATER_TIMEOUT_S, LATER_FACTOR = 300.0, 3.0
+"""Default ``--timeout`` of the later runs: the reference run's time to its last step times 3, at least 5 min."""
+NOTICE_S = 60.0
+"""A run that has not called save() after this long (or half its timeout) is said to be waiting."""
 
 
 class NotChecked(Exception):
@@ -103,7 +107,10 @@ def add_parser(sub: Any) -> None:
                    "checkpoints) and print where it is")
     p.add_argument("--reference-twice", action="store_true", help="run the reference twice first: a script that "
                    "does not agree with itself is reported as nondeterministic, and the resume is not blamed")
-    p.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="seconds each run may take")
+    p.add_argument("--timeout", type=float, default=None, metavar="S", help="seconds each run may take (default: "
+                   f"{FIRST_TIMEOUT_S:.0f} for a run from scratch, then {LATER_FACTOR:g}x the reference run's time, at "
+                   f"least {LATER_TIMEOUT_S:.0f}); a run that has called no save() after {NOTICE_S:.0f} s is said to "
+                   f"be waiting")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                    help="the training command and its arguments, after --")
     p.set_defaults(func=cmd_check_resume)
@@ -129,11 +136,18 @@ def cmd_check_resume(args: argparse.Namespace) -> int:
     # SIGTERM to the checker ends its job too (the job runs in a session of its own, which a kill of the
     # checker's process group does not reach): the finally clauses below kill it and clean up.
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    memory = None
     try:
-        code = _check(command, steps, kill, workdir, args)
+        memory = isolate.MemoryDirs(workdir)
+        code = _check(command, steps, kill, workdir, memory, args)
     finally:
         signal.signal(signal.SIGTERM, previous)
-        _settle(workdir)
+        if memory is not None:
+            memory.close()  # every memory copy of the check: the keepers exit, and settle() waits for them
+        ended = isolate.settle(workdir)
+        if ended:
+            print(f"{PREFIX}: ended {', '.join(ended)}, still running {isolate.SETTLE_S:.0f} s after the runs",
+                  file=sys.stderr)
         if args.keep:
             print(f"{PREFIX}: logs, records and checkpoints kept in {workdir}", file=sys.stderr)
         else:
@@ -168,21 +182,24 @@ def _workdir(given: str | None) -> str:
 # ------------------------------------------------------------------ the runs
 
 
-def _check(command: list[str], steps: int, kill: int, workdir: str, args: argparse.Namespace) -> int:
+def _check(command: list[str], steps: int, kill: int, workdir: str, memory: isolate.MemoryDirs,
+           args: argparse.Namespace) -> int:
     refs = [Run("reference", steps)] + ([Run("reference-2", steps)] if args.reference_twice else [])
     killed, resumed = Run("killed", kill, commit=True), Run("resumed", steps)
     ckpt = os.path.join(workdir, "ckpt")  # the same path in every run: paths saved in the state compare equal
     try:
         for run in refs:
-            _execute(run, command, workdir, ckpt, args.timeout)
+            _execute(run, command, workdir, ckpt, memory.of(run.name), args.timeout or FIRST_TIMEOUT_S)
             _usable(run, steps)
-            _set_aside(ckpt, run.name)
+            isolate.set_aside(ckpt, run.name)
+            memory.release(run.name)
+        later = args.timeout or max(LATER_TIMEOUT_S, LATER_FACTOR * refs[0].wall_s)
         if len(refs) == 2:
             skip = compare.unseeded([r.records for r in refs])
             diff, equal = compare.first_difference(refs[1].records, refs[0].records, 0, steps, refs[1].name, skip)
             if diff is not None:
                 return _nondeterministic(diff, "two runs from scratch", equal)
-        _execute(killed, command, workdir, ckpt, args.timeout)
+        _execute(killed, command, workdir, ckpt, memory.of("resume"), later)
         _usable(killed, kill)
         skip = compare.unseeded([r.records for r in refs + [killed]])
         diff, equal = compare.first_difference(killed.records, refs[0].records, 0, killed.last or 0, "killed", skip)
@@ -194,23 +211,26 @@ def _check(command: list[str], steps: int, kill: int, workdir: str, args: argpar
             raise NotChecked(f"not checked: nothing was committed before the kill after step {killed.last} (save() "
                              f"saved at steps {saved or 'none'}). Remedy: a --kill-after at or past a step the "
                              f"script saves.")
-        _execute(resumed, command, workdir, ckpt, args.timeout)
+        _execute(resumed, command, workdir, ckpt, memory.of("resume"), later)
         _usable(resumed, steps)
-        _set_aside(ckpt, "resume")
+        isolate.set_aside(ckpt, "resume")
+        memory.release("resume")
         return _verdict(refs, killed, resumed, committed, skip, args.reference_twice)
     except NotChecked as problem:
         return _print(problem.code, str(problem))
 
 
-def _execute(run: Run, command: list[str], workdir: str, ckpt: str, timeout: float) -> None:
-    """Run ``command`` until every rank stopped at the run's last step, it exits, or ``timeout``; then SIGKILL it."""
+def _execute(run: Run, command: list[str], workdir: str, ckpt: str, shm_dir: str, timeout: float) -> None:
+    """Run ``command`` until every rank stopped at the run's last step, it exits, or ``timeout``; then SIGKILL it.
+    ``shm_dir``: its memory tier's place (``SHARDCKPT_SHM_DIR``), apart from the other lines of runs."""
     run.out = os.path.join(workdir, run.name)
     run.log = os.path.join(workdir, f"{run.name}.log")
     os.makedirs(run.out)
     env = dict(os.environ)
-    env[resume_probe.ENV] = json.dumps({"ckpt": ckpt, "out": run.out, "stop": run.stop, "commit": run.commit})
-    print(f"{PREFIX}: {run.name} run, to step {run.stop}{' (then SIGKILL)' if run.commit else ''}: "
-          f"{' '.join(command)}", file=sys.stderr, flush=True)
+    env[probe.ENV] = json.dumps({"ckpt": ckpt, "out": run.out, "stop": run.stop, "commit": run.commit})
+    env["SHARDCKPT_SHM_DIR"] = shm_dir
+    print(f"{PREFIX}: {run.name} run, to step {run.stop}{' (then SIGKILL)' if run.commit else ''}, timeout "
+          f"{timeout:.0f} s: {' '.join(command)}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     with open(run.log, "wb") as log:
         try:
@@ -219,9 +239,11 @@ def _execute(run: Run, command: list[str], workdir: str, ckpt: str, timeout: flo
         except OSError as exc:
             raise NotChecked(f"not checked: cannot start {command[0]!r}: {exc}") from None
     stops: dict[int, dict[str, Any]] = {}
+    first, noticed = None, False
     try:
         while True:
-            stops = resume_probe.read_stops(run.out)
+            first, noticed = _progress(run, t0, timeout, first, noticed)
+            stops = probe.read_stops(run.out)
             world = max((int(s.get("world", 1)) for s in stops.values()), default=0)
             if stops and all(rank in stops for rank in range(world)):
                 run.outcome = "stopped"
@@ -236,9 +258,26 @@ def _execute(run: Run, command: list[str], workdir: str, ckpt: str, timeout: flo
     finally:
         kill_tree(proc, [int(s["pid"]) for s in stops.values() if isinstance(s.get("pid"), int)])
     run.wall_s = time.monotonic() - t0
-    run.records = resume_probe.read_records(run.out)
-    run.stops = resume_probe.read_stops(run.out)
+    run.records = probe.read_records(run.out)
+    run.stops = probe.read_stops(run.out)
     print(f"{PREFIX}: {run.name} run: {_ended(run)} after {run.wall_s:.1f} s", file=sys.stderr, flush=True)
+
+
+def _progress(run: Run, t0: float, timeout: float, first: int | None, noticed: bool) -> tuple[int | None, bool]:
+    """Say when the run's first save() call happens, and once that it is still waiting for one."""
+    waited = time.monotonic() - t0
+    if first is None:
+        steps = [int(r["step"]) for r in probe.read_records(run.out) if r.get("event") == "save"]
+        if steps:
+            first = min(steps)
+            print(f"{PREFIX}: {run.name} run: first save() call, step {first}, after {waited:.1f} s",
+                  file=sys.stderr, flush=True)
+        elif not noticed and waited >= min(NOTICE_S, timeout / 2):
+            noticed = True
+            print(f"{PREFIX}: {run.name} run: no save() call yet after {waited:.0f} s; waiting up to --timeout "
+                  f"{timeout:.0f} s (a script that never calls shardckpt's save() cannot be checked)",
+                  file=sys.stderr, flush=True)
+    return first, noticed
 
 
 def _ended(run: Run) -> str:
@@ -249,55 +288,6 @@ def _ended(run: Run) -> str:
     if run.outcome == "timeout":
         return f"still running ({at}): killed"
     return f"exited with status {run.rc} ({at})"
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (Linux; torchrun starts its workers in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    for entry in entries:
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-            except (OSError, ValueError, IndexError):
-                continue
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def kill_tree(proc: subprocess.Popen, pids: Sequence[int] = ()) -> None:
-    """SIGKILL a job started in a session of its own: the command, everything it started (and ``pids``).
-
-    Returns once every one of them is gone (a zombie at most): SIGKILL is
-    delivered at once but a big process takes a while to exit.
-    """
-    victims = [proc.pid, *descendants(proc.pid), *pids]
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except OSError:
-        pass
-    for pid in victims:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    proc.wait()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(running(pid) for pid in victims[1:]):
-        time.sleep(0.05)
-
-
-def running(pid: int) -> bool:
-    """``pid`` exists and has not exited (not a zombie)."""
-    return proc_start(pid) is not None
 
 
 def _tail(run: Run, lines: int = 15) -> str:
@@ -340,29 +330,6 @@ def _usable(run: Run, target: int) -> None:
                      f"call of step {last}, before step {target}.{_tail(run)}")
 
 
-def _set_aside(ckpt: str, name: str) -> None:
-    """Move a finished run's checkpoints aside so that the next run finds the path empty."""
-    if os.path.isdir(ckpt):
-        _settle(ckpt)
-        os.rename(ckpt, f"{ckpt}.{name}")
-
-
-def _settle(where: str) -> None:
-    """Wait (bounded) for the uploaders a run started under ``where`` to drain and exit; end those left."""
-    roots = []
-    for dirpath, dirnames, _files in os.walk(where):
-        if node_registry.STATE_DIR in dirnames:
-            roots.append(dirpath)
-        dirnames[:] = [d for d in dirnames if d != node_registry.STATE_DIR and not d.startswith("step_")]
-    deadline = time.monotonic() + 60
-    for root in roots:
-        while node_registry.uploader_running(root) is not None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        pid = node_registry.uploader_running(root)
-        if pid:
-            os.kill(pid, signal.SIGTERM)
-
-
 def _committed(ckpt: str) -> dict[str, dict[int, str]]:
     """Checkpointer tag -> its committed steps and their kinds (full, light), after the kill."""
     out = {}
@@ -388,6 +355,17 @@ def _nondeterministic(diff: compare.Difference, which: str, equal: list[int]) ->
              f"{', '.join(diff.keys()) or 'the metrics'} differ.", *diff.lines(),
              f"  what it means: {compare.NONDETERMINISM}"]
     return _print(BAD, "\n".join(lines))
+
+
+def _said(*runs: Run) -> list[str]:
+    """shardckpt's own WARNINGs in the runs' logs, quoted (they often name the fault)."""
+    out = []
+    for run in runs:
+        quoted = diagnose.warnings(run.log)
+        if quoted:
+            out.append(f"  shardckpt said in the {run.name} run:")
+            out += [f"    {line}" for line in quoted]
+    return out
 
 
 def _equal_text(equal: list[int]) -> str:
@@ -437,11 +415,13 @@ def _verdict(refs: list[Run], killed: Run, resumed: Run, committed: dict[str, di
              f"(without optimizer state: full_every, save(light=True), torchtitan's last_save_model_only), which "
              f"load() does not resume by default; the resume took step {start}"] if light else []
     if diff is not None:
+        causes = diagnose.causes(diff, start, resumed.records, ref.records, killed.records, twice)
         lines = [f"DIFFERS at step {diff.step}, "
                  + ("the first step after the resume" if diff.step == start + 1 or not equal
                     else f"after {len(equal)} equal step(s) ({_equal_text(equal)})")
                  + f" ({how}); differing: {', '.join(diff.keys()) or 'the reported metrics'}",
-                 *diff.lines(), f"  what it usually means: {compare.meaning(diff, twice)}", *notes]
+                 *diff.lines(), f"  what it usually means: {causes[0]}", *[f"  also: {c}" for c in causes[1:]],
+                 *notes, *_said(killed, resumed)]
         return _print(BAD, "\n".join(lines))
     if not equal:
         raise NotChecked(f"not checked: no save() call after step {start} to compare ({how}; the runs stopped at "
@@ -449,12 +429,14 @@ def _verdict(refs: list[Run], killed: Run, resumed: Run, committed: dict[str, di
     lanes = sorted(compare.series(resumed.records))
     ranks = sorted({rank for _tag, rank in lanes})
     roles = compare.key_roles(resumed.records)
-    keys = ", ".join(f"{k} [{compare.ROLE_NAMES.get(r, r)}]" for k, r in sorted(roles.items()))
+    keys = ", ".join(f"{compare.label(k)} [{compare.ROLE_NAMES.get(r, r)}]"
+                     for k, r in sorted(roles.items(), key=lambda kr: compare.label(kr[0])))
     metrics = sorted({m for r in resumed.records for m in (r.get("metrics") or {})})
     lines = [f"equal: steps {equal[0]}..{equal[-1]} on every rank ({len(ranks)} rank{'s' if len(ranks) > 1 else ''}, "
              f"{len(equal)} save() calls compared; {how})", f"  compared: {keys}"
              + (f"; the reported {', '.join(metrics)}" if metrics else "")]
     if skip:
-        lines.append(f"  not compared: {', '.join(sorted(f'{k}.{p}' for k, p in skip))} (never seeded: they differ "
+        lines.append(f"  not compared: {', '.join(sorted(f'{compare.label(k)}.{p}' for k, p in skip))} (never "
+                     f"seeded: they differ "
                      f"between two runs from scratch; were they used, what they feed would differ)")
     return _print(OK, "\n".join(lines + notes))

@@ -1,6 +1,6 @@
 """Comparing the records of two runs of ``shardckpt check-resume``, and what a difference usually means (torch-free).
 
-A run's records (:mod:`shardckpt.resume_probe`) are, per *lane* (a rank, and
+A run's records (:mod:`shardckpt.check_resume.probe`) are, per *lane* (a rank, and
 the checkpointer when a script has several), one record per ``save()`` call:
 the step and, per top-level key of the state, its digest, the digests of its
 parts and its small plain values. Two runs agree at a step when every lane has
@@ -12,10 +12,33 @@ is equal. :func:`first_difference` finds the first step where they do not;
 from __future__ import annotations
 
 import dataclasses
+import math
+import struct
 from typing import Any
 
 Lane = tuple[str, int]
 """(checkpointer tag, rank)."""
+
+OWN = "_shardckpt"
+"""The record's key of the process's generators (``digest.OWN``, the state key no user key may take)."""
+OWN_LABEL = "process RNG"
+
+
+def label(key: str) -> str:
+    """A key as a report names it: a user's key by its own name, the process's generators as such."""
+    return OWN_LABEL if key == OWN else key
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal as recorded: floats by their bit pattern (NaN equal to NaN), lists and dicts item by item."""
+    if isinstance(a, float) and isinstance(b, float):
+        return struct.pack("<d", a) == struct.pack("<d", b) or (math.isnan(a) and math.isnan(b))
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
 
 ROLE_NAMES = {"model": "model", "optimizer": "optimizer", "scheduler": "LR scheduler", "data": "data position",
               "rng": "random generators", "value": "value", "state": "stateful object"}
@@ -60,18 +83,18 @@ class KeyDiff:
         return self.lr is not None and self.parts == ["param_groups"]
 
     def text(self) -> str:
-        label = f"{self.key} [{ROLE_NAMES.get(self.role, self.role)}]"
+        name = f"{label(self.key)} [{ROLE_NAMES.get(self.role, self.role)}]"
         if self.missing:
-            return f"{label} is missing in the {self.missing} run's state"
+            return f"{name} is missing in the {self.missing} run's state"
         notes = []
         if self.lr is not None:
             notes.append("learning rate " + _pair(*self.lr))
-        notes += [f"{name} {_pair(a, b)}" for name, (a, b) in sorted(self.values.items())][:6]
+        notes += [f"{part} {_pair(a, b)}".strip() for part, (a, b) in sorted(self.values.items())][:6]
         rest = [p for p in self.parts if p not in self.values]
         if rest and self.nparts > 1:
             shown = ", ".join(rest[:4]) + (f", ... ({len(rest)} of {self.nparts} differ)" if len(rest) > 4 else "")
             notes.append(("differs in " if notes else "") + shown)
-        return label + (": " + ", ".join(notes) if notes else "")
+        return name + (": " + ", ".join(notes) if notes else "")
 
 
 @dataclasses.dataclass
@@ -110,7 +133,7 @@ class Difference:
     def keys(self) -> list[str]:
         """The keys that differ, the most telling first (as :data:`MEANINGS` orders their roles)."""
         found = {k.key: k for lane in self.lanes for k in lane.keys}
-        return [key for key, _ in sorted(found.items(), key=lambda kv: (_priority(kv[1]), kv[0]))]
+        return [label(key) for key, _ in sorted(found.items(), key=lambda kv: (_priority(kv[1]), kv[0]))]
 
     def lines(self) -> list[str]:
         """One line per group of lanes that differ alike (``ranks 0, 1: ...``)."""
@@ -153,10 +176,12 @@ def _key_diff(key: str, a: dict[str, Any] | None, b: dict[str, Any] | None, run:
     diff.parts = sorted(p for p in set(pa) | set(pb) if pa.get(p) != pb.get(p) and p not in skip)
     if skip and not diff.parts:
         return None
-    va, vb = a.get("values") or {}, b.get("values") or {}
+    va, vb = dict(a.get("values") or {}), dict(b.get("values") or {})
+    if "value" in a or "value" in b:  # a key that is a small plain value itself: shown as it is
+        va[""], vb[""] = a.get("value"), b.get("value")
     diff.values = {name: (va.get(name), vb.get(name)) for name in sorted(set(va) | set(vb))
-                   if va.get(name) != vb.get(name)}
-    if a.get("lr") != b.get("lr") and (a.get("lr") or b.get("lr")):
+                   if not same(va.get(name), vb.get(name))}
+    if not same(a.get("lr"), b.get("lr")) and (a.get("lr") or b.get("lr")):
         diff.lr = (a.get("lr"), b.get("lr"))
     return diff
 
@@ -174,7 +199,7 @@ def compare_step(mine: dict[str, Any] | None, ref: dict[str, Any] | None, lane: 
     found.keys.sort(key=lambda k: (_priority(k), k.key))
     ma, mb = mine.get("metrics") or {}, ref.get("metrics") or {}
     found.metrics = {name: (ma.get(name), mb.get(name)) for name in sorted(set(ma) | set(mb))
-                     if ma.get(name) != mb.get(name)}
+                     if not same(ma.get(name), mb.get(name))}
     return found if found.keys or found.metrics else None
 
 
@@ -235,9 +260,9 @@ MEANINGS = [
     ("scheduler", "the LR scheduler's state differs: it is stepped a different number of times after the "
                   "resume, or built from values that are not restored."),
     ("rng", "the random generators' state differs while the data position is equal: they are not restored "
-            "(capture_rng=False?), or the resumed run draws from them in another order (something made after "
-            "load() draws from the global generator: a model's initialisation, a DataLoader iterator without a "
-            "generator of its own)."),
+            "(capture_rng=False?), seeded again after load() (a manual_seed() after the resume), or the resumed "
+            "run draws from them in another order (something made after load() draws from the global generator: "
+            "a model's initialisation, a DataLoader iterator without a generator of its own)."),
     ("value", "a saved value differs: it is computed from something outside the state (a global, a counter "
               "kept elsewhere) or set again after load()."),
     ("state", "a stateful object's state differs: it is not restored, or changed by something outside the state."),
