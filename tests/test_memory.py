@@ -216,7 +216,7 @@ def test_a_shared_memory_directory_others_could_have_written_is_never_read(tmp_p
 
 def test_which_saves_a_job_can_restore_from_memory():
     """The survey's rule, on the reports of a 2-node job (ranks 0-1 on one machine, 2-3 on the other)."""
-    from shardckpt.tiers.memory import usable
+    from shardckpt.restoring.memory import usable
 
     def copies(version, step, world, saved_ranks, created=1.0):
         return [[q, step, version, world, [created, {}, "full", {}, version]] for q in saved_ranks]

@@ -4,7 +4,7 @@
   1. re-raise a failed background save
   2. decide (``policy.SavePolicy``): interval, and the previous call's
      agreed time and preemption votes; with the memory tier
-     (``tiers/memory.py``) also whether the step is kept in memory
+     (``saving/memory.py``) also whether the step is kept in memory
   3. wait for the previous write (never two at once; the wait is logged;
      a save kept only in memory waits for none)
   4. capture the state (``state.capture``: modules, optimizers, stateful
@@ -23,8 +23,7 @@
   waits for pending saves, then ``restore.Restorer.load``: candidates, fetch,
   verify, key matching, DCP read, elastic plan.
 
-``close()`` writes a step newer in memory than on disk to disk, then frees
-this rank's shared memory.
+``close()`` writes a step newer in memory than on disk to disk, then frees this rank's shared memory.
 """
 
 from __future__ import annotations
@@ -61,7 +60,8 @@ from shardckpt.node.peer_tier import PeerTier
 from shardckpt.node.uploader_client import UploaderClient
 from shardckpt.node import memory_keeper
 from shardckpt.node.node_registry import state_dir, unregister_trainer
-from shardckpt.tiers.memory import MemoryTier
+from shardckpt.saving.memory import MemoryTier
+from shardckpt.restoring.memory import MemorySource
 
 if TYPE_CHECKING:  # pragma: no cover
     from shardckpt.restoring.step_peek import StepPeek
@@ -130,7 +130,7 @@ class Checkpointer:
         self._restorer.sources.peer = self._peer  # a restore's peer views: the other nodes' daemons
         self._memory = MemoryTier(self.config, self.root, pin=bool(pin),
                                   join=lambda: memory_keeper.join(self.root, starts=_dist.local_rank() == 0))
-        self._restorer.sources.memory = self._memory  # source 0: the copies in this machine's shared memory
+        self._restorer.sources.memory = MemorySource(self.config, self.root)  # source 0: this machine's memory
         self._writer.peer_facts, self._writer.peer_agreed = self._peer.facts, self._peer.agree
         self._durability = DurabilityLog(self.root, peer_on=lambda: self._peer.on,
                                          remote=self._uploads is not None and self._uploads.active)

@@ -125,6 +125,13 @@ class Copy:
         self._fd: int | None = None
         self._values: bytes | None = None
 
+    @classmethod
+    def of(cls, ns: str, rec: Any) -> "Copy":
+        """The copy a memory record (``format/shm.Record``) of the namespace ``ns`` describes."""
+        table = {"tensors": rec.tensors, "values": rec.values, "planner_data": rec.planner_data}
+        return cls(rec.rank, os.path.join(ns, rec.buffer), rec.buffer_size, os.path.join(ns, rec.values_file),
+                   rec.values_size, table)
+
     def read_into(self, target: torch.Tensor, dtype: str, shape: list[int], offset: int) -> bool:
         """Read the tensor recorded at ``offset`` straight into ``target`` when it is that whole tensor, on the
         CPU and contiguous (one copy by the kernel, as a read from the page cache); False otherwise."""

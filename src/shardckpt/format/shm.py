@@ -19,7 +19,7 @@ boot is stale: nothing of it is trusted), the files and their sizes, the
 step's manifest and where each tensor lies in the buffer.
 
 Torch-free: read by ``shardckpt ls`` / ``status``, the node's memory keeper
-(``node/memory_keeper.py``) and the trainer (``tiers/memory.py``).
+(``node/memory_keeper.py``) and the trainer (``saving/memory.py``, ``restoring/memory.py``).
 """
 
 from __future__ import annotations
