@@ -11,12 +11,11 @@ from __future__ import annotations
 import enum
 import io
 import json
-import os
 import pickle
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
 
 import shardckpt

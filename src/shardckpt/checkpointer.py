@@ -249,11 +249,10 @@ class Checkpointer:
             lineage = self._writer.lineage_for(step)
             if frozen and self._frozen is None:
                 self._frozen = self._fingerprint(state, frozen)
-            if memory:  # the copy goes into shared memory: the disk write reads it there
-                writing = self._pending is not None and not self._pending.done()
-                staged, fence = self._memory.stage(captured, f"step {step}", disk=disk, writing=writing)
-            else:
-                staged, fence = self._stager.stage(captured, what=f"step {step}")
+            writing = self._pending is not None and not self._pending.done()
+            # the copy into shared memory, read by the disk write (None: the memory tier stepped aside)
+            held = memory and self._memory.stage(captured, f"step {step}", disk=disk, writing=writing)
+            staged, fence = held or self._stager.stage(captured if disk else {}, what=f"step {step}")
             del captured
             if memory or not self.config.overlap_copies:
                 fence.complete()  # returns with the copies done: no later write can reach them
@@ -276,7 +275,7 @@ class Checkpointer:
         if memory:
             where = self._memory.record(job, self._writer.held(job, disk))  # memory-durable from here
             if not disk:
-                return SaveHandle.held(step, where)
+                return SaveHandle.held(step, where) if where else None
         self._saves += 1
         self._policy.record_blocked(blocked)
         future = self._executor.submit(self._writer.write_and_commit, job)
@@ -368,7 +367,7 @@ class Checkpointer:
         if self._restorer.next_lineage is not None:
             self._writer.continue_lineage(self._restorer.next_lineage, self._restorer.newest_created, restored)
         if restored is not None:
-            self._policy.last_saved_step = restored
+            self._policy.last_saved_step = self._memory.last = restored  # a rollback saves its steps again
         if self._probe is not None:
             self._probe.loaded(_dist.rank(), restored)
         return restored
@@ -410,7 +409,7 @@ class Checkpointer:
         and state of this node's uploader, from its status file). The memory
         tier: ``latest_memory`` (the newest step this rank holds a copy of in
         shared memory), ``memory_steps``, ``memory_bytes`` (what the job holds on
-        this machine), ``memory_dir``; ``restored_from`` says where the last
+        this machine), ``memory_dir`` (tier on only); ``restored_from``: where the last
         ``load()`` read its step. No remote request is made.
         """
         steps = self.steps()
@@ -454,6 +453,7 @@ class Checkpointer:
                 self._stager.release()
             if flushed:  # the newest step is on disk: the memory copies go (the keeper frees them otherwise)
                 self._memory.release()
+            self._memory.detach()
             for hook in self._hooks:
                 hook.remove()
             self._hooks.clear()

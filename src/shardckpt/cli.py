@@ -176,7 +176,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         manifests = _committed(tier, tier.memory() if hasattr(tier, "memory") else None)
         live, abandoned = tier.live(manifests)
         metric, best = _best_steps(manifests, live, args)
-        rows = [_step_row(s, m, abandoned, tier, best) for s, m in manifests.items()]
+        rows = [_step_row(s, m, abandoned, tier, best) for s, m in sorted(manifests.items())]  # memory steps too
         kept = _kept(tier)
         if args.json:
             _print_json({"source": tier.where, "steps": rows, "best_metric": metric,

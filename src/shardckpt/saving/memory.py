@@ -13,10 +13,12 @@ never trusted (``format/shm.py``).
 Save, every rank, on the main thread inside ``save()``; only the first memory
 save issues a collective (:meth:`MemoryTier.start`)::
 
-    1. a slot: memory_keep + 1 per rank; a save not written to disk never takes the slot
-       whose disk write is still under way; else an empty slot, else the one holding
-       the oldest save (with memory_keep=1, a copy made while a disk write runs takes the
-       newest step's slot: a kill during it falls back to the step being written)
+    1. a slot: memory_keep + 1 per rank (3 with memory_keep=1). A copy never takes the slot
+       of the newest save that returned, nor (a save kept only in memory) the slot whose
+       disk write is still under way: a kill at any point of the copy leaves the newest
+       returned save usable. Else an empty slot while fewer than memory_keep + 1 are laid
+       out, else the one holding the oldest save (memory_keep=1: the third slot is laid out
+       only when the other two are the newest save's and the one being written to disk)
     2. the slot's record is removed: from here the slot holds no save
     3. the slot is laid out again only when a tensor is new or changed shape, dtype or
        sharding (a new file, its pages reserved at once, the budget checked); else the
@@ -24,20 +26,31 @@ save issues a collective (:meth:`MemoryTier.start`)::
     4. the copy (``HostStager`` over the slot's views; on a GPU into memory pinned with
        ``cudaHostRegister``), waited for
     5. the non-tensor values, then the record: the save is memory-durable
+    6. off the training loop (a thread): the copy's checksum (``.sum``), which a restore checks
     The disk write of a save due on disk reads the same buffers (no second copy).
+
+Whatever goes wrong with shared memory (the namespace taken, ``/dev/shm``
+missing, too small or full, the budget too small, a state the tier cannot
+hold) makes the tier step aside with one warning (:meth:`MemoryTier._aside`):
+the save, and the next ones, go on to disk and the remote. Found at the first
+memory save (collective), every rank steps aside; found later on one rank,
+that rank keeps no copies (its saves stay restorable from disk).
 
 Restore: ``restoring/memory.py``; the files and records: ``format/shm.py``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import mmap
 import os
 import socket
+import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -45,11 +58,19 @@ from torch.distributed.tensor import DTensor
 from shardckpt import _dist, _failpoints
 from shardckpt._text import fmt_bytes
 from shardckpt.dcp import memory as dcp_memory
-from shardckpt.errors import ConfigError, SaveError
+from shardckpt.errors import SaveError
 from shardckpt.format import layout, shm
 from shardckpt.format import lineage as lineage_mod
 from shardckpt.saving.commit import SaveJob
-from shardckpt.saving.stage import CopyFence, HostStager, leaf_signature
+from shardckpt.saving.memory_slots import (
+    Slot,
+    SlotStager,
+    Unfit,
+    align,
+    leaves,
+    state_key,
+)
+from shardckpt.saving.stage import CopyFence, leaf_signature
 
 log = logging.getLogger("shardckpt")
 
@@ -57,32 +78,11 @@ DEFAULT_BUDGET = 0.5
 """The memory tier's budget when none is set: this fraction of the host's RAM, for all ranks of a machine."""
 
 
-def _align(n: int) -> int:
-    return (n + shm.ALIGN - 1) // shm.ALIGN * shm.ALIGN
-
-
-def _key(path: tuple) -> str:
-    """A tensor's place in the state dict as text (a container is a dict or a list: "0" and 0 never meet)."""
-    return "\x1f".join(map(str, path))
-
-
-def _leaves(obj: Any, path: tuple = ()) -> Any:
-    """``(path, tensor)`` of every tensor in a captured state, walked as ``HostStager.stage`` walks it."""
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _leaves(v, path + (k,))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _leaves(v, path + (i,))
-
-
 def _nbytes(entry: list[Any]) -> int:
     return math.prod(entry[2]) * dcp_memory._dtype(entry[1]).itemsize
 
 
-def budget_bytes(budget: float | int | None) -> int:
+def budget_bytes(budget: float | None) -> int:
     """``memory_budget`` in bytes: a fraction (<= 1) of the host's RAM, or a number of bytes."""
     if budget is None:
         budget = DEFAULT_BUDGET
@@ -100,62 +100,6 @@ def _shm_free() -> int | str:
     return st.f_bavail * st.f_frsize
 
 
-class _Slot:
-    """One slot of this rank: a buffer file of the namespace mapped here, and the save its record names."""
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.buffer = ""
-        """The buffer's file name in the namespace ("": not laid out yet)."""
-        self.size = 0
-        self.entries: dict[str, tuple[str, int, int]] = {}
-        """Path in the state dict -> (signature, offset, bytes)."""
-        self.region: mmap.mmap | None = None
-        self.base: torch.Tensor | None = None
-        """All of the buffer's bytes (its address: pinning, offsets)."""
-        self.stager: _SlotStager | None = None
-        self.holds: tuple[int, str, float] | None = None
-        """(step, version, created) of the save whose record exists, else None."""
-        self.cache: dict[tuple[str, int], list[Any]] = {}
-        self.pinned = 0
-
-    def fits(self, wanted: list[tuple[str, str, int]]) -> bool:
-        return bool(self.buffer) and all(self.entries.get(k, ("",))[0] == sig for k, sig, _n in wanted)
-
-    def view(self, obj: torch.Tensor, path: tuple) -> Any:
-        """The slot's buffer for the tensor ``obj`` at ``path``: a view of the shared memory."""
-        found = self.entries.get(_key(path))
-        if found is None or self.base is None or found[0] != repr(leaf_signature(obj)):
-            raise SaveError(f"the memory slot {self.index} has no buffer laid out for {_key(path)}")
-        local = obj._local_tensor if isinstance(obj, DTensor) else obj
-        _sig, offset, _nbytes = found
-        if local.numel():
-            # A storage of its own over exactly its bytes: DCP's writer then writes it as it is (it copies a
-            # view of a larger storage first).
-            buf = torch.frombuffer(self.region, dtype=local.dtype, count=local.numel(), offset=offset).view(local.shape)
-        else:
-            buf = torch.empty(local.shape, dtype=local.dtype)
-        return DTensor(buf, obj._spec, requires_grad=False) if isinstance(obj, DTensor) else buf
-
-    def offset_of(self, local: torch.Tensor) -> int:
-        assert self.base is not None
-        offset = local.data_ptr() - self.base.data_ptr()
-        if local.numel() and not 0 <= offset <= self.size - local.numel() * local.element_size():
-            raise SaveError(f"a staged tensor lies outside memory slot {self.index}")
-        return max(offset, 0)
-
-
-class _SlotStager(HostStager):
-    """``HostStager`` whose buffers are views of one slot's shared memory."""
-
-    def __init__(self, slot: _Slot) -> None:
-        super().__init__(pin_memory=False)
-        self._slot = slot
-
-    def _allocate(self, obj: torch.Tensor, path: tuple) -> Any:
-        return self._slot.view(obj, path)
-
-
 class MemoryTier:
     """This rank's save side of the memory tier of ``root`` (the restore side: ``restoring/memory.py``)."""
 
@@ -169,12 +113,20 @@ class MemoryTier:
         self.budget = budget_bytes(config.memory_budget)
         self.max_pinned = config.max_pinned_bytes
         self.pin = pin
-        self.ns = shm.namespace(root)
-        self.slots: list[_Slot] = []
+        self.ns: str | None = None
+        """This run's namespace (known once the tier starts)."""
+        self.off: str | None = None
+        """Why the tier stepped aside on every rank (a problem found at the first memory save)."""
+        self.broken: str | None = None
+        """Why it stepped aside on this rank alone (a problem found later): no copies from here."""
+        self.nslots = self.keep + 1 + (self.keep == 1)
+        self._hold: int | None = None
+        self._sums = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardckpt-memsum")
+        self.slots: list[Slot] = []
         self.started = False
         self.disk_slot: int | None = None
         """The slot of the newest save due on disk: saves kept only in memory leave it alone while it is written."""
-        self._writing: _Slot | None = None
+        self._writing: Slot | None = None
         self._share = self.budget
         self._pinned = 0
         self.last: int | None = None
@@ -182,7 +134,7 @@ class MemoryTier:
 
     @property
     def enabled(self) -> bool:
-        return self.every is not None
+        return self.every is not None and self.off is None
 
     def due(self, step: int) -> bool:
         """A save of ``step`` is kept in memory (every save due on disk is too)."""
@@ -194,63 +146,85 @@ class MemoryTier:
               what: str) -> None:
         """Before the copy of every save: the first one kept in memory starts the tier (:meth:`start`, collective,
         then the node's keeper); with the tier off, what an earlier job left is freed."""
-        if memory and not self.started:
+        if memory and not self.started and self.enabled:
             self.start(groups, captured, loaded, head or lineage_mod.Lineage(), what)
-            self.trainer = self._join() if self._join is not None else None
-        elif not self.enabled:
+            if self.off is None:
+                self.trainer = self._join() if self._join is not None else None
+        elif self.every is None:
             self.purge_unused()
 
+    def _aside(self, why: str, *, every_rank: bool) -> None:
+        """Step aside (one warning): the saves go on without the memory tier, this rank's copies are freed."""
+        if every_rank:
+            self.off = why
+        self.broken = why
+        if not every_rank or _dist.rank() == 0:
+            log.warning(
+                "shardckpt: the memory tier steps aside%s: %s. Saves go on to disk (and the remote) without it; "
+                "nothing more is kept in shared memory by this job%s. Remedy: point SHARDCKPT_SHM_DIR at a tmpfs "
+                "of this user's with room for the copies, raise memory_budget, lower memory_keep, or turn the memory "
+                "tier off (memory_every_steps=None)", "" if every_rank else f" on rank {_dist.rank()}", why,
+                "" if every_rank else " on this rank (the other ranks' copies are not restorable without it)")
+        try:
+            self.release()
+        except OSError:
+            pass
+
     def start(self, groups: _dist.SideGroups, captured: dict[str, Any], loaded: Any, head: Any, what: str) -> None:
-        """First memory save (collective over ``ctl``, every rank at the same save): the budget on every
-        machine, then this job's namespace: the copies of the step it continues adopted, the rest removed.
+        """First memory save (collective over ``ctl``, every rank at the same save): this run's namespace and
+        the budget on every machine, then the copies of the step the job continues adopted, the rest removed.
 
         ``loaded``: the ``StepInfo`` of the step the job loaded (``None``: nothing); ``head``: the lineage
-        its saves continue. Raises :class:`ConfigError` on every rank when a machine lacks the memory.
+        its saves continue. A rank that cannot keep copies makes every rank step aside (:meth:`_aside`).
         """
-        mine = (self.keep + 1) * sum(_align(n) for _k, _s, n in self._wanted(captured, what))
-        free = _shm_free()
-        me = (shm.machine(), mine, free if isinstance(free, str) else free + shm.held_bytes(self.root), self.budget)
+        why, mine, free = None, 0, _shm_free()
+        try:
+            mine = self.nslots * sum(align(n) for _k, _s, n in self._wanted(captured))
+        except Unfit as exc:
+            why = str(exc)
+        if why is None and isinstance(free, str):
+            why = free
+        if why is None:
+            try:
+                self.ns = shm.ensure_namespace(self.root)
+            except OSError as exc:
+                why = f"its shared memory cannot be used ({exc})"
+        held = shm.held_bytes(self.root) if why is None else 0
+        me = (shm.machine(), mine, free + held if isinstance(free, int) else 0, self.budget, why)
         everyone = groups.all_gather_ctl(me)
-        broken = [(r, e[2]) for r, e in enumerate(everyone) if isinstance(e[2], str)]
-        if broken:  # raised on every rank, after the exchange
-            raise ConfigError(
-                f"{what}: the memory tier of rank(s) {', '.join(str(r) for r, _e in broken)}: {broken[0][1]}. "
-                f"Nothing was saved. Remedy: point SHARDCKPT_SHM_DIR at an existing tmpfs directory of this user's "
-                f"(unset: /dev/shm), or turn the memory tier off (memory_every_steps=None)."
-            )
+        broken = [(r, e[4]) for r, e in enumerate(everyone) if e[4]]
+        if broken:  # on every rank alike, after the exchange
+            return self._aside(f"{what}: on rank(s) {', '.join(str(r) for r, _e in broken)}: {broken[0][1]}",
+                               every_rank=True)
         here = [r for r, e in enumerate(everyone) if e[0] == me[0]]
         for key in dict.fromkeys(e[0] for e in everyone):
             ranks = [r for r, e in enumerate(everyone) if e[0] == key]
             need = sum(everyone[r][1] for r in ranks)
             free, budget = min(everyone[r][2] for r in ranks), everyone[ranks[0]][3]
             if need > min(free, budget):
-                raise ConfigError(
-                    f"{what}: the memory tier needs {fmt_bytes(need)} of shared memory on {key.split('/')[0]} "
-                    f"(memory_keep + 1 = {self.keep + 1} copies of the staged state of its {len(ranks)} rank(s), "
-                    f"{fmt_bytes(need // (self.keep + 1))} each time), but "
+                return self._aside(
+                    f"{what}: it needs {fmt_bytes(need)} of shared memory on {key.split('/')[0]} ({self.nslots} "
+                    f"copies of the staged state of its {len(ranks)} rank(s), {fmt_bytes(need // self.nslots)} each "
+                    f"time, for memory_keep={self.keep}), but "
                     + (f"memory_budget allows {fmt_bytes(budget)}" if budget < free else
-                       f"{shm.shm_root()} has {fmt_bytes(free)} free")
-                    + f". Nothing was saved. Remedy: raise memory_budget (a fraction of the host's RAM, or bytes) or "
-                    f"the size of {shm.shm_root()} (SHARDCKPT_SHM_DIR: another tmpfs), lower memory_keep, or turn "
-                    f"the memory tier off (memory_every_steps=None)."
-                )
+                       f"{shm.shm_root()} has {fmt_bytes(free)} free"), every_rank=True)
         self._share = me[3] - (sum(everyone[r][1] for r in here) - mine)
-        shm.ensure_namespace(self.root)
+        assert self.ns is not None
+        self._hold = shm.hold(self.ns)  # this run is alive: no job of another run frees its memory
         self._adopt(loaded, head, here)
         self.started = True
 
-    def _wanted(self, captured: dict[str, Any], what: str) -> list[tuple[str, str, int]]:
+    def _wanted(self, captured: dict[str, Any]) -> list[tuple[str, str, int]]:
         out = []
-        for path, obj in _leaves(captured):
+        for path, obj in leaves(captured):
             local = obj._local_tensor if isinstance(obj, DTensor) else obj
             if not (type(local) in (torch.Tensor, torch.nn.Parameter) and local.layout == torch.strided
                     and not local.is_quantized and not local.is_meta):
-                raise ConfigError(
-                    f"{what}: the memory tier holds dense tensors and DTensors; {'.'.join(map(str, path))} is a "
-                    f"{type(obj).__name__} ({local.layout}). Nothing was saved. Remedy: save DTensor-sharded state "
-                    f"(FSDP2, or get_state_dict's defaults) or turn the memory tier off (memory_every_steps=None)."
+                raise Unfit(
+                    f"it holds dense tensors and DTensors; {'.'.join(map(str, path))} is a {type(obj).__name__} "
+                    f"({local.layout}) (save DTensor-sharded state: FSDP2, or get_state_dict's defaults)"
                 )
-            out.append((_key(path), repr(leaf_signature(obj)), local.numel() * local.element_size()))
+            out.append((state_key(path), repr(leaf_signature(obj)), local.numel() * local.element_size()))
         return out
 
     def _adopt(self, loaded: Any, head: Any, here: list[int]) -> None:
@@ -260,7 +234,7 @@ class MemoryTier:
         records, _stale = shm.read_records(self.root)  # a stale record's files go with its rank's (below)
         kept: dict[int, shm.Record] = {}
         for rec in sorted((r for r in records if r.rank == rank), key=lambda r: -r.created):
-            if loaded is None or rec.slot > self.keep or rec.slot in kept or rec.step > loaded.step:
+            if loaded is None or rec.slot >= self.nslots or rec.slot in kept or rec.step > loaded.step:
                 continue
             if rec.step == loaded.step and rec.version != loaded.version:
                 continue
@@ -270,7 +244,7 @@ class MemoryTier:
                 continue
             if lineage_mod.excluded_by(head, rec.step, lineage) is None:
                 kept[rec.slot] = rec
-        self.slots = [_Slot(i) for i in range(self.keep + 1)]
+        self.slots = [Slot(i) for i in range(self.nslots)]
         keep_names = set()
         for index, rec in kept.items():
             slot = self.slots[index]
@@ -284,52 +258,68 @@ class MemoryTier:
             names = []
         drop = [n for n in names if (shm.parse_name(n) or (-1,))[0] == rank and n not in keep_names]
         if rank == min(here):
-            drop += [n for n in names if (shm.parse_name(n) or (-1,))[0] not in here]
+            drop += [n for n in names if (shm.parse_name(n) or (rank,))[0] not in here]  # (the lock stays)
         shm.remove(self.ns, drop)
         if kept and rank == 0:
             log.info("shardckpt: memory tier: steps %s of this history stay in %s", sorted(r.step for r in kept.values()),
                      self.ns)
 
     def stage(self, captured: dict[str, Any], what: str, *, disk: bool, writing: bool = False
-              ) -> tuple[dict[str, Any], CopyFence]:
-        """Steps 1-4 of the module docstring: the copy into a slot (its record removed first).
+              ) -> tuple[dict[str, Any], CopyFence] | None:
+        """Steps 1-4 of the module docstring: the copy into a slot (its record removed first). ``None``: the
+        tier stepped aside on this rank (now or before): the caller stages for the disk without it.
 
         ``writing``: the disk write of the newest save due on disk still reads its slot.
         """
-        wanted = self._wanted(captured, what)
-        candidates = [s for s in self.slots if disk or not writing or s.index != self.disk_slot]
-        slot = next((s for s in candidates if s.holds is None), None) or min(candidates, key=lambda s: s.holds[2])
-        shm.drop_record(self.ns, _dist.rank(), slot.index)
-        slot.holds = None
-        if slot.fits(wanted) and slot.base is None:  # a slot adopted from the process before: its file, mapped
-            try:
-                self._map(slot, create=False)
-            except OSError:
-                self._unmap(slot, remove=True)
-                slot.buffer, slot.entries = "", {}
-        if not slot.fits(wanted):
-            self._lay_out(slot, wanted, what)
+        if self.broken is not None or not self.started:
+            return None
+        try:
+            wanted = self._wanted(captured)
+            slot = self._pick(disk, writing)
+            self._stop_sum(slot)
+            shm.drop_record(self.ns, _dist.rank(), slot.index)
+            slot.holds = None
+            if slot.fits(wanted) and slot.base is None:  # a slot adopted from the process before: its file, mapped
+                try:
+                    self._map(slot, create=False)
+                except OSError:
+                    self._unmap(slot, remove=True)
+                    slot.buffer, slot.entries = "", {}
+            if not slot.fits(wanted):
+                self._lay_out(slot, wanted)
+        except (OSError, Unfit) as exc:
+            self._aside(f"{what}: {exc}", every_rank=False)
+            return None
         if disk:
             self.disk_slot = slot.index
         self._writing = slot
         return slot.stager.stage(captured, what=what)
 
-    def _lay_out(self, slot: _Slot, wanted: list[tuple[str, str, int]], what: str) -> None:
+    def _pick(self, disk: bool, writing: bool) -> Slot:
+        """Step 1: never the newest save's slot, nor (kept only in memory) the one being written to disk."""
+        newest = max((s for s in self.slots if s.holds is not None), key=lambda s: s.holds[2], default=None)
+        candidates = [s for s in self.slots if s is not newest and (disk or not writing or s.index != self.disk_slot)]
+        if sum(1 for s in self.slots if s.buffer) < self.keep + 1:
+            empty = [s for s in candidates if s.holds is None]
+            if empty:
+                return empty[0]
+        laid = [s for s in candidates if s.buffer]
+        return (next((s for s in laid if s.holds is None), None)
+                or min((s for s in laid if s.holds is not None), key=lambda s: s.holds[2], default=None)
+                or next(s for s in candidates if s.holds is None))
+
+    def _lay_out(self, slot: Slot, wanted: list[tuple[str, str, int]]) -> None:
         keys = {k for k, _s, _n in wanted}
         entries, offset = {}, 0
         for key, sig, nbytes in wanted + [(k, s, n) for k, (s, _o, n) in slot.entries.items() if k not in keys]:
             entries[key] = (sig, offset, nbytes)
-            offset += _align(nbytes)
+            offset += align(nbytes)
         size = max(offset, shm.ALIGN)
         others = sum(s.size for s in self.slots if s is not slot)
-        projected = max(others + size, (self.keep + 1) * size)
+        projected = max(others + size, self.nslots * size)
         if projected > self._share:
-            raise ConfigError(
-                f"{what}: the memory tier of rank {_dist.rank()} now needs {fmt_bytes(projected)} "
-                f"({self.keep + 1} copies of {fmt_bytes(size)}: the state grew), more than its share of "
-                f"memory_budget ({fmt_bytes(self._share)}). Remedy: raise memory_budget, lower memory_keep, or turn "
-                f"the memory tier off (memory_every_steps=None)."
-            )
+            raise Unfit(f"it now needs {fmt_bytes(projected)} ({self.nslots} copies of {fmt_bytes(size)}: the state "
+                         f"grew), more than its share of memory_budget ({fmt_bytes(self._share)})")
         self._unmap(slot, remove=True)
         slot.entries, slot.size, slot.buffer = entries, size, shm.buffer_name(_dist.rank(), slot.index)
         try:
@@ -338,13 +328,10 @@ class MemoryTier:
             shm.remove(self.ns, [slot.buffer])
             slot.buffer, slot.entries = "", {}
             free = _shm_free()
-            raise ConfigError(
-                f"{what}: {fmt_bytes(size)} of shared memory could not be reserved in {self.ns} ({exc}); "
-                f"{fmt_bytes(free) if isinstance(free, int) else free} free. Remedy: free shared memory (df {shm.shm_root()}), raise its size, "
-                f"lower memory_keep, or turn the memory tier off (memory_every_steps=None)."
-            ) from exc
+            raise Unfit(f"{fmt_bytes(size)} of shared memory could not be reserved in {self.ns} ({exc}); "
+                         f"{fmt_bytes(free) if isinstance(free, int) else free} free") from exc
 
-    def _map(self, slot: _Slot, *, create: bool) -> None:
+    def _map(self, slot: Slot, *, create: bool) -> None:
         path = os.path.join(self.ns, slot.buffer)
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
@@ -358,7 +345,7 @@ class MemoryTier:
             os.close(fd)
         slot.region = region
         slot.base = torch.frombuffer(region, dtype=torch.uint8)
-        slot.stager = _SlotStager(slot)
+        slot.stager = SlotStager(slot)
         slot.cache = {}
         slot.pinned = self._register(slot.base)
 
@@ -375,7 +362,8 @@ class MemoryTier:
         self._pinned += nbytes
         return nbytes
 
-    def _unmap(self, slot: _Slot, *, remove: bool) -> None:
+    def _unmap(self, slot: Slot, *, remove: bool) -> None:
+        self._stop_sum(slot)
         if slot.pinned and slot.base is not None:
             torch.cuda.cudart().cudaHostUnregister(slot.base.data_ptr())
             self._pinned -= slot.pinned
@@ -386,16 +374,19 @@ class MemoryTier:
             shm.remove(self.ns, [slot.buffer, shm.values_name(_dist.rank(), slot.index)])
             slot.holds = None
 
-    def record(self, job: Any, manifest: layout.Manifest) -> str:
-        """Step 5: the values, then the record of the copy just made (after its copies are complete)."""
+    def record(self, job: Any, manifest: layout.Manifest) -> str | None:
+        """Step 5: the values, then the record of the copy just made (after its copies are complete); then
+        step 6, its checksum, in the background. ``None``: nothing kept (the tier stepped aside on this rank)."""
         slot = self._writing
-        assert slot is not None and slot.stager is not None
+        self.last = job.step
         self._writing = None
+        if slot is None or slot.stager is None:
+            return None
         rank = _dist.rank()
         _failpoints.hit("memory.copied")
         try:
             tensors, values, planner_data = dcp_memory.describe(job.staged, slot.offset_of, slot.cache)
-        except Exception as exc:  # noqa: BLE001 - torch.save of a value: any pickling error
+        except Exception as exc:
             raise SaveError(
                 f"step {job.step}: a non-tensor value of the state cannot be serialised ({type(exc).__name__}: {exc}); "
                 f"nothing of step {job.step} was kept in memory, earlier steps are intact. Remedy: make every "
@@ -417,49 +408,80 @@ class MemoryTier:
                 buffer_size=slot.size, values_file=values_file, values_size=pos, manifest=manifest.to_json(),
                 tensors=tensors, values=items, planner_data=planner_data,
                 layout=[[k, s, o, n] for k, (s, o, n) in slot.entries.items()], host=socket.gethostname(),
+                run=os.path.basename(self.ns).rsplit("-", 1)[-1],
             )
             shm.write_record(self.ns, rec)
         except OSError as exc:
-            raise SaveError(
-                f"step {job.step}: the memory copy could not be recorded in {self.ns} ({exc}); earlier steps are "
-                f"intact. Remedy: free shared memory (df {shm.shm_root()}) or turn the memory tier off "
-                f"(memory_every_steps=None)."
-            ) from exc
+            self._aside(f"step {job.step}: the copy could not be recorded in {self.ns} ({exc})", every_rank=False)
+            return None
         slot.holds = (job.step, rec.version, rec.created)
-        self.last = job.step
+        stop = threading.Event()
+        values_bytes = b"".join(data for _f, data in values)
+        slot.summing = (stop, self._sums.submit(self._sum, slot, rec, values_bytes, stop))
         return os.path.join(self.ns, shm.record_name(rank, slot.index))
+
+    def _sum(self, slot: Slot, rec: shm.Record, values: bytes, stop: threading.Event) -> None:
+        """Step 6 (the background thread): the copy's checksum, unless the slot is taken again first."""
+        assert slot.region is not None
+        with memoryview(slot.region) as whole:
+            value = shm.digest([whole[:rec.buffer_size], values], stop.is_set)
+        if value is not None and not stop.is_set():
+            try:
+                shm.write_sum(self.ns, rec, value)
+            except OSError:
+                pass  # a copy without its checksum is read unchecked, as one killed before it was taken
+
+    def _stop_sum(self, slot: Slot) -> None:
+        if slot.summing is not None:
+            stop, future = slot.summing
+            stop.set()
+            try:
+                future.result()
+            except Exception:  # noqa: BLE001 - a failed checksum only leaves the copy without one
+                pass
+            slot.summing = None
 
     def release(self) -> None:
         """Free this rank's copies (``close()``, once nothing is only there: the job is over for this process)."""
         for slot in self.slots:
             self._unmap(slot, remove=True)
         self.slots = []
-        if shm.namespace_problem(self.ns) is not None:
+        if self._hold is not None:
+            os.close(self._hold)
+            self._hold = None
+        ns = self.ns or shm.namespace(self.root)  # (copies of a process before this one, when none was made here)
+        if ns is None or shm.namespace_problem(ns) is not None:
             return
         try:
-            names = os.listdir(self.ns)
+            names = os.listdir(ns)
         except FileNotFoundError:
             return
-        shm.remove(self.ns, [n for n in names if (shm.parse_name(n) or (-1,))[0] == _dist.rank()])
-        try:
-            os.rmdir(self.ns)  # the last rank out removes the directory
-        except OSError:
-            pass
+        shm.remove(ns, [n for n in names if (shm.parse_name(n) or (-1,))[0] == _dist.rank()])
+        shm.remove_if_empty(ns)  # the last rank out removes the directory
+
+    def detach(self) -> None:
+        """``close()``: the copies' checksums finished, this process no longer holds the run alive (the keeper does)."""
+        self._sums.shutdown(wait=True)
+        if self._hold is not None:
+            os.close(self._hold)
+            self._hold = None
 
     def purge_unused(self) -> None:
         """With the tier off: what an earlier job left in this ``local_dir``'s namespace is freed (at the first
         save; nothing of this job writes there)."""
-        if os.path.isdir(self.ns):
-            freed = shm.purge(self.root)
+        ns = shm.namespace(self.root)
+        if ns is not None and os.path.isdir(ns):
+            freed = shm.purge(self.root, ns)
             if freed and _dist.rank() == 0:
                 log.info("shardckpt: memory tier off: freed %s of shared memory an earlier job left in %s",
-                         fmt_bytes(freed), self.ns)
+                         fmt_bytes(freed), ns)
 
     def status(self) -> dict[str, Any]:
         """What ``Checkpointer.status()`` shows of the memory tier (on this rank and machine)."""
         mine = sorted((r for r in shm.read_records(self.root)[0] if r.rank == _dist.rank()), key=lambda r: r.created)
-        return {"latest_memory": mine[-1].step if mine else None, "memory_steps": sorted({r.step for r in mine}),
-                "memory_bytes": shm.held_bytes(self.root), "memory_dir": self.ns}
+        out = {"latest_memory": mine[-1].step if mine else None, "memory_steps": sorted({r.step for r in mine}),
+               "memory_bytes": shm.held_bytes(self.root)}
+        return out if self.every is None else dict(out, memory_dir=self.ns or shm.namespace(self.root))
 
     # ------------------------------------------------------------ close: the newest step onto disk
 
@@ -479,6 +501,13 @@ class MemoryTier:
             # manifest carries rank 0's time).
             if head is None or (newest.version != head.version and newest.created > head.created):
                 mine = newest
+                copy = dcp_memory.Copy.of(shm.namespace(self.root) or "", newest)
+                problem = dcp_memory.check_copy(shm.namespace(self.root) or "", newest, copy)
+                copy.close()
+                if problem is not None:  # never written to disk
+                    log.warning("shardckpt: close(): step %d is not written to disk from memory: %s", newest.step,
+                                problem)
+                    mine = None
         gathered = groups.all_gather_ctl(None if mine is None else (mine.step, mine.version, mine.world_size))
         if all(g is None for g in gathered):
             return None, True
@@ -500,5 +529,5 @@ class MemoryTier:
             rec.step, {}, dict(manifest.keys), partial, dict(manifest.metadata), time.monotonic(), 0.0, kind=manifest.kind,
             metrics=dict(manifest.metrics), frozen=manifest.frozen, run=manifest.run, created=manifest.created,
             lineage=lineage_mod.Lineage.from_json(manifest.lineage), save_id=manifest.save_id,
-            planner=dcp_memory.RecordPlanner(dcp_memory.Copy.of(self.ns, rec)),
+            planner=dcp_memory.RecordPlanner(dcp_memory.Copy.of(shm.namespace(self.root) or "", rec)),
         )
