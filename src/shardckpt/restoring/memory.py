@@ -48,10 +48,10 @@ class MemorySource:
         and (``start_fresh``) the copies of the run it starts over (freed)."""
         first = _dist.local_rank() == 0
         self.ns = shm.namespace(self.root)
-        if first and not self._scanned:
-            self._scanned = True
+        scan, self._scanned = not self._scanned, True
+        if first and scan:
             self._foreign()
-        if self.config.start_fresh:
+        if self.config.start_fresh and scan:  # (once: a later load() of this job reads its own copies)
             if first and self.ns is not None:
                 held = shm.steps(self.root)["saves"]
                 freed = shm.purge(self.root, self.ns)
