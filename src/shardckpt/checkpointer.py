@@ -10,8 +10,7 @@
   waits for pending saves, then ``restore.Restorer.load``: candidates, fetch,
   verify, key matching, DCP read, elastic plan.
 
-``close()`` writes a step newer in memory than on disk to disk, then frees
-this rank's shared memory.
+``close()`` writes a step newer in memory than on disk to disk, then frees this rank's shared memory.
 """
 
 from __future__ import annotations
@@ -46,7 +45,8 @@ from shardckpt.node.peer_tier import PeerTier
 from shardckpt.node.uploader_client import UploaderClient
 from shardckpt.node import memory_keeper
 from shardckpt.node.node_registry import state_dir, unregister_trainer
-from shardckpt.tiers.memory import MemoryTier
+from shardckpt.restoring.memory import MemorySource
+from shardckpt.saving.memory import MemoryTier
 
 if TYPE_CHECKING:  # pragma: no cover
     from shardckpt.restoring.step_peek import StepPeek
@@ -99,7 +99,7 @@ class Checkpointer:
         self._restorer.sources.peer = self._peer  # a restore's peer views: the other nodes' daemons
         self._memory = MemoryTier(self.config, self.root, pin=bool(pin),
                                   join=lambda: memory_keeper.join(self.root, starts=_dist.local_rank() == 0))
-        self._restorer.sources.memory = self._memory  # source 0: the copies in this machine's shared memory
+        self._restorer.sources.memory = MemorySource(self.config, self.root)  # source 0: this machine's memory
         self._writer.peer_facts, self._writer.peer_agreed = self._peer.facts, self._peer.agree
         self._durability = DurabilityLog(self.root, peer_on=lambda: self._peer.on,
                                          remote=self._uploads is not None and self._uploads.active)
@@ -273,7 +273,7 @@ class Checkpointer:
         and state of this node's uploader, from its status file). The memory
         tier: ``latest_memory`` (the newest step this rank holds a copy of in
         shared memory), ``memory_steps``, ``memory_bytes`` (what the job holds on
-        this machine), ``memory_dir``; ``restored_from`` says where the last
+        this machine), ``memory_dir`` (tier on only); ``restored_from``: where the last
         ``load()`` read its step. No remote request is made.
         """
         steps = self.steps()
@@ -315,6 +315,7 @@ class Checkpointer:
             self._policy.finish_vote()  # every rank started the same vote: finish it
             if flushed:  # the newest step is on disk: the memory copies go (the keeper frees them otherwise)
                 self._memory.release()
+            self._memory.detach()
             self._policy.restore_signal_handlers()
             self._groups.destroy(io=not writing)
             try:

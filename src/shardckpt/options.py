@@ -142,20 +142,24 @@ class CheckpointConfig:
     the loop that copy (no disk write), and it survives the trainer: a process killed right after ``save()`` returned is resumed from it by
     the next launch on the machine, in about the time of one copy. Saves due on disk
     (``every_steps``, ``every_seconds``) are kept in memory too and written from the same buffers.
-    Host memory: ``memory_keep + 1`` copies of the staged state per rank. ``close()`` writes a
+    Host memory: ``memory_keep + 1`` copies of the staged state per rank (3 with ``memory_keep=1``). The
+    copies belong to the directory's run (``<local_dir>/.shardckpt-run``), never to its path; a problem
+    with shared memory makes the tier step aside with one warning, the disk saves go on. ``close()`` writes a
     step newer in memory than on disk to disk, then frees the memory; after a crash the node's
     memory keeper frees it once no trainer is left for ``SHARDCKPT_MEMORY_LINGER_S`` (120 s).
     When to turn it on: docs/guides/memory-tier.md."""
 
     memory_keep: int = 1
     """Steps each rank keeps in memory (the newest ones); one more slot takes the next copy, so that
-    a process killed while it copies leaves the previous step usable."""
+    a process killed while it copies leaves the newest save that returned usable (with 1, a third slot,
+    laid out only when a memory save comes while a disk write runs)."""
 
     memory_budget: float | None = None
     """Shared memory the memory tier may use per machine, for all its ranks: a fraction of the host's
     RAM (``0 < x <= 1``) or a number of bytes (``> 1``); ``None``: 0.5 of the RAM. A state that does not
-    fit (``(memory_keep + 1)`` x its staged bytes) raises :class:`ConfigError` at the first save,
-    saying how much it needs; so does a ``/dev/shm`` too small (``SHARDCKPT_SHM_DIR``: another tmpfs)."""
+    fit (``(memory_keep + 1)`` x its staged bytes, 3x with ``memory_keep=1``) makes the tier step aside at the
+    first save, with a warning saying how much it needs (the disk saves go on); so does a ``/dev/shm`` too
+    small (``SHARDCKPT_SHM_DIR``: another tmpfs)."""
 
     mode: SaveMode = SaveMode.ASYNC
     """``async`` (default): block only while staging into host memory."""

@@ -43,8 +43,8 @@ FACADE_PACKAGES = ("cli", "convert", "check_resume")
 LEAVES = {f"{PACKAGE}.errors", f"{PACKAGE}._failpoints", f"{PACKAGE}._text", f"{PACKAGE}._proc"}
 """Modules that import nothing of the package: any layer may use them."""
 LOWER_LAYERS = ("format", "dcp", "stores", "remote", "steps", "tiers", "saving", "restoring", "state", "node")
-OVERSIZE_ALLOWED: set[str] = {f"{PACKAGE}.tiers.memory"}
-"""Modules allowed over the size limit, by name, until their split lands."""
+OVERSIZE_ALLOWED: set[str] = set()
+"""Modules allowed over the size limit, by name (none)."""
 RANKS = {
     "errors": 0, "_failpoints": 0, "_text": 0, "_proc": 0, "_version": 0, "_dist": 0,
     "format": 1, "dcp": 2, "stores": 2, "state": 3, "remote": 3, "steps": 4, "options": 4, "topology": 4,

@@ -45,7 +45,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         manifests = committed_manifests(tier, tier.memory() if hasattr(tier, "memory") else None)
         live, abandoned = tier.live(manifests)
         metric, best = best_steps(manifests, live, args)
-        rows = [step_row(s, m, abandoned, tier, best) for s, m in manifests.items()]
+        rows = [step_row(s, m, abandoned, tier, best) for s, m in sorted(manifests.items())]  # memory steps too
         kept = _kept(tier)
         if args.json:
             print_json({"source": tier.where, "steps": rows, "best_metric": metric,

@@ -20,27 +20,36 @@ import math
 import mmap
 import os
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
+    MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.checkpoint.storage import StorageReader
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from shardckpt.dcp.record_layout import memory_of as _memory_of
 from shardckpt.errors import ShardckptError
+from shardckpt.format import shm
 
 try:
     from torch.distributed.checkpoint._traverse import narrow_tensor_by_index  # type: ignore
@@ -49,7 +58,12 @@ except ImportError:  # pragma: no cover - moved between torch releases
 
 
 class MemoryMiss(ShardckptError):
-    """The restore on this rank needs bytes that no copy held on its machine has (another layout than saved)."""
+    """The restore on this rank needs bytes that no copy held on its machine has (another layout than saved, or
+    a copy gone or not checking out). ``gone``: the memory itself is gone (no step is read from it)."""
+
+    def __init__(self, message: str, *, gone: bool = False) -> None:
+        super().__init__(message)
+        self.gone = gone
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -183,6 +197,35 @@ class Copy:
         self._fd: int | None = None
         self._values: bytes | None = None
 
+    @classmethod
+    def of(cls, ns: str, rec: Any) -> Copy:
+        """The copy a memory record (``format/shm.Record``) of the namespace ``ns`` describes."""
+        table = {"tensors": rec.tensors, "values": rec.values, "planner_data": rec.planner_data}
+        return cls(rec.rank, os.path.join(ns, rec.buffer), rec.buffer_size, os.path.join(ns, rec.values_file),
+                   rec.values_size, table)
+
+    def open(self) -> None:
+        """Open the buffer and read the values now (raises :class:`OSError`): the files may go after this
+        (a keeper's purge), the open copy stays readable."""
+        if self._fd is None:
+            fd = os.open(self._buffer_path, os.O_RDONLY | os.O_NOFOLLOW)
+            if os.fstat(fd).st_size < self._buffer_size:
+                os.close(fd)
+                raise OSError(f"{self._buffer_path} is shorter than its record says")
+            self._fd = fd
+        if self._values is None:
+            with open(self._values_path, "rb") as f:
+                self._values = f.read(self._values_size)
+            if len(self._values) < self._values_size:
+                raise OSError(f"{self._values_path} is shorter than its record says")
+
+    def digest(self) -> str | None:
+        """The checksum of the copy's bytes (``format/shm.digest`` of its buffer, then its values)."""
+        self.open()
+        with mmap.mmap(self._fd, max(1, self._buffer_size), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as region:
+            with memoryview(region) as whole:
+                return shm.digest([whole[:self._buffer_size], self._values])
+
     def read_into(self, target: torch.Tensor, dtype: str, shape: list[int], offset: int) -> bool:
         """Read the tensor recorded at ``offset`` straight into ``target`` when it is that whole tensor, on the
         CPU and contiguous (one copy by the kernel, as a read from the page cache); False otherwise."""
@@ -191,31 +234,33 @@ class Copy:
             return False
         view = _memory_of(target)
         if offset < 0 or offset + view.nbytes > self._buffer_size:
-            raise ValueError(f"[{offset}, {offset + view.nbytes}) lies outside the buffer of {self._buffer_size} bytes")
-        if self._fd is None:
-            self._fd = os.open(self._buffer_path, os.O_RDONLY)
-        done = 0
-        while done < view.nbytes:
-            got = os.preadv(self._fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise ValueError(f"{self._buffer_path} ends at {offset + done}, before the tensor it records")
-            done += got
+            raise MemoryMiss(f"[{offset}, {offset + view.nbytes}) lies outside the buffer of {self._buffer_size} bytes")
+        try:
+            self.open()
+            done = 0
+            while done < view.nbytes:
+                got = os.preadv(self._fd, [view[done:]], offset + done)
+                if got <= 0:
+                    raise MemoryMiss(f"{self._buffer_path} ends at {offset + done}, before the tensor it records")
+                done += got
+        except OSError as exc:
+            raise MemoryMiss(f"{self._buffer_path} cannot be read ({exc})") from exc
         return True
 
     def tensor(self, dtype: str, shape: list[int], offset: int) -> torch.Tensor:
         """The tensor recorded at ``offset``: a read-only view of the mapped buffer with a storage of its own."""
         if self._map is None:
-            fd = os.open(self._buffer_path, os.O_RDONLY)
             try:
+                self.open()
                 # Populated at once: one pass of the kernel instead of a fault per page while copying.
-                self._map = mmap.mmap(fd, max(1, self._buffer_size), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                self._map = mmap.mmap(self._fd, max(1, self._buffer_size), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
                                       prot=mmap.PROT_READ)
-            finally:
-                os.close(fd)
+            except OSError as exc:
+                raise MemoryMiss(f"{self._buffer_path} cannot be read ({exc})") from exc
         kind = _dtype(dtype)
         count = math.prod(shape)
         if offset < 0 or offset + count * kind.itemsize > self._buffer_size:
-            raise ValueError(f"[{offset}, {offset + count * kind.itemsize}) lies outside the buffer of "
+            raise MemoryMiss(f"[{offset}, {offset + count * kind.itemsize}) lies outside the buffer of "
                              f"{self._buffer_size} bytes")
         if not count:
             return torch.empty(shape, dtype=kind)
@@ -224,11 +269,12 @@ class Copy:
             return torch.frombuffer(self._map, dtype=kind, count=count, offset=offset).view(shape)
 
     def value(self, offset: int, length: int) -> bytes:
-        if self._values is None:
-            with open(self._values_path, "rb") as f:
-                self._values = f.read(self._values_size)
+        try:
+            self.open()
+        except OSError as exc:
+            raise MemoryMiss(f"{self._values_path} cannot be read ({exc})") from exc
         if offset < 0 or offset + length > len(self._values):
-            raise ValueError(f"[{offset}, {offset + length}) lies outside the values of {len(self._values)} bytes")
+            raise MemoryMiss(f"[{offset}, {offset + length}) lies outside the values of {len(self._values)} bytes")
         return self._values[offset:offset + length]
 
     def close(self) -> None:
@@ -241,6 +287,27 @@ class Copy:
             except BufferError:  # a view still alive: the mapping goes with it
                 pass
             self._map = None
+
+
+def check_copy(ns: str, rec: Any, copy: Copy) -> str | None:
+    """Why the copy of the record ``rec`` (``format/shm.Record``) does not check out against its checksum
+    (``None``: it does, or it has none: killed before it was taken)."""
+    found = shm.read_sum(ns, rec)
+    if found is None:
+        return None
+    where = f"the copy of rank {rec.rank} of step {rec.step} in {ns}"
+    if "error" in found:
+        return f"{where}: its checksum is {found['error']}"
+    if found.get("step") != rec.step or found.get("save_id") != rec.save_id:
+        return (f"{where}: its checksum names step {found.get('step')} (id:{found.get('save_id')}), the record "
+                f"step {rec.step} ({rec.version})")
+    try:
+        value = copy.digest()
+    except OSError as exc:
+        return f"{where} cannot be read ({exc})"
+    if value != found.get("digest"):
+        return f"{where} does not match its checksum ({value}, recorded {found.get('digest')}): the memory changed"
+    return None
 
 
 class MemoryReader(StorageReader):

@@ -2,14 +2,19 @@
 
 A ``local_dir`` with the memory tier on keeps each rank's newest staged
 copies in a tmpfs (``/dev/shm``, or ``SHARDCKPT_SHM_DIR``) that outlives the
-trainer process, in one directory per ``local_dir`` and user::
+trainer process, in one directory per run of a ``local_dir``::
 
-    /dev/shm/shardckpt-<uid>-<key>/       mode 0700, owned by the job's user; <key>: a digest of the local_dir's path
+    <local_dir>/.shardckpt-run            the directory's run: a random id, created once with O_EXCL (mode 0600)
+    /dev/shm/shardckpt-<uid>-<key>-<run>/ mode 0700, owned by the job's user, created by the job and checked;
+                                          <key>: a digest of the local_dir's path, <run>: the run id
+        owner.lock                        held (shared flock) by every live trainer and keeper of the run
         r<rank>-s<slot>-<token>.buf       one rank's staged tensors of one slot, back to back (reused between saves;
                                           a new token when the layout changes)
         r<rank>-s<slot>.val               the non-tensor values of the save the slot holds (torch.save'd, back to back)
         r<rank>-s<slot>.rec               the record: written last, after the copy is complete (tmp + rename);
                                           removed first when the slot is written again
+        r<rank>-s<slot>.sum               the copy's checksum (step, save id, xxh3-128), taken after the record
+                                          off the training loop; checked by a restore when present
 
 A slot holds a save only while its record exists, so a copy cut short (the
 process killed while it copies) is never used: the record is gone before
@@ -18,13 +23,23 @@ names the step, the save id, this machine's boot id (a record of another
 boot is stale: nothing of it is trusted), the files and their sizes, the
 step's manifest and where each tensor lies in the buffer.
 
+A copy belongs to a run, never to a path: the namespace's name carries the
+run id the directory holds (a removed and re-created directory, or another
+container's directory mounted at the same path over a shared ``/dev/shm``,
+has another id), and so does every record. The run id is read from the
+directory (mode 0600): another local user cannot predict the name, and the
+job checks what it created (its owner, mode 0700, not a link). Namespaces of
+the same path and user but another run (:func:`foreign`) are never read; one
+whose run is not alive (no process holds its ``owner.lock``) is freed.
+
 Torch-free: read by ``shardckpt ls`` / ``status``, the node's memory keeper
-(``node/memory_keeper.py``) and the trainer (``tiers/memory.py``).
+(``node/memory_keeper.py``) and the trainer (``saving/memory.py``, ``restoring/memory.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import json
@@ -34,13 +49,17 @@ import stat
 import uuid
 from typing import Any
 
+import xxhash
+
 from shardckpt._text import fmt_bytes
-from shardckpt.errors import ConfigError
 from shardckpt.format import layout
 
-FORMAT = "shardckpt-memory/1"
+FORMAT = "shardckpt-memory/2"
+RUN_FILE = ".shardckpt-run"
+"""The run identity of a ``local_dir`` (in the directory itself): whose copies a namespace holds."""
+LOCK_NAME = "owner.lock"
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
-REC, BUF, VAL = ".rec", ".buf", ".val"
+REC, BUF, VAL, SUM = ".rec", ".buf", ".val", ".sum"
 ALIGN = 64
 """Byte alignment of every tensor in a buffer (any dtype's element size divides it)."""
 
@@ -65,10 +84,112 @@ def machine() -> str:
     return f"{socket.gethostname()}/{boot_id()}"
 
 
-def namespace(root: str) -> str:
-    """The directory holding the memory tier of ``root`` (a ``local_dir``) for this user."""
+def run_id(root: str, *, create: bool = False) -> str | None:
+    """The run ``root`` (a ``local_dir``) holds: a random id written once into the directory (``create``:
+    made now when absent; every rank racing here reads the same one). ``None``: none, or unreadable."""
+    path = os.path.join(root, RUN_FILE)
+    for _attempt in range(2):
+        try:
+            with open(path, encoding="ascii") as f:
+                text = f.read().strip()
+            return text if len(text) == 32 and all(c in "0123456789abcdef" for c in text) else None
+        except FileNotFoundError:
+            if not create:
+                return None
+        except (OSError, UnicodeDecodeError):
+            return None
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w", encoding="ascii") as f:
+                f.write(uuid.uuid4().hex + "\n")
+            try:
+                os.link(tmp, path)  # complete when visible; the first one wins
+            except FileExistsError:
+                pass
+        except OSError:
+            return None
+        finally:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    return None
+
+
+def _prefix(root: str) -> str:
     key = hashlib.sha256(os.path.realpath(root).encode("utf-8", "surrogatepass")).hexdigest()[:16]
-    return os.path.join(shm_root(), f"shardckpt-{os.getuid()}-{key}")
+    return f"shardckpt-{os.getuid()}-{key}-"
+
+
+def namespace(root: str, run: str | None = None) -> str | None:
+    """The directory holding the memory tier of ``root``'s run (``run``, else the one the directory holds)
+    for this user; ``None`` when the directory holds no run (nothing of it can be in memory)."""
+    run = run or run_id(root)
+    return os.path.join(shm_root(), _prefix(root) + run) if run else None
+
+
+def hold(ns: str) -> int | None:
+    """Mark the run of ``ns`` alive while the returned descriptor is open (a shared lock on its ``owner.lock``)."""
+    try:
+        fd = os.open(os.path.join(ns, LOCK_NAME), os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def alive(ns: str) -> bool:
+    """A live process (trainer or keeper, in any container sharing this memory) holds the run of ``ns``."""
+    try:
+        fd = os.open(os.path.join(ns, LOCK_NAME), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def foreign(root: str) -> list[dict[str, Any]]:
+    """This user's namespaces of ``root``'s path that belong to another run than the directory's: each
+    with its run, the steps its records name, and whether a live process holds it."""
+    prefix, mine = _prefix(root), namespace(root)
+    try:
+        names = sorted(os.listdir(shm_root()))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        path = os.path.join(shm_root(), name)
+        run = name[len(prefix):]
+        if (not name.startswith(prefix) or path == mine or len(run) != 32 or run.strip("0123456789abcdef")
+                or namespace_problem(path) is not None):
+            continue
+        steps = set()
+        for rec in _listed(path, records_only=True):
+            try:
+                with open(os.path.join(path, rec), "rb") as f:
+                    steps.add(int(json.loads(f.read()).get("step")))
+            except (OSError, ValueError, TypeError, AttributeError):
+                pass
+        out.append({"dir": path, "run": run, "steps": sorted(steps), "alive": alive(path)})
+    return out
+
+
+def _listed(ns: str, *, records_only: bool = False) -> list[str]:
+    try:
+        names = sorted(os.listdir(ns))
+    except OSError:
+        return []
+    return [n for n in names if n.endswith(REC)] if records_only else names
 
 
 def record_name(rank: int, slot: int) -> str:
@@ -77,6 +198,10 @@ def record_name(rank: int, slot: int) -> str:
 
 def values_name(rank: int, slot: int) -> str:
     return f"r{rank}-s{slot}{VAL}"
+
+
+def sum_name(rank: int, slot: int) -> str:
+    return f"r{rank}-s{slot}{SUM}"
 
 
 def buffer_name(rank: int, slot: int) -> str:
@@ -113,20 +238,22 @@ def namespace_problem(path: str) -> str | None:
 
 
 def ensure_namespace(root: str) -> str:
-    """The namespace of ``root``, created (mode 0700) when absent; raises :class:`ConfigError` when
-    what is there cannot be trusted."""
-    path = namespace(root)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    """The namespace of ``root``'s run (the run created when the directory holds none), created (mode 0700)
+    when absent; raises :class:`OSError` when it cannot be made or what is there cannot be trusted."""
+    run = run_id(root, create=True)
+    if run is None:
+        raise OSError(f"{os.path.join(root, RUN_FILE)} cannot be created or read")
+    path = namespace(root, run)
+    assert path is not None
+    if not os.path.isdir(shm_root()):
+        raise OSError(f"{shm_root()} is not a directory")
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
     problem = namespace_problem(path)
     if problem is not None:
-        raise ConfigError(
-            f"the memory tier of {root} cannot use {problem}. Remedy: remove it (it is not this job's), or point "
-            f"SHARDCKPT_SHM_DIR at a tmpfs of this user's."
-        )
+        raise OSError(f"{problem}")
     return path
 
 
@@ -161,6 +288,8 @@ class Record:
     layout: list[list[Any]]
     """The slot's buffers: ``[path, signature, offset, nbytes]`` (the copy reuses them when they fit)."""
     host: str = ""
+    run: str = ""
+    """The run of the ``local_dir`` that made the copy (``RUN_FILE``)."""
     name: str = ""
     """The record's file name (not stored)."""
 
@@ -191,7 +320,7 @@ class Record:
         return "{" + ",".join(parts) + "}"
 
     @classmethod
-    def from_json(cls, text: str | bytes, name: str) -> "Record":
+    def from_json(cls, text: str | bytes, name: str) -> Record:
         body = json.loads(text)
         if not isinstance(body, dict) or body.pop("format", None) != FORMAT:
             raise ValueError("not a memory record of this format")
@@ -199,7 +328,7 @@ class Record:
         record = cls(**{k: body[k] for k in fields if k in body}, name=name)
         for key, kind in (("rank", int), ("slot", int), ("step", int), ("world_size", int), ("buffer_size", int),
                           ("values_size", int), ("save_id", str), ("boot_id", str), ("buffer", str),
-                          ("values_file", str), ("manifest", str), ("local_dir", str)):
+                          ("values_file", str), ("manifest", str), ("local_dir", str), ("run", str)):
             if not isinstance(getattr(record, key), kind) or isinstance(getattr(record, key), bool):
                 raise ValueError(f"{key} is not a {kind.__name__}")
         for key in ("buffer", "values_file"):
@@ -212,6 +341,11 @@ class Record:
                     raise ValueError(f"a malformed entry of {table}: {str(entry)[:80]}")
         if not (isinstance(record.planner_data, dict) and all(isinstance(p, list) for p in record.planner_data.values())):
             raise ValueError("planner_data is not a table of paths")
+        _check_tables(record)
+        manifest = record.manifest_obj(name)
+        if manifest.step != record.step or manifest.save_id != record.save_id:
+            raise ValueError(f"it names step {record.step} ({record.version}), its manifest step {manifest.step} "
+                             f"(id:{manifest.save_id})")
         return record
 
     def manifest_obj(self, where: str) -> layout.Manifest:
@@ -219,6 +353,36 @@ class Record:
 
 
 _INTS = "ints"
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8, "int64": 8,
+            "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
+            "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1}
+"""Bytes per element of each dtype a record may name (any other name: the record is refused)."""
+
+
+def tensor_bytes(entry: list[Any]) -> int:
+    """The bytes of a record's tensor entry ``[fqn, dtype, shape, size, offsets, offset]``."""
+    n = ITEMSIZE[entry[1].rsplit(".", 1)[-1]]
+    for d in entry[2]:
+        n *= d
+    return n
+
+
+def _check_tables(record: Record) -> None:
+    """Every tensor of a known dtype, its chunk inside its global size and its bytes inside the buffer;
+    every value inside the values file (a record that says otherwise is refused, never read past its files)."""
+    for entry in record.tensors:
+        fqn, dtype, shape, size, offsets, offset = entry
+        if dtype.rsplit(".", 1)[-1] not in ITEMSIZE:
+            raise ValueError(f"{fqn}: unknown dtype {dtype!r}")
+        if not (len(shape) == len(size) == len(offsets) and all(d >= 0 for d in shape + size + offsets)
+                and all(o + d <= n for o, d, n in zip(offsets, shape, size))):
+            raise ValueError(f"{fqn}: the chunk {offsets}+{shape} does not lie in its size {size}")
+        if offset < 0 or offset % ALIGN or offset + tensor_bytes(entry) > record.buffer_size:
+            raise ValueError(f"{fqn}: [{offset}, +{tensor_bytes(entry)}) does not lie in the buffer of "
+                             f"{record.buffer_size} bytes")
+    for fqn, offset, length in record.values:
+        if offset < 0 or length < 0 or offset + length > record.values_size:
+            raise ValueError(f"{fqn}: [{offset}, +{length}) does not lie in the values of {record.values_size} bytes")
 
 
 def _is(value: Any, kind: Any) -> bool:
@@ -237,12 +401,45 @@ def write_record(ns: str, record: Record, cache: dict[str, tuple[Any, str]] | No
     os.replace(tmp, final)
 
 
+HASH_CHUNK = 8 << 20
+
+
+def digest(parts: Any, stop: Any = None) -> str | None:
+    """xxh3-128 over ``parts`` (buffers, in order), ``None`` when ``stop()`` turns true between chunks."""
+    h = xxhash.xxh3_128()
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for i in range(0, len(view), HASH_CHUNK):
+            if stop is not None and stop():
+                return None
+            h.update(view[i:i + HASH_CHUNK])  # releases the GIL
+    return f"xxh3-128:{h.hexdigest()}"
+
+
+def write_sum(ns: str, record: Record, value: str) -> None:
+    """The checksum of ``record``'s copy, bound to its step and save (tmp + rename)."""
+    final = os.path.join(ns, sum_name(record.rank, record.slot))
+    fd = os.open(f"{final}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump({"step": record.step, "save_id": record.save_id, "digest": value}, f)
+    os.replace(f"{final}.tmp", final)
+
+
+def read_sum(ns: str, record: Record) -> dict[str, Any] | None:
+    """The checksum file of ``record``'s slot (``None``: none, e.g. killed before it was taken)."""
+    try:
+        with open(os.path.join(ns, sum_name(record.rank, record.slot)), "rb") as f:
+            body = json.loads(f.read())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        return {"error": f"unreadable ({type(exc).__name__})"}
+    return body if isinstance(body, dict) else {"error": "not a checksum"}
+
+
 def drop_record(ns: str, rank: int, slot: int) -> None:
     """The slot holds no save from here on (before anything of it is overwritten)."""
-    try:
-        os.unlink(os.path.join(ns, record_name(rank, slot)))
-    except FileNotFoundError:
-        pass
+    remove(ns, [record_name(rank, slot), sum_name(rank, slot)])
 
 
 def read_records(root: str) -> tuple[list[Record], dict[str, str]]:
@@ -251,7 +448,10 @@ def read_records(root: str) -> tuple[list[Record], dict[str, str]]:
     Usable: written by this boot for this ``local_dir``, in a namespace this user
     owns alone, its buffer and values files present and at least as long as it says.
     """
-    ns = namespace(root)
+    run = run_id(root)
+    ns = namespace(root, run)
+    if ns is None:
+        return [], {}
     problem = namespace_problem(ns)
     if problem is not None:
         return [], {ns: problem}
@@ -276,7 +476,7 @@ def read_records(root: str) -> tuple[list[Record], dict[str, str]]:
         try:
             with open(os.path.join(ns, name), "rb") as f:
                 record = Record.from_json(f.read(), name)
-        except (OSError, ValueError, TypeError, KeyError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever a forged record holds: refused, never raised
             bad[name] = f"unreadable ({type(exc).__name__}: {exc})"
             continue
         if (record.rank, record.slot) != parse_name(name):
@@ -285,6 +485,8 @@ def read_records(root: str) -> tuple[list[Record], dict[str, str]]:
             bad[name] = f"written before this machine restarted (boot {record.boot_id}, now {here})"
         elif os.path.realpath(record.local_dir) != real:
             bad[name] = f"belongs to {record.local_dir}, not {root}"
+        elif record.run != run:
+            bad[name] = f"belongs to run {record.run or '(none)'}, not this directory's run {run}"
         elif sizes.get(record.buffer, -1) < record.buffer_size or sizes.get(record.values_file, -1) < record.values_size:
             bad[name] = "its buffer or values file is missing or shorter than it says"
         else:
@@ -300,10 +502,21 @@ def remove(ns: str, names: list[str]) -> None:
             pass
 
 
-def purge(root: str) -> int:
-    """Remove ``root``'s namespace with everything in it; returns the bytes freed."""
-    ns = namespace(root)
-    if namespace_problem(ns) is not None:
+def remove_if_empty(ns: str) -> None:
+    """Remove the namespace when it holds no rank's file any more (its lock goes too: a holder keeps its own)."""
+    if any(parse_name(n) is not None for n in _listed(ns)):
+        return
+    remove(ns, [LOCK_NAME])
+    try:
+        os.rmdir(ns)
+    except OSError:
+        pass
+
+
+def purge(root: str, ns: str | None = None) -> int:
+    """Remove the namespace ``ns`` (default: that of ``root``'s run) with everything in it; returns the bytes freed."""
+    ns = ns or namespace(root)
+    if ns is None or namespace_problem(ns) is not None:
         return 0
     freed = 0
     try:
@@ -325,6 +538,8 @@ def purge(root: str) -> int:
 
 def held_bytes(root: str) -> int:
     ns = namespace(root)
+    if ns is None:
+        return 0
     try:
         return sum(os.lstat(os.path.join(ns, n)).st_size for n in os.listdir(ns))
     except OSError:

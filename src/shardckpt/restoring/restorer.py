@@ -154,7 +154,7 @@ class Restorer:
                     state, candidate, step_dir, manifest, checked, survey, strict=strict, trust_pickles=trust_pickles
                 )
             except MemoryMiss as exc:  # every rank alike: the same step from the other sources, if they have it
-                survey.memory.pop(candidate, None)
+                survey.memory.pop(candidate, None) if not exc.gone else survey.memory.clear()
                 queue[:0] = [candidate] if candidate in survey.elsewhere else []
                 if _dist.rank() == 0:
                     log.warning("shardckpt: %s; %s", exc, "reading it from the other tiers" if queue[:1] == [candidate]

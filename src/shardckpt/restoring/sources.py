@@ -6,9 +6,9 @@ apply. For the save chosen by the survey (identified by its save id, never by
 its number alone), each directory copy takes every file it lacks from the
 first source that holds it, in this order:
 
-0. **this machine's shared memory** (``tiers/memory.py``): when every rank
+0. **this machine's shared memory** (``restoring/memory.py``): when every rank
    finds the copies of that very save it reads on its machine, the step is
-   read from them and from nothing else (:meth:`MemoryTier.complete`); a
+   read from them and from nothing else (:meth:`MemorySource.complete`); a
    restore whose layout needs a copy held on another machine falls through
    to the sources below for the same step;
 1. **this node's disk** (``local_dir/step_<N>/``): what the copy holds of that
@@ -102,7 +102,7 @@ class Sources:
         self.providers: list[Provider] = [ReplicasHere(root), Peers(lambda: self.peer)]
         """The step views a copy reads from after its own disk, in this order."""
         self.memory: Any = None
-        """Source 0: the memory tier (``tiers/memory.py``), set by the Checkpointer."""
+        """Source 0: the memory tier (``restoring/memory.py``), set by the Checkpointer."""
         self.sparse: dict[int, ranged.SparseStep] = {}
         """Steps this rank reads from a sparse copy (need-only fetch from the remote, ``ranged.py``)."""
         self._surveyed: dict[int, layout.Manifest] = {}

@@ -7,7 +7,7 @@ remote (the index, ``remote/index.py``); every rank then computes alike
 which steps are live (``lineage.py``: steps of a branch abandoned by a
 rollback are not resumed by default) and which of them every rank can load:
 held complete in the shared memory of the ranks' machines
-(``tiers/memory.py``), complete in its directory, committed on the remote, or
+(``restoring/memory.py``), complete in its directory, committed on the remote, or
 one save whose every file some copy, view (a replica here, a peer's daemon,
 which serves what its node reported) or node holds. Steps are compared by
 version (:func:`shardckpt.format.layout.version_of`), never by number alone.
@@ -27,7 +27,7 @@ from shardckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckp
 from shardckpt.format import layout, retention
 from shardckpt.format import lineage as lineage_mod
 from shardckpt.options import CheckpointConfig, OnCorrupt
-from shardckpt.tiers import memory as memory_mod
+from shardckpt.restoring import memory as memory_mod
 from shardckpt.remote import listing as remote_listing
 from shardckpt.topology import Topology
 
@@ -56,7 +56,7 @@ class Survey:
     """Steps whose lineage contradicts the run's other steps (``lineage.conflicts``), with the reason:
     never resumed; loading one raises :class:`CorruptCheckpointError`."""
     memory: dict[int, Any] = dataclasses.field(default_factory=dict)
-    """Steps every rank can restore from the copies in its machine's shared memory (``tiers/memory.py``)."""
+    """Steps every rank can restore from the copies in its machine's shared memory (``restoring/memory.py``)."""
     elsewhere: set[int] = dataclasses.field(default_factory=set)
     """Candidates every rank can load without the memory copies (from disk, the other nodes, the remote)."""
     remote_manifests: dict[int, layout.Manifest] = dataclasses.field(default_factory=dict)

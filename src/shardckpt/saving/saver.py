@@ -4,7 +4,7 @@
 
     1. re-raise a failed background save (``_wait_previous``, at the same call on every rank)
     2. decide (``policy.SavePolicy``): interval, and the previous call's agreed time and
-       preemption votes; with the memory tier (``tiers/memory.py``) also whether the step
+       preemption votes; with the memory tier (``saving/memory.py``) also whether the step
        is kept in memory
     3. wait for the previous write (never two at once; the wait is logged; a save kept
        only in memory waits for none)
@@ -56,7 +56,7 @@ from shardckpt.saving.plan import SavePlan
 from shardckpt.saving.policy import SavePolicy
 from shardckpt.saving.stage import CopyFence, HostStager, split_bytes
 from shardckpt.remote import early_upload
-from shardckpt.tiers.memory import MemoryTier
+from shardckpt.saving.memory import MemoryTier
 
 log = logging.getLogger("shardckpt")
 
@@ -173,11 +173,11 @@ class Saver:
             lineage = self._writer.lineage_for(step)
             if frozen and self._frozen is None:
                 self._frozen = self._fingerprint(state, frozen)
-            if memory:  # the copy goes into shared memory: the disk write reads it there
-                writing = self.pending is not None and not self.pending.done()
-                staged, fence = self._memory.stage(captured, f"step {step}", disk=disk, writing=writing, plan=plan)
-            else:
-                staged, fence = self._stager.stage(captured, what=f"step {step}", plan=plan)
+            writing = self.pending is not None and not self.pending.done()
+            # the copy into shared memory, read by the disk write (None: the memory tier stepped aside)
+            held = memory and self._memory.stage(captured, f"step {step}", disk=disk, writing=writing, plan=plan)
+            staged, fence = held or self._stager.stage(captured if disk else {}, what=f"step {step}",
+                                                       plan=plan if disk else None)
             del captured
             if memory or not self.config.overlap_copies:
                 fence.complete()  # returns with the copies done: no later write can reach them
@@ -200,7 +200,7 @@ class Saver:
         if memory:
             where = self._memory.record(job, self._writer.held(job, disk))  # memory-durable from here
             if not disk:
-                return SaveHandle.held(step, where)
+                return SaveHandle.held(step, where) if where else None
         return self._hand_over(job, decision.preempt)
 
     def _hand_over(self, job: SaveJob, preempt: bool) -> SaveHandle:
@@ -286,7 +286,7 @@ class Saver:
         self._loaded_at = loaded_at
         self._run = None
         if restored is not None:
-            self._policy.last_saved_step = restored
+            self._policy.last_saved_step = self._memory.last = restored  # a rollback saves its steps again
 
     def flush_memory(self) -> bool:
         """close(): a step newer in memory than on disk is committed to disk first, from its copy in memory
