@@ -24,29 +24,30 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardckpt import _dist, stores, topology
+from shardckpt._text import fmt_bytes
 from shardckpt.check_resume import digest as state_digest
 from shardckpt.check_resume import probe as resume_probe
-from shardckpt.saving import preflight
-from shardckpt.restoring import elastic as elastic_mod, step_peek as peek_mod
-from shardckpt.steps import LocalSteps, RemoteSteps
-from shardckpt.remote import commit as remote_commit
-from shardckpt.format import layout
-from shardckpt._text import fmt_bytes
-from shardckpt.saving.commit import StepWriter
 from shardckpt.errors import ConfigError
-from shardckpt.options import CheckpointConfig, UploaderMode
-from shardckpt.saving.handle import SaveHandle
-from shardckpt.saving.policy import SavePolicy
-from shardckpt.saving.saver import Saver
-from shardckpt.restoring.restorer import Restorer
-from shardckpt.saving.stage import HostStager
-from shardckpt.saving.durability import DurabilityLog
-from shardckpt.node.peer_tier import PeerTier
-from shardckpt.node.uploader_client import UploaderClient
+from shardckpt.format import layout
 from shardckpt.node import memory_keeper
 from shardckpt.node.node_registry import state_dir, unregister_trainer
+from shardckpt.node.peer_tier import PeerTier
+from shardckpt.node.uploader_client import UploaderClient
+from shardckpt.options import CheckpointConfig, UploaderMode
+from shardckpt.remote import commit as remote_commit
+from shardckpt.restoring import elastic as elastic_mod
+from shardckpt.restoring import step_peek as peek_mod
 from shardckpt.restoring.memory import MemorySource
+from shardckpt.restoring.restorer import Restorer
+from shardckpt.saving import preflight
+from shardckpt.saving.commit import StepWriter
+from shardckpt.saving.durability import DurabilityLog
+from shardckpt.saving.handle import SaveHandle
 from shardckpt.saving.memory import MemoryTier
+from shardckpt.saving.policy import SavePolicy
+from shardckpt.saving.saver import Saver
+from shardckpt.saving.stage import HostStager
+from shardckpt.steps import LocalSteps, RemoteSteps
 
 if TYPE_CHECKING:  # pragma: no cover
     from shardckpt.restoring.step_peek import StepPeek
@@ -82,7 +83,6 @@ class Checkpointer:
         self._stager = HostStager(pin_memory=bool(pin), max_pinned_bytes=self.config.max_pinned_bytes)
         self._policy = SavePolicy(self.config, self._groups)
         self._writer = StepWriter(self.config, self.root, self._groups, self._deletable)
-        self._restorer = Restorer(self.config, self.root, self._groups)
         self._topology_known = False
         self._closed = False
         self._uploads: UploaderClient | None = None
@@ -96,10 +96,11 @@ class Checkpointer:
                     f"local_dir a writable directory, or set uploader='off' to only restore from the remote."
                 ) from exc
         self._peer = PeerTier(self.config, self.root, registered=self._uploads is not None and self._uploads.active)
-        self._restorer.sources.peer = self._peer  # a restore's peer views: the other nodes' daemons
         self._memory = MemoryTier(self.config, self.root, pin=bool(pin),
                                   join=lambda: memory_keeper.join(self.root, starts=_dist.local_rank() == 0))
-        self._restorer.sources.memory = MemorySource(self.config, self.root)  # source 0: this machine's memory
+        # a restore's sources: this machine's memory (source 0), the other nodes' daemons (the peer views)
+        self._restorer = Restorer(self.config, self.root, self._groups, peer=self._peer,
+                                  memory=MemorySource(self.config, self.root))
         self._writer.peer_facts, self._writer.peer_agreed = self._peer.facts, self._peer.agree
         self._durability = DurabilityLog(self.root, peer_on=lambda: self._peer.on,
                                          remote=self._uploads is not None and self._uploads.active)

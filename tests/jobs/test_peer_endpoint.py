@@ -14,16 +14,24 @@ import threading
 import time
 
 import pytest
+from peer_helpers import (
+    Job,
+    _answer_or_closed,
+    _client_hello,
+    _quiet,
+    _raw,
+    _routes,
+    _tier,
+    _tree,
+    endpoint,  # noqa: F401 - a fixture
+)
 
 import shardckpt
 from shardckpt.errors import CorruptCheckpointError
-from shardckpt.format import layout
-from shardckpt.format import replicas
+from shardckpt.format import layout, replicas
 from shardckpt.node import peer_server, peer_service
 from shardckpt.restoring import views
 from shardckpt.stores import admission, peer_client, tls
-from peer_helpers import Job, _answer_or_closed, _client_hello, _quiet, _raw, _routes, _tier, _tree
-from peer_helpers import endpoint  # noqa: F401 - a fixture
 
 
 def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path):
@@ -190,7 +198,7 @@ def test_answers_come_only_from_the_node_pinned_for_the_address(endpoint, tmp_pa
             fresh = tmp_path / f"replacement-{mode}"
             fresh.mkdir()
             # The forged answer is never read; the real holder (second in the list) gives step 1, checked.
-            peers = views.Peers(lambda: tier)
+            peers = views.Peers(tier)
             offered = peers.views(1, layout.version_of(manifest))
             assert [v.name for v in offered] == ["peer second:0 (its replica of owner_0)"]
             copy = views.CopyFill(str(fresh), 1, layout.version_of(manifest), stale=False)

@@ -13,16 +13,24 @@ import socket
 import pytest
 import torch
 import torch.nn as nn
+from peer_helpers import (
+    Job,
+    _end_daemon,
+    _job_dirs,
+    _kill_daemons,
+    _newest_complete,
+    _private_files,
+    _tier,
+    _tree,
+    endpoint,  # noqa: F401 - a fixture
+)
 
 import shardckpt
 from shardckpt import cli
-from shardckpt.format import layout
-from shardckpt.format import replicas
+from shardckpt.format import layout, replicas
 from shardckpt.node import peer_daemon
 from shardckpt.restoring import views
 from shardckpt.stores import tls
-from peer_helpers import Job, _end_daemon, _job_dirs, _kill_daemons, _newest_complete, _private_files, _tier, _tree
-from peer_helpers import endpoint  # noqa: F401 - a fixture
 
 
 def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_path, capsys):
@@ -203,6 +211,7 @@ def test_a_replica_of_another_save_is_never_used_and_a_rotten_one_gives_way_to_t
     The restore takes the good replica file (a link, no copy), the rotten one from the remote where Y is
     committed, and nothing of X: the restored state is Y's, X's replica is left as it was."""
     from s3server import BUCKET
+
     from shardckpt import stores
     from shardckpt.node import uploader
 
@@ -290,8 +299,8 @@ def test_a_replacement_node_takes_its_files_from_the_peers_views_of_the_chosen_s
         # The second holder's own step 1 is another save of that number.
         with shardckpt.Checkpointer(local_dir=str(second), preemption_signals=()) as ckpt:
             ckpt.save({"model": nn.Linear(16, 8)}, 1)
-        peers = views.Peers(lambda: _tier(job, "owner", [("owner", "127.0.0.1:9", "owner"), ("holder", addr, "holder"),
-                                                          ("second", second_addr, "second")]))
+        peers = views.Peers(_tier(job, "owner", [("owner", "127.0.0.1:9", "owner"), ("holder", addr, "holder"),
+                                          ("second", second_addr, "second")]))
         offered = peers.views(1, version)
         assert [v.name for v in offered] == ["peer holder:0 (its replica of owner_0)",
                                              "peer second:0 (its replica of owner_0)"]

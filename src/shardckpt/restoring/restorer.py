@@ -33,28 +33,29 @@ from typing import Any
 
 import torch
 
-from shardckpt import _dist
-from shardckpt import stores
+from shardckpt import _dist, stores
+from shardckpt._text import fmt_bytes
 from shardckpt.dcp import planner as dcp_planner
 from shardckpt.dcp import reader as dcp_reader
 from shardckpt.dcp.memory import MemoryMiss
-from shardckpt.restoring import elastic as elastic_mod
-from shardckpt.format import layout
-from shardckpt.restoring import run_config as run_config_mod
-from shardckpt.restoring import targets as targets_mod
-from shardckpt.format import lineage as lineage_mod
-from shardckpt.state import capture as state_mod
-from shardckpt.state import keys as keys_mod, per_rank
-from shardckpt._text import fmt_bytes
 from shardckpt.errors import (
     CorruptCheckpointError,
     ForeignCheckpointError,
     MetaDeviceError,
     StateMismatchError,
 )
+from shardckpt.format import layout
+from shardckpt.format import lineage as lineage_mod
 from shardckpt.options import CheckpointConfig, OnCorrupt, run_config_of
-from shardckpt.restoring.sources import Sources
+from shardckpt.restoring import elastic as elastic_mod
+from shardckpt.restoring import run_config as run_config_mod
+from shardckpt.restoring import targets as targets_mod
+from shardckpt.restoring.sources import MemorySourceLike, Sources
 from shardckpt.restoring.survey import Survey, Surveyor
+from shardckpt.restoring.views import PeerTierFacts
+from shardckpt.state import capture as state_mod
+from shardckpt.state import keys as keys_mod
+from shardckpt.state import per_rank
 from shardckpt.topology import Topology
 
 log = logging.getLogger("shardckpt")
@@ -63,11 +64,12 @@ log = logging.getLogger("shardckpt")
 class Restorer:
     """Loads committed steps of ``root`` (and of the remote, when set) into live state."""
 
-    def __init__(self, config: CheckpointConfig, root: str, groups: _dist.SideGroups) -> None:
+    def __init__(self, config: CheckpointConfig, root: str, groups: _dist.SideGroups, *,
+                 peer: PeerTierFacts | None = None, memory: MemorySourceLike | None = None) -> None:
         self.config = config
         self.root = root
         self._groups = groups
-        self.sources = Sources(config, root, groups)
+        self.sources = Sources(config, root, groups, peer=peer, memory=memory)
         """Where the bytes of the step being restored come from, in one place (``sources.py``)."""
         self.surveyor = Surveyor(config, root, groups, self.sources)
         self.last_plan: elastic_mod.ElasticPlan | None = None

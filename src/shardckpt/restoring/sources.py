@@ -64,20 +64,20 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Protocol
 
-from shardckpt import _dist
-from shardckpt import stores
+from shardckpt import _dist, stores
+from shardckpt import steps as steps_mod
 from shardckpt._text import fmt_bytes
 from shardckpt.errors import CorruptCheckpointError, RemoteError
 from shardckpt.format import layout
 from shardckpt.options import CheckpointConfig
+from shardckpt.remote import commit as remote_commit
+from shardckpt.remote import ranged
 from shardckpt.restoring import exchange
 from shardckpt.restoring.failure import Failure, raise_first
 from shardckpt.restoring.survey import Survey, raise_not_found
-from shardckpt.restoring.views import CopyFill, Peers, Provider, ReplicasHere, View
-from shardckpt.remote import ranged, commit as remote_commit
-from shardckpt import steps as steps_mod
+from shardckpt.restoring.views import CopyFill, Peers, PeerTierFacts, Provider, ReplicasHere, View
 from shardckpt.topology import Topology
 
 log = logging.getLogger("shardckpt")
@@ -87,22 +87,37 @@ OTHER_NODES = "other nodes"
 REMOTE = "remote"
 
 
-class Sources:
-    """Where a restore's bytes come from, in the order of the module docstring (collective over ``ctl``)."""
+class MemorySourceLike(Protocol):
+    """Source 0 as the sources use it (:class:`shardckpt.restoring.memory.MemorySource`): what this machine's
+    shared memory holds for the survey, a step completed from it, its read."""
 
-    def __init__(self, config: CheckpointConfig, root: str, groups: _dist.SideGroups) -> None:
+    def report(self) -> Any: ...
+
+    def complete(self, step: int, choice: Any, groups: _dist.SideGroups) -> tuple[layout.Manifest, set[str], str]:
+        ...
+
+    def view(self, step: int) -> Any: ...
+
+
+class Sources:
+    """Where a restore's bytes come from, in the order of the module docstring (collective over ``ctl``).
+
+    ``peer``: the node's peer tier (``node/peer_tier.py``), read while peer replicas are on; ``memory``: the
+    memory tier's restore half (``restoring/memory.py``); each ``None`` when the Checkpointer has none.
+    """
+
+    def __init__(self, config: CheckpointConfig, root: str, groups: _dist.SideGroups, *,
+                 peer: PeerTierFacts | None = None, memory: MemorySourceLike | None = None) -> None:
         self.config = config
         self.root = root
         self._groups = groups
         self._store: stores.Store | None = None
         self.topology = Topology.single()
         """Which ranks share this directory; set by the Checkpointer before the first load."""
-        self.peer: Any = None
-        """The node's peer tier (``node/peer_tier.py``) when peer replicas are on, set by the Checkpointer."""
-        self.providers: list[Provider] = [ReplicasHere(root), Peers(lambda: self.peer)]
+        self.peer = peer
+        self.providers: list[Provider] = [ReplicasHere(root), Peers(peer)]
         """The step views a copy reads from after its own disk, in this order."""
-        self.memory: Any = None
-        """Source 0: the memory tier (``restoring/memory.py``), set by the Checkpointer."""
+        self.memory = memory
         self.sparse: dict[int, ranged.SparseStep] = {}
         """Steps this rank reads from a sparse copy (need-only fetch from the remote, ``ranged.py``)."""
         self._surveyed: dict[int, layout.Manifest] = {}

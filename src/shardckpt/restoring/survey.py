@@ -21,14 +21,13 @@ import logging
 import os
 from typing import Any, Protocol
 
-from shardckpt import _dist
-from shardckpt import stores
+from shardckpt import _dist, stores
 from shardckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RemoteError
 from shardckpt.format import layout, retention
 from shardckpt.format import lineage as lineage_mod
 from shardckpt.options import CheckpointConfig, OnCorrupt
-from shardckpt.restoring import memory as memory_mod
 from shardckpt.remote import listing as remote_listing
+from shardckpt.restoring import memory as memory_mod
 from shardckpt.topology import Topology
 
 log = logging.getLogger("shardckpt")

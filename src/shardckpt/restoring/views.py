@@ -25,16 +25,16 @@ import logging
 import os
 import shutil
 import uuid
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
+from shardckpt import steps as steps_mod
 from shardckpt import stores
 from shardckpt.errors import CorruptCheckpointError, RemoteError
 from shardckpt.format import layout, replicas, step_dirs
+from shardckpt.remote.upload_marks import mark_uploaded
 from shardckpt.stores.peer import PeerStore
 from shardckpt.stores.peer_client import PeerClient
 from shardckpt.stores.tls import fingerprint
-from shardckpt import steps as steps_mod
-from shardckpt.remote.upload_marks import mark_uploaded
 
 log = logging.getLogger("shardckpt")
 
@@ -140,6 +140,20 @@ class ReplicasHere:
         pass
 
 
+class PeerTierFacts(Protocol):
+    """What a restore reads of the node's peer tier (:class:`shardckpt.node.peer_tier.PeerTier`): whether it
+    is on and this rank commits its copy, the job's members, and what a client needs to reach them."""
+
+    on: bool
+    committer: bool
+    client_context: Any
+    """The pinned client-side TLS context (``None`` before the tier has its keys)."""
+    node_name: str
+    nodes: list[dict[str, Any]]
+    admission: Any
+    """The member's admission tokens (:mod:`shardckpt.stores.admission`), or ``None``."""
+
+
 class Peers:
     """Every other node of the job through its peer daemon (mutual TLS, its certificate pinned): its own
     copy of the step and the replicas it holds, as :class:`~shardckpt.stores.peer.PeerStore` views. Only
@@ -147,12 +161,12 @@ class Peers:
 
     kind = "peer"
 
-    def __init__(self, tier: Callable[[], Any]) -> None:
+    def __init__(self, tier: PeerTierFacts | None) -> None:
         self._tier = tier
         self._clients: list[tuple[str, PeerClient]] = []
 
     def on(self) -> bool:
-        tier = self._tier()
+        tier = self._tier
         return bool(tier is not None and tier.on and tier.committer and tier.client_context is not None)
 
     def offers(self) -> dict[int, dict[str, list[str]]]:
@@ -160,7 +174,7 @@ class Peers:
 
     def _peers(self) -> list[tuple[str, PeerClient]]:
         if not self._clients and self.on():
-            tier = self._tier()
+            tier = self._tier
             me = tier.node_name
             self._clients = [(n["node"], PeerClient(n["addr"], tier.client_context, expect=fingerprint(n["cert"]),
                                                     admission=tier.admission))
