@@ -92,7 +92,8 @@ class MemorySource:
                 "at this path over the same shared memory (--ipc=host). Not used; %s", found["dir"],
                 found["steps"] or "(none complete)", self.root, found["run"], run or "(none yet)", fate)
 
-    def complete(self, step: int, choice: MemoryChoice, groups: _dist.SideGroups) -> tuple[layout.Manifest, set[str], str]:
+    def complete(self, step: int, choice: MemoryChoice, groups: _dist.SideGroups
+                 ) -> tuple[layout.Manifest, set[str], str]:
         """Source 0 of a restore (collective over ``ctl``): the save of ``choice`` from the copies on the
         machines, its metadata built from every saving rank's description. Each copy this rank answers for
         is checked against its checksum when it has one; every copy it reads is opened here (a purge of the

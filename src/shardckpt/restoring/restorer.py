@@ -220,7 +220,8 @@ class Restorer:
         """The lineage of the next saves, decided on rank 0 (a new branch gets one id everywhere)."""
         mine = lineage_mod.continue_from(survey.infos, step) if _dist.rank() == 0 else None
         agreed = self._groups.broadcast_ctl(mine)
-        if step is not None and agreed.forks and agreed.forks[-1][1] == agreed.branch and agreed != survey.infos[step].lineage:
+        if (step is not None and agreed.forks and agreed.forks[-1][1] == agreed.branch
+                and agreed != survey.infos[step].lineage):
             if _dist.rank() == 0:
                 newer = sorted(s for s in survey.infos if s > step)
                 log.warning(
@@ -261,7 +262,8 @@ class Restorer:
             if not errors:
                 return
             if attempt == 1 and step in survey.remote_steps:
-                left = self.sources.refetch(step, step_dir, errors, [[name for name, _m in per_rank] for per_rank in gathered])
+                left = self.sources.refetch(step, step_dir, errors,
+                                            [[name for name, _m in per_rank] for per_rank in gathered])
                 if not left:
                     continue
                 errors = left
@@ -293,7 +295,8 @@ class Restorer:
             prints = state_mod.fingerprints(state[key], present, self._groups.ctl)
             for name in present:
                 shape = list(live[name].shape)
-                if shape != entries[name].get("shape") or state_mod.fingerprints_differ(entries[name].get("fingerprint", [0.0, 0.0]), prints[name]):
+                if shape != entries[name].get("shape") or state_mod.fingerprints_differ(
+                        entries[name].get("fingerprint", [0.0, 0.0]), prints[name]):
                     differ.append(f"{key}.{name}")
                 kept.setdefault(key, {})[name] = live.pop(name)
         if (differ or absent) and _dist.rank() == 0:
@@ -301,7 +304,8 @@ class Restorer:
                 "shardckpt: step %d was saved with trainable_only: its frozen base was left out, and the base loaded "
                 "here does not match the one it was saved with%s%s. Remedy: load the same base weights before "
                 "load(), or ignore this if the change is intended.", step,
-                f"; values differ: {', '.join(differ[:10])}" + (f" (+{len(differ) - 10})" if len(differ) > 10 else "") if differ else "",
+                f"; values differ: {', '.join(differ[:10])}" + (f" (+{len(differ) - 10})" if len(differ) > 10 else "")
+                if differ else "",
                 f"; missing here: {', '.join(absent[:10])}" if absent else "",
             )
         return kept
@@ -349,7 +353,8 @@ class Restorer:
         try:
             targets = state_mod.live_targets(state, kinds_live)
         except MetaDeviceError as exc:  # an optimizer built from meta parameters before to_empty()
-            raise MetaDeviceError(f"cannot restore step {step} from {step_dir}: {exc}", unexpected=exc.unexpected) from None
+            raise MetaDeviceError(f"cannot restore step {step} from {step_dir}: {exc}",
+                                  unexpected=exc.unexpected) from None
         meta = targets_mod.meta_entries(state, kinds_live, targets)
         targets_mod.refuse_meta(self._groups.all_gather_ctl(meta), step, step_dir, _dist.rank())
         frozen = self._check_frozen(state, step, manifest, targets) if manifest.frozen else {}
@@ -405,13 +410,15 @@ class Restorer:
             if kind in (state_mod.VALUE, state_mod.STATEFUL) and (k in kinds_live or kind == state_mod.VALUE)
         }
         has_rng = any(p[:3] == (state_mod.RESERVED_KEY, state_mod.RNG, rng_key) for p in saved_paths)
-        left = targets_mod.unrestored(top_saved, saved_kinds, kinds_live, set(targets) | rebuild_keys, state_mod.RESERVED_KEY)
+        left = targets_mod.unrestored(top_saved, saved_kinds, kinds_live, set(targets) | rebuild_keys,
+                                      state_mod.RESERVED_KEY)
         targets_mod.refuse_unrestored(left, step, step_dir, os.path.join(step_dir, layout.MANIFEST_NAME), strict=strict)
         # Per-rank entries (generators, data loaders): each rank reads its own; a data loader's only at the
         # world size that saved it. A key holding nothing else that this rank does not read is left as it is.
         own_entries = per_rank.per_rank_entries(saved_paths)
         same_world = manifest.world_size == _dist.world_size()
-        unread = {k for k, e in own_entries.items() if e["only"] and (rank not in e["ranks"] or (e["whole"] and not same_world))}
+        unread = {k for k, e in own_entries.items()
+                  if e["only"] and (rank not in e["ranks"] or (e["whole"] and not same_world))}
         note = per_rank.per_rank_note(own_entries, manifest.world_size, _dist.world_size())
         if note and rank == 0:
             log.warning("shardckpt: step %d: %s", step, note)
@@ -427,7 +434,8 @@ class Restorer:
         # Plain values and stateful objects are read into the caller's own tensors where
         # they match (as modules are): no second allocation, no copy afterwards.
         live = state_mod.LiveTensors(state, kinds_live, rebuild_keys)
-        planner = dcp_planner.RestorePlanner(rebuild, allow_partial_load=True, trust_pickles=trust_pickles, into=live.find)
+        planner = dcp_planner.RestorePlanner(rebuild, allow_partial_load=True, trust_pickles=trust_pickles,
+                                             into=live.find)
         if memory is not None:  # copies in memory: read as they are (their record proved them complete)
             failures = memory.read(targets, planner, self._groups.ctl)
         else:
@@ -490,7 +498,8 @@ def _shape_mismatches(flat_live: dict[str, Any], metadata: Any) -> list[str]:
     return sorted(out)
 
 
-def _mismatch_message(step: int, step_dir: str, missing: list[str], unexpected: list[str], *, strict: bool = True) -> str:
+def _mismatch_message(step: int, step_dir: str, missing: list[str], unexpected: list[str], *,
+                      strict: bool = True) -> str:
     def show(items: list[str]) -> str:
         head = ", ".join(items[:20])
         return head + (f", ... ({len(items) - 20} more)" if len(items) > 20 else "")

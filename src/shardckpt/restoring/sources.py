@@ -427,8 +427,8 @@ class Sources:
                         exchange.send_file(path, size, dst, self._groups.ctl)
                     elif me == dst:
                         try:
-                            exchange.receive_file(path, sparse.manifest.files[layout.METADATA_NAME], src, self._groups.ctl,
-                                          step)
+                            exchange.receive_file(path, sparse.manifest.files[layout.METADATA_NAME], src,
+                                                  self._groups.ctl, step)
                         except CorruptCheckpointError as exc:
                             log.warning("shardckpt: step %d: %s; fetching it from the remote instead", step, exc)
                             error = fetch()
@@ -455,9 +455,11 @@ class Sources:
                             and name not in (gathered[c][1] or [])), None)
                 if src is None:
                     step_dir = os.path.join(self.root, layout.step_dirname(step))
-                    elsewhere = "" if topo.shared else f", and no other node's directory of this job has it ({topo.describe()})"
+                    elsewhere = "" if topo.shared else (
+                        f", and no other node's directory of this job has it ({topo.describe()})")
                     raise CorruptCheckpointError(
-                        f"step {step}: file {os.path.join(step_dir, name)} named in the manifest is missing{elsewhere}. "
+                        f"step {step}: file {os.path.join(step_dir, name)} named in the manifest is missing"
+                        f"{elsewhere}. "
                         f"Remedy: load an earlier step (load(step=...) or on_corrupt='fallback'), run on the nodes "
                         f"that saved it, or configure remote= so that every node's files are uploaded."
                     )

@@ -113,8 +113,8 @@ class Surveyor:
         remote_report: tuple[dict[int, Any], dict[int, str], str | None] | None = None
         if self.config.remote is not None and _dist.rank() == 0:
             try:
-                listed, bad = remote_listing.remote_infos(self.sources.store(), stores.Deadline(self.config.step_deadline_s),
-                                                         read=read)
+                listed, bad = remote_listing.remote_infos(
+                    self.sources.store(), stores.Deadline(self.config.step_deadline_s), read=read)
                 remote_report = (listed, bad, None)
             except RemoteError as exc:
                 remote_report = ({}, {}, stores.redact(str(exc)))
@@ -157,7 +157,8 @@ class Surveyor:
         conflicts = lineage_mod.conflicts(merged)  # never the head, never live: a load of one raises (restorer.py)
         live, abandoned = lineage_mod.classify(merged)
         stale = [
-            {s for s, body in g["infos"].items() if lineage_mod.StepInfo.from_json(s, body).version != merged[s].version}
+            {s for s, body in g["infos"].items()
+             if lineage_mod.StepInfo.from_json(s, body).version != merged[s].version}
             for g in gathered
         ]
         per_rank_missing = [{s: m for s, m in g["missing"].items() if s not in st} for g, st in zip(gathered, stale)]
@@ -209,7 +210,8 @@ class Surveyor:
             if unassembled and not self._unassembled(max(unassembled), gathered, stale, newest_live):
                 pool = set()  # start_fresh: a new history
             # Full steps first (newest first), light ones only when no full step loads.
-            candidates = sorted(pool, key=lambda s: (merged[s].kind == "full" if s in merged else True, s), reverse=True)
+            candidates = sorted(pool, key=lambda s: (merged[s].kind == "full" if s in merged else True, s),
+                                reverse=True)
         verified: dict[int, list[str]] = {}
         reports = [g["early"] for g in gathered]
         if candidates and all(r is not None and r[0] == candidates[0] for r in reports):
@@ -240,7 +242,8 @@ class Surveyor:
                     step, _ranks(lacking),
                 )
             return True
-        absent = sorted(set.intersection(*(set(gathered[r]["missing"].get(step, [])) for r in holders))) if holders else []
+        absent = (sorted(set.intersection(*(set(gathered[r]["missing"].get(step, [])) for r in holders)))
+                  if holders else [])
         stale_ranks = [r for r in lacking if step in stale[r]]
         where = (
             f"rank(s) {_ranks(lacking)} hold no copy of it in their local_dir"
@@ -285,7 +288,8 @@ class Surveyor:
                 f"{metric!r}. Remedy: pass it with save(state, step, metrics={{{metric!r}: value}})."
             )
         if _dist.rank() == 0:
-            log.info("shardckpt: the best step by %s (%s) is %d: %s", metric, mode, ranked[0], infos[ranked[0]].metrics[metric])
+            log.info("shardckpt: the best step by %s (%s) is %d: %s", metric, mode, ranked[0],
+                     infos[ranked[0]].metrics[metric])
         return ranked[0]
 
     def _early_check(

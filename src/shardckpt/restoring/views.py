@@ -223,7 +223,8 @@ class CopyFill:
                         "from before a rollback elsewhere): kept aside as %s; completing the one that counts",
                         step, self.step_dir, kept)
         mine = layout.read_manifest(self.step_dir)
-        self.manifest: layout.Manifest | None = mine if mine is not None and layout.version_of(mine) == version else None
+        same = mine is not None and layout.version_of(mine) == version
+        self.manifest: layout.Manifest | None = mine if same else None
         self.target = self.step_dir if self.manifest is not None else None
         self.received: set[str] = set()
         self.report: dict[str, dict[str, int]] = {}
@@ -279,7 +280,8 @@ class CopyFill:
                 try:
                     held = held_sizes(source.view.store, self.step, source.view.manifest)
                 except (RemoteError, OSError) as exc:
-                    log.warning("shardckpt: step %d: cannot list %s: %s", self.step, source.name, stores.redact(str(exc)))
+                    log.warning("shardckpt: step %d: cannot list %s: %s", self.step, source.name,
+                                stores.redact(str(exc)))
                     continue
                 take = [n for n in lacking if held.get(n) == self.manifest.files[n].size]
             else:
