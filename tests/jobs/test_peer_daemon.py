@@ -10,17 +10,21 @@ import threading
 import time
 
 import torch.nn as nn
+from peer_helpers import (
+    _cpu_seconds,
+    _hello_flood,
+    _IdleFlood,
+    _start_daemon,
+    endpoint,  # noqa: F401 - a fixture
+)
 
 import shardckpt
-from shardckpt.format import layout
-from shardckpt.format import replicas
+from shardckpt.format import layout, replicas
 from shardckpt.node import peer_admission, peer_daemon
 from shardckpt.stores import peer_client, tls
-from peer_helpers import _IdleFlood, _cpu_seconds, _hello_flood, _start_daemon
-from peer_helpers import endpoint  # noqa: F401 - a fixture
 
 
-def test_a_daemon_retries_at_once_when_the_job_comes_back_with_new_addresses(endpoint):
+def test_a_daemon_retries_at_once_when_the_job_comes_back_with_new_addresses(endpoint):  # noqa: F811 - the endpoint fixture of peer_helpers
     """A holder that died leaves its owner's daemon backing off; the restarted job's peers.json (the
     holder's new address) ends the backoff: the next look replicates. A key file that is missing or
     readable by others stops replication with an error naming the file and the remedy; a relaunch
@@ -87,6 +91,7 @@ def test_strangers_flooding_the_endpoint_neither_stop_replication_nor_take_its_c
     connections cost no thread; refusals are logged at a bounded rate; under umask 022 every replica file
     and folder and every key file is private."""
     from helpers import wait_for
+
     from shardckpt.node.node_registry import register_trainer, state_dir
 
     scratch, owner, holder = tmp_path / "scratch", tmp_path / "owner", tmp_path / "holder"

@@ -13,16 +13,24 @@ import socket
 import pytest
 import torch
 import torch.nn as nn
+from peer_helpers import (
+    Job,
+    _end_daemon,
+    _job_dirs,
+    _kill_daemons,
+    _newest_complete,
+    _private_files,
+    _tier,
+    _tree,
+    endpoint,  # noqa: F401 - a fixture
+)
 
 import shardckpt
 from shardckpt import cli
-from shardckpt.format import layout
-from shardckpt.format import replicas
+from shardckpt.format import layout, replicas
 from shardckpt.node import peer_daemon
 from shardckpt.restoring import views
 from shardckpt.stores import tls
-from peer_helpers import Job, _end_daemon, _job_dirs, _kill_daemons, _newest_complete, _private_files, _tier, _tree
-from peer_helpers import endpoint  # noqa: F401 - a fixture
 
 
 def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_path, capsys):
@@ -203,6 +211,7 @@ def test_a_replica_of_another_save_is_never_used_and_a_rotten_one_gives_way_to_t
     The restore takes the good replica file (a link, no copy), the rotten one from the remote where Y is
     committed, and nothing of X: the restored state is Y's, X's replica is left as it was."""
     from s3server import BUCKET
+
     from shardckpt import stores
     from shardckpt.node import uploader
 
@@ -259,7 +268,7 @@ def test_a_replica_of_another_save_is_never_used_and_a_rotten_one_gives_way_to_t
     assert _tree(x_held) == x_before  # the replica of the other save, left alone
 
 
-def test_a_replacement_node_takes_its_files_from_the_peers_views_of_the_chosen_save(endpoint, tmp_path):
+def test_a_replacement_node_takes_its_files_from_the_peers_views_of_the_chosen_save(endpoint, tmp_path):  # noqa: F811 - the endpoint fixture of peer_helpers
     """A node with an empty disk completes the save the survey chose from its peers' views: each file checked
     against the manifest as it arrives (a rotten replica file gives way to the next holder's), committed
     manifest last with no partial directory left; a peer's own copy of another save of that step number is

@@ -20,19 +20,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import shardckpt  # noqa: E402
 from faultproxy import FaultProxy  # noqa: E402
 from helpers import PROGRAMS, free_port, kill_job, run_torchrun, start_torchrun, wait_for  # noqa: E402
 from helpers import child_env as job_env  # noqa: E402
 from s3server import BUCKET, Server, reset_if_used, stop_peer_daemons, stop_uploaders  # noqa: E402
-from shardckpt import cli
-from shardckpt.format import layout
-from shardckpt.node import node_registry, uploader
-from shardckpt.remote import early_upload, ranged, commit as remote_commit  # noqa: E402
-from shardckpt.remote import listing as remote_listing
+
+import shardckpt  # noqa: E402
+from shardckpt import cli, stores  # noqa: E402
 from shardckpt import steps as steps_mod  # noqa: E402
-from shardckpt import stores  # noqa: E402
 from shardckpt.errors import CorruptCheckpointError, RemoteError  # noqa: E402
+from shardckpt.format import layout  # noqa: E402
+from shardckpt.node import node_registry, uploader  # noqa: E402
+from shardckpt.remote import commit as remote_commit  # noqa: E402
+from shardckpt.remote import early_upload, ranged  # noqa: E402
+from shardckpt.remote import listing as remote_listing  # noqa: E402
 
 PROG = PROGRAMS / "remote_train.py"
 MiB = 1 << 20

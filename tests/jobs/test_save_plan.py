@@ -15,8 +15,8 @@ import torch.nn as nn
 from helpers import PROGRAMS, run_torchrun
 
 import shardckpt
-from shardckpt.state import capture as state_mod
 from shardckpt.saving.plan import SavePlan
+from shardckpt.state import capture as state_mod
 
 
 class Net(nn.Module):

@@ -39,8 +39,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 import shardckpt
-from shardckpt.format import layout
 from shardckpt import _failpoints
+from shardckpt.format import layout
 
 
 def build():

@@ -223,7 +223,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 tier.delete(step)
         if not doomed:
             print(f"nothing to delete in {tier.where}")
-        if not args.dry_run and not ("://" in args.src):
+        if not args.dry_run and "://" not in args.src:
             for name in step_dirs.clean_leftovers(tier.where, keep_nonce=None):
                 print(f"removed leftover {name}")
         return OK

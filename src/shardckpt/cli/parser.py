@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from shardckpt._version import __version__
 from shardckpt.check_resume import diff as diff_cmd
 from shardckpt.check_resume import run as check_resume
-from shardckpt._version import __version__
 from shardckpt.cli import looking, moving
 
 

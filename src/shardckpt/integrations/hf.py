@@ -53,7 +53,15 @@ import torch.distributed as dist
 import shardckpt
 from shardckpt import CheckpointNotFoundError, ConfigError, ResumableSampler
 from shardckpt.format import layout
-from shardckpt.integrations.accelerate import LoaderState, _rank0, _scheduler, _unwrap, _world_size, accelerator_state, apply_plan
+from shardckpt.integrations.accelerate import (
+    LoaderState,
+    _rank0,
+    _scheduler,
+    _unwrap,
+    _world_size,
+    accelerator_state,
+    apply_plan,
+)
 
 log = logging.getLogger("shardckpt")
 
@@ -68,7 +76,7 @@ _PER_RANK_FIELDS = ("is_local_process_zero", "is_world_process_zero")
 
 __all__ = [
     "LoaderState",
-    "ShardckptTrainer",
+    "ShardckptTrainer",  # noqa: F822 - made lazily by the module __getattr__ (imports transformers)
     "ShardckptTrainerMixin",
     "TrainerSampler",
     "accelerator_state",

@@ -25,8 +25,15 @@ from typing import Any, Callable
 
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format import layout, lineage
-from shardckpt.format.replicas import (committed_replicas, file_size, manifest_or_none, owner_dirname, remove_step,
-                                       replicas_root, version_tag)
+from shardckpt.format.replicas import (
+    committed_replicas,
+    file_size,
+    manifest_or_none,
+    owner_dirname,
+    remove_step,
+    replicas_root,
+    version_tag,
+)
 from shardckpt.stores.admission import Admission
 from shardckpt.stores.tls import fingerprint
 

@@ -45,9 +45,9 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from shardckpt.state.sampler import ResumableSampler
 from shardckpt.errors import ConfigError
 from shardckpt.options import ACCUM_KEY, MICRO_BATCH_KEY, record_shape  # noqa: F401 - part of this module's API
+from shardckpt.state.sampler import ResumableSampler
 
 log = logging.getLogger("shardckpt")
 

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
+from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UntrustedCheckpointError
 from shardckpt.format import layout, lineage
+from shardckpt.format.safe_pickle import safe_load_metadata
 from shardckpt.state import capture as state_mod
 from shardckpt.state import keys as keys_mod
-from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UntrustedCheckpointError
-from shardckpt.format.safe_pickle import safe_load_metadata
 from shardckpt.steps import LocalSteps, Steps
 
 log = logging.getLogger("shardckpt")
@@ -142,8 +142,8 @@ def read_values(
     tier: Steps, manifest: layout.Manifest, *, trust_pickles: bool = False
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """The plain values of a step, nested as saved, and the tensors among them left unread."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
     from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
     step = manifest.step
     value_keys = {k for k, kind in manifest.keys.items() if kind == state_mod.VALUE}

@@ -19,8 +19,7 @@ import os
 import threading
 from typing import Any
 
-from shardckpt.format import layout
-from shardckpt.format import node_state
+from shardckpt.format import layout, node_state
 from shardckpt.remote import commit as remote_commit
 
 log = logging.getLogger("shardckpt")

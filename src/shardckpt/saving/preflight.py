@@ -12,8 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from shardckpt import _dist
-from shardckpt import stores
+from shardckpt import _dist, stores
 from shardckpt.errors import ConfigError, CorruptCheckpointError, RemoteError
 from shardckpt.format import lineage as lineage_mod
 from shardckpt.options import CheckpointConfig, OnRemoteUnavailable, UploaderMode
