@@ -147,7 +147,8 @@ def _end_daemon(info):
 
 
 def _kill_daemons(base, signum=signal.SIGKILL):
-    """Signal (by default: end) the peer daemons the jobs under ``base`` started (they outlive their trainers by design)."""
+    """Signal (by default: end) the peer daemons the jobs under ``base`` started (they outlive their trainers by
+    design)."""
     from shardckpt.node.node_registry import pid_alive, read_json, state_dir
 
     for node in sorted(os.listdir(base)) if os.path.isdir(base) else []:

@@ -336,7 +336,8 @@ class Saver:
         if missing is None:
             return
         if missing:
-            who = f"rank(s) {', '.join(map(str, missing))} did not call save() within save_agree_timeout_s={timeout:g} s"
+            who = (f"rank(s) {', '.join(map(str, missing))} did not call save() "
+                   f"within save_agree_timeout_s={timeout:g} s")
         else:
             who = f"another rank stopped waiting for rank {_dist.rank()} (save_agree_timeout_s={timeout:g} s)"
         raise SaveError(
