@@ -27,10 +27,10 @@ import subprocess
 import sys
 import time
 
+import common  # noqa: E402  (puts src/ on sys.path)
 import torch
 import xxhash
 
-import common  # noqa: E402  (puts src/ on sys.path)
 import shardckpt  # noqa: E402
 from shardckpt.check_resume import digest as state_digest
 from shardckpt.check_resume import probe as resume_probe  # noqa: E402

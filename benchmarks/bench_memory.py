@@ -47,11 +47,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import common  # noqa: E402  (puts src/ on sys.path)
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-import common  # noqa: E402  (puts src/ on sys.path)
 import shardckpt  # noqa: E402
 from shardckpt.format import shm  # noqa: E402
 

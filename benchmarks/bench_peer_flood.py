@@ -112,9 +112,9 @@ def main() -> int:
     sys.path.insert(0, str(REPO / "src"))
     sys.path.insert(0, str(REPO / "tests"))
     import torch.nn as nn
+    from peer_helpers import Job
 
     import shardckpt
-    from peer_helpers import Job
     from shardckpt.format import layout, replicas
     from shardckpt.stores import admission, peer_client, tls
 

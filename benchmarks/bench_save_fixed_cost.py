@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import common  # noqa: E402  (puts src/ on sys.path)
 import torch
 import torch.nn as nn
 
-import common  # noqa: E402  (puts src/ on sys.path)
 import shardckpt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -161,8 +161,9 @@ def part_small(args: argparse.Namespace, scratch: Path) -> dict:
 
 def _targets() -> list[tuple[Any, str, str]]:
     """The parts of the save path to time: (owner, attribute, label); those missing are left out."""
-    from shardckpt.state import capture as state_mod, values
-    from shardckpt.saving import saver, commit
+    from shardckpt.saving import commit, saver
+    from shardckpt.state import capture as state_mod
+    from shardckpt.state import values
     from shardckpt.tiers import memory as memory_mod
 
     plan_cls = getattr(saver, "SavePlan", None)
@@ -176,7 +177,7 @@ def _targets() -> list[tuple[Any, str, str]]:
         (memory_mod.MemoryTier, "record", "record (values + JSON)"),
         (commit.StepWriter, "held", "manifest (StepWriter.held)"),
     ]
-    return [(o, a, l) for o, a, l in found if o is not None and hasattr(o, a)]
+    return [(o, a, label) for o, a, label in found if o is not None and hasattr(o, a)]
 
 
 def part_breakdown(args: argparse.Namespace, scratch: Path) -> dict:

@@ -132,7 +132,7 @@ def main() -> int:
                       if (out / f"loaded.rank{r}.json").exists() else None for r in range(args.ranks)]
             if kill:  # check the resume of the launch before
                 got = loaded[0]["got"] if loaded[0] else "no load"
-                good = (all(l is not None and l["got"] == got and l["same"] for l in loaded)
+                good = (all(rec is not None and rec["got"] == got and rec["same"] for rec in loaded)
                         and expected is not None and isinstance(got, int) and got >= expected)
                 ok += good
                 failures += not good

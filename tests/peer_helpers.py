@@ -16,10 +16,10 @@ import torch
 import torch.nn as nn
 
 import shardckpt
-from shardckpt.format import layout
-from shardckpt.format import replicas
+from shardckpt.format import layout, replicas
 from shardckpt.node import peer_daemon, peer_server, peer_service
 from shardckpt.stores import admission, peer_client, tls
+
 
 class Job:
     """The TLS identities of a few simulated nodes (each its own key pair) and what pins them."""
@@ -137,6 +137,7 @@ def _job_dirs(tmp_path):
 def _end_daemon(info):
     """SIGKILL a node's daemon (a lost node), unless it has already ended by itself (its job over)."""
     from helpers import wait_for
+
     from shardckpt.node.node_registry import pid_alive
 
     if info.get("state") == "running" and pid_alive(info["pid"], info.get("pid_start")):
@@ -146,7 +147,8 @@ def _end_daemon(info):
 
 
 def _kill_daemons(base, signum=signal.SIGKILL):
-    """Signal (by default: end) the peer daemons the jobs under ``base`` started (they outlive their trainers by design)."""
+    """Signal (by default: end) the peer daemons the jobs under ``base`` started (they outlive their trainers by
+    design)."""
     from shardckpt.node.node_registry import pid_alive, read_json, state_dir
 
     for node in sorted(os.listdir(base)) if os.path.isdir(base) else []:

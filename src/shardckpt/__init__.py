@@ -17,11 +17,11 @@ if _TYPE_CHECKING:  # pragma: no cover
     from typing import Any
 
     from shardckpt.checkpointer import Checkpointer
-    from shardckpt.saving.handle import SaveHandle
     from shardckpt.restoring.elastic import ElasticPlan
     from shardckpt.restoring.step_peek import StepPeek
+    from shardckpt.saving.handle import SaveHandle
 
-from shardckpt._version import __version__  # noqa: E402
+from shardckpt._version import __version__  # noqa: E402, F401 - re-exported: shardckpt.__version__
 
 # torch-free parts, imported at once; the rest (and torch with it) on first
 # use, so that `shardckpt ls` and friends start in well under a second.
@@ -31,17 +31,17 @@ from shardckpt.errors import (  # noqa: E402
     CorruptCheckpointError,
     ForeignCheckpointError,
     InsufficientSpaceError,
+    MetaDeviceError,
     ObjectNotFoundError,
     ObjectRangeError,
     RemoteError,
     SaveError,
     ShardckptError,
     StateMismatchError,
-    MetaDeviceError,
     UntrustedCheckpointError,
 )
-from shardckpt.options import CheckpointConfig, OnCorrupt, OnDiskFull, OnRemoteUnavailable, SaveMode, UploaderMode  # noqa: E402
 from shardckpt.format.retention import AnyOf, KeepAll, KeepBest, KeepEvery, KeepLast  # noqa: E402
+from shardckpt.options import CheckpointConfig, OnCorrupt, OnDiskFull, OnRemoteUnavailable, SaveMode, UploaderMode  # noqa: E402
 
 _LAZY = {
     "Checkpointer": "checkpointer",

@@ -139,8 +139,8 @@ class CheckpointConfig:
     memory_every_steps: int | None = None
     """The memory tier: keep the step in shared memory (``/dev/shm``) every N steps; ``None``
     (default): off. The staging copy ``save()`` makes anyway goes there, so such a save costs
-    the loop that copy (no disk write), and it survives the trainer: a process killed right after ``save()`` returned is resumed from it by
-    the next launch on the machine, in about the time of one copy. Saves due on disk
+    the loop that copy (no disk write), and it survives the trainer: a process killed right after ``save()``
+    returned is resumed from it by the next launch on the machine, in about the time of one copy. Saves due on disk
     (``every_steps``, ``every_seconds``) are kept in memory too and written from the same buffers.
     Host memory: ``memory_keep + 1`` copies of the staged state per rank (3 with ``memory_keep=1``). The
     copies belong to the directory's run (``<local_dir>/.shardckpt-run``), never to its path; a problem
@@ -443,16 +443,19 @@ class CheckpointConfig:
         self.preemption_signals = tuple(int(s) for s in self.preemption_signals)
         ignore = (self.run_config_ignore,) if isinstance(self.run_config_ignore, str) else self.run_config_ignore
         if not isinstance(ignore, (list, tuple)) or not all(isinstance(p, str) and p for p in ignore):
-            raise ConfigError(f"run_config_ignore must be a list of key names or patterns, got {self.run_config_ignore!r}")
+            raise ConfigError(f"run_config_ignore must be a list of key names or patterns, "
+                              f"got {self.run_config_ignore!r}")
         self.run_config_ignore = tuple(ignore)
         if self.peer_replicas is not None and (
             isinstance(self.peer_replicas, bool) or not isinstance(self.peer_replicas, int) or self.peer_replicas < 0
         ):
-            raise ConfigError(f"peer_replicas must be an integer >= 0 (0: no peer tier) or None, got {self.peer_replicas!r}")
+            raise ConfigError(f"peer_replicas must be an integer >= 0 (0: no peer tier) or None, "
+                              f"got {self.peer_replicas!r}")
         if self.peer_bandwidth is not None and (
             isinstance(self.peer_bandwidth, bool) or not isinstance(self.peer_bandwidth, int) or self.peer_bandwidth < 1
         ):
-            raise ConfigError(f"peer_bandwidth must be a positive number of bytes per second or None, got {self.peer_bandwidth!r}")
+            raise ConfigError(f"peer_bandwidth must be a positive number of bytes per second or None, "
+                              f"got {self.peer_bandwidth!r}")
         for name in ("micro_batch_size", "grad_accum_steps"):
             value = getattr(self, name)
             if (value is not None or name == "grad_accum_steps") and (
@@ -506,8 +509,9 @@ _FLOAT_FIELDS = {
 }
 _BOOL_FIELDS = {"capture_rng", "strict", "verify_on_load", "pin_memory", "trainable_only", "start_fresh",
                 "overlap_copies"}
-_INT_FIELDS |= {"max_pinned_bytes", "micro_batch_size", "grad_accum_steps", "keep_best", "full_every", "keep_last_light", "remote_every",
-                "peer_replicas", "peer_bandwidth", "memory_every_steps", "memory_keep"}
+_INT_FIELDS |= {"max_pinned_bytes", "micro_batch_size", "grad_accum_steps", "keep_best", "full_every",
+                "keep_last_light", "remote_every", "peer_replicas", "peer_bandwidth", "memory_every_steps",
+                "memory_keep"}
 
 
 def _parse_env(name: str, raw: str) -> Any:

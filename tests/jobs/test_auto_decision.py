@@ -14,9 +14,9 @@ import shutil
 import tempfile
 
 import pytest
-
 from faultproxy import FaultProxy
 from s3server import BUCKET, reset_if_used, transfer_options
+
 from shardckpt import stores
 from shardckpt.remote import auto_compress, compressed
 

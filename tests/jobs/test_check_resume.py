@@ -30,9 +30,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers import PROGRAMS, ROOT, child_env, torchrun_cmd
 
 import shardckpt
-from helpers import PROGRAMS, ROOT, child_env, torchrun_cmd
 
 SCRIPT = PROGRAMS / "resume_script.py"
 

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
-
-import shardckpt
 from helpers import child_env, torchrun_cmd
 from test_check_resume import SCRIPT, check, said
+
+import shardckpt
 
 
 def test_a_user_generator_named_rng_is_compared_under_its_own_name(tmp_path):

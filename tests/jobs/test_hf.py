@@ -33,7 +33,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from helpers import PROGRAMS, ROOT, child_env, kill_job, run_torchrun, skip_module_unless_installed, start_torchrun, wait_for  # noqa: E402
+from helpers import (  # noqa: E402
+    PROGRAMS,
+    ROOT,
+    child_env,
+    kill_job,
+    run_torchrun,
+    skip_module_unless_installed,
+    start_torchrun,
+    wait_for,
+)
 from s3server import BUCKET, stop_uploaders  # noqa: E402
 
 import shardckpt  # noqa: E402

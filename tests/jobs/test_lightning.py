@@ -26,13 +26,13 @@ import shutil
 
 import pytest
 import torch
-
 from helpers import PROGRAMS, child_env, kill_job, run_torchrun, skip_module_unless_installed, start_torchrun, wait_for
 
 skip_module_unless_installed("lightning", "torchdata.stateful_dataloader",
                              reason="bash scripts/setup.sh installs them; or pip install 'shardckpt[lightning]'")
 
 from s3server import BUCKET, S3Server, stop_uploaders  # noqa: E402
+
 from shardckpt.format import layout  # noqa: E402
 
 pytestmark = pytest.mark.slow

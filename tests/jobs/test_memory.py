@@ -21,9 +21,9 @@ import os
 
 import pytest
 import torch
+from helpers import PROGRAMS, child_env, run_nodes, run_torchrun, wait_for
 
 import shardckpt
-from helpers import PROGRAMS, child_env, run_nodes, run_torchrun, wait_for
 from shardckpt.format import shm
 
 

@@ -405,7 +405,9 @@ def test_ls_lists_memory_steps_with_the_others_by_step_and_status_names_no_memor
         listed = subprocess.run([sys.executable, "-m", "shardckpt", "ls", str(root), "--json"], env=child_env(),
                                 capture_output=True, text=True, timeout=120)
         rows = json.loads(listed.stdout)["steps"]
-        assert [(r["step"], r["tiers"]) for r in rows] == [(2, ["local"]), (4, ["local", "memory"]), (5, ["memory"])], rows
+        assert [(r["step"], r["tiers"]) for r in rows] == [
+            (2, ["local"]), (4, ["local", "memory"]), (5, ["memory"])
+        ], rows
         assert ckpt.status()["memory_dir"] == shm.namespace(str(root))
     finally:
         ckpt.close()

@@ -18,15 +18,15 @@ import sys
 
 import pytest
 import torch
-
 from helpers import PROGRAMS, ROOT, child_env, run_torchrun
 from s3server import BUCKET, reset_if_used
+
 from shardckpt import _failpoints, stores
+from shardckpt import steps as steps_mod
 from shardckpt.errors import RemoteError
 from shardckpt.format import layout
 from shardckpt.remote import commit as remote_commit
 from shardckpt.remote import listing as remote_listing
-from shardckpt import steps as steps_mod
 
 PROG = PROGRAMS / "multinode.py"
 

@@ -10,17 +10,21 @@ import threading
 import time
 
 import torch.nn as nn
+from peer_helpers import (
+    _cpu_seconds,
+    _hello_flood,
+    _IdleFlood,
+    _start_daemon,
+    endpoint,  # noqa: F401 - a fixture
+)
 
 import shardckpt
-from shardckpt.format import layout
-from shardckpt.format import replicas
+from shardckpt.format import layout, replicas
 from shardckpt.node import peer_admission, peer_daemon
 from shardckpt.stores import peer_client, tls
-from peer_helpers import _IdleFlood, _cpu_seconds, _hello_flood, _start_daemon
-from peer_helpers import endpoint  # noqa: F401 - a fixture
 
 
-def test_a_daemon_retries_at_once_when_the_job_comes_back_with_new_addresses(endpoint):
+def test_a_daemon_retries_at_once_when_the_job_comes_back_with_new_addresses(endpoint):  # noqa: F811 - the endpoint fixture of peer_helpers
     """A holder that died leaves its owner's daemon backing off; the restarted job's peers.json (the
     holder's new address) ends the backoff: the next look replicates. A key file that is missing or
     readable by others stops replication with an error naming the file and the remedy; a relaunch
@@ -87,6 +91,7 @@ def test_strangers_flooding_the_endpoint_neither_stop_replication_nor_take_its_c
     connections cost no thread; refusals are logged at a bounded rate; under umask 022 every replica file
     and folder and every key file is private."""
     from helpers import wait_for
+
     from shardckpt.node.node_registry import register_trainer, state_dir
 
     scratch, owner, holder = tmp_path / "scratch", tmp_path / "owner", tmp_path / "holder"
@@ -155,8 +160,10 @@ def test_strangers_flooding_the_endpoint_neither_stop_replication_nor_take_its_c
               f"(median {sorted(answered)[len(answered) // 2] * 1000:.0f} ms), {len(failed)} failed")
         assert sent >= 500 and not failed and len(answered) >= 10, (sent, failed[:3], len(answered))
         # The flooding address got its budget of handshakes (a burst, then a rate), not one per ClientHello.
-        budget = 1.2 * (peer_admission.HANDSHAKE_BURST + peer_admission.HANDSHAKES_PER_S * wall)  # 20 %: the clock's edges
-        assert worked <= budget, f"the endpoint worked on {worked} of {sent} replayed ClientHellos (budget {budget:.0f})"
+        # 20 %: the clock's edges
+        budget = 1.2 * (peer_admission.HANDSHAKE_BURST + peer_admission.HANDSHAKES_PER_S * wall)
+        assert worked <= budget, (f"the endpoint worked on {worked} of {sent} replayed ClientHellos "
+                                  f"(budget {budget:.0f})")
         # Each ClientHello beyond the budget is closed unworked (~0.05 ms here; a handshake costs ~0.35 ms), and
         # the endpoint never spends more than its one loop thread on them, however fast the flood comes.
         assert cpu / sent < 0.2e-3 and cpu / wall < 1.0, f"{cpu:.2f} s of CPU for {sent} ClientHellos in {wall:.1f} s"

@@ -34,7 +34,7 @@ from shardckpt.restoring import views
 from shardckpt.stores import admission, peer_client, tls
 
 
-def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path):
+def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path):  # noqa: F811 - the endpoint fixture of peer_helpers
     owner, holder, addr, job = endpoint
     step_dir = owner / layout.step_dirname(1)
     manifest = layout.read_manifest(str(step_dir))
@@ -150,7 +150,7 @@ def test_endpoint_serves_and_accepts_replicas_only_to_the_job(endpoint, tmp_path
     assert _tree(holder) == before
 
 
-def test_answers_come_only_from_the_node_pinned_for_the_address(endpoint, tmp_path):
+def test_answers_come_only_from_the_node_pinned_for_the_address(endpoint, tmp_path):  # noqa: F811 - the endpoint fixture of peer_helpers
     """Whatever answers at a holder's address (another job member, a TLS server with its own certificate,
     a plain HTTP server bound to the port after the holder's daemon went) gives a replacement node
     nothing: the connection is refused before any byte is read, and the next holder is used."""
@@ -218,7 +218,7 @@ def test_answers_come_only_from_the_node_pinned_for_the_address(endpoint, tmp_pa
     del socket
 
 
-def test_a_holder_never_trades_a_newer_save_for_an_older_one_unless_the_owner_rolled_back(endpoint):
+def test_a_holder_never_trades_a_newer_save_for_an_older_one_unless_the_owner_rolled_back(endpoint):  # noqa: F811 - the endpoint fixture of peer_helpers
     """Two saves of step 1 (same number, other save ids): the holder keeps the one saved last; a late or
     replayed transfer of the older save is refused, never answered "committed"; when the owner's live
     lineage abandons the newer save (a rollback), the older one is taken."""
@@ -250,7 +250,7 @@ def test_a_holder_never_trades_a_newer_save_for_an_older_one_unless_the_owner_ro
     assert {p.name for p in replica.iterdir()} == set(names) | {layout.MANIFEST_NAME}
 
 
-def test_an_operators_ca_replaces_the_nodes_own_keys(endpoint, tmp_path, monkeypatch):
+def test_an_operators_ca_replaces_the_nodes_own_keys(endpoint, tmp_path, monkeypatch):  # noqa: F811 - the endpoint fixture of peer_helpers
     """peer_tls_ca/_cert/_key (SHARDCKPT_PEER_TLS_*): a peer is trusted when its certificate chains to the
     operator's CA (no pinning through the rendezvous), a self-made key pair is not, and the three go
     together (a clear error naming them otherwise)."""
@@ -344,7 +344,7 @@ def test_an_operators_ca_replaces_the_nodes_own_keys(endpoint, tmp_path, monkeyp
         UNCHECKED.append("a key owned by another user is named as such (needs root to chown)")
 
 
-def test_numbers_beyond_any_step_or_offset_are_refused_with_400(endpoint):
+def test_numbers_beyond_any_step_or_offset_are_refused_with_400(endpoint):  # noqa: F811 - the endpoint fixture of peer_helpers
     """A step, a Range or a Content-Length of 5,000 digits (more than Python converts) is a client's error:
     400 naming the number, never a 500; a step of non-ASCII digits is no step either. Nothing is written."""
     owner, holder, addr, job = endpoint
@@ -370,7 +370,7 @@ def test_numbers_beyond_any_step_or_offset_are_refused_with_400(endpoint):
     assert _raw(addr, "GET", f"/v1/local/1/{name}", headers={"Range": "bytes=0-9"}, context=member)[0] == 206
 
 
-def test_a_member_at_its_connection_limit_is_refused_another_is_served(endpoint):
+def test_a_member_at_its_connection_limit_is_refused_another_is_served(endpoint):  # noqa: F811 - the endpoint fixture of peer_helpers
     """A member holding MAX_PER_MEMBER connections open gets its next one closed (no answer), while another
     member is served at once; once one of the first member's connections closes, it is served again."""
     _owner, _holder, addr, job = endpoint
@@ -409,7 +409,7 @@ def test_a_member_at_its_connection_limit_is_refused_another_is_served(endpoint)
             conn.close()
 
 
-def test_an_admission_token_is_the_members_own_used_once_and_fresh(endpoint, tmp_path):
+def test_an_admission_token_is_the_members_own_used_once_and_fresh(endpoint, tmp_path):  # noqa: F811 - the endpoint fixture of peer_helpers
     """A member's token (HMAC with the key of that client and that server, from their own ECDH secret) puts
     its connection in the member's queue once: the same bytes replayed, a token for another server, one
     signed with a stranger's key or one out of the window are not a member's (a replay is closed unworked,

@@ -18,12 +18,12 @@ import time
 
 import pytest
 import torch.nn as nn
+from helpers import PROGRAMS
+from peer_helpers import Job, _cpu_seconds
 
 import shardckpt
 from shardckpt.format import layout, replicas
 from shardckpt.stores import admission, peer_client, tls
-from helpers import PROGRAMS
-from peer_helpers import Job, _cpu_seconds
 
 SERVE = """
 import sys, time

@@ -62,7 +62,8 @@ def test_node_lost_the_job_continues_on_the_survivors_from_peer_replicas(tmp_pat
                      f"node {g}'s step 3 replica on node {(g + 1) % 3}")
             manifest = layout.read_manifest(str(replica / layout.step_dirname(3)))
             assert layout.version_of(manifest) == layout.version_of(layout.read_manifest(str(owner_dir)))
-            held = sorted(p.name for p in (replica / layout.step_dirname(3)).iterdir() if p.name != layout.MANIFEST_NAME)
+            held = sorted(p.name for p in (replica / layout.step_dirname(3)).iterdir()
+                          if p.name != layout.MANIFEST_NAME)
             assert held == layout.copy_files(str(owner_dir), manifest)[0], held
             assert {manifest.files[n].rank for n in held if n != layout.METADATA_NAME} == {2 * g, 2 * g + 1}
             layout.verify_files(str(replica / layout.step_dirname(3)), manifest, held)
@@ -160,8 +161,9 @@ def test_after_a_rollback_the_live_branch_is_replicated_and_survives_a_node_loss
             assert _private_files(base / node) == [], node
         held = base / "node0" / replicas.REPLICAS_DIR / replicas.owner_dirname(f"{host}:1")
         mine = layout.read_manifest(str(base / "node1" / layout.step_dirname(12)))
-        assert layout.read_manifest(str(held / layout.step_dirname(12))) is not None, \
-            f"close() returned before node 1's step 12 was peer-durable: node 0 holds {layout.committed_steps(str(held))}"
+        assert layout.read_manifest(str(held / layout.step_dirname(12))) is not None, (
+            f"close() returned before node 1's step 12 was peer-durable: "
+            f"node 0 holds {layout.committed_steps(str(held))}")
         assert layout.version_of(layout.read_manifest(str(held / layout.step_dirname(12)))) == layout.version_of(mine)
         assert not (held / layout.step_dirname(30)).exists()  # the abandoned step is not what is kept
         for r in range(2):
@@ -268,7 +270,7 @@ def test_a_replica_of_another_save_is_never_used_and_a_rotten_one_gives_way_to_t
     assert _tree(x_held) == x_before  # the replica of the other save, left alone
 
 
-def test_a_replacement_node_takes_its_files_from_the_peers_views_of_the_chosen_save(endpoint, tmp_path):
+def test_a_replacement_node_takes_its_files_from_the_peers_views_of_the_chosen_save(endpoint, tmp_path):  # noqa: F811 - the endpoint fixture of peer_helpers
     """A node with an empty disk completes the save the survey chose from its peers' views: each file checked
     against the manifest as it arrives (a rotten replica file gives way to the next holder's), committed
     manifest last with no partial directory left; a peer's own copy of another save of that step number is
@@ -311,7 +313,8 @@ def test_a_replacement_node_takes_its_files_from_the_peers_views_of_the_chosen_s
         copy.commit()
         peers.close()
         assert copy.report["peer"]["files"] == len(names) and copy.report["peer"]["refused"] == 1, copy.report
-        layout.verify_files(str(fresh / layout.step_dirname(1)), layout.read_manifest(str(fresh / layout.step_dirname(1))), names)
+        layout.verify_files(str(fresh / layout.step_dirname(1)),
+                            layout.read_manifest(str(fresh / layout.step_dirname(1))), names)
         assert [p.name for p in fresh.iterdir()] == [layout.step_dirname(1)]  # no partial directory left
     finally:
         server.shutdown()

@@ -20,19 +20,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import shardckpt  # noqa: E402
 from faultproxy import FaultProxy  # noqa: E402
 from helpers import PROGRAMS, free_port, kill_job, run_torchrun, start_torchrun, wait_for  # noqa: E402
 from helpers import child_env as job_env  # noqa: E402
 from s3server import BUCKET, Server, reset_if_used, stop_peer_daemons, stop_uploaders  # noqa: E402
-from shardckpt import cli
-from shardckpt.format import layout
-from shardckpt.node import node_registry, uploader
-from shardckpt.remote import early_upload, ranged, commit as remote_commit  # noqa: E402
-from shardckpt.remote import listing as remote_listing
+
+import shardckpt  # noqa: E402
+from shardckpt import cli, stores  # noqa: E402
 from shardckpt import steps as steps_mod  # noqa: E402
-from shardckpt import stores  # noqa: E402
 from shardckpt.errors import CorruptCheckpointError, RemoteError  # noqa: E402
+from shardckpt.format import layout  # noqa: E402
+from shardckpt.node import node_registry, uploader  # noqa: E402
+from shardckpt.remote import commit as remote_commit  # noqa: E402
+from shardckpt.remote import early_upload, ranged  # noqa: E402
+from shardckpt.remote import listing as remote_listing  # noqa: E402
 
 PROG = PROGRAMS / "remote_train.py"
 MiB = 1 << 20
@@ -83,7 +84,8 @@ def save_local_steps(local_dir: Path, steps: list[int], width: int = 64) -> dict
 
 def wait_uploader_exit(local_dir: Path, timeout: float = 90) -> dict:
     status = local_dir / node_registry.STATE_DIR / "status.json"
-    wait_for(lambda: node_registry.read_json(str(status)).get("state") == "exited", timeout, f"the uploader of {local_dir} to exit")
+    wait_for(lambda: node_registry.read_json(str(status)).get("state") == "exited", timeout,
+             f"the uploader of {local_dir} to exit")
     return node_registry.read_json(str(status))
 
 
@@ -623,13 +625,15 @@ def test_step_saved_again_replaces_its_remote_copy(s3, tmp_path):
     local_dir = tmp_path / "local"
     url = f"s3://{BUCKET}/again"
     save_local_steps(local_dir, [1])
-    assert uploader.Uploader(str(local_dir), stores.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
+    assert uploader.Uploader(str(local_dir), stores.open_store(url, _opts()), node="n0", once=True,
+                             poll_s=0.05).run() == 0
     first = check_remote_step(s3, "again", 1)
     time.sleep(0.01)  # a later manifest timestamp
     save_local_steps(local_dir, [1])  # fresh random weights: different content
     local = layout.read_manifest(str(local_dir / layout.step_dirname(1)))
     assert remote_commit.files_digest(local) != remote_commit.files_digest(first)
-    assert uploader.Uploader(str(local_dir), stores.open_store(url, _opts()), node="n0", once=True, poll_s=0.05).run() == 0
+    assert uploader.Uploader(str(local_dir), stores.open_store(url, _opts()), node="n0", once=True,
+                             poll_s=0.05).run() == 0
     second = check_remote_step(s3, "again", 1)
     assert remote_commit.files_digest(second) == remote_commit.files_digest(local)
 
@@ -801,7 +805,8 @@ def test_local_retention_keeps_unuploaded_steps_unless_disk_nearly_full(tmp_path
     ckpt = shardckpt.Checkpointer(local_dir=str(local_dir), remote=url, uploader="external", drain_timeout_s=0.5,
                                   preemption_signals=())
     assert ckpt._deletable(1) is False
-    remote_commit.mark_uploaded(str(local_dir / layout.step_dirname(1)), url, layout.read_manifest(str(local_dir / layout.step_dirname(1))))
+    remote_commit.mark_uploaded(str(local_dir / layout.step_dirname(1)), url,
+                                layout.read_manifest(str(local_dir / layout.step_dirname(1))))
     assert ckpt._deletable(1) is True
 
     import collections
@@ -822,7 +827,8 @@ def test_share_plan_gives_each_chunk_to_one_node_spread_by_bytes():
     """Read once: every chunk some node lacks is fetched by exactly one node (a holder when there
     is one), the fetched bytes are even across the nodes, and every node gets what it reads."""
     chunk = 1024
-    files = {n: layout.FileEntry(size=size, checksum="", rank=0, chunks=f"xxh3-64:{chunk}:" + "0" * 16 * (-(-size // chunk)))
+    files = {n: layout.FileEntry(size=size, checksum="", rank=0,
+                                 chunks=f"xxh3-64:{chunk}:" + "0" * 16 * (-(-size // chunk)))
              for n, size in (("a", 12 * chunk), ("b", 3 * chunk + 100))}
     every = set(range(12))
     wants = [{"a": set(every), "b": {0, 3}}, {"a": set(every)}, {"a": set(every), "b": {3}}]
@@ -845,4 +851,5 @@ def test_share_plan_gives_each_chunk_to_one_node_spread_by_bytes():
         for src, chunks in part["recv"].items():
             assert plan[src]["send"][c] == chunks
             got |= {(n, i) for n, idx in chunks.items() for i in idx}
-        assert {(n, i) for n, idx in wants[c].items() for i in idx} <= got | {(n, i) for n, idx in holds[c].items() for i in idx}
+        assert ({(n, i) for n, idx in wants[c].items() for i in idx}
+                <= got | {(n, i) for n, idx in holds[c].items() for i in idx})

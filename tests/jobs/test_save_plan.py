@@ -15,8 +15,8 @@ import torch.nn as nn
 from helpers import PROGRAMS, run_torchrun
 
 import shardckpt
-from shardckpt.state import capture as state_mod
 from shardckpt.saving.plan import SavePlan
+from shardckpt.state import capture as state_mod
 
 
 class Net(nn.Module):
@@ -288,7 +288,8 @@ class Counter:
 
 @BOTH
 def test_a_plain_value_that_changes_type(tmp_path, memory):
-    """``None`` at first, then a stateful object: saved as its ``state_dict()``, restored through ``load_state_dict``."""
+    """``None`` at first, then a stateful object: saved as its ``state_dict()``, restored through
+    ``load_state_dict``."""
     torch.manual_seed(0)
     model = Net()
     state = {"model": model, "counter": None}

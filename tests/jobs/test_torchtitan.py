@@ -19,8 +19,8 @@ import sys
 
 import pytest
 import torch
-
 from helpers import PROGRAMS, child_env, kill_job, run_torchrun, start_torchrun, wait_for
+
 from shardckpt.format import layout
 
 JOB = PROGRAMS / "torchtitan_job.py"

@@ -62,7 +62,8 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--samples", required=True)
     p.add_argument("--weights", default=None)
-    p.add_argument("--weights-step", type=int, default=None, help="the step whose weights --weights gets (default: last)")
+    p.add_argument("--weights-step", type=int, default=None,
+                   help="the step whose weights --weights gets (default: last)")
     a = p.parse_args()
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=a.accum)
@@ -103,7 +104,8 @@ def main() -> None:
             counter.steps += 1
             ckpt.save(state, step)
             if rank == 0 and a.weights and step == (a.weights_step or a.steps):
-                torch.save({"counter": counter.steps, "weights": accelerator.unwrap_model(model).state_dict()}, a.weights)
+                torch.save({"counter": counter.steps, "weights": accelerator.unwrap_model(model).state_dict()},
+                           a.weights)
             if a.step_sleep:
                 time.sleep(a.step_sleep)
             if ckpt.preempted or step >= a.steps:

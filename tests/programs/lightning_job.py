@@ -41,9 +41,8 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import flat_tensors, jobs  # noqa: E402
-
 import lightning.pytorch as L  # noqa: E402
+from common import flat_tensors, jobs  # noqa: E402
 from torch.utils.data import DistributedSampler, Subset, TensorDataset  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from torchdata.stateful_dataloader.sampler import RandomSampler  # noqa: E402

@@ -41,7 +41,8 @@ def main() -> None:
     warned = _Warnings()
     logging.getLogger("shardckpt").addHandler(warned)
     tag = int(os.environ.get("MEMJOB_TAG", "1"))
-    ckpt = shardckpt.Checkpointer(local_dir=root, memory_every_steps=1, memory_keep=int(os.environ.get("MEMJOB_KEEP", "1")),
+    ckpt = shardckpt.Checkpointer(local_dir=root, memory_every_steps=1,
+                                  memory_keep=int(os.environ.get("MEMJOB_KEEP", "1")),
                                   every_steps=int(os.environ.get("MEMJOB_EVERY", "10")), preemption_signals=())
     state = {"weights": torch.zeros(int(os.environ.get("MEMJOB_NUMEL", "4096"))), "meta": {"at": -1}}
     kill_at, saved = None, {}

@@ -39,8 +39,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 import shardckpt
-from shardckpt.format import layout
 from shardckpt import _failpoints
+from shardckpt.format import layout
 
 
 def build():
@@ -110,8 +110,10 @@ def main() -> None:
             step_dir = os.path.join(local_dir, f"step_{ckpt.steps()[-1]:010d}")
             outcome["held_after_damage"] = sorted(os.listdir(step_dir))
             manifest = layout.read_manifest(step_dir)
-            outcome["bad_after_damage"] = [n for n in outcome["held_after_damage"] if n in manifest.files
-                                           and layout.checksum_file(os.path.join(step_dir, n))[1] != manifest.files[n].checksum]
+            outcome["bad_after_damage"] = [
+                n for n in outcome["held_after_damage"] if n in manifest.files
+                and layout.checksum_file(os.path.join(step_dir, n))[1] != manifest.files[n].checksum
+            ]
         step = ckpt.load(state)
         outcome["sources"] = ckpt.last_sources
         ckpt.close()
@@ -151,7 +153,8 @@ def main() -> None:
     else:
         for kind in kinds:
             outcome[kind] = {}
-            run_faults(kind, state, model, optim, gen, layout_dir(os.path.join(args.dir, kind), kind, rank), outcome[kind])
+            run_faults(kind, state, model, optim, gen, layout_dir(os.path.join(args.dir, kind), kind, rank),
+                       outcome[kind])
     with open(os.path.join(args.out, f"outcome.{rank}.json"), "w") as f:
         json.dump(outcome, f)
     common.finish()

@@ -71,8 +71,9 @@ def own_values(out_dir: str, rank: int, model) -> dict:
         ckpt.save(state, 4).wait()
         ckpt.save(state, 5).wait()  # a second save: one warning per key in all
     expected = torch.randn(4, generator=shuffle).tolist()
-    fresh = {"model": model, "stats": {}, "notes": [], "data": {"shuffle": torch.Generator().manual_seed(999), "epoch": 0},
-             "sampler": RankSampler(7), "meter": Meter(-1.0)}
+    fresh = {"model": model, "stats": {}, "notes": [],
+             "data": {"shuffle": torch.Generator().manual_seed(999), "epoch": 0}, "sampler": RankSampler(7),
+             "meter": Meter(-1.0)}
     live_generator = fresh["data"]["shuffle"]
     with shardckpt.Checkpointer(local_dir=ckpt_dir, keep_last=None, preemption_signals=()) as ckpt:
         loaded = ckpt.load(fresh)

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import shardckpt
-from shardckpt.state import capture as state_mod
 from shardckpt.saving.plan import SavePlan
+from shardckpt.state import capture as state_mod
 
 
 def local(t):

@@ -3,8 +3,8 @@
 usage: soak_train.py CKPT_DIR DIGESTS_OUT TOTAL_STEPS [--no-save] [--sleep S]
                      [--remote URL [--remote-keep-last N]] [--node-local]
 
-Runs single-process or under torchrun (data parallel, gradients averaged in rank order). After every optimizer step rank 0
-appends ``step digest`` to DIGESTS_OUT, where the digest covers the model,
+Runs single-process or under torchrun (data parallel, gradients averaged in rank order). After every
+optimizer step rank 0 appends ``step digest`` to DIGESTS_OUT, where the digest covers the model,
 the optimizer state and the sampler position. With --no-save it is the
 reference run: the digests of an uninterrupted run. With --remote every
 committed step is also uploaded (``uploader="auto"``: a per-node uploader
@@ -100,7 +100,8 @@ def main() -> None:
     remote = {} if args.remote is None else {
         "remote": args.remote, "uploader": "auto", "remote_keep_last": args.remote_keep_last,
     }
-    local_dir = os.path.join(args.ckpt_dir, f"node{os.environ.get('GROUP_RANK', '0')}") if args.node_local else args.ckpt_dir
+    local_dir = (os.path.join(args.ckpt_dir, f"node{os.environ.get('GROUP_RANK', '0')}") if args.node_local
+                 else args.ckpt_dir)
     ckpt = None if args.no_save else shardckpt.Checkpointer(local_dir=local_dir, keep_last=3, **remote)
     step = (ckpt.load(state) if ckpt else None) or 0
     out = open(args.digests, "a") if rank == 0 else None

@@ -40,7 +40,6 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import finish, flat_tensors, init, jobs  # noqa: E402
-
 from torch.utils.data import IterableDataset  # noqa: E402
 from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402

@@ -13,9 +13,9 @@ import torch
 
 import shardckpt
 from shardckpt import _failpoints, stores
+from shardckpt import steps as steps_mod
 from shardckpt.format import layout
 from shardckpt.remote import commit as remote_commit
-from shardckpt import steps as steps_mod
 
 
 def _save(local_dir, step: int, value: float) -> None:

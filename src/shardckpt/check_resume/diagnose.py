@@ -61,7 +61,8 @@ def pending(killed: list[dict[str, Any]], start: int) -> str | None:
     if not keys:
         return None
     return (f"gradients were pending at the save() of step {start}, the step the resume restored (optimizer "
-            f"{', '.join(map(repr, keys))}: a backward() after its last step(), the middle of gradient accumulation). A "
+            f"{', '.join(map(repr, keys))}: a backward() after its last step(), the middle of gradient "
+            f"accumulation). A "
             f"checkpoint holds no .grad: the resumed run lost them. Call save() after optimizer.step(), at the end "
             f"of an accumulation window.")
 

@@ -36,9 +36,9 @@ from typing import Any, Mapping
 import torch
 import xxhash
 
+from shardckpt.saving import pending_grads
 from shardckpt.state import capture as state_mod
 from shardckpt.state.keys import MODULE, OPTIMIZER, STATEFUL
-from shardckpt.saving import pending_grads
 
 OWN = state_mod.RESERVED_KEY
 """The key of the process's generators in a record: reserved, so that no user key (``rng`` included) is hidden."""

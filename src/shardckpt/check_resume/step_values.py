@@ -26,13 +26,13 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from shardckpt import steps as steps_mod
 from shardckpt import stores
 from shardckpt.check_resume import digest
 from shardckpt.dcp import planner as dcp_planner
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.format import layout, lineage
 from shardckpt.remote import index as remote_index
-from shardckpt import steps as steps_mod
 
 
 @dataclasses.dataclass

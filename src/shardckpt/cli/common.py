@@ -84,7 +84,9 @@ def pick_step(tier: Any, manifests: dict[int, layout.Manifest], step: int | None
     return step
 
 
-def best_steps(manifests: dict[int, layout.Manifest], live: list[int], args: argparse.Namespace) -> tuple[str | None, list[int]]:
+def best_steps(
+    manifests: dict[int, layout.Manifest], live: list[int], args: argparse.Namespace
+) -> tuple[str | None, list[int]]:
     """The metric ranking steps (``--best-metric``, else the one the run configured) and the best live step."""
     metric, mode = getattr(args, "best_metric", None), getattr(args, "best_mode", None)
     if metric is None and manifests:

@@ -53,7 +53,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                          "kept_aside": [{"step": s, "path": p} for s, p in kept]})
             return OK
         held = [r["step"] for r in rows if r["tiers"] == ["memory"]]
-        print(f"{tier.where}: {len(rows) - len(held)} committed step(s)" + (f", {len(held)} only in memory" if held else ""))
+        print(f"{tier.where}: {len(rows) - len(held)} committed step(s)"
+              + (f", {len(held)} only in memory" if held else ""))
         print(f"{'step':>10}  {'size':>10}  {'files':>5}  {'world':>5}  {'kind':>5}  {'tiers':<12}  saved at (UTC)")
         for row in rows:
             notes = [f"{k}={v:g}" for k, v in sorted(row["metrics"].items())]
@@ -109,24 +110,28 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print("  state keys: " + ", ".join(f"{k} ({v})" for k, v in sorted(manifest.keys.items())))
         if len(manifest.copies) > 1:
             print("  saved to node-local directories: " + "; ".join(f"ranks {g[0]}-{g[-1]}" for g in manifest.copies))
-        print(f"  kind: {manifest.kind}" + (f"; metrics: {json.dumps(manifest.metrics, sort_keys=True)}" if manifest.metrics else "")
+        print(f"  kind: {manifest.kind}"
+              + (f"; metrics: {json.dumps(manifest.metrics, sort_keys=True)}" if manifest.metrics else "")
               + ("" if manifest.upload else "; kept local (remote_every)"))
         if manifest.metadata:
             print("  metadata: " + json.dumps(manifest.metadata, sort_keys=True))
         run = manifest.run or {}
         if run:
             print(f"  run: {' '.join(run.get('argv') or [])!r} on {run.get('world_size')} x {run.get('device')}, "
-                  f"torch {run.get('torch')}, shardckpt {run.get('shardckpt')}" + (f", run id {run['run_id']}" if run.get("run_id") else ""))
+                  f"torch {run.get('torch')}, shardckpt {run.get('shardckpt')}"
+                  + (f", run id {run['run_id']}" if run.get("run_id") else ""))
             if run.get("config") is not None:
                 print("  run config: " + json.dumps(run["config"], sort_keys=True))
         for key, entries in sorted((manifest.frozen or {}).items()):
-            print(f"  {key}: {len(entries)} frozen entries left out (trainable_only), e.g. {', '.join(sorted(entries)[:3])}")
+            print(f"  {key}: {len(entries)} frozen entries left out (trainable_only), "
+                  f"e.g. {', '.join(sorted(entries)[:3])}")
         if looked is not None:
             print("  values: " + json.dumps(looked["values"], sort_keys=True, default=str))
             for key, described in sorted(looked["tensors"].items()):
                 print(f"    {key}: tensor {described['shape']} {described['dtype']} (not read)")
         for item in keys or []:
-            print(f"    {item['key']}: {item['shape'] if item['shape'] is not None else 'object'} {item['dtype'] or ''}".rstrip())
+            print(f"    {item['key']}: {item['shape'] if item['shape'] is not None else 'object'} "
+                  f"{item['dtype'] or ''}".rstrip())
         return OK
     finally:
         tier.close()
@@ -223,7 +228,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 tier.delete(step)
         if not doomed:
             print(f"nothing to delete in {tier.where}")
-        if not args.dry_run and not ("://" in args.src):
+        if not args.dry_run and "://" not in args.src:
             for name in step_dirs.clean_leftovers(tier.where, keep_nonce=None):
                 print(f"removed leftover {name}")
         return OK
@@ -254,7 +259,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         "uploaded_bytes": info.get("uploaded_bytes"),
         "waiting": info.get("waiting") or {},
         "failed": info.get("failed") or {},
-        "failed_commits": {k: v for k, v in (info.get("failed_steps") or {}).items() if k.isdigit() and int(k) in pending},
+        "failed_commits": {k: v for k, v in (info.get("failed_steps") or {}).items()
+                           if k.isdigit() and int(k) in pending},
         "last_error": info.get("last_error"),
         "last_error_time": info.get("last_error_time"),
         "peer": peer_daemon.node_status(root),
@@ -274,7 +280,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     state = "running" if running is not None else (body["uploader"]["state"] or "not running")
     pid = f" (pid {running})" if running else ""
     print(f"{root} -> {url}")
-    print(f"  uploader: {state}{pid}; last update {when_utc(info['updated']) + ' UTC' if info.get('updated') else 'never'}")
+    print(f"  uploader: {state}{pid}; "
+          f"last update {when_utc(info['updated']) + ' UTC' if info.get('updated') else 'never'}")
     print(f"  newest step: local {body['latest_local']}"
           + (f", peer {body['latest_peer']}" if body["peer"] else "") + f", remote {latest_remote}"
           + (f" (lag {body['lag_steps']} steps)" if body["lag_steps"] else ""))
@@ -367,7 +374,8 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--keep-abandoned", action="store_true", help="keep steps that a rollback abandoned")
     p.add_argument("--keep-best", type=int, help="also keep the K best steps by --best-metric")
     p.add_argument("--best-metric", help="the metric recorded at save that ranks steps (e.g. val_loss)")
-    p.add_argument("--best-mode", choices=["min", "max"], default="min", help="lower (min, default) or higher is better")
+    p.add_argument("--best-mode", choices=["min", "max"], default="min",
+                   help="lower (min, default) or higher is better")
     p.add_argument("--keep-last-light", type=int, help="keep the newest N light steps (default: --keep-last)")
     p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
     p.set_defaults(func=cmd_gc)

@@ -27,7 +27,9 @@ from shardckpt.stores import Deadline
 
 def _with_bars(enabled: bool) -> None:
     """Transfers of push / pull / sync show tqdm bars on a terminal (else their log lines)."""
-    remote_commit.Progress.bar_factory = (lambda what, total: progress_bar(total, what, True)) if enabled and sys.stderr.isatty() else None
+    remote_commit.Progress.bar_factory = (
+        (lambda what, total: progress_bar(total, what, True)) if enabled and sys.stderr.isatty() else None
+    )
 
 
 def cmd_sync(args: argparse.Namespace) -> int:

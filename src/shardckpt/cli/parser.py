@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from shardckpt._version import __version__
 from shardckpt.check_resume import diff as diff_cmd
 from shardckpt.check_resume import run as check_resume
-from shardckpt._version import __version__
 from shardckpt.cli import looking, moving
 
 
@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"shardckpt {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_parser = sub.add_parser
     sub.add_parser = lambda *a, **kw: add_parser(*a, parents=[common], **kw)  # type: ignore[method-assign]

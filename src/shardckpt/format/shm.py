@@ -339,7 +339,8 @@ class Record:
             for entry in getattr(record, table):
                 if not (isinstance(entry, list) and len(entry) == len(kinds) and all(map(_is, entry, kinds))):
                     raise ValueError(f"a malformed entry of {table}: {str(entry)[:80]}")
-        if not (isinstance(record.planner_data, dict) and all(isinstance(p, list) for p in record.planner_data.values())):
+        if not (isinstance(record.planner_data, dict)
+                and all(isinstance(p, list) for p in record.planner_data.values())):
             raise ValueError("planner_data is not a table of paths")
         _check_tables(record)
         manifest = record.manifest_obj(name)
@@ -487,7 +488,8 @@ def read_records(root: str) -> tuple[list[Record], dict[str, str]]:
             bad[name] = f"belongs to {record.local_dir}, not {root}"
         elif record.run != run:
             bad[name] = f"belongs to run {record.run or '(none)'}, not this directory's run {run}"
-        elif sizes.get(record.buffer, -1) < record.buffer_size or sizes.get(record.values_file, -1) < record.values_size:
+        elif (sizes.get(record.buffer, -1) < record.buffer_size
+              or sizes.get(record.values_file, -1) < record.values_size):
             bad[name] = "its buffer or values file is missing or shorter than it says"
         else:
             good.append(record)
@@ -571,6 +573,7 @@ def status(root: str) -> tuple[dict[str, Any], str | None]:
             "saves": [{k: v for k, v in e.items() if k != "manifest"} for e in found["saves"]]}
     if not body["saves"] and not body["held_bytes"]:
         return body, None
-    shown = ", ".join(f"{e['step']}" + ("" if e["complete_here"] else f" (ranks {e['ranks']} of {e['world_size']} here)")
+    shown = ", ".join(f"{e['step']}"
+                      + ("" if e["complete_here"] else f" (ranks {e['ranks']} of {e['world_size']} here)")
                       for e in body["saves"]) or "none complete"
     return body, f"  memory: steps {shown} in {body['dir']} ({fmt_bytes(body['held_bytes'])} held)"

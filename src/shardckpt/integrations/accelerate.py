@@ -96,7 +96,8 @@ def _sampler_position(loader_state: Any) -> tuple[int, int, int] | None:
         return None
     sampler = found[0]
     since = int(loader_state.get("_steps_since_snapshot", 0) or 0) if isinstance(loader_state, dict) else 0
-    return int(sampler["epoch"]), int(sampler["consumed"]) + since * int(sampler["global_batch"]), int(sampler["global_batch"])
+    return (int(sampler["epoch"]), int(sampler["consumed"]) + since * int(sampler["global_batch"]),
+            int(sampler["global_batch"]))
 
 
 class LoaderState(PerRank):
@@ -130,7 +131,8 @@ class LoaderState(PerRank):
         return super().state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        saved = {int(k[4:]): v for k, v in state.items() if isinstance(k, str) and k.startswith("rank") and k[4:].isdigit()}
+        saved = {int(k[4:]): v for k, v in state.items()
+                 if isinstance(k, str) and k.startswith("rank") and k[4:].isdigit()}
         self.saved_world_size = max(saved) + 1 if saved else 0
         world, workers = _world_size(), int(getattr(self.loader, "num_workers", 0))
         own = saved.get(self.rank)
@@ -205,7 +207,8 @@ def accelerator_state(accelerator: Any, **extra: Any) -> dict[str, Any]:
     if plain and _rank0():
         log.warning(
             "shardckpt: %d prepared DataLoader(s) keep no position of their own and are not in the state; a resume "
-            "starts them from the beginning of the epoch. Remedy: Accelerator(dataloader_config=DataLoaderConfiguration("
+            "starts them from the beginning of the epoch. Remedy: "
+            "Accelerator(dataloader_config=DataLoaderConfiguration("
             "use_stateful_dataloader=True)), or a shardckpt.ResumableSampler in the state", plain,
         )
     for key, value in extra.items():

@@ -53,7 +53,15 @@ import torch.distributed as dist
 import shardckpt
 from shardckpt import CheckpointNotFoundError, ConfigError, ResumableSampler
 from shardckpt.format import layout
-from shardckpt.integrations.accelerate import LoaderState, _rank0, _scheduler, _unwrap, _world_size, accelerator_state, apply_plan
+from shardckpt.integrations.accelerate import (
+    LoaderState,
+    _rank0,
+    _scheduler,
+    _unwrap,
+    _world_size,
+    accelerator_state,
+    apply_plan,
+)
 
 log = logging.getLogger("shardckpt")
 
@@ -68,7 +76,7 @@ _PER_RANK_FIELDS = ("is_local_process_zero", "is_world_process_zero")
 
 __all__ = [
     "LoaderState",
-    "ShardckptTrainer",
+    "ShardckptTrainer",  # noqa: F822 - made lazily by the module __getattr__ (imports transformers)
     "ShardckptTrainerMixin",
     "TrainerSampler",
     "accelerator_state",
@@ -307,7 +315,8 @@ class ShardckptTrainerMixin:
                 f"({world} ranks x {micro} per device x {accum} accumulation steps), which {new_world} ranks x "
                 f"per_device_train_batch_size {new_micro} cannot keep. Remedy: a per_device_train_batch_size that "
                 f"divides {global_batch // new_world if global_batch % new_world == 0 else global_batch}, or a "
-                f"world size that divides {global_batch // new_micro if global_batch % new_micro == 0 else global_batch}."
+                f"world size that divides "
+                f"{global_batch // new_micro if global_batch % new_micro == 0 else global_batch}."
             )
         new_accum = global_batch // (new_world * new_micro)
         if new_accum != self.args.gradient_accumulation_steps and _rank0():
@@ -394,7 +403,8 @@ class ShardckptTrainerMixin:
         if consumed % micro_round:
             raise ConfigError(
                 f"step {looked.step}: the data position (epoch {epoch}, sample {consumed}) is not a whole number of "
-                f"micro-batches of {micro_round} ({self._sc_sampler.world_size} ranks x {self._sc_sampler.batch_size}). "
+                f"micro-batches of {micro_round} "
+                f"({self._sc_sampler.world_size} ranks x {self._sc_sampler.batch_size}). "
                 f"Remedy: a per_device_train_batch_size and world size whose product divides {consumed}."
             )
         return epoch, consumed // micro_round
@@ -416,7 +426,8 @@ class ShardckptTrainerMixin:
                 f"{self.checkpointer.root}: another job writes there. Remedy: give each job its own local_dir/remote."
             )
         plan = self.checkpointer.last_plan
-        if plan is not None and plan.accum_steps is not None and plan.accum_steps != self.args.gradient_accumulation_steps:
+        if (plan is not None and plan.accum_steps is not None
+                and plan.accum_steps != self.args.gradient_accumulation_steps):
             raise ConfigError(
                 f"step {step}: the elastic plan asks for {plan.accum_steps} accumulation steps, the Trainer runs "
                 f"{self.args.gradient_accumulation_steps}. Remedy: leave gradient_accumulation_steps to the resume."
@@ -471,7 +482,9 @@ class ShardckptTrainerMixin:
             self.control.should_save = True
         super()._maybe_log_save_evaluate(*args, **kwargs)  # type: ignore[misc]
         cfg = self.checkpointer.config
-        if self._sc_saved_step != self.state.global_step and (cfg.every_steps is not None or cfg.every_seconds is not None):
+        if self._sc_saved_step != self.state.global_step and (
+            cfg.every_steps is not None or cfg.every_seconds is not None
+        ):
             self._sc_save(force=False)
         if (preempt or self.checkpointer.preempted) and not self.preempted:
             self.checkpointer.wait()
@@ -503,7 +516,8 @@ class ShardckptTrainerMixin:
         for cb in callbacks:
             name = type(cb).__name__
             if name in stateful:
-                stateful[name] = (stateful[name] if isinstance(stateful[name], list) else [stateful[name]]) + [cb.state()]
+                stateful[name] = ((stateful[name] if isinstance(stateful[name], list) else [stateful[name]])
+                                  + [cb.state()])
             else:
                 stateful[name] = cb.state()
         self.state.stateful_callbacks = stateful

@@ -144,7 +144,8 @@ def keeper_main(argv: list[str]) -> int:
     parser.add_argument("--local", required=True, help="the node's local_dir")
     parser.add_argument("--linger", type=float, default=LINGER_S,
                         help=f"seconds the memory is kept once no trainer of this node is left (default {LINGER_S:g})")
-    parser.add_argument("--ns", default=None, help="the run's namespace in shared memory (default: the directory's run)")
+    parser.add_argument("--ns", default=None,
+                        help="the run's namespace in shared memory (default: the directory's run)")
     args = parser.parse_args(argv)
     keeper = MemoryKeeper(args.local, linger_s=args.linger, ns=args.ns)
     for signum in (signal.SIGTERM, signal.SIGINT):

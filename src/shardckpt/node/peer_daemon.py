@@ -275,7 +275,8 @@ class PeerDaemon:
         self._failures = 0
         self._failing_since = None
         self.last_error = None
-        self.sent = {s: v for s, v in self.sent.items() if s in lineage.classify(lineage.local_infos(self.root))[0][-4:]}
+        self.sent = {s: v for s, v in self.sent.items()
+                     if s in lineage.classify(lineage.local_infos(self.root))[0][-4:]}
         self.sent[step] = _Sent(version, reached, time.time(), round(time.monotonic() - t0, 3))
         log.info("shardckpt: step %d peer-durable: replicated to %s in %.2f s", step, ", ".join(reached),
                  time.monotonic() - t0)

@@ -25,8 +25,15 @@ from typing import Any, Callable
 
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format import layout, lineage
-from shardckpt.format.replicas import (committed_replicas, file_size, manifest_or_none, owner_dirname, remove_step,
-                                       replicas_root, version_tag)
+from shardckpt.format.replicas import (
+    committed_replicas,
+    file_size,
+    manifest_or_none,
+    owner_dirname,
+    remove_step,
+    replicas_root,
+    version_tag,
+)
 from shardckpt.stores.admission import Admission
 from shardckpt.stores.tls import fingerprint
 
@@ -187,7 +194,9 @@ class PeerService:
         return os.path.join(replicas_root(self.root), self._owner(owner),
                             f"{layout.PARTIAL_PREFIX}{layout.step_dirname(step)}-{tag}")
 
-    def begin(self, owner: str, step: int, tag: str, body: bytes, live: lineage.Lineage | None = None) -> dict[str, Any]:
+    def begin(
+        self, owner: str, step: int, tag: str, body: bytes, live: lineage.Lineage | None = None
+    ) -> dict[str, Any]:
         """Begin ``owner``'s replica of a save of ``step`` (its manifest in ``body``); ``live``: the owner's
         live lineage, sent along (see :meth:`replaces`)."""
         manifest = layout.Manifest.from_json(body.decode("utf-8", errors="replace"), f"replica of {owner} step {step}")
@@ -287,7 +296,8 @@ class PeerService:
             self.replaces(owner, manifest_or_none(final), manifest, live)  # another save committed meanwhile
             if live is not None:
                 os.unlink(os.path.join(partial, ".live"))
-            os.replace(os.path.join(partial, layout.MANIFEST_NAME + ".pending"), os.path.join(partial, layout.MANIFEST_NAME))
+            os.replace(os.path.join(partial, layout.MANIFEST_NAME + ".pending"),
+                       os.path.join(partial, layout.MANIFEST_NAME))
             layout.fsync_dir(partial)
             if os.path.lexists(final):  # another save of this step number: replaced by this one
                 remove_step(final, owner_dir)
@@ -313,7 +323,8 @@ class PeerService:
         if not self.keep_last or not live:
             return
         agreed = self.agreed
-        if agreed is not None and agreed[0] in replicas_held and layout.version_of(replicas_held[agreed[0]]) != agreed[1]:
+        if (agreed is not None and agreed[0] in replicas_held
+                and layout.version_of(replicas_held[agreed[0]]) != agreed[1]):
             agreed = None  # the point is another branch's save of that number
         floor = agreed[0] if agreed is not None else live[0]
         for old in sorted(abandoned) + [s for s in live[: max(0, len(live) - self.keep_last)] if s < floor]:

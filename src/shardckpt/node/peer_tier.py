@@ -27,10 +27,16 @@ from typing import Any
 from shardckpt import _dist
 from shardckpt.format import lineage, node_state, replicas
 from shardckpt.node import peer_daemon
-from shardckpt.stores import admission, peer_client, tls
-from shardckpt.node.node_registry import (pid_alive, read_json, register_trainer, spawn_node_daemon, state_dir,
-                                         unregister_trainer)
+from shardckpt.node.node_registry import (
+    pid_alive,
+    read_json,
+    register_trainer,
+    spawn_node_daemon,
+    state_dir,
+    unregister_trainer,
+)
 from shardckpt.options import CheckpointConfig
+from shardckpt.stores import admission, peer_client, tls
 from shardckpt.topology import Topology
 
 log = logging.getLogger("shardckpt")

@@ -170,7 +170,8 @@ class ElasticPlan:
 
     def summary(self) -> str:
         """The plan in one line (logged by ``load()`` on rank 0)."""
-        parts = [f"elastic plan for step {self.step} ({self.policy}): world {self.saved_world_size} -> {self.world_size}"]
+        parts = [f"elastic plan for step {self.step} ({self.policy}): "
+                 f"world {self.saved_world_size} -> {self.world_size}"]
         if self.global_batch is not None:
             parts.append(
                 f"micro-batch {self.saved_micro_batch} -> {self.micro_batch}, accumulation "
@@ -212,7 +213,8 @@ def compute_plan(
     """Pure plan computation (no side effects); raises ConfigError per the policy."""
     base = dict(
         step=step,
-        policy=policy.batch.value if policy.batch == BatchPolicy.KEEP_GLOBAL_BATCH else f"scale_lr/{policy.lr_rule.value}",
+        policy=(policy.batch.value if policy.batch == BatchPolicy.KEEP_GLOBAL_BATCH
+                else f"scale_lr/{policy.lr_rule.value}"),
         saved_world_size=saved_world_size,
         world_size=world_size,
         epoch=epoch,

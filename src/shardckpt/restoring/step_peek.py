@@ -165,7 +165,8 @@ def read_values(
         elif isinstance(md, TensorStorageMetadata):
             described = {"shape": list(md.size), "dtype": str(md.properties.dtype).replace("torch.", "")}
             chunks = md.chunks
-            whole = len(chunks) == 1 and all(o == 0 for o in chunks[0].offsets) and tuple(chunks[0].sizes) == tuple(md.size)
+            whole = (len(chunks) == 1 and all(o == 0 for o in chunks[0].offsets)
+                     and tuple(chunks[0].sizes) == tuple(md.size))
             nbytes = md.size.numel() * md.properties.dtype.itemsize
             if whole and nbytes <= VALUE_TENSOR_LIMIT:
                 wanted.append((path, metadata.storage_data[MetadataIndex(fqn, chunks[0].offsets)], md))

@@ -126,7 +126,9 @@ class StepWriter:
         self.peer_agreed: Callable[[list[Any]], None] | None = None
         """Every rank, after each commit, with every copy's reports (``PeerTier.agree``), before retention."""
 
-    def continue_lineage(self, lineage: lineage_mod.Lineage, newest_created: float, head_step: int | None = None) -> None:
+    def continue_lineage(
+        self, lineage: lineage_mod.Lineage, newest_created: float, head_step: int | None = None
+    ) -> None:
         """After a load: later saves continue (or fork from) the loaded step's history."""
         self.lineage = lineage
         self.head_step = head_step
@@ -180,7 +182,8 @@ class StepWriter:
             proposal = None
             if _dist.rank() == 0:
                 infos = lineage_mod.local_infos(self.root)
-                proposal = (lineage_mod.continue_from(infos, None), max((i.created for i in infos.values()), default=0.0))
+                proposal = (lineage_mod.continue_from(infos, None),
+                            max((i.created for i in infos.values()), default=0.0))
                 if infos:
                     log.warning(
                         "shardckpt: %s holds steps %s but nothing was loaded from it: this run starts a new "
@@ -322,7 +325,8 @@ class StepWriter:
             try:
                 facts = self.peer_facts()
             except Exception as exc:  # noqa: BLE001 - without them no step becomes safer; nothing is deleted for it
-                log.warning("shardckpt: step %d: the peer tier's facts of %s could not be read: %s", step, self.root, exc)
+                log.warning("shardckpt: step %d: the peer tier's facts of %s could not be read: %s",
+                            step, self.root, exc)
         outcomes = self._groups.all_gather_io((_describe(failure), _disk(failure), facts))
         problems = [(r, err, disk) for r, (err, disk, _facts) in enumerate(outcomes) if err is not None]
         if problems:
@@ -330,7 +334,8 @@ class StepWriter:
                 try:
                     step_dirs.undo_commit(commit)
                 except OSError as exc:
-                    log.error("shardckpt: step %d: could not withdraw %s after a failed commit: %s", step, commit.final, exc)
+                    log.error("shardckpt: step %d: could not withdraw %s after a failed commit: %s",
+                              step, commit.final, exc)
             where, what, disk = next((p for p in problems if p[2]), problems[0])
             error = SaveError(
                 f"step {step}: the commit failed on rank {where} ({what}); the step was withdrawn on every "

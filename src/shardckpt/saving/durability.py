@@ -19,8 +19,7 @@ import os
 import threading
 from typing import Any
 
-from shardckpt.format import layout
-from shardckpt.format import node_state
+from shardckpt.format import layout, node_state
 from shardckpt.remote import commit as remote_commit
 
 log = logging.getLogger("shardckpt")
@@ -101,6 +100,7 @@ def _upload_mark(root: str, step: int, manifest: layout.Manifest | None) -> floa
             mark = json.load(f)
     except (OSError, ValueError):
         return None
-    if mark.get("files_digest") != remote_commit.files_digest(manifest) or not isinstance(mark.get("time"), (int, float)):
+    if (mark.get("files_digest") != remote_commit.files_digest(manifest)
+            or not isinstance(mark.get("time"), (int, float))):
         return None
     return float(mark["time"])

@@ -261,8 +261,8 @@ class MemoryTier:
             drop += [n for n in names if (shm.parse_name(n) or (rank,))[0] not in here]  # (the lock stays)
         shm.remove(self.ns, drop)
         if kept and rank == 0:
-            log.info("shardckpt: memory tier: steps %s of this history stay in %s", sorted(r.step for r in kept.values()),
-                     self.ns)
+            log.info("shardckpt: memory tier: steps %s of this history stay in %s",
+                     sorted(r.step for r in kept.values()), self.ns)
 
     def stage(self, captured: dict[str, Any], what: str, *, disk: bool, writing: bool = False, plan: Any = None
               ) -> tuple[dict[str, Any], CopyFence] | None:
@@ -542,8 +542,8 @@ class MemoryTier:
         """A write job for the save of ``rec`` from its copy in memory (the same save id and time: the same version)."""
         manifest = rec.manifest_obj(rec.name)
         return SaveJob(
-            rec.step, {}, dict(manifest.keys), partial, dict(manifest.metadata), time.monotonic(), 0.0, kind=manifest.kind,
-            metrics=dict(manifest.metrics), frozen=manifest.frozen, run=manifest.run, created=manifest.created,
-            lineage=lineage_mod.Lineage.from_json(manifest.lineage), save_id=manifest.save_id,
+            rec.step, {}, dict(manifest.keys), partial, dict(manifest.metadata), time.monotonic(), 0.0,
+            kind=manifest.kind, metrics=dict(manifest.metrics), frozen=manifest.frozen, run=manifest.run,
+            created=manifest.created, lineage=lineage_mod.Lineage.from_json(manifest.lineage), save_id=manifest.save_id,
             planner=dcp_memory.RecordPlanner(dcp_memory.Copy.of(shm.namespace(self.root) or "", rec)),
         )

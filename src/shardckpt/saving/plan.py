@@ -115,7 +115,8 @@ class _OptimizerWatch:
         self.fqns: list[list[str]] = []
         by_fqn: dict[str, Any] = {}
         for saved, live in zip(groups, optim.param_groups):
-            if list(saved) != [k for k in live if k != "params"] + ["params"] or len(saved["params"]) != len(live["params"]):
+            if (list(saved) != [k for k in live if k != "params"] + ["params"]
+                    or len(saved["params"]) != len(live["params"])):
                 raise _NotPlannable
             self.fqns.append(list(saved["params"]))
             by_fqn.update(zip(saved["params"], live["params"]))

@@ -98,7 +98,8 @@ class SavePolicy:
     def explain_auto(self) -> str:
         cost = statistics.median(self._blocked)
         interval = auto_interval(cost, float(self.config.mtbf_s))
-        commit = f" plus {statistics.median(self._committed):.1f} s until a save is committed" if self._committed else ""
+        commit = (f" plus {statistics.median(self._committed):.1f} s until a save is committed"
+                  if self._committed else "")
         return (
             f"every_seconds=auto: saving every {interval:.0f} s = sqrt(2 x {cost:.3f} s blocked per save x "
             f"{self.config.mtbf_s:.0f} s between failures) (Young/Daly); checkpoints then cost "
@@ -165,7 +166,8 @@ class SavePolicy:
         if self._vote is not None:  # an early return left one unresolved: finish it first
             self._resolve_vote()
         flags = torch.tensor(self._local_flags(), dtype=torch.int64)
-        work = torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self._groups.ctl, async_op=True)
+        work = torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self._groups.ctl,
+                                            async_op=True)
         self._vote = (work, flags)
 
     def finish_vote(self) -> None:

@@ -12,8 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from shardckpt import _dist
-from shardckpt import stores
+from shardckpt import _dist, stores
 from shardckpt.errors import ConfigError, CorruptCheckpointError, RemoteError
 from shardckpt.format import lineage as lineage_mod
 from shardckpt.options import CheckpointConfig, OnRemoteUnavailable, UploaderMode
@@ -23,7 +22,9 @@ from shardckpt.saving import pending_grads
 log = logging.getLogger("shardckpt")
 
 
-def check_remote(cfg: CheckpointConfig, groups: _dist.SideGroups, store: Callable[[], stores.Store], writer: Any) -> None:
+def check_remote(
+    cfg: CheckpointConfig, groups: _dist.SideGroups, store: Callable[[], stores.Store], writer: Any
+) -> None:
     """First save: rank 0 lists the remote (and probes a write when this job uploads); all ranks agree.
 
     With ``on_remote_unavailable="error"`` (the default) a failure raises
@@ -75,7 +76,9 @@ def check_remote(cfg: CheckpointConfig, groups: _dist.SideGroups, store: Callabl
         f"checkpoints only."
     )
 
-def _foreign_history(config: CheckpointConfig, store: stores.Store, deadline: stores.Deadline) -> tuple[str, float] | None:
+def _foreign_history(
+    config: CheckpointConfig, store: stores.Store, deadline: stores.Deadline
+) -> tuple[str, float] | None:
     """First save of a run that loaded nothing: does the remote hold another history's steps?
 
     Saving into it would take that history over (and replace its steps of

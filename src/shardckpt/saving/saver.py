@@ -41,22 +41,22 @@ from typing import Any, Callable, Protocol
 import torch
 
 from shardckpt import _dist, _failpoints
-from shardckpt.state import values
-from shardckpt.state import capture as state_mod
 from shardckpt._version import __version__
 from shardckpt.errors import ConfigError, SaveError
 from shardckpt.format.retention import FULL, LIGHT
 from shardckpt.options import CheckpointConfig, SaveMode, run_config_of
-from shardckpt.state.per_rank import PerRank
+from shardckpt.remote import early_upload
 from shardckpt.saving import preflight
 from shardckpt.saving.commit import SaveJob, StepWriter
 from shardckpt.saving.durability import DurabilityLog
 from shardckpt.saving.handle import SaveHandle
+from shardckpt.saving.memory import MemoryTier
 from shardckpt.saving.plan import SavePlan
 from shardckpt.saving.policy import SavePolicy
 from shardckpt.saving.stage import CopyFence, HostStager, split_bytes
-from shardckpt.remote import early_upload
-from shardckpt.saving.memory import MemoryTier
+from shardckpt.state import capture as state_mod
+from shardckpt.state import values
+from shardckpt.state.per_rank import PerRank
 
 log = logging.getLogger("shardckpt")
 
@@ -336,7 +336,8 @@ class Saver:
         if missing is None:
             return
         if missing:
-            who = f"rank(s) {', '.join(map(str, missing))} did not call save() within save_agree_timeout_s={timeout:g} s"
+            who = (f"rank(s) {', '.join(map(str, missing))} did not call save() "
+                   f"within save_agree_timeout_s={timeout:g} s")
         else:
             who = f"another rank stopped waiting for rank {_dist.rank()} (save_agree_timeout_s={timeout:g} s)"
         raise SaveError(

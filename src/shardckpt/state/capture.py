@@ -34,9 +34,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from shardckpt.state.sampler import ResumableSampler
 from shardckpt.errors import ConfigError, MetaDeviceError
 from shardckpt.state.keys import Own, decode_key, decode_keys
+from shardckpt.state.sampler import ResumableSampler
 
 try:  # numpy is optional
     import numpy as np

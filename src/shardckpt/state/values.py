@@ -223,7 +223,8 @@ class _Keys:
             leaves = {fqn: _at({key: out[key]}, where) if key in out else ABSENT
                       for entries in differ.values() for where, _t, ref, fqn in entries if ref == rank}
             if leaves:
-                sent = pickle.dumps({f: (v is not ABSENT, None if v is ABSENT else _on_cpu(v)) for f, v in leaves.items()})
+                sent = pickle.dumps({f: (v is not ABSENT, None if v is ABSENT else _on_cpu(v))
+                                     for f, v in leaves.items()})
         except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange, then all raise
             error = f"{type(exc).__name__}: {exc}"
         gathered = self.gather((sent, error))
@@ -316,7 +317,8 @@ def agree(
                     compare_later = True  # same shape and dtype: the bytes decide, in the background
                 elif not _same(a, b):
                     where = paths.get(key, {}).get(fqn, (key,) + tuple(fqn.split(".")[1:]))
-                    differ.setdefault(r, []).append((where, f"{fqn}: rank {ref} {_show(a)}, rank {r} {_show(b)}", ref, fqn))
+                    differ.setdefault(r, []).append(
+                        (where, f"{fqn}: rank {ref} {_show(a)}, rank {r} {_show(b)}", ref, fqn))
             if compare_later:  # the path is empty where this rank does not hold it: it reports no digest
                 later.append((key, fqn, paths.get(key, {}).get(fqn, ()), _show(a)))
         if differ:
@@ -370,7 +372,8 @@ class Later:
                 continue
             for r in holders:
                 if values[r] != values[ref]:
-                    text = f"{fqn}: {shown} everywhere, content digest rank {ref} {values[ref][:12]}, rank {r} {values[r][:12]}"
+                    text = (f"{fqn}: {shown} everywhere, content digest rank {ref} {values[ref][:12]}, "
+                            f"rank {r} {values[r][:12]}")
                     by_key.setdefault(key, {}).setdefault(r, []).append((path or (key,), text, ref, fqn))
         for key in sorted(by_key):
             out = self.keys.resolve(out, key, by_key[key])

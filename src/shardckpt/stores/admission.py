@@ -32,10 +32,10 @@ import os
 import struct
 import time
 
+from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from cryptography import x509
 
 from shardckpt.stores.tls import Identity, _load_key, fingerprint
 
