@@ -162,9 +162,9 @@ def part_small(args: argparse.Namespace, scratch: Path) -> dict:
 def _targets() -> list[tuple[Any, str, str]]:
     """The parts of the save path to time: (owner, attribute, label); those missing are left out."""
     from shardckpt.saving import commit, saver
+    from shardckpt.saving import memory as memory_mod
     from shardckpt.state import capture as state_mod
     from shardckpt.state import values
-    from shardckpt.tiers import memory as memory_mod
 
     plan_cls = getattr(saver, "SavePlan", None)
     found: list[tuple[Any, str, str]] = [

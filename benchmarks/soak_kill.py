@@ -354,7 +354,7 @@ import sys, json
 sys.path.insert(0, {str(PROGRAM.parent)!r})
 import soak_train, shardckpt
 from shardckpt.node import node_registry, uploader
-from shardckpt.tiers import remote_commit
+from shardckpt.remote import commit as remote_commit
 from shardckpt.remote import listing as remote_listing
 from shardckpt import stores
 

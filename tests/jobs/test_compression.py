@@ -179,7 +179,7 @@ import zstandard
 from shardckpt import stores
 from shardckpt.errors import CorruptCheckpointError
 from shardckpt.format import codec, layout
-from shardckpt.tiers import compressed
+from shardckpt.remote import compressed
 
 CHUNK = 4 << 20
 
