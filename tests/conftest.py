@@ -30,14 +30,15 @@ def pytest_terminal_summary(terminalreporter):
 # on three workers, slowest first, except that the first six are dealt so each worker's first two add up
 # about evenly.
 SLOW_FIRST = (
-    "test_remote_faults.py", "test_remote.py", "test_hf.py",
-    "test_elastic.py", "test_deploy.py", "test_reliability.py",
-    "test_check_resume.py", "test_peer_restore.py", "test_peer_daemon.py", "test_peer_endpoint.py",
+    "test_remote_faults.py", "test_check_resume_causes.py", "test_remote.py",
+    "test_elastic.py", "test_hf.py", "test_deploy.py",
+    "test_check_resume.py", "test_reliability.py", "test_memory_trust.py", "test_peer_restore.py", "test_peer_daemon.py", "test_peer_endpoint.py",
     "test_peer_flood.py", "test_demo.py", "test_multinode.py", "test_versions.py", "test_lightning.py",
     "test_gpt_example.py", "test_docs.py", "test_memory.py", "test_resume.py", "test_history.py", "test_cli.py",
     "test_export.py",
     "test_policies.py", "test_repairs.py", "test_local.py", "test_torchtitan.py", "test_roundtrip.py",
-    "test_store_contract.py", "test_remote_index.py", "test_values.py", "test_lifecycle.py",
+    "test_store_contract.py", "test_remote_index.py", "test_values.py", "test_lifecycle.py", "test_save_plan.py",
+    "test_mixed_commit.py", "test_auto_decision.py", "test_diff.py",
 )
 
 
