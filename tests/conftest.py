@@ -32,7 +32,8 @@ def pytest_terminal_summary(terminalreporter):
 SLOW_FIRST = (
     "test_remote_faults.py", "test_check_resume_causes.py", "test_remote.py",
     "test_elastic.py", "test_hf.py", "test_deploy.py",
-    "test_check_resume.py", "test_reliability.py", "test_memory_trust.py", "test_peer_restore.py", "test_peer_daemon.py", "test_peer_endpoint.py",
+    "test_check_resume.py", "test_reliability.py", "test_memory_trust.py", "test_peer_restore.py",
+    "test_peer_daemon.py", "test_peer_endpoint.py",
     "test_peer_flood.py", "test_demo.py", "test_multinode.py", "test_versions.py", "test_lightning.py",
     "test_gpt_example.py", "test_docs.py", "test_memory.py", "test_resume.py", "test_history.py", "test_cli.py",
     "test_export.py",
