@@ -3,9 +3,10 @@
     python peer_flood.py idle HOST:PORT SOURCES RATE SECONDS
         open TCP connections that send nothing, RATE per second round SOURCES (comma-separated
         addresses to bind), each held until the endpoint closes it (or 5 s)
-    python peer_flood.py hello HOST:PORT SOURCES IN_FLIGHT SECONDS
+    python peer_flood.py hello HOST:PORT SOURCES IN_FLIGHT SECONDS [RATE]
         replay one captured TLS ClientHello on new connections round SOURCES, IN_FLIGHT at a time,
-        each closed once the endpoint answered or closed it
+        each closed once the endpoint answered or closed it; with RATE, at most RATE new connections
+        per second (without it, as fast as the endpoint answers)
 
 It runs for SECONDS or until its stdin closes, then prints one JSON line: ``opened`` (connections),
 ``seconds``, ``closed_by_endpoint`` (idle) or ``worked`` (ClientHellos the endpoint answered).
@@ -76,7 +77,7 @@ def idle(target, sources, rate, stop):
     return {"opened": opened, "seconds": time.monotonic() - t0, "closed_by_endpoint": closed}
 
 
-def hello(target, sources, in_flight, stop):
+def hello(target, sources, in_flight, stop, rate=None):
     first = client_hello()
     sel = selectors.DefaultSelector()
     opened = worked = 0
@@ -91,10 +92,15 @@ def hello(target, sources, in_flight, stop):
         sel.register(sock, selectors.EVENT_WRITE, "connecting")
         opened += 1
 
+    waiting = 0  # connections not started yet for the rate
+
     for _ in range(in_flight):
         start()
     while not stop.is_set():
-        for key, _mask in sel.select(0.1):
+        while waiting and (rate is None or opened < rate * (time.monotonic() - t0)):
+            start()
+            waiting -= 1
+        for key, _mask in sel.select(0.01 if waiting else 0.1):
             sock = key.fileobj
             if key.data == "connecting":
                 try:
@@ -111,14 +117,17 @@ def hello(target, sources, in_flight, stop):
             sel.unregister(sock)
             sock.close()
             if not stop.is_set():
-                start()
+                if rate is None or opened < rate * (time.monotonic() - t0):
+                    start()
+                else:
+                    waiting += 1
     for key in list(sel.get_map().values()):
         key.fileobj.close()
     return {"opened": opened, "seconds": time.monotonic() - t0, "worked": worked}
 
 
 def main(argv):
-    kind, addr, sources, amount, seconds = argv
+    kind, addr, sources, amount, seconds, *rate = argv
     host, port = addr.rsplit(":", 1)
     stop = threading.Event()
 
@@ -130,9 +139,11 @@ def main(argv):
     timer = threading.Timer(float(seconds), stop.set)
     timer.daemon = True
     timer.start()
-    run = idle if kind == "idle" else hello
-    print(json.dumps(run((host, int(port)), sources.split(","), float(amount) if kind == "idle" else int(amount),
-                         stop)), flush=True)
+    if kind == "idle":
+        result = idle((host, int(port)), sources.split(","), float(amount), stop)
+    else:
+        result = hello((host, int(port)), sources.split(","), int(amount), stop, float(rate[0]) if rate else None)
+    print(json.dumps(result), flush=True)
     return 0
 
 
