@@ -45,17 +45,7 @@ class Step:
 
 
 def _pick(infos: dict[int, Any], step: int | None, where: str) -> int:
-    if step is not None:
-        if step not in infos:
-            raise CheckpointNotFoundError(f"step {step} is not committed in {where}; committed: "
-                                          f"{sorted(infos) or 'none'}. "
-                                          f"Remedy: pick a committed step (shardckpt ls {where}).")
-        return step
-    live, _abandoned = lineage.classify(infos)
-    if not live:
-        raise CheckpointNotFoundError(f"no committed step in {where}. Remedy: check the path or URL (it must hold "
-                                      f"step_<N> directories with a manifest, {layout.MANIFEST_NAME}).")
-    return live[-1]
+    return steps_mod.choose_step(infos, step, where, f"Remedy: pick a committed step (shardckpt ls {where}).")
 
 
 def _load(step_dir: str, manifest: layout.Manifest, where: str, trust: bool) -> Step:

@@ -40,7 +40,7 @@ import os
 import shutil
 import tempfile
 import threading
-from typing import Callable, Iterable
+from typing import Callable
 
 from shardckpt import steps as steps_mod
 from shardckpt import stores
@@ -150,26 +150,11 @@ def _locked(progress: Callable[[int], None] | None) -> Callable[[int], None]:
 # ---------------------------------------------------------------- locating the step
 
 
-def _not_committed(step: int, where: str, committed: Iterable[int]) -> CheckpointNotFoundError:
-    return CheckpointNotFoundError(
-        f"step {step} is not committed in {where}; committed: {sorted(committed) or 'none'}. "
-        f"Remedy: pick a committed step (shardckpt ls), or leave out --step for the newest live one."
-    )
+EXPORT_REMEDY = "Remedy: pick a committed step (shardckpt ls), or leave out --step for the newest live one."
 
 
 def _choose_step(infos: dict[int, lineage.StepInfo], step: int | None, where: str) -> int:
-    """``step`` if committed, else the newest live step."""
-    if step is not None:
-        if step not in infos:
-            raise _not_committed(step, where, infos)
-        return step
-    live, _abandoned = lineage.classify(infos)
-    if not live:
-        raise CheckpointNotFoundError(
-            f"no committed step in {where}. Remedy: check the path or URL (it must hold step_<N> directories "
-            f"with a manifest, {layout.MANIFEST_NAME})."
-        )
-    return live[-1]
+    return steps_mod.choose_step(infos, step, where, EXPORT_REMEDY)
 
 
 def _export_local(src: str, step: int | None, job: ExportJob) -> ExportResult:
@@ -210,7 +195,7 @@ def _export_remote(src: str, step: int | None, job: ExportJob, options: stores.T
             step = _choose_step(infos, None, where)
         manifest = remote_commit.remote_manifest(store, step, deadline)
         if manifest is None:
-            raise _not_committed(step, where, remote_listing.remote_steps(store, deadline))
+            raise steps_mod.not_committed(step, where, remote_listing.remote_steps(store, deadline), EXPORT_REMEDY)
         view = steps_mod.StepView(store, manifest)
         tmp = tempfile.mkdtemp(prefix=f".shardckpt-export-{step}-", dir=os.path.dirname(job.out))
         fetched: list[str] = []

@@ -7,8 +7,10 @@ from shardckpt.steps.locations import (  # noqa: F401 - the package's API
     LocalSteps,
     RemoteSteps,
     Steps,
+    choose_step,
     commit_fetched,
     fetch_step,
+    not_committed,
     open_steps,
 )
 from shardckpt.steps.view import CheckReport, OnBytes, StepView, is_url  # noqa: F401 - the package's API

@@ -16,8 +16,9 @@ import logging
 import os
 import shutil
 import uuid
+from typing import Iterable, Mapping
 
-from shardckpt.errors import CorruptCheckpointError, RemoteError, ShardckptError
+from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, RemoteError, ShardckptError
 from shardckpt.format import layout, lineage, node_state, shm, step_dirs
 from shardckpt.remote import commit as remote_commit
 from shardckpt.remote import listing as remote_listing
@@ -291,3 +292,24 @@ def open_steps(src: str, options: TransferOptions | None = None) -> Steps:
     if is_url(src):
         return RemoteSteps(src, options)
     return LocalSteps(src)
+
+
+def not_committed(step: int, where: str, committed: Iterable[int], remedy: str) -> CheckpointNotFoundError:
+    """The error for a step asked of ``where`` that is not committed there, naming those that are."""
+    listed = sorted(committed) or "none"
+    return CheckpointNotFoundError(f"step {step} is not committed in {where}; committed: {listed}. {remedy}")
+
+
+def choose_step(infos: Mapping[int, lineage.StepInfo], step: int | None, where: str, remedy: str) -> int:
+    """``step`` when it is committed (else :func:`not_committed`, with ``remedy``), else the newest live step."""
+    if step is not None:
+        if step not in infos:
+            raise not_committed(step, where, infos, remedy)
+        return step
+    live, _abandoned = lineage.classify(dict(infos))
+    if not live:
+        raise CheckpointNotFoundError(
+            f"no committed step in {where}. Remedy: check the path or URL (it must hold step_<N> directories "
+            f"with a manifest, {layout.MANIFEST_NAME})."
+        )
+    return live[-1]
