@@ -31,7 +31,14 @@ log = logging.getLogger("shardckpt")
 
 
 class MemorySource:
-    """Source 0 of a restore on this rank: the copies of ``root``'s saves in this machine's shared memory."""
+    """Source 0 of a restore on this rank: the copies of ``root``'s saves in this machine's shared memory.
+
+    A whole source (:class:`~shardckpt.restoring.views.Source`): a step is read from the copies as they are
+    (:meth:`complete`, :meth:`view`), never file by file; the survey learns what every rank holds from
+    :meth:`report`."""
+
+    kind = "memory"
+    whole = True
 
     def __init__(self, config: Any, root: str) -> None:
         self.config = config
@@ -139,7 +146,18 @@ class MemorySource:
         found = self._views.pop(step, None)
         return MemoryView(step, *found) if found is not None else None
 
+    def offers(self) -> dict[int, dict[str, list[str]]]:
+        return {}  # not files of a directory: the survey reads :meth:`report`
 
+    def views(self, step: int, version: str) -> list[Any]:
+        return []  # read whole (:meth:`complete`)
+
+    def close(self) -> None:
+        """Close the copies of a read prepared and never made."""
+        for _md, copies, _where in self._views.values():
+            for copy in copies:
+                copy.close()
+        self._views.clear()
 
 
 class MemoryView:

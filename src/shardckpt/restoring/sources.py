@@ -4,11 +4,15 @@ The restorer reads as: survey (:mod:`.survey`) -> :meth:`Sources.complete`
 (this module) -> match keys and shapes -> DCP read (``dcp/reader.py``) ->
 apply. For the save chosen by the survey (identified by its save id, never by
 its number alone), each directory copy takes every file it lacks from the
-first source that holds it, in this order:
+first source that holds it, in this order. Each source is a
+:class:`~shardckpt.restoring.views.Source` of one typed list,
+:attr:`Sources.order` (the memory tier, the replicas here, the peers, the
+remote); the process group, between the last two, is every node's copies:
 
 0. **this machine's shared memory** (``restoring/memory.py``): when every rank
    finds the copies of that very save it reads on its machine, the step is
-   read from them and from nothing else (:meth:`MemorySource.complete`); a
+   read from them and from nothing else (:meth:`MemorySource.complete`: a
+   whole source); a
    restore whose layout needs a copy held on another machine falls through
    to the sources below for the same step;
 1. **this node's disk** (``local_dir/step_<N>/``): what the copy holds of that
@@ -24,11 +28,11 @@ first source that holds it, in this order:
    against the manifest as it arrives, and one that fails gives way to the
    next view. A copy holding nothing of the step takes the manifest from the
    first view too and is committed, manifest last, once complete. Adding a
-   source of files is adding a provider to that list;
+   source of files is adding a :class:`~.views.Source` to that list;
 3. **other nodes of the job over the process group** (no remote holds the
    save): each file a copy still lacks is sent by the committer of a copy that
    has it, checked on arrival (:mod:`.exchange`);
-4. **the remote** (the save committed there, any store, ``steps/view.py``):
+4. **the remote** (:class:`~.views.RemoteSource`: the save committed there, any store, ``steps/view.py``):
    a copy still holding nothing of the step becomes a sparse copy given,
    during the read, only the byte ranges its ranks read (need-only,
    chunk-verified, read once per job and shared between nodes:
@@ -72,24 +76,23 @@ from shardckpt._text import fmt_bytes
 from shardckpt.errors import CorruptCheckpointError, RemoteError
 from shardckpt.format import layout
 from shardckpt.options import CheckpointConfig
-from shardckpt.remote import commit as remote_commit
 from shardckpt.remote import ranged
 from shardckpt.restoring import exchange
 from shardckpt.restoring.failure import Failure, raise_first
 from shardckpt.restoring.survey import Survey, raise_not_found
-from shardckpt.restoring.views import CopyFill, Peers, PeerTierFacts, Provider, ReplicasHere, View
+from shardckpt.restoring.views import CopyFill, Peers, PeerTierFacts, RemoteSource, ReplicasHere, Source
 from shardckpt.topology import Topology
 
 log = logging.getLogger("shardckpt")
 
 OTHER_NODES = "other nodes"
 """The process group's kind in :attr:`Sources.report`."""
-REMOTE = "remote"
+REMOTE = RemoteSource.kind
 
 
-class MemorySourceLike(Protocol):
-    """Source 0 as the sources use it (:class:`shardckpt.restoring.memory.MemorySource`): what this machine's
-    shared memory holds for the survey, a step completed from it, its read."""
+class MemorySourceLike(Source, Protocol):
+    """Source 0 as the sources use it (:class:`shardckpt.restoring.memory.MemorySource`), a whole source: what
+    this machine's shared memory holds for the survey, a step completed from it, its read."""
 
     def report(self) -> Any: ...
 
@@ -111,17 +114,18 @@ class Sources:
         self.config = config
         self.root = root
         self._groups = groups
-        self._store: stores.Store | None = None
         self.topology = Topology.single()
         """Which ranks share this directory; set by the Checkpointer before the first load."""
         self.peer = peer
-        self.providers: list[Provider] = [ReplicasHere(root), Peers(peer)]
-        """The step views a copy reads from after its own disk, in this order."""
         self.memory = memory
+        self.providers: list[Source] = [ReplicasHere(root), Peers(peer)]
+        """The sources of files a copy reads from after its own disk, in this order (then the process group)."""
+        self.remote = RemoteSource(config)
+        self.order: list[Source] = [*([memory] if memory is not None else []), *self.providers, self.remote]
+        """Every source of this rank, in the order of the module docstring (the process group, between the
+        providers and the remote, is not a source of this node's: it is every node's copies)."""
         self.sparse: dict[int, ranged.SparseStep] = {}
         """Steps this rank reads from a sparse copy (need-only fetch from the remote, ``ranged.py``)."""
-        self._surveyed: dict[int, layout.Manifest] = {}
-        """Remote manifests read by the survey of the step being completed (rank 0's): not read again."""
         self._report: dict[str, dict[str, int]] = {}
         self._read_sparse: ranged.SparseStep | None = None
 
@@ -138,11 +142,8 @@ class Sources:
         return out
 
     def close(self) -> None:
-        for provider in self.providers:
-            provider.close()
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        for source in self.order:
+            source.close()
 
     # ------------------------------------------------------------ the survey's view of the sources
 
@@ -178,7 +179,7 @@ class Sources:
         need-only restore).
         """
         self.sparse.pop(step, None)
-        self._report, self._read_sparse, self._surveyed = {}, None, survey.remote_manifests
+        self._report, self._read_sparse, self.remote.surveyed = {}, None, survey.remote_manifests
         if step in survey.memory:  # source 0: the copies in this machine's shared memory
             return self.memory.complete(step, survey.memory[step], self._groups)
         received: set[str] = set()
@@ -240,7 +241,7 @@ class Sources:
             remote_manifest = None
             if on_remote:
                 if self._open_need_only(step, version, gathered):
-                    remote_manifest = self._fetch_rest(step, copy)
+                    remote_manifest = self._fetch_rest(step, version, copy)
             else:
                 received = self._exchange(step, copy, gathered)
                 if copy is not None:
@@ -268,21 +269,19 @@ class Sources:
             for provider in self.providers:
                 provider.close()  # their connections: a restore's, not kept open on the peers afterwards
 
-    def _fetch_rest(self, step: int, copy: CopyFill | None) -> layout.Manifest | None:
+    def _fetch_rest(self, step: int, version: str, copy: CopyFill | None) -> layout.Manifest | None:
         """Each copy's committer takes what its copy still lacks from the remote (whole files through its
         step view, each verified while it downloads); all ranks agree. Returns the remote manifest."""
         error: Failure | None = None
         manifest = None
         if copy is not None and step not in self.sparse:
             try:
-                deadline = stores.Deadline(self.config.step_deadline_s)
-                manifest = self._remote_manifest(step, deadline)
-                if manifest is None:
-                    raise RemoteError(f"step {step} is no longer committed on {stores.safe_url(self.config.remote)}")
+                found = self.remote.views(step, version)
+                manifest = found[0].view.manifest
                 if copy.lacking() != []:
-                    where = stores.safe_url(self.config.remote)
+                    where = self.remote.where()
                     t0 = time.monotonic()
-                    copy.fill([View(REMOTE, where, steps_mod.StepView(self.store(), manifest), listed=False)])
+                    copy.fill(found)
                     if copy.lacking() != []:  # the remote is the last source: its error is the step's
                         raise next((e for kind, _n, e in copy.failures if kind == REMOTE),
                                    CorruptCheckpointError(f"step {step}: files of this node's copy came from no "
@@ -346,17 +345,7 @@ class Sources:
 
     def store(self) -> stores.Store:
         """The remote store (opened on first use, closed by :meth:`close`)."""
-        return self._open_store()
-
-    def _open_store(self) -> stores.Store:
-        if self._store is None:
-            self._store = stores.open_store(self.config.remote, self.config.transfer_options())
-        return self._store
-
-    def _remote_manifest(self, step: int, deadline: stores.Deadline) -> layout.Manifest | None:
-        """The remote manifest of ``step``: the survey's when it read it (one read per node per restore)."""
-        surveyed = self._surveyed.get(step)
-        return surveyed if surveyed is not None else remote_commit.remote_manifest(self.store(), step, deadline)
+        return self.remote.store()
 
     def _open_need_only(self, step: int, version: str, gathered: list[Any]) -> bool:
         """Copies still holding nothing of ``step`` become sparse copies, filled while the step is read
@@ -377,7 +366,7 @@ class Sources:
                 source = steps_mod.StepView.of_step(store, step)
                 sparse = ranged.SparseStep.open(
                     self.root, version,
-                    lambda: self._remote_manifest(step, source.deadline), source, metadata=False,
+                    lambda: self.remote.manifest(step, source.deadline), source, metadata=False,
                 )
                 result = (None if sparse is None else sparse.dir, None, sparse is not None and sparse.has_metadata())
             except OSError as exc:  # damage (CorruptCheckpointError) or a store failing

@@ -12,10 +12,12 @@ save of the step number never is). Each file taken from a view is verified
 against the chosen manifest as it arrives, and a file that fails gives way to
 the next view.
 
-Providers say which views they have, in the order of
-:mod:`shardckpt.restoring.sources` (the one place that orders them): a
-provider is an object with ``kind``, ``offers()`` (what it holds on this node,
-for the survey) and ``views(step, version)``.
+Every source of a restore is a :class:`Source` (this machine's shared memory,
+the replicas held here, the peers, the remote), listed in the order of
+:mod:`shardckpt.restoring.sources` (the one place that orders them): it has a
+``kind``, says whether it gives a step ``whole`` (the memory tier: every
+rank's copy read as it is) or file by file through ``views(step, version)``,
+and ``offers()`` what it holds on this node for the survey.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from shardckpt import steps as steps_mod
 from shardckpt import stores
 from shardckpt.errors import CorruptCheckpointError, RemoteError
 from shardckpt.format import layout, replicas, step_dirs
+from shardckpt.remote import commit as remote_commit
 from shardckpt.remote.upload_marks import mark_uploaded
 from shardckpt.stores.peer import PeerStore
 from shardckpt.stores.peer_client import PeerClient
@@ -51,16 +54,24 @@ class View:
     remote's committed step, whose compressed files are stored under other names, is not listed)."""
 
 
-class Provider(Protocol):
+class Source(Protocol):
+    """One source of a restore's bytes (the order they are read in: ``restoring/sources.py``)."""
+
     kind: str
-    """The kind of source, as :attr:`Sources.report` counts it (``"replicas here"``, ``"peer"``, ...)."""
+    """The kind of source, as :attr:`Sources.report` counts it (``"memory"``, ``"replicas here"``, ``"peer"``,
+    ``"remote"``)."""
+    whole: bool
+    """Whether it gives a step whole (every rank's copy read as it is, never file by file: the memory tier,
+    whose holdings the survey learns from every rank's report) instead of through :meth:`views`."""
 
     def offers(self) -> dict[int, dict[str, list[str]]]:
-        """What this provider holds on this node, for the survey: ``{step: {version: [file names]}}``
-        (``{}`` for a provider whose holdings other nodes report themselves)."""
+        """What this source holds on this node, for the survey: ``{step: {version: [file names]}}``
+        (``{}`` for a source whose holdings the survey learns otherwise: from the peers' own nodes, rank 0's
+        listing of the remote, the memory tier's report)."""
 
     def views(self, step: int, version: str) -> list[View]:
-        """Its views of the save ``version`` of ``step``, in the order to read them."""
+        """Its views of the save ``version`` of ``step``, in the order to read them (``[]`` from a whole
+        source)."""
 
     def close(self) -> None:
         """Release connections."""
@@ -98,6 +109,7 @@ class ReplicasHere:
     :class:`~shardckpt.stores.local.ReplicaDirStore` per owner. Used whether or not the tier is on."""
 
     kind = "replicas here"
+    whole = False
 
     def __init__(self, root: str) -> None:
         self.root = root
@@ -160,6 +172,7 @@ class Peers:
     while the peer tier is on; what each daemon serves its node reports in the survey itself."""
 
     kind = "peer"
+    whole = False
 
     def __init__(self, tier: PeerTierFacts | None) -> None:
         self._tier = tier
@@ -203,6 +216,51 @@ class Peers:
         for _node, client in self._clients:
             client.close()
         self._clients = []
+
+
+class RemoteSource:
+    """The remote (any store, ``config.remote``): the step's committed save there, read file by file through
+    one view of its manifest, unlisted (its compressed files are stored under other names). Rank 0 lists
+    it in the survey; the manifests the survey read are not read again. Also the source of a need-only
+    copy's ranges (``remote/ranged.py``) and of a refetch after a bad read (``restoring/sources.py``)."""
+
+    kind = "remote"
+    whole = False
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.surveyed: dict[int, layout.Manifest] = {}
+        """Remote manifests read by the survey of the step being completed (rank 0's)."""
+        self._store: stores.Store | None = None
+
+    def store(self) -> stores.Store:
+        """The remote store (opened on first use, closed by :meth:`close`)."""
+        if self._store is None:
+            self._store = stores.open_store(self.config.remote, self.config.transfer_options())
+        return self._store
+
+    def where(self) -> str:
+        return stores.safe_url(self.config.remote)
+
+    def manifest(self, step: int, deadline: stores.Deadline) -> layout.Manifest | None:
+        """The remote manifest of ``step``: the survey's when it read it (one read per node per restore)."""
+        surveyed = self.surveyed.get(step)
+        return surveyed if surveyed is not None else remote_commit.remote_manifest(self.store(), step, deadline)
+
+    def offers(self) -> dict[int, dict[str, list[str]]]:
+        return {}
+
+    def views(self, step: int, version: str) -> list[View]:
+        """The committed step's view; :class:`~shardckpt.errors.RemoteError` when it is no longer committed."""
+        manifest = self.manifest(step, stores.Deadline(self.config.step_deadline_s))
+        if manifest is None:
+            raise RemoteError(f"step {step} is no longer committed on {self.where()}")
+        return [View(self.kind, self.where(), steps_mod.StepView(self.store(), manifest), listed=False)]
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
 
 class CopyFill:
