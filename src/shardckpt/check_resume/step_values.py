@@ -32,7 +32,6 @@ from shardckpt.check_resume import digest
 from shardckpt.dcp import planner as dcp_planner
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardckpt.format import layout, lineage
-from shardckpt.remote import index as remote_index
 
 
 @dataclasses.dataclass
@@ -44,8 +43,12 @@ class Step:
     """Top-level key -> its saved value (nested dicts and lists of tensors and plain values)."""
 
 
+def _remedy(where: str) -> str:
+    return f"Remedy: pick a committed step (shardckpt ls {where})."
+
+
 def _pick(infos: dict[int, Any], step: int | None, where: str) -> int:
-    return steps_mod.choose_step(infos, step, where, f"Remedy: pick a committed step (shardckpt ls {where}).")
+    return steps_mod.choose_step(infos, step, where, _remedy(where))
 
 
 def _load(step_dir: str, manifest: layout.Manifest, where: str, trust: bool) -> Step:
@@ -91,15 +94,8 @@ def _read_remote(src: str, step: int | None, trust: bool, options: stores.Transf
     store = stores.open_store(src, options)
     where = stores.safe_url(src)
     try:
-        deadline = stores.Deadline(options.step_deadline_s)
-        if step is None:
-            infos, _unreadable = remote_index.survey(store, deadline)
-            step = _pick(infos, None, where)
-        manifest = remote_index.remote_manifest(store, step, deadline)
-        if manifest is None:
-            infos, _unreadable = remote_index.survey(store, deadline)
-            _pick(infos, step, where)
-            raise CheckpointNotFoundError(f"step {step} is no longer committed in {where}. Remedy: run the diff again.")
+        step, manifest = steps_mod.remote_step(store, step, where, _remedy(where),
+                                               stores.Deadline(options.step_deadline_s))
         tmp = tempfile.mkdtemp(prefix=f".shardckpt-diff-{step}-")
         try:
             steps_mod.StepView(store, manifest).fetch_into(tmp, sorted(manifest.files))

@@ -63,8 +63,6 @@ from shardckpt.errors import (
 )
 from shardckpt.format import layout, lineage
 from shardckpt.remote import commit as remote_commit
-from shardckpt.remote import index as remote_index
-from shardckpt.remote import listing as remote_listing
 
 log = logging.getLogger("shardckpt")
 
@@ -189,13 +187,8 @@ def _export_remote(src: str, step: int | None, job: ExportJob, options: stores.T
     store = stores.open_store(src, options)
     where = stores.safe_url(src)
     try:
-        deadline = stores.Deadline(options.step_deadline_s)
-        if step is None:
-            infos, _unreadable = remote_index.survey(store, deadline)
-            step = _choose_step(infos, None, where)
-        manifest = remote_commit.remote_manifest(store, step, deadline)
-        if manifest is None:
-            raise steps_mod.not_committed(step, where, remote_listing.remote_steps(store, deadline), EXPORT_REMEDY)
+        step, manifest = steps_mod.remote_step(store, step, where, EXPORT_REMEDY,
+                                               stores.Deadline(options.step_deadline_s))
         view = steps_mod.StepView(store, manifest)
         tmp = tempfile.mkdtemp(prefix=f".shardckpt-export-{step}-", dir=os.path.dirname(job.out))
         fetched: list[str] = []

@@ -12,5 +12,6 @@ from shardckpt.steps.locations import (  # noqa: F401 - the package's API
     fetch_step,
     not_committed,
     open_steps,
+    remote_step,
 )
 from shardckpt.steps.view import CheckReport, OnBytes, StepView, is_url  # noqa: F401 - the package's API

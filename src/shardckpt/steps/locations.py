@@ -21,6 +21,7 @@ from typing import Iterable, Mapping
 from shardckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, RemoteError, ShardckptError
 from shardckpt.format import layout, lineage, node_state, shm, step_dirs
 from shardckpt.remote import commit as remote_commit
+from shardckpt.remote import index as remote_index
 from shardckpt.remote import listing as remote_listing
 from shardckpt.steps.view import CheckReport, OnBytes, StepView, is_url
 from shardckpt.stores import Deadline, LocalDirStore, Store, TransferOptions, open_store, safe_url, split_url
@@ -298,6 +299,18 @@ def not_committed(step: int, where: str, committed: Iterable[int], remedy: str) 
     """The error for a step asked of ``where`` that is not committed there, naming those that are."""
     listed = sorted(committed) or "none"
     return CheckpointNotFoundError(f"step {step} is not committed in {where}; committed: {listed}. {remedy}")
+
+
+def remote_step(store: Store, step: int | None, where: str, remedy: str, deadline: Deadline
+                ) -> tuple[int, layout.Manifest]:
+    """``step`` of the remote ``store`` (default: the newest live one) and its manifest; :func:`not_committed`
+    (with ``remedy``) when it is not committed there, or no longer is once its manifest is read."""
+    if step is None:
+        step = choose_step(remote_index.survey(store, deadline)[0], None, where, remedy)
+    manifest = remote_commit.remote_manifest(store, step, deadline)
+    if manifest is None:
+        raise not_committed(step, where, remote_listing.remote_steps(store, deadline), remedy)
+    return step, manifest
 
 
 def choose_step(infos: Mapping[int, lineage.StepInfo], step: int | None, where: str, remedy: str) -> int:
