@@ -261,3 +261,13 @@ def flip_byte_in_tensor(path: str, info, mask: int = 0x01) -> None:
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ mask]))
+
+
+def assert_plans_checked(out) -> int:
+    """The save plans of a program run with ``tests/programs/plan_check.py`` installed (the integrations'
+    programs) captured what DCP captures at every save they answered; returns how many were compared."""
+    if str(PROGRAMS) not in sys.path:
+        sys.path.insert(0, str(PROGRAMS))
+    from plan_check import assert_checked
+
+    return assert_checked(out)

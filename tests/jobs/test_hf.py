@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import (  # noqa: E402
     PROGRAMS,
     ROOT,
+    assert_plans_checked,
     child_env,
     kill_job,
     run_torchrun,
@@ -109,6 +110,7 @@ def test_trainer_sigkill_resumes_bitwise_sigterm_commits_and_a_fresh_rank_resume
                  env=env, timeout=180)
     want_losses = losses_by_step(ref / "history.json")
     want_lrs = lrs_by_step(ref / "history.json")
+    assert_plans_checked(ref)  # the save plan captured what DCP captures, on the Trainer's state, at every save
     assert want_lrs[1] < want_lrs[6] < want_lrs[7] == want_lrs[14]  # warmup, then constant
     want_weights = torch.load(ref / "weights.pt")
     want_samples = samples_by_step(ref / "samples", 2)

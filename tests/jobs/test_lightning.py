@@ -26,7 +26,16 @@ import shutil
 
 import pytest
 import torch
-from helpers import PROGRAMS, child_env, kill_job, run_torchrun, skip_module_unless_installed, start_torchrun, wait_for
+from helpers import (
+    PROGRAMS,
+    assert_plans_checked,
+    child_env,
+    kill_job,
+    run_torchrun,
+    skip_module_unless_installed,
+    start_torchrun,
+    wait_for,
+)
 
 skip_module_unless_installed("lightning", "torchdata.stateful_dataloader",
                              reason="bash scripts/setup.sh installs them; or pip install 'shardckpt[lightning]'")
@@ -150,6 +159,12 @@ def test_a_resume_after_an_epoch_boundary_trains_every_later_step_as_the_uninter
         diverged = [s for s in after if again[s] != ref[s]]
         assert not diverged, (rank, diverged[:3], [(ref[s], again[s]) for s in diverged[:1]])
     assert same(params(base, f"{strategy}-ref", "end"), params(base, f"{strategy}-{tag}", "end"))
+
+
+def test_the_save_plan_captures_what_dcp_captures_on_every_strategy(base, ddp, fsdp2):
+    """Every save that a save plan answered (DDP and FSDP2 fits) is what DCP's own capture of the callback's
+    state gives at that moment: the same keys, tensors and values (tests/programs/plan_check.py)."""
+    assert_plans_checked(base)
 
 
 def test_a_fit_that_ends_at_max_steps_commits_its_final_step(base, ddp, fsdp2):

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 import torch
-from helpers import PROGRAMS, child_env, kill_job, run_torchrun, start_torchrun, wait_for
+from helpers import PROGRAMS, assert_plans_checked, child_env, kill_job, run_torchrun, start_torchrun, wait_for
 
 from shardckpt.format import layout
 
@@ -96,6 +96,13 @@ def test_a_resume_mid_epoch_trains_every_later_step_as_the_uninterrupted_run(run
     assert same(first["params"], final["params"]) and same(first["optim"], final["optim"])
     assert (first["step"], first["ntokens_seen"], first["last_epoch"], first["lr"]) == (
         final["step"], final["ntokens_seen"], final["last_epoch"], final["lr"])
+
+
+@pytest.mark.slow
+def test_the_save_plan_captures_what_dcp_captures(runs):
+    """Every save that a save plan answered, on 2 FSDP2 ranks and on 1, is what DCP's own capture of the
+    manager's state gives at that moment (tests/programs/plan_check.py)."""
+    assert_plans_checked(runs["out"])
 
 
 @pytest.mark.slow

@@ -14,9 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from plan_check import install as check_plans  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 import shardckpt
@@ -78,6 +82,8 @@ def main() -> None:
     p.add_argument("--weights", default=None)
     p.add_argument("--every-step-weights", action="store_true")
     a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    check_plans(a.out, "hf")
 
     args = TrainingArguments(
         output_dir=a.out, max_steps=a.max_steps, per_device_train_batch_size=a.per_device,

@@ -43,6 +43,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(__file__))
 import lightning.pytorch as L  # noqa: E402
 from common import flat_tensors, jobs  # noqa: E402
+from plan_check import install as check_plans  # noqa: E402
 from torch.utils.data import DistributedSampler, Subset, TensorDataset  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from torchdata.stateful_dataloader.sampler import RandomSampler  # noqa: E402
@@ -189,6 +190,7 @@ def run(out: str, tag: str, opts: dict[str, str]) -> None:
 
 def main() -> None:
     out = sys.argv[1]
+    check_plans(out, "lightning")
     for job in jobs(sys.argv[2:]):
         tag, opts = job[0], dict(item.split("=", 1) for item in job[1:])
         run(out, tag, opts)

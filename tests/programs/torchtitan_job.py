@@ -40,6 +40,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import finish, flat_tensors, init, jobs  # noqa: E402
+from plan_check import install as check_plans  # noqa: E402
 from torch.utils.data import IterableDataset  # noqa: E402
 from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
@@ -167,6 +168,7 @@ def snapshot(out, rank, name, model, optimizers, schedulers, train_state, manage
 def main() -> None:
     out = sys.argv[1]
     rank, world = init()
+    check_plans(out, "torchtitan")
     for job in jobs(sys.argv[2:]):
         run(out, rank, world, job[0], dict(item.split("=", 1) for item in job[1:]))
         torch.distributed.barrier()
