@@ -115,6 +115,11 @@ def test_a_model_only_last_step_is_named_when_a_resume_passes_it_over(runs):
     which step it passed over and why, and that the earlier save of 12 is kept aside when 12 is saved again."""
     assert layout.read_manifest(str(runs["ref"] / layout.step_dirname(STEPS))).kind == "light"
     assert runs["two"].count(LIGHT_WARNING) == 1
+    # One WARNING says it all: the new branch from step 9 the restorer announces is in it, not in one of its own.
+    warned = [line for line in runs["two"].splitlines() if "WARNING" in line and "shardckpt:" in line]
+    assert len(warned) == 1, warned
+    assert ("and a resume needs it. The next save starts a new branch from step 9: step(s) 12 are kept but no "
+            "longer resumed by default, nor counted by retention. Steps 10..12 are trained again") in warned[0]
     assert "last_save_model_only=False (this manager's default)" in runs["two"]
     assert len(kept_aside(runs["ref"])) == 1 and "12" in kept_aside(runs["ref"])[0]
 
@@ -134,6 +139,28 @@ def test_one_rank_restores_the_newest_committed_step_bitwise_never_the_incomplet
     assert same(two["optim"], one["optim"])
     assert "world_size=1" in one["plan"] and "saved_world_size=2" in one["plan"]
     assert snap(runs["out"], "one-final")["step"] == 14  # and it trains on
+
+
+@pytest.mark.slow
+def test_a_resume_at_another_world_size_knows_the_batch_shape_from_torchtitans_config(runs):
+    """Every manifest records training.local_batch_size (2) and the accumulation steps (1) of the job's config; the
+    1-rank resume's plan keeps the saved global batch of 4 (2 ranks x 2) with 2 accumulation steps, and since
+    torchtitan takes its accumulation from its config (1 here), a WARNING says the global batch it trains with and
+    the config that keeps it."""
+    metadata = layout.read_manifest(str(runs["ckpt"] / layout.step_dirname(STEPS))).metadata
+    assert (metadata["shardckpt.micro_batch_size"], metadata["shardckpt.grad_accum_steps"]) == (2, 1)
+    plan = snap(runs["out"], "one-start")["plan"]
+    for field in ("saved_world_size=2", "world_size=1", "saved_micro_batch=2", "micro_batch=2", "accum_steps=2",
+                  "saved_global_batch=4", "global_batch=4", "exact=True"):
+        assert f" {field}," in plan, (field, plan)
+    assert "batch shape unknown" not in runs["one"]
+    assert ("step 12 was saved with a global batch of 4 (2 rank(s) x training.local_batch_size 2 x 1 accumulation "
+            "steps); this job trains with 2 (1 rank(s) x 2 x 1): torchtitan takes its accumulation steps from its "
+            "config, not from the elastic plan. Remedy: training.global_batch_size=4 keeps the saved global batch."
+            ) in runs["one"]
+    # Later saves record the shape the job trains with, not the plan's.
+    metadata = layout.read_manifest(str(runs["ckpt"] / layout.step_dirname(14))).metadata
+    assert (metadata["shardckpt.micro_batch_size"], metadata["shardckpt.grad_accum_steps"]) == (2, 1)
 
 
 @pytest.mark.slow
