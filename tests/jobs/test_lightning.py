@@ -211,11 +211,12 @@ def test_the_sampler_wrapper_warning_says_what_a_resume_in_epoch_0_does(base, dd
     batches = [(steps(base, "ddp-auto", r)[first], steps(base, "ddp-auto-again", r)[first]) for r in (0, 1)]
     assert all(ref["epoch"] == resumed["epoch"] == 0 for ref, resumed in batches)
     assert any(ref["batch"] != resumed["batch"] for ref, resumed in batches), batches
-    said = ("sampler (RandomSampler) with its DistributedSamplerWrapper (use_distributed_sampler=True): the wrapper "
-            "draws the wrapped sampler's order anew each time the loader makes an iterator")
-    when = ("So a resume in any epoch, epoch 0 included, differs from the saved run from the first step after the "
-            "restored one (the rest of that epoch sees some samples twice and skips others), and every later epoch "
-            "is in another order too. Remedy:")
+    said = ("shardckpt: Lightning replaced the training dataloader's sampler (RandomSampler) with its "
+            "DistributedSamplerWrapper (use_distributed_sampler=True): a resume in any epoch, epoch 0 included, "
+            "differs from the saved run from the first step after the restored one (the rest of that epoch sees "
+            "some samples twice and skips others), and every later epoch is in another order too. The wrapper draws "
+            "the wrapped sampler's order anew each time the loader makes an iterator")
+    when = "the restored position counts samples into that new order. Remedy: a sampler whose order a checkpoint"
     for log in (ddp["first"], ddp["resumed"]):
         assert said in log and when in log
 

@@ -538,12 +538,12 @@ def _wrapper_problem(sampler: DistributedSamplerWrapper) -> str:
     random = inner is not None and hasattr(inner, "generator")
     return (
         f"Lightning replaced the training dataloader's sampler ({name}) with its DistributedSamplerWrapper "
-        f"(use_distributed_sampler=True): the wrapper draws the wrapped sampler's order anew each time the loader "
-        f"makes an iterator, from generator state that no checkpoint holds, and the restored position counts samples "
-        f"into that new order. So a resume in any epoch, epoch 0 included, differs from the saved run from the first "
-        f"step after the restored one (the rest of that epoch sees some samples twice and skips others), and every "
-        f"later epoch is in another order too"
+        f"(use_distributed_sampler=True): a resume in any epoch, epoch 0 included, differs from the saved run from "
+        f"the first step after the restored one (the rest of that epoch sees some samples twice and skips others), "
+        f"and every later epoch is in another order too"
         + ("" if random else f" (if {name}'s order is random; a fixed order resumes exactly)")
+        + ". The wrapper draws the wrapped sampler's order anew each time the loader makes an iterator, from "
+        "generator state that no checkpoint holds, and the restored position counts samples into that new order"
     )
 
 
