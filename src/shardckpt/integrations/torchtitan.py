@@ -20,14 +20,18 @@ dataloader (per data-parallel rank), the train state and any other entry of
 ``states``, plus per-rank RNG. Saves are asynchronous: ``save`` returns once
 the state is copied into host memory; the write, the commit (manifest last)
 and the upload to ``remote`` run in the background. Restores reshard to the
-current world size. A dataloader state saved at another data-parallel degree
-cannot be mapped to the new ranks: it is dropped with a warning and every
-rank's dataloader starts from the beginning of its data.
+current world size; every manifest records the batch shape of torchtitan's
+config (``training.local_batch_size``, the ``Trainer``'s accumulation steps),
+so that the elastic plan of a resume at another world size knows the saved
+global batch (a warning says when torchtitan's config does not keep it). A
+dataloader state saved at another data-parallel degree cannot be mapped to the
+new ranks: it is dropped with a warning and every rank's dataloader starts
+from the beginning of its data.
 
 The last step (``save(step, last_step=True)``) is saved in full by default
 (``last_save_model_only=False`` here, unlike torchtitan's own manager), so
 that a resume takes it. With ``last_save_model_only=True`` it is saved without
-optimizer state; a resume then takes the newest full step and a warning names
+optimizer state; a resume then takes the newest full step and one warning names
 the newer model-only step(s) it did not use, and why.
 """
 
@@ -144,8 +148,7 @@ def _batch_shape(states: dict[str, Any], dp_world_size: int | None) -> tuple[int
     ``None`` when no state holds it, or when the data-parallel degree is not the world size (tensor, pipeline or
     context parallel: the elastic plan counts every rank as a data-parallel one, so a shape recorded per rank
     would give it a false global batch)."""
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    if dp_world_size is None or dp_world_size != world:
+    if dp_world_size is None or dp_world_size != _dist.world_size():
         return None
     for value in states.values():
         training = getattr(getattr(value, "config", None), "training", None)
