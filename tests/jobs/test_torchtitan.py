@@ -163,6 +163,42 @@ def test_a_resume_at_another_world_size_knows_the_batch_shape_from_torchtitans_c
     assert (metadata["shardckpt.micro_batch_size"], metadata["shardckpt.grad_accum_steps"]) == (2, 1)
 
 
+def test_the_batch_shape_read_from_the_config_is_the_one_torchtitans_trainer_computes(tmp_path):
+    """In one process (world size 1): the accumulation steps as torchtitan's Trainer computes them from
+    training.global_batch_size when the state does not carry them; extra= wins over the config; nothing is
+    recorded without a config in the states, nor when the data-parallel degree is not the world size (tensor or
+    pipeline parallel: the plan would count a false global batch)."""
+    pytest.importorskip("torchtitan.components.checkpointer.base")
+    import types
+
+    import torch.nn as nn
+    from torchtitan.components.optimizer.optimizer import default_adamw
+    from torchtitan.config.configs import TrainingConfig
+
+    from shardckpt.integrations.torchtitan import ShardckptCheckpointManager
+
+    def shape(states, dp_world_size=1, **extra):
+        model = nn.Linear(4, 2)
+        config = ShardckptCheckpointManager.Config(enable=True, folder=str(tmp_path / "ckpt"), extra=extra)
+        manager = config.build(dataloader=None, model_parts=[model], optimizers=default_adamw().build(
+            model_parts=[model]), lr_schedulers=None, states=states, base_folder="", dp_rank=0,
+            dp_world_size=dp_world_size)
+        try:
+            meta = manager.ckpt.config.metadata
+            return meta.get("shardckpt.micro_batch_size"), meta.get("shardckpt.grad_accum_steps")
+        finally:
+            manager.close()
+
+    trainer = types.SimpleNamespace(config=types.SimpleNamespace(
+        training=TrainingConfig(local_batch_size=3, global_batch_size=12)))
+    assert shape({"train_state": trainer}) == (3, 4)  # 12 // (3 x 1 data-parallel rank)
+    trainer.gradient_accumulation_steps = 2  # the Trainer's own count, when it has one
+    assert shape({"train_state": trainer}) == (3, 2)
+    assert shape({"train_state": trainer}, micro_batch_size=5, grad_accum_steps=1) == (5, 1)
+    assert shape({"train_state": trainer}, dp_world_size=2) == (None, None)
+    assert shape({"train_state": types.SimpleNamespace(step=0)}) == (None, None)
+
+
 @pytest.mark.slow
 def test_dataloader_state_is_dropped_with_a_warning_when_the_data_parallel_degree_changes(runs):
     assert snap(runs["out"], "one-start")["dataloader_restored"] is False
