@@ -7,7 +7,8 @@ SIGKILLed at step 7 (step 6 committed: in epoch 1, after the boundary at 4). A
 second launch resumes the killed run to step 12 and then reruns the finished
 reference in its own directory. A 1-rank job then resumes the newest step of
 the resumed run and trains on. Each test below checks one guarantee on those
-runs.
+runs (and one test builds managers in its own process: the batch shape read
+from torchtitan's config).
 """
 
 from __future__ import annotations
