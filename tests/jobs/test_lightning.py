@@ -11,8 +11,10 @@ did: loss, LR and the batch on every rank, and the final weights, bit for bit.
 The guide's two recipes: DDP shuffles each rank's part with torchdata's
 ``RandomSampler`` and a generator that differs by rank (its state is saved per
 rank), FSDP2 uses torch's ``DistributedSampler`` (its order is a function of
-the epoch). The first DDP launch also runs one step with each of two samplers
-that resume in another order (their warnings); the resumed DDP fit uploads to a
+the epoch). The first DDP launch also runs two samplers that resume in another
+order (their warnings): a 6-step fit with Lightning's sampler wrapper, which the
+second launch resumes from its step 4 (epoch 0: the next step's batches differ,
+as its warning says), and one step of the other; the resumed DDP fit uploads to a
 moto S3 server, and a 1-rank job with an empty disk then resumes its last step
 from there. The second FSDP2 launch also resumes the uninterrupted fit's step
 16, saved after the last batch of epoch 1, and starts the resumed fit again to
@@ -48,7 +50,8 @@ pytestmark = pytest.mark.slow
 JOB = PROGRAMS / "lightning_job.py"
 STEPS = 20
 KILLED_AT, RESTORED = 11, 9  # in epoch 1 (steps 9..16); saves every 3 steps
-SAMPLER_WARNINGS = ("Lightning replaced the training dataloader's sampler with its DistributedSamplerWrapper",
+AUTO_STEPS, AUTO_RESTORED = 6, 4  # Lightning's sampler wrapper: a resume in epoch 0 (8 steps per epoch)
+SAMPLER_WARNINGS = ("Lightning replaced the training dataloader's sampler (",
                     "the training dataloader's RandomSampler draws from the loader's own generator")
 
 
@@ -88,10 +91,10 @@ def committed(ckpt, step: int) -> bool:
     return (ckpt / layout.step_dirname(step) / layout.MANIFEST_NAME).exists()
 
 
-def kill_then_resume(out, strategy: str, first: list[str], resumed: list[str], env: dict) -> dict:
+def kill_then_resume(out, strategy: str, first: list[str], resumed: list[str], env: dict, between=None) -> dict:
     """One launch: the uninterrupted fit (saved every 4 steps), ``first`` jobs, then the fit SIGKILLed at step 11
-    (saved every 3: step 9 committed); a crashed save of step 12 is left beside it. A second launch resumes a copy
-    of its directory, then runs ``resumed`` jobs."""
+    (saved every 3: step 9 committed); a crashed save of step 12 is left beside it. ``between()`` runs next. A
+    second launch resumes a copy of its directory, then runs ``resumed`` jobs."""
     common = [f"strategy={strategy}", "sampler=" + ("rank" if strategy == "ddp" else "dist")]
     ckpt = out / f"{strategy}-killed"
     log = out / f"{strategy}-first.log"
@@ -110,6 +113,8 @@ def kill_then_resume(out, strategy: str, first: list[str], resumed: list[str], e
     # The uninterrupted fit's steps up to 16, saved after the last batch of epoch 1.
     shutil.copytree(out / f"{strategy}-ref", out / f"{strategy}-edge")
     shutil.rmtree(out / f"{strategy}-edge" / layout.step_dirname(STEPS))
+    if between is not None:
+        between()
     job = run_torchrun(2, JOB, str(out), f"{strategy}-resumed", f"ckpt={copied}", *common, *resumed, env=env,
                        timeout=300)
     return {"first": log.read_text(), "resumed": job.stdout}
@@ -117,12 +122,20 @@ def kill_then_resume(out, strategy: str, first: list[str], resumed: list[str], e
 
 @pytest.fixture(scope="module")
 def ddp(base, s3):
-    """Also: one step with each of two samplers that resume in another order (their warnings); the resumed
-    run uploads to the S3 server."""
+    """Also: the two samplers that resume in another order (their warnings): Lightning's wrapper in a fit of
+    AUTO_STEPS steps (saved every 2), resumed in the second launch from its step AUTO_RESTORED (epoch 0), and one
+    step of the other; the resumed run uploads to the S3 server."""
     out = base
-    first = ["ddp-auto", f"ckpt={out / 'ddp-auto'}", "sampler=auto", "steps=1", "+",
+    first = ["ddp-auto", f"ckpt={out / 'ddp-auto'}", "sampler=auto", f"steps={AUTO_STEPS}", "every=2", "+",
              "ddp-shared", f"ckpt={out / 'ddp-shared'}", "sampler=shared", "steps=1", "+"]
-    return kill_then_resume(out, "ddp", first, [f"remote=s3://{BUCKET}/lightning-ddp"], child_env(**s3.env()))
+
+    def newest_auto_step_lost() -> None:
+        shutil.copytree(out / "ddp-auto", out / "ddp-auto-again")
+        shutil.rmtree(out / "ddp-auto-again" / layout.step_dirname(AUTO_STEPS))
+
+    resumed = [f"remote=s3://{BUCKET}/lightning-ddp", "+", "ddp-auto-again", f"ckpt={out / 'ddp-auto-again'}",
+               "sampler=auto", f"steps={AUTO_STEPS}", "every=2"]
+    return kill_then_resume(out, "ddp", first, resumed, child_env(**s3.env()), between=newest_auto_step_lost)
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +183,7 @@ def test_the_save_plan_captures_what_dcp_captures_on_every_strategy(base, ddp, f
 def test_a_fit_that_ends_at_max_steps_commits_its_final_step(base, ddp, fsdp2):
     """20 steps saved every 3: the last save due by the interval is 18, and step 20 is committed too."""
     for ckpt in (base / "ddp-copied", base / "fsdp2-copied", base / "ddp-auto", base / "ddp-shared"):
-        final = 1 if ckpt.name in ("ddp-auto", "ddp-shared") else STEPS
+        final = {"ddp-auto": AUTO_STEPS, "ddp-shared": 1}.get(ckpt.name, STEPS)
         assert committed(ckpt, final), ckpt
     assert committed(base / "ddp-killed", RESTORED) and not committed(base / "ddp-killed", 12)
 
@@ -191,13 +204,36 @@ def test_a_run_resumed_from_a_copied_directory_finds_its_callback_state(ddp):
 
 
 def test_samplers_whose_order_no_checkpoint_restores_are_named_with_the_remedy(ddp, fsdp2):
-    """Two setups seen to resume in another order after an epoch boundary: Lightning's own sampler wrapper, and
-    torchdata's RandomSampler drawing from the loader's generator. Each of the two 1-step jobs that use one gets
-    its warning once; the setups the guide recommends (the runs compared above) get none."""
+    """Two setups seen to resume in another order: Lightning's own sampler wrapper, and torchdata's RandomSampler
+    drawing from the loader's generator. Each fit that uses one gets its warning once (the wrapper's: its first fit
+    and its resumed one); the setups the guide recommends (the runs compared above) get none."""
+    wrapper, shared = SAMPLER_WARNINGS
     for warning in SAMPLER_WARNINGS:
         assert ddp["first"].count(warning) == 1, warning
-        assert warning not in ddp["resumed"] + fsdp2["first"] + fsdp2["resumed"]
+        assert warning not in fsdp2["first"] + fsdp2["resumed"]
+    assert ddp["resumed"].count(wrapper) == 1 and shared not in ddp["resumed"]
     assert ddp["first"].count("Remedy: a sampler whose order a checkpoint restores") == 2
+
+
+def test_the_sampler_wrapper_warning_says_what_a_resume_in_epoch_0_does(base, ddp):
+    """Lightning's DistributedSamplerWrapper (over torchdata's RandomSampler of StatefulDataLoader(shuffle=True)):
+    the fit resumed from step 4, in epoch 0, trains step 5 on other batches than the uninterrupted fit on some rank
+    (steps 1..4 were the same run): the order differs from the first step after the restored one in epoch 0 too, as
+    the warning says, with the wrapped sampler named."""
+    again = result(base, "ddp-auto-again")
+    assert (again["restored_step"], again["global_step"]) == (AUTO_RESTORED, AUTO_STEPS)
+    first = AUTO_RESTORED + 1
+    batches = [(steps(base, "ddp-auto", r)[first], steps(base, "ddp-auto-again", r)[first]) for r in (0, 1)]
+    assert all(ref["epoch"] == resumed["epoch"] == 0 for ref, resumed in batches)
+    assert any(ref["batch"] != resumed["batch"] for ref, resumed in batches), batches
+    said = ("shardckpt: Lightning replaced the training dataloader's sampler (RandomSampler) with its "
+            "DistributedSamplerWrapper (use_distributed_sampler=True): a resume in any epoch, epoch 0 included, "
+            "differs from the saved run from the first step after the restored one (the rest of that epoch sees "
+            "some samples twice and skips others), and every later epoch is in another order too. The wrapper draws "
+            "the wrapped sampler's order anew each time the loader makes an iterator")
+    when = "the restored position counts samples into that new order. Remedy: a sampler whose order a checkpoint"
+    for log in (ddp["first"], ddp["resumed"]):
+        assert said in log and when in log
 
 
 def test_one_rank_resumes_the_two_rank_run_from_s3_keeping_the_global_batch(base, s3, ddp):

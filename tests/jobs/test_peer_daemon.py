@@ -237,3 +237,50 @@ def test_a_launch_meeting_its_nodes_daemon_on_its_way_out_leaves_the_node_served
         if second is not None:
             os.kill(second["pid"], signal.SIGTERM)
         wait_for(lambda: read_json(status_path).get("state") != "running", 30, "the second daemon's exit")
+
+
+def test_check_resume_ends_a_lines_peer_daemon_once_its_runs_are_over(tmp_path, monkeypatch):
+    """A node's daemon lingers 60 s after its trainers to serve the job's other nodes. check-resume's settle()
+    (run before a line's directory is moved aside, and at the end) leaves the daemon of a live trainer alone and
+    ends the daemon of a line whose runs are over at once, by its ordinary stop: no daemon of one line of runs
+    is left running while the next line does."""
+    from helpers import wait_for
+
+    from shardckpt.check_resume import isolate
+    from shardckpt.node import peer_tier
+    from shardckpt.node.node_registry import pid_alive, read_json, register_trainer, state_dir, unregister_trainer
+    from shardckpt.options import CheckpointConfig
+
+    monkeypatch.setenv("SHARDCKPT_PEER_HOST", "127.0.0.1")
+    monkeypatch.delenv("SHARDCKPT_PEER_LINGER_S", raising=False)  # the default linger, 60 s
+    where = tmp_path / "ckpt"
+    root = str(where / "node-1")
+    os.makedirs(state_dir(root))
+    tier = peer_tier.PeerTier(CheckpointConfig(local_dir=root), root, registered=True)
+    tier._node = "node-1:0"
+    cert = tier._identity(tier._node).cert_pem
+    # The run's two nodes, as its trainer writes them: the daemon lingers for the other one.
+    nodes = [{"node": f"node-{n}:0", "addr": "127.0.0.1:1", "domain": None, "cert": cert} for n in (1, 2)]
+    layout.atomic_write_text(os.path.join(state_dir(root), peer_daemon.PEERS_NAME),
+                             json.dumps({"nodes": nodes, "replicas": 1, "written": "launch-1"}))
+    trainer = register_trainer(root)
+    daemon = tier._spawn_daemon()
+    try:
+        assert isolate.settle(str(where), wait_s=5) == []
+        assert tier.daemon_info() is not None  # its trainer runs: left alone
+        unregister_trainer(trainer)
+        trainer = None
+        time.sleep(3)
+        assert tier.daemon_info() is not None  # lingering for the other node
+        t0 = time.monotonic()
+        assert isolate.settle(str(where), wait_s=30) == []  # its ordinary end, nothing to report
+        assert not pid_alive(daemon["pid"], daemon.get("pid_start")), read_json(
+            os.path.join(state_dir(root), peer_daemon.STATUS_NAME))
+        assert time.monotonic() - t0 < 20  # not its 60 s linger
+        assert read_json(os.path.join(state_dir(root), peer_daemon.STATUS_NAME)).get("state") == "exited"
+    finally:
+        if trainer is not None:
+            unregister_trainer(trainer)
+        if pid_alive(daemon["pid"], daemon.get("pid_start")):
+            os.kill(daemon["pid"], signal.SIGTERM)
+            wait_for(lambda: not pid_alive(daemon["pid"], daemon.get("pid_start")), 30, "the daemon's exit")

@@ -7,7 +7,8 @@ SIGKILLed at step 7 (step 6 committed: in epoch 1, after the boundary at 4). A
 second launch resumes the killed run to step 12 and then reruns the finished
 reference in its own directory. A 1-rank job then resumes the newest step of
 the resumed run and trains on. Each test below checks one guarantee on those
-runs.
+runs (and one test builds managers in its own process: the batch shape read
+from torchtitan's config).
 """
 
 from __future__ import annotations
@@ -122,6 +123,11 @@ def test_a_model_only_last_step_is_named_when_a_resume_passes_it_over(runs):
     which step it passed over and why, and that the earlier save of 12 is kept aside when 12 is saved again."""
     assert layout.read_manifest(str(runs["ref"] / layout.step_dirname(STEPS))).kind == "light"
     assert runs["two"].count(LIGHT_WARNING) == 1
+    # One WARNING says it all: the new branch from step 9 the restorer announces is in it, not in one of its own.
+    warned = [line for line in runs["two"].splitlines() if "WARNING" in line and "shardckpt:" in line]
+    assert len(warned) == 1, warned
+    assert ("and a resume needs it. The next save starts a new branch from step 9: step(s) 12 are kept but no "
+            "longer resumed by default, nor counted by retention. Steps 10..12 are trained again") in warned[0]
     assert "last_save_model_only=False (this manager's default)" in runs["two"]
     assert len(kept_aside(runs["ref"])) == 1 and "12" in kept_aside(runs["ref"])[0]
 
@@ -141,6 +147,64 @@ def test_one_rank_restores_the_newest_committed_step_bitwise_never_the_incomplet
     assert same(two["optim"], one["optim"])
     assert "world_size=1" in one["plan"] and "saved_world_size=2" in one["plan"]
     assert snap(runs["out"], "one-final")["step"] == 14  # and it trains on
+
+
+@pytest.mark.slow
+def test_a_resume_at_another_world_size_knows_the_batch_shape_from_torchtitans_config(runs):
+    """Every manifest records training.local_batch_size (2) and the accumulation steps (1) of the job's config; the
+    1-rank resume's plan keeps the saved global batch of 4 (2 ranks x 2) with 2 accumulation steps, and since
+    torchtitan takes its accumulation from its config (1 here), a WARNING says the global batch it trains with and
+    the config that keeps it."""
+    metadata = layout.read_manifest(str(runs["ckpt"] / layout.step_dirname(STEPS))).metadata
+    assert (metadata["shardckpt.micro_batch_size"], metadata["shardckpt.grad_accum_steps"]) == (2, 1)
+    plan = snap(runs["out"], "one-start")["plan"]
+    for field in ("saved_world_size=2", "world_size=1", "saved_micro_batch=2", "micro_batch=2", "accum_steps=2",
+                  "saved_global_batch=4", "global_batch=4", "exact=True"):
+        assert f" {field}," in plan, (field, plan)
+    assert "batch shape unknown" not in runs["one"]
+    assert ("step 12 was saved with a global batch of 4 (2 rank(s) x training.local_batch_size 2 x 1 accumulation "
+            "steps); this job trains with 2 (1 rank(s) x 2 x 1): torchtitan takes its accumulation steps from its "
+            "config, not from the elastic plan. Remedy: training.global_batch_size=4 keeps the saved global batch."
+            ) in runs["one"]
+    # Later saves record the shape the job trains with, not the plan's.
+    metadata = layout.read_manifest(str(runs["ckpt"] / layout.step_dirname(14))).metadata
+    assert (metadata["shardckpt.micro_batch_size"], metadata["shardckpt.grad_accum_steps"]) == (2, 1)
+
+
+def test_the_batch_shape_read_from_the_config_is_the_one_torchtitans_trainer_computes(tmp_path):
+    """In one process (world size 1): the accumulation steps as torchtitan's Trainer computes them from
+    training.global_batch_size when the state does not carry them; extra= wins over the config; nothing is
+    recorded without a config in the states, nor when the data-parallel degree is not the world size (tensor or
+    pipeline parallel: the plan would count a false global batch)."""
+    pytest.importorskip("torchtitan.components.checkpointer.base")
+    import types
+
+    import torch.nn as nn
+    from torchtitan.components.optimizer.optimizer import default_adamw
+    from torchtitan.config.configs import TrainingConfig
+
+    from shardckpt.integrations.torchtitan import ShardckptCheckpointManager
+
+    def shape(states, dp_world_size=1, **extra):
+        model = nn.Linear(4, 2)
+        config = ShardckptCheckpointManager.Config(enable=True, folder=str(tmp_path / "ckpt"), extra=extra)
+        manager = config.build(dataloader=None, model_parts=[model], optimizers=default_adamw().build(
+            model_parts=[model]), lr_schedulers=None, states=states, base_folder="", dp_rank=0,
+            dp_world_size=dp_world_size)
+        try:
+            meta = manager.ckpt.config.metadata
+            return meta.get("shardckpt.micro_batch_size"), meta.get("shardckpt.grad_accum_steps")
+        finally:
+            manager.close()
+
+    trainer = types.SimpleNamespace(config=types.SimpleNamespace(
+        training=TrainingConfig(local_batch_size=3, global_batch_size=12)))
+    assert shape({"train_state": trainer}) == (3, 4)  # 12 // (3 x 1 data-parallel rank)
+    trainer.gradient_accumulation_steps = 2  # the Trainer's own count, when it has one
+    assert shape({"train_state": trainer}) == (3, 2)
+    assert shape({"train_state": trainer}, micro_batch_size=5, grad_accum_steps=1) == (5, 1)
+    assert shape({"train_state": trainer}, dp_world_size=2) == (None, None)
+    assert shape({"train_state": types.SimpleNamespace(step=0)}) == (None, None)
 
 
 @pytest.mark.slow

@@ -21,7 +21,8 @@ one launch (fresh objects each, one process group). A job is ``TAG key=value ...
 
 Every job loads the newest step first (``load(step=-1)``). Each rank's data
 part holds 8 samples, re-looped with a new order every epoch (as torchtitan's
-HF datasets do), batches of 2: 4 steps per epoch. Each rank appends one JSON
+HF datasets do), batches of 2 (``training.local_batch_size`` of torchtitan's job config, which the train state
+holds as the ``Trainer`` does): 4 steps per epoch. Each rank appends one JSON
 line per trained step to ``OUT/TAG-rankR.jsonl`` (step, loss, learning rate,
 data epoch, sample indices); rank 0 writes what it loaded and what it ended
 with to ``OUT/TAG-start.pt`` and ``OUT/TAG-final.pt`` (parameters, optimizer
@@ -34,6 +35,7 @@ import json
 import os
 import sys
 import time
+import types
 
 import torch
 import torch.nn as nn
@@ -45,10 +47,12 @@ from torch.utils.data import IterableDataset  # noqa: E402
 from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
 from torchtitan.components.optimizer.optimizer import default_adamw  # noqa: E402
+from torchtitan.config.configs import TrainingConfig  # noqa: E402
 
 from shardckpt.integrations.torchtitan import ShardckptCheckpointManager  # noqa: E402
 
 PART = 8  # samples per data-parallel rank and epoch
+BATCH = 2  # training.local_batch_size
 
 
 class Tokens(IterableDataset):
@@ -76,9 +80,14 @@ class Tokens(IterableDataset):
 
 
 class TrainState:
+    """What torchtitan's ``Trainer`` passes as ``states["train_state"]`` (itself): the step, the tokens seen, and
+    the job config's training section with the accumulation steps the ``Trainer`` computes from it."""
+
     def __init__(self) -> None:
         self.step = 0
         self.ntokens_seen = 0
+        self.config = types.SimpleNamespace(training=TrainingConfig(local_batch_size=BATCH, seq_len=8))
+        self.gradient_accumulation_steps = 1  # global_batch_size -1: local_batch_size x data-parallel degree
 
     def state_dict(self):
         return {"step": self.step, "ntokens_seen": self.ntokens_seen}
@@ -104,7 +113,7 @@ def build(rank: int, world: int, opts: dict[str, str]):
                                               min_lr_factor=0.0).build(optimizers=optimizers, training_steps=steps + 4)
     # Its own generator: iter(DataLoader) draws a seed from the global RNG otherwise, which the resumed run
     # (iter after load) would draw at another point than the uninterrupted one (dropout would differ).
-    loader = ParallelAwareDataloader(Tokens(rank), dp_rank=rank, dp_world_size=world, batch_size=2,
+    loader = ParallelAwareDataloader(Tokens(rank), dp_rank=rank, dp_world_size=world, batch_size=BATCH,
                                      generator=torch.Generator().manual_seed(rank))
     train_state = TrainState()
     fields = {"last_save_model_only": True} if opts.get("model_only") == "1" else {}

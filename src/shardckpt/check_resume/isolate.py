@@ -13,7 +13,15 @@ job does). A line's directory is removed once its last run ended
 (:meth:`MemoryDirs.release`); the memory keepers its trainers started
 (``node/memory_keeper.py``) then find no trainer and no namespace and exit,
 and :func:`settle` waits for them (and for the uploaders) to be gone.
-Torch-free.
+
+The peer tier (on when a job's nodes each have their own ``local_dir``) keeps
+its replicas and its daemon's state under each node's ``local_dir``, and each
+run's nodes pin each other's certificates (``peers.json``, written by the run):
+a line's runs neither find nor trust another line's daemons. A node's daemon
+outlives its trainers to serve the job's other nodes (``SHARDCKPT_PEER_LINGER_S``,
+60 s): once a line's runs are over nothing needs it, and :func:`settle` ends it
+(SIGTERM, its ordinary stop) before the line's directory is moved aside, so
+that no daemon of one line runs while the next line does. Torch-free.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import signal
 import tempfile
 import time
 
-from shardckpt.format import shm
+from shardckpt.format import node_state, shm
 from shardckpt.node import node_registry
 
 SETTLE_S = 60.0
@@ -88,12 +96,34 @@ def _keeper_pids(root: str) -> list[int]:
         return []
 
 
+def _peer_daemon(root: str) -> tuple[int, int | None] | None:
+    """The pid (and start time) of the peer daemon serving ``root``, ``None`` when none runs."""
+    info = node_state.read_json(os.path.join(node_state.state_dir(root), node_state.PEER_STATUS_NAME))
+    pid, start = info.get("pid"), info.get("pid_start")
+    if info.get("state") != "running" or not isinstance(pid, int) or not node_registry.pid_alive(pid, start):
+        return None
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return (pid, start) if b"peer_daemon" in f.read() else None  # else: gone, and its pid reused
+    except OSError:
+        return None
+
+
 def settle(where: str, *, keepers: bool = True, wait_s: float = SETTLE_S) -> list[str]:
     """Wait (bounded) for the uploaders a run started under ``where`` to drain and exit, and (``keepers``) for its
-    memory keepers to exit once their memory is released; end those left. Returns what had to be ended."""
+    memory keepers to exit once their memory is released; end those left, and the peer daemons (they only linger
+    for nodes whose runs are over). Returns what had to be ended before its time."""
     ended = []
     deadline = time.monotonic() + wait_s
     for root in _roots(where):
+        daemon = _peer_daemon(root)
+        if daemon is not None and not node_registry.trainers_alive(root):
+            try:
+                os.kill(daemon[0], signal.SIGTERM)
+            except OSError:
+                pass
+            while node_registry.pid_alive(*daemon) and time.monotonic() < deadline:
+                time.sleep(0.1)
         while node_registry.uploader_running(root) is not None and time.monotonic() < deadline:
             time.sleep(0.2)
         pid = node_registry.uploader_running(root)

@@ -502,12 +502,7 @@ class ShardckptCheckpoint(ModelCheckpoint):
         for loader in loaders:
             for sampler in _samplers(loader):
                 if isinstance(sampler, DistributedSamplerWrapper):
-                    problem = (
-                        f"Lightning replaced the training dataloader's sampler with its {type(sampler).__name__} "
-                        f"(use_distributed_sampler=True): it draws the wrapped sampler's order anew in every "
-                        f"epoch, from state that no checkpoint holds, so a resume in an epoch after the first "
-                        f"continues in another order than the saved run"
-                    )
+                    problem = _wrapper_problem(sampler)
                 elif (type(sampler).__module__.startswith("torchdata.") and type(sampler).__name__ == "RandomSampler"
                       and getattr(sampler, "generator", None) is not None
                       and sampler.generator is getattr(loader, "generator", None)):
@@ -529,6 +524,27 @@ class ShardckptCheckpoint(ModelCheckpoint):
                     "sampler=torch.utils.data.DistributedSampler(dataset, seed=seed), which Lightning keeps.", problem,
                 )
                 return
+
+
+def _wrapper_problem(sampler: DistributedSamplerWrapper) -> str:
+    """What a resume does with Lightning's ``DistributedSamplerWrapper`` (seen in real runs: see the guide).
+
+    The wrapper lists the wrapped sampler's order anew each time the loader makes an iterator (``reset()``), and
+    a resumed loader makes its iterator and then applies the restored position, a count of samples, to an order
+    drawn from the wrapped sampler's generator as it is then, which no checkpoint holds: the resumed epoch goes on
+    in another order from the first step after the restored one, in epoch 0 as in any later epoch."""
+    inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)
+    name = type(inner).__qualname__ if inner is not None else "a sampler"
+    random = inner is not None and hasattr(inner, "generator")
+    return (
+        f"Lightning replaced the training dataloader's sampler ({name}) with its DistributedSamplerWrapper "
+        f"(use_distributed_sampler=True): a resume in any epoch, epoch 0 included, differs from the saved run from "
+        f"the first step after the restored one (the rest of that epoch sees some samples twice and skips others), "
+        f"and every later epoch is in another order too"
+        + ("" if random else f" (if {name}'s order is random; a fixed order resumes exactly)")
+        + ". The wrapper draws the wrapped sampler's order anew each time the loader makes an iterator, from "
+        "generator state that no checkpoint holds, and the restored position counts samples into that new order"
+    )
 
 
 def _last_step(trainer: pl.Trainer) -> bool:

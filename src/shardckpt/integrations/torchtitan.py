@@ -20,14 +20,18 @@ dataloader (per data-parallel rank), the train state and any other entry of
 ``states``, plus per-rank RNG. Saves are asynchronous: ``save`` returns once
 the state is copied into host memory; the write, the commit (manifest last)
 and the upload to ``remote`` run in the background. Restores reshard to the
-current world size. A dataloader state saved at another data-parallel degree
-cannot be mapped to the new ranks: it is dropped with a warning and every
-rank's dataloader starts from the beginning of its data.
+current world size; every manifest records the batch shape of torchtitan's
+config (``training.local_batch_size``, the ``Trainer``'s accumulation steps),
+so that the elastic plan of a resume at another world size knows the saved
+global batch (a warning says when torchtitan's config does not keep it). A
+dataloader state saved at another data-parallel degree cannot be mapped to the
+new ranks: it is dropped with a warning and every rank's dataloader starts
+from the beginning of its data.
 
 The last step (``save(step, last_step=True)``) is saved in full by default
 (``last_save_model_only=False`` here, unlike torchtitan's own manager), so
 that a resume takes it. With ``last_save_model_only=True`` it is saved without
-optimizer state; a resume then takes the newest full step and a warning names
+optimizer state; a resume then takes the newest full step and one warning names
 the newer model-only step(s) it did not use, and why.
 """
 
@@ -52,6 +56,7 @@ import shardckpt
 from shardckpt import _dist
 from shardckpt.errors import ConfigError
 from shardckpt.format import lineage
+from shardckpt.options import record_shape
 from shardckpt.steps import LocalSteps, RemoteSteps
 
 log = logging.getLogger("shardckpt")
@@ -116,6 +121,54 @@ class DataloaderState:
         _get, put = self._inner()
         put(self.dataloader, mine)
         self.restored = True
+
+
+ROLLED_BACK = "shardckpt: rolled back to step %d"
+"""The start of the restorer's WARNING that a load starts a new branch below newer steps."""
+
+
+class _HeldRollback(logging.Filter):
+    """Holds back, during one load, the restorer's WARNING that the next save starts a new branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.record: logging.LogRecord | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (self.record is None and record.levelno == logging.WARNING and isinstance(record.msg, str)
+                and record.msg.startswith(ROLLED_BACK)):
+            self.record = record
+            return False
+        return True
+
+
+def _batch_shape(states: dict[str, Any], dp_world_size: int | None) -> tuple[int, int] | None:
+    """(``training.local_batch_size``, gradient accumulation steps) of torchtitan's job config, read from the
+    ``Trainer`` that torchtitan passes in ``states`` (its ``config.training`` and ``gradient_accumulation_steps``);
+    ``None`` when no state holds it, or when the data-parallel degree is not the world size (tensor, pipeline or
+    context parallel: the elastic plan counts every rank as a data-parallel one, so a shape recorded per rank
+    would give it a false global batch)."""
+    if dp_world_size is None or dp_world_size != _dist.world_size():
+        return None
+    for value in states.values():
+        training = getattr(getattr(value, "config", None), "training", None)
+        local = getattr(training, "local_batch_size", None)
+        if not isinstance(local, int) or isinstance(local, bool) or local < 1:
+            continue
+        accum = getattr(value, "gradient_accumulation_steps", None)
+        if not isinstance(accum, int) or accum < 1:  # as torchtitan's Trainer computes it
+            total = getattr(training, "global_batch_size", -1)
+            accum = total // (local * dp_world_size) if isinstance(total, int) and total > 0 else 1
+        return local, max(1, accum)
+    return None
+
+
+def _rolled_back_over(record: logging.LogRecord | None, restored: int) -> list[int]:
+    """The newer steps the restorer's held WARNING names for ``restored`` (empty: none held, or another step)."""
+    args = record.args if record is not None else None
+    if isinstance(args, tuple) and len(args) >= 2 and args[0] == restored and isinstance(args[1], list):
+        return [int(s) for s in args[1]]
+    return []
 
 
 class ShardckptCheckpointManager(BaseCheckpointManager):
@@ -273,6 +326,11 @@ class ShardckptCheckpointManager(BaseCheckpointManager):
             run_id=config.run_id,
             start_fresh=config.start_fresh,
         )
+        # The batch shape from torchtitan's own config, recorded in every manifest for the elastic plan of a
+        # resume at another world size (extra= may set it instead).
+        self.batch_shape = _batch_shape(states, dp_world_size)
+        if self.batch_shape is not None and "micro_batch_size" not in config.extra:
+            options["micro_batch_size"], options["grad_accum_steps"] = self.batch_shape
         options.update(config.extra)
         self.ckpt = shardckpt.Checkpointer(**options)
         self.loaded_step: int | None = None
@@ -283,7 +341,19 @@ class ShardckptCheckpointManager(BaseCheckpointManager):
         return self.ckpt.last_plan
 
     def _load(self, step: int = -1) -> bool:
-        restored = self.ckpt.load(self.state, None if step == -1 else step)
+        held = _HeldRollback()
+        log.addFilter(held)  # the restorer's "rolled back" WARNING, said once with the light steps' cause below
+        try:
+            restored = self.ckpt.load(self.state, None if step == -1 else step)
+        except BaseException:
+            log.removeFilter(held)
+            if held.record is not None:
+                log.handle(held.record)
+            raise
+        log.removeFilter(held)
+        if not (restored is not None and step == -1 and _dist.rank() == 0
+                and self._name_newer_light_steps(restored, held.record)) and held.record is not None:
+            log.handle(held.record)
         self.loaded_step = restored
         if restored is None:
             if step != -1:
@@ -293,13 +363,39 @@ class ShardckptCheckpointManager(BaseCheckpointManager):
                     + ". Remedy: pick a step from `shardckpt ls`, or -1 for the newest."
                 )
             return False  # load() said that there is nothing to resume
-        if step == -1 and _dist.rank() == 0:
-            self._name_newer_light_steps(restored)
+        self._keep_shape(restored)
         return True
 
-    def _name_newer_light_steps(self, restored: int) -> None:
+    def _keep_shape(self, step: int) -> None:
+        """After a load: later saves record the shape this job trains with (torchtitan's accumulation comes from
+        its config, not from the plan), and a WARNING says when that does not keep the saved global batch."""
+        plan, shape = self.ckpt.last_plan, self.batch_shape
+        if shape is None or "micro_batch_size" in self.config.extra:
+            return
+        record_shape(self.ckpt.config, *shape)
+        if plan is None or plan.saved_global_batch is None or _dist.rank() != 0:
+            return
+        local, accum = shape
+        now = plan.world_size * local * accum
+        if now != plan.saved_global_batch:
+            log.warning(
+                "shardckpt: step %d was saved with a global batch of %d (%d rank(s) x training.local_batch_size %d x "
+                "%d accumulation steps); this job trains with %d (%d rank(s) x %d x %d): torchtitan takes its "
+                "accumulation steps from its config, not from the elastic plan. Remedy: "
+                "training.global_batch_size=%d keeps the saved global batch%s.", step, plan.saved_global_batch,
+                plan.saved_world_size, plan.saved_micro_batch, plan.saved_accum_steps, now, plan.world_size, local,
+                accum, plan.saved_global_batch,
+                "" if plan.exact else
+                f" (with a training.local_batch_size that, times {plan.world_size} rank(s), divides it)",
+            )
+
+    def _name_newer_light_steps(self, restored: int, rollback: logging.LogRecord | None) -> bool:
         """A WARNING naming the live steps after ``restored`` that were saved without optimizer state
-        (``load()`` resumes the newest full step: those are skipped, and trained again)."""
+        (``load()`` resumes the newest full step: those are skipped, and trained again); whether it said ``rollback``.
+
+        ``rollback``: the restorer's WARNING that the next save starts a new branch (held back during the load).
+        It says the same thing from the other side (newer steps no longer resumed): its facts go into this one
+        WARNING, so that the user reads one."""
         tiers: list[Any] = [LocalSteps(self.ckpt.root)]
         if self.config.remote:
             tiers.append(RemoteSteps(self.config.remote, self.ckpt.config.transfer_options()))
@@ -314,15 +410,20 @@ class ShardckptCheckpointManager(BaseCheckpointManager):
                 tier.close()
         live, _abandoned = lineage.classify({s: lineage.info_of(m) for s, m in manifests.items()})
         light = sorted(s for s in live if s > restored and manifests[s].kind == "light")
-        if light:
-            log.warning(
-                "shardckpt: resumed step %d, not the newer step(s) %s: they were saved without optimizer state (the "
-                "last step with checkpoint.last_save_model_only=True, or light steps of extra full_every), and a "
-                "resume needs it. Steps %d..%d are "
-                "trained again; when step %d is saved again, its earlier save is kept aside (`shardckpt gc` removes "
-                "it). Remedy: checkpoint.last_save_model_only=False (this manager's default) saves the last step in "
-                "full.", restored, ", ".join(map(str, light)), restored + 1, light[-1], light[-1],
-            )
+        if not light:
+            return False
+        newer = _rolled_back_over(rollback, restored)
+        branch = (f"The next save starts a new branch from step {restored}: step(s) {', '.join(map(str, newer))} "
+                  f"are kept but no longer resumed by default, nor counted by retention. " if newer else "")
+        log.warning(
+            "shardckpt: resumed step %d, not the newer step(s) %s: they were saved without optimizer state (the last "
+            "step with checkpoint.last_save_model_only=True, or light steps of extra full_every), and a resume needs "
+            "it. %sSteps %d..%d are trained again; when step %d is saved again, its earlier save is kept aside "
+            "(listed by `shardckpt ls`; `shardckpt gc` removes it). Remedy: checkpoint.last_save_model_only=False "
+            "(this manager's default) saves the last step in full.", restored, ", ".join(map(str, light)), branch,
+            restored + 1, light[-1], light[-1],
+        )
+        return bool(newer)
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         if self.load_only:
