@@ -128,7 +128,7 @@ def test_a_model_only_last_step_is_named_when_a_resume_passes_it_over(runs):
     assert len(warned) == 1, warned
     assert ("and a resume needs it. The next save starts a new branch from step 9: step(s) 12 are kept but no "
             "longer resumed by default, nor counted by retention. Steps 10..12 are trained again") in warned[0]
-    assert "last_save_model_only=False (this manager's default)" in runs["two"]
+    assert "torchtitan: checkpoint.last_save_model_only=False, its manager's default" in warned[0]
     assert len(kept_aside(runs["ref"])) == 1 and "12" in kept_aside(runs["ref"])[0]
 
 

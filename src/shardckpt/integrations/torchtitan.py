@@ -55,9 +55,7 @@ from torchtitan.components.checkpointer.base import (
 import shardckpt
 from shardckpt import _dist
 from shardckpt.errors import ConfigError
-from shardckpt.format import lineage
 from shardckpt.options import record_shape
-from shardckpt.steps import LocalSteps, RemoteSteps
 
 log = logging.getLogger("shardckpt")
 
@@ -123,25 +121,6 @@ class DataloaderState:
         self.restored = True
 
 
-ROLLED_BACK = "shardckpt: rolled back to step %d"
-"""The start of the restorer's WARNING that a load starts a new branch below newer steps."""
-
-
-class _HeldRollback(logging.Filter):
-    """Holds back, during one load, the restorer's WARNING that the next save starts a new branch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.record: logging.LogRecord | None = None
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if (self.record is None and record.levelno == logging.WARNING and isinstance(record.msg, str)
-                and record.msg.startswith(ROLLED_BACK)):
-            self.record = record
-            return False
-        return True
-
-
 def _batch_shape(states: dict[str, Any], dp_world_size: int | None) -> tuple[int, int] | None:
     """(``training.local_batch_size``, gradient accumulation steps) of torchtitan's job config, read from the
     ``Trainer`` that torchtitan passes in ``states`` (its ``config.training`` and ``gradient_accumulation_steps``);
@@ -161,14 +140,6 @@ def _batch_shape(states: dict[str, Any], dp_world_size: int | None) -> tuple[int
             accum = total // (local * dp_world_size) if isinstance(total, int) and total > 0 else 1
         return local, max(1, accum)
     return None
-
-
-def _rolled_back_over(record: logging.LogRecord | None, restored: int) -> list[int]:
-    """The newer steps the restorer's held WARNING names for ``restored`` (empty: none held, or another step)."""
-    args = record.args if record is not None else None
-    if isinstance(args, tuple) and len(args) >= 2 and args[0] == restored and isinstance(args[1], list):
-        return [int(s) for s in args[1]]
-    return []
 
 
 class ShardckptCheckpointManager(BaseCheckpointManager):
@@ -341,19 +312,8 @@ class ShardckptCheckpointManager(BaseCheckpointManager):
         return self.ckpt.last_plan
 
     def _load(self, step: int = -1) -> bool:
-        held = _HeldRollback()
-        log.addFilter(held)  # the restorer's "rolled back" WARNING, said once with the light steps' cause below
-        try:
-            restored = self.ckpt.load(self.state, None if step == -1 else step)
-        except BaseException:
-            log.removeFilter(held)
-            if held.record is not None:
-                log.handle(held.record)
-            raise
-        log.removeFilter(held)
-        if not (restored is not None and step == -1 and _dist.rank() == 0
-                and self._name_newer_light_steps(restored, held.record)) and held.record is not None:
-            log.handle(held.record)
+        # Newer model-only steps passed over: the restorer's one WARNING names them, and the new branch.
+        restored = self.ckpt.load(self.state, None if step == -1 else step)
         self.loaded_step = restored
         if restored is None:
             if step != -1:
@@ -388,42 +348,6 @@ class ShardckptCheckpointManager(BaseCheckpointManager):
                 "" if plan.exact else
                 f" (with a training.local_batch_size that, times {plan.world_size} rank(s), divides it)",
             )
-
-    def _name_newer_light_steps(self, restored: int, rollback: logging.LogRecord | None) -> bool:
-        """A WARNING naming the live steps after ``restored`` that were saved without optimizer state
-        (``load()`` resumes the newest full step: those are skipped, and trained again); whether it said ``rollback``.
-
-        ``rollback``: the restorer's WARNING that the next save starts a new branch (held back during the load).
-        It says the same thing from the other side (newer steps no longer resumed): its facts go into this one
-        WARNING, so that the user reads one."""
-        tiers: list[Any] = [LocalSteps(self.ckpt.root)]
-        if self.config.remote:
-            tiers.append(RemoteSteps(self.config.remote, self.ckpt.config.transfer_options()))
-        manifests: dict[int, Any] = {}
-        try:
-            for tier in tiers:
-                for s, manifest in tier.manifests().items():
-                    if s not in manifests or manifest.created > manifests[s].created:
-                        manifests[s] = manifest
-        finally:
-            for tier in tiers:
-                tier.close()
-        live, _abandoned = lineage.classify({s: lineage.info_of(m) for s, m in manifests.items()})
-        light = sorted(s for s in live if s > restored and manifests[s].kind == "light")
-        if not light:
-            return False
-        newer = _rolled_back_over(rollback, restored)
-        branch = (f"The next save starts a new branch from step {restored}: step(s) {', '.join(map(str, newer))} "
-                  f"are kept but no longer resumed by default, nor counted by retention. " if newer else "")
-        log.warning(
-            "shardckpt: resumed step %d, not the newer step(s) %s: they were saved without optimizer state (the last "
-            "step with checkpoint.last_save_model_only=True, or light steps of extra full_every), and a resume needs "
-            "it. %sSteps %d..%d are trained again; when step %d is saved again, its earlier save is kept aside "
-            "(listed by `shardckpt ls`; `shardckpt gc` removes it). Remedy: checkpoint.last_save_model_only=False "
-            "(this manager's default) saves the last step in full.", restored, ", ".join(map(str, light)), branch,
-            restored + 1, light[-1], light[-1],
-        )
-        return bool(newer)
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         if self.load_only:

@@ -189,7 +189,7 @@ class Restorer:
                 config=self.config,
                 log_plan=_dist.rank() == 0,
             )
-            self.next_lineage = self._agree_lineage(survey, candidate)
+            self.next_lineage = self._agree_lineage(survey, candidate, newest=step is None)
             self.loaded, self.restored_from = survey.infos[candidate], step_dir
             return candidate
         raise CorruptCheckpointError(
@@ -216,22 +216,42 @@ class Restorer:
                                           self.config.run_config_ignore, saved_dims=dims[0] if dims else (),
                                           live_dims=dims[1] if dims else ())
 
-    def _agree_lineage(self, survey: Survey, step: int | None) -> lineage_mod.Lineage:
-        """The lineage of the next saves, decided on rank 0 (a new branch gets one id everywhere)."""
+    def _agree_lineage(self, survey: Survey, step: int | None, newest: bool = False) -> lineage_mod.Lineage:
+        """The lineage of the next saves, decided on rank 0 (a new branch gets one id everywhere). ``newest``:
+        ``step`` is the one a load of the newest step chose (newer light steps are passed over)."""
         mine = lineage_mod.continue_from(survey.infos, step) if _dist.rank() == 0 else None
         agreed = self._groups.broadcast_ctl(mine)
         if (step is not None and agreed.forks and agreed.forks[-1][1] == agreed.branch
-                and agreed != survey.infos[step].lineage):
-            if _dist.rank() == 0:
-                newer = sorted(s for s in survey.infos if s > step)
-                log.warning(
-                    "shardckpt: rolled back to step %d: the next save starts a new branch; steps %s are kept "
-                    "but no longer resumed by default, nor counted by retention (`shardckpt gc` removes them). A "
-                    "save of one of those step numbers on the new branch replaces it in %s: the earlier save is "
-                    "moved aside (as %s-..., listed by `shardckpt ls`)",
-                    step, newer, self.root, layout.KEPT_PREFIX + layout.step_dirname(newer[0] if newer else step),
-                )
+                and agreed != survey.infos[step].lineage and _dist.rank() == 0):
+            self._warn_new_branch(survey, step, newest)
         return agreed
+
+    def _warn_new_branch(self, survey: Survey, step: int, newest: bool) -> None:
+        """One WARNING that the next save starts a new branch from ``step``, and why: a rollback asked for, or
+        (``newest``) newer steps passed over because they hold no optimizer state."""
+        newer = sorted(s for s in survey.infos if s > step)
+        live, _abandoned = lineage_mod.classify(dict(survey.infos))
+        passed = [s for s in live if s > step]
+        if newest and passed and all(survey.infos[s].kind == "light" for s in passed):
+            log.warning(
+                "shardckpt: resumed step %d, not the newer step(s) %s: they were saved without optimizer state "
+                "(light: save(..., light=True), full_every, or a model-only last step such as torchtitan's "
+                "checkpoint.last_save_model_only=True), and a resume needs it. The next save starts a new branch "
+                "from step %d: step(s) %s are kept but no longer resumed by default, nor counted by retention. "
+                "Steps %d..%d are trained again; when one of them is saved again, its earlier save is moved aside "
+                "(as %s-..., listed by `shardckpt ls`; `shardckpt gc` removes it). Remedy: save the last step "
+                "in full (torchtitan: checkpoint.last_save_model_only=False, its manager's default)",
+                step, ", ".join(map(str, newer)), step, ", ".join(map(str, newer)), step + 1, newer[-1],
+                layout.KEPT_PREFIX + layout.step_dirname(newer[0]),
+            )
+        else:
+            log.warning(
+                "shardckpt: rolled back to step %d: the next save starts a new branch; steps %s are kept "
+                "but no longer resumed by default, nor counted by retention (`shardckpt gc` removes them). A "
+                "save of one of those step numbers on the new branch replaces it in %s: the earlier save is "
+                "moved aside (as %s-..., listed by `shardckpt ls`)",
+                step, newer, self.root, layout.KEPT_PREFIX + layout.step_dirname(newer[0] if newer else step),
+            )
 
     # ------------------------------------------------------------ 3-5. match, DCP read, apply
 
