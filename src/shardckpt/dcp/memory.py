@@ -102,14 +102,16 @@ def describe(
             tensors.append(entry)
         else:
             before = pickled.get(fqn)
-            if before is not None and type(obj) is before[0] and _plain(obj) and _equal(obj, before[1]):
+            plain = _plain(obj)
+            frozen = tuple(obj) if plain and type(obj) is list else obj  # (a list: its items as they are now)
+            if before is not None and type(obj) is before[0] and plain and _equal(frozen, before[1]):
                 data = before[2]  # the same plain value as at the last save: its bytes again, not pickled
             else:
                 buf = io.BytesIO()
                 torch.save(obj, buf)
                 data = buf.getvalue()
-            if _plain(obj):
-                kept[fqn] = (type(obj), obj, data)
+            if plain:
+                kept[fqn] = (type(obj), frozen, data)
             values.append((fqn, data))
     cache[_VALUES] = kept  # type: ignore[assignment]
     planner_data = {fqn: list(path) for fqn, path in mappings.items()}
@@ -124,17 +126,22 @@ _SCALARS = (int, float, str, bytes, bool, type(None))
 
 
 def _plain(obj: Any) -> bool:
-    """An immutable value made of scalars (compared by value: reusing its bytes is safe)."""
+    """A value made of scalars, a tuple or list of them (compared by value, a list by a copy of its items:
+    reusing its bytes is safe)."""
     if type(obj) in _SCALARS:
         return True
-    return type(obj) is tuple and all(type(v) in _SCALARS for v in obj)
+    return type(obj) in (tuple, list) and all(type(v) in _SCALARS for v in obj)
 
 
 def _equal(a: Any, b: Any) -> bool:
-    """Equal with the same types throughout (``1 == 1.0 == True`` pickle differently)."""
+    """Equal with the same types throughout (``1 == 1.0 == True``, ``0.0 == -0.0`` pickle differently)."""
     if type(a) is tuple:
-        return len(a) == len(b) and all(type(x) is type(y) and x == y for x, y in zip(a, b))
-    return bool(a == b)
+        return type(b) is tuple and len(a) == len(b) and all(map(_same_scalar, a, b))
+    return _same_scalar(a, b)
+
+
+def _same_scalar(x: Any, y: Any) -> bool:
+    return type(x) is type(y) and bool(x == y) and (type(x) is not float or math.copysign(1, x) == math.copysign(1, y))
 
 
 def _flatten(staged: dict[str, Any], cache: dict[Any, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -152,7 +159,11 @@ def _flatten(staged: dict[str, Any], cache: dict[Any, Any]) -> tuple[dict[str, A
             parts = list(value.items()) if isinstance(value, dict) and value else [(None, value)]
         for sub, v in parts:
             hit = before.get(id(v))
-            if hit is not None and hit[0] is v and isinstance(v, dict):
+            if isinstance(v, torch.Tensor):  # a leaf: its path joined by dots, as DCP names it
+                path = (str(key),) if sub is None else (str(key), str(sub))
+                fqn = ".".join(path)
+                f, m = {fqn: v}, {fqn: path}
+            elif hit is not None and hit[0] is v and isinstance(v, dict):
                 f, m = hit[1], hit[2]
             else:
                 f, m = flatten_state_dict({key: v} if sub is None else {key: {sub: v}})

@@ -259,14 +259,16 @@ class Manifest:
     stored as they are."""
     format: str = MANIFEST_FORMAT
 
-    def to_json(self) -> str:
+    def to_json(self, cache: dict[str, Any] | None = None) -> str:
+        """The manifest's text (sealed). ``cache``: kept by the caller between manifests of one kind of save,
+        each field's text reused when its value is the same (the same text)."""
         body = dataclasses.asdict(self)
         for entry in body["files"].values():
             if not entry["chunks"]:
                 del entry["chunks"]
         if not body["stored"]:
             del body["stored"]
-        return manifest_schema.seal(body)
+        return manifest_schema.seal(body) if cache is None else manifest_schema.seal_reusing(body, cache)
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str) -> "Manifest":

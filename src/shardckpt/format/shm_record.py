@@ -34,6 +34,7 @@ import json
 from typing import Any
 
 from shardckpt.format import layout
+from shardckpt.format.manifest_schema import same_json as _same
 
 FORMAT = "shardckpt-memory/3"
 LAYOUT_FORMAT = "shardckpt-memory-layout/1"
@@ -197,17 +198,6 @@ def _slot_of(name: str) -> tuple[int, int] | None:
     rank, _sep, rest = name[1:].partition("-s")
     slot = rest.split("-", 1)[0].split(".", 1)[0]
     return (int(rank), int(slot)) if rank.isdigit() and slot.isdigit() else None
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equal as JSON text would be (``1``, ``1.0`` and ``True`` are not the same here)."""
-    if type(a) is not type(b):
-        return False
-    if type(a) is dict:
-        return a.keys() == b.keys() and all(_same(v, b[k]) for k, v in a.items())
-    if type(a) is list:
-        return len(a) == len(b) and all(x is y or _same(x, y) for x, y in zip(a, b))
-    return bool(a == b)
 
 
 _INTS = "ints"

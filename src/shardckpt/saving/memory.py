@@ -138,6 +138,9 @@ class MemoryTier:
         self._pinned = 0
         self.last: int | None = None
         """The step of this process's newest save kept in memory."""
+        self._host = socket.gethostname()
+        self._manifests: dict[str, Any] = {}
+        """The text of each field of the last manifest recorded (``Manifest.to_json``: only what changed is encoded)."""
 
     @property
     def enabled(self) -> bool:
@@ -426,9 +429,10 @@ class MemoryTier:
             rec = shm.Record(
                 rank=rank, slot=slot.index, step=job.step, save_id=job.save_id, world_size=_dist.world_size(),
                 created=manifest.created, boot_id=shm.boot_id(), local_dir=self.root, buffer=slot.buffer,
-                buffer_size=slot.size, values_file=values_file, values_size=pos, manifest=manifest.to_json(),
+                buffer_size=slot.size, values_file=values_file, values_size=pos,
+                manifest=manifest.to_json(self._manifests),
                 tensors=tensors, values=items, planner_data=planner_data,
-                layout=self._layout_rows(slot), host=socket.gethostname(),
+                layout=self._layout_rows(slot), host=self._host,
                 run=os.path.basename(self.ns).rsplit("-", 1)[-1],
             )
             shm.write_record(self.ns, rec, slot.cache.setdefault(("record", 0), {}))  # type: ignore[arg-type]
