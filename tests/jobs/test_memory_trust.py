@@ -469,7 +469,8 @@ def test_a_slots_layout_is_written_once_and_each_record_holds_only_what_changed(
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(20)])  # 40 tensors
     ckpt = shardckpt.Checkpointer(local_dir=str(root), every_steps=10**9, memory_every_steps=1,
                                   preemption_signals=())
-    state = {"model": model, "meta": {"note": "same", "at": 0}}
+    ids = [0, 1]  # a list of scalars changed in place: never the bytes of its last value
+    state = {"model": model, "meta": {"note": "same", "at": 0}, "ids": ids}
     try:
         ns = None
         for step in range(1, 7):
@@ -496,12 +497,14 @@ def test_a_slots_layout_is_written_once_and_each_record_holds_only_what_changed(
         assert "values" in _record_of(ns, 9)[1]  # values of another length: their table in the record
         ckpt.save(state, 10)
         state["meta"] = {"note": "changed" * 100, "at": "z"}  # of the same length as in step 9's slot
+        ids[1] = 11
         ckpt.save(state, 11)
         fresh_model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(21)])
-        fresh = {"model": fresh_model, "meta": {}}
+        fresh = {"model": fresh_model, "meta": {}, "ids": []}
         other = shardckpt.Checkpointer(local_dir=str(root), every_steps=10**9, memory_every_steps=1,
                                        preemption_signals=())
         assert other.load(fresh) == 11 and fresh["meta"] == {"note": "changed" * 100, "at": "z"}
+        assert fresh["ids"] == [0, 11]
         for (name, a), b in zip(model.state_dict().items(), fresh_model.state_dict().values()):
             assert torch.equal(a, b), name
         other.close()
