@@ -262,13 +262,23 @@ class Manifest:
     def to_json(self, cache: dict[str, Any] | None = None) -> str:
         """The manifest's text (sealed). ``cache``: kept by the caller between manifests of one kind of save,
         each field's text reused when its value is the same (the same text)."""
+        if cache is not None:  # the fields as they are, not deep-copied (a value JSON cannot encode: as below)
+            body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+            body["files"] = {name: {k: v for k, v in dataclasses.asdict(entry).items() if k != "chunks" or v}
+                             for name, entry in self.files.items()}
+            if not body["stored"]:
+                del body["stored"]
+            try:
+                return manifest_schema.seal_reusing(body, cache)
+            except TypeError:
+                cache.clear()
         body = dataclasses.asdict(self)
         for entry in body["files"].values():
             if not entry["chunks"]:
                 del entry["chunks"]
         if not body["stored"]:
             del body["stored"]
-        return manifest_schema.seal(body) if cache is None else manifest_schema.seal_reusing(body, cache)
+        return manifest_schema.seal(body)
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str) -> "Manifest":

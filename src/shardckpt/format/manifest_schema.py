@@ -82,6 +82,8 @@ def seal_reusing(body: dict[str, Any], cache: dict[str, tuple[Any, str]]) -> str
 
 def same_json(a: Any, b: Any) -> bool:
     """``a`` and ``b`` are the same JSON text (``1``, ``1.0`` and ``True`` are not; a tuple is its list)."""
+    if a is b:
+        return True
     if type(a) is tuple:
         a = list(a)
     if type(b) is tuple:

@@ -55,7 +55,7 @@ from typing import Any
 import xxhash
 
 from shardckpt._text import fmt_bytes
-from shardckpt.format.shm_record import ALIGN, FORMAT, LAY, Record, _same, layout_name, merge, parse
+from shardckpt.format.shm_record import ALIGN, FORMAT, LAY, Record, layout_name, merge, parse
 
 __all__ = ["ALIGN", "FORMAT", "LAY", "Record", "layout_name"]
 
@@ -266,7 +266,9 @@ def write_record(ns: str, record: Record, cache: dict[str, Any] | None = None) -
     cache = {} if cache is None else cache
     known = cache.get("layout")
     constant = record.constant()
-    if known is None or not _same(constant, known[0]) or not os.path.exists(os.path.join(ns, known[1])):
+    # (== at C speed: the constant part is made of this package's own str and int values, and its large
+    # tables are mostly the very objects of the last save)
+    if known is None or constant != known[0] or not os.path.exists(os.path.join(ns, known[1])):
         text, digest = record.layout_text()
         name = layout_name(record.rank, record.slot, digest)
         _replace(os.path.join(ns, name), text)
