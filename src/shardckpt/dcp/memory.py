@@ -158,12 +158,13 @@ def _flatten(staged: dict[str, Any], cache: dict[Any, Any]) -> tuple[dict[str, A
         else:
             parts = list(value.items()) if isinstance(value, dict) and value else [(None, value)]
         for sub, v in parts:
-            hit = before.get(id(v))
             if isinstance(v, torch.Tensor):  # a leaf: its path joined by dots, as DCP names it
                 path = (str(key),) if sub is None else (str(key), str(sub))
                 fqn = ".".join(path)
-                f, m = {fqn: v}, {fqn: path}
-            elif hit is not None and hit[0] is v and isinstance(v, dict):
+                flat[fqn], mappings[fqn] = v, path
+                continue
+            hit = before.get(id(v))
+            if hit is not None and hit[0] is v and isinstance(v, dict):
                 f, m = hit[1], hit[2]
             else:
                 f, m = flatten_state_dict({key: v} if sub is None else {key: {sub: v}})
