@@ -113,7 +113,7 @@ class Record:
         body["layout"] = digest
         body["manifest"] = [{k: v for k, v in manifest.items() if k not in old or not _same(v, old[k])},
                             [k for k in old if k not in manifest]]
-        if not _same(self.values, base["values"]):
+        if self.values != base["values"]:  # (this package's own str and int entries: == is exact here)
             body["values"] = self.values
         body["format"] = FORMAT
         return json.dumps(body, separators=(",", ":"))
