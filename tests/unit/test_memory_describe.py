@@ -21,7 +21,8 @@ def test_the_flattening_of_a_staged_state_is_dcps():
         "model": model, "optimizer": optimizer, "x": torch.ones(4), "v": 5, "list": [torch.ones(1), 2], "empty": {},
         "mixed": {"t": torch.ones(1), "n": 3, "deep": {"x": [1, {"y": 2}], "z": [[1], [2]],
                                                        "o": collections.OrderedDict(a=1), "el": [], "ed": {}}},
-        "vocab": {"itos": {0: "a", 1: "b"}}, "dicts": [{}, {"a": 1}], "tuple": ({"a": torch.ones(1)}, 2), "nested": [[torch.ones(1)]], 7: "an int key",
+        "vocab": {"itos": {0: "a", 1: "b"}}, "dicts": [{}, {"a": 1}], "tuple": ({"a": torch.ones(1)}, 2),
+        "nested": [[torch.ones(1)]], 7: "an int key",
     }
     cache: dict = {}
     for save in range(4):
