@@ -8,6 +8,7 @@ is the point, over the real /dev/shm (or a small tmpfs mounted in a mount namesp
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn as nn
 from helpers import PROGRAMS, child_env, wait_for
 
 import shardckpt
@@ -249,16 +251,30 @@ def _record_of(ns, step):
 
 
 def _forge_manifest(body, **fields):
-    manifest = json.loads(body["manifest"])
-    manifest.update(fields)
-    body["manifest"] = json.dumps(manifest)
+    body["manifest"][0].update(fields)  # the fields that differ from the layout file's manifest
+
+
+def _layout_of(ns, body):
+    return os.path.join(ns, shm.layout_name(body["rank"], body["slot"], body["layout"]))
+
+
+def _forge_layout(ns, body, change):
+    """A careful forgery of the layout file: changed, written under its new digest, the record pointing at it."""
+    with open(_layout_of(ns, body)) as f:
+        lay = json.load(f)
+    change(lay)
+    text = json.dumps(lay).encode()
+    body["layout"] = "sha256:" + hashlib.sha256(text).hexdigest()
+    fd = os.open(_layout_of(ns, body), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(text)
 
 
 def _forge(ns, kind):
     path, body = _record_of(ns, 3)
     if kind == "garbage":
         with open(path, "w") as f:
-            f.write('{"format": "shardckpt-memory/2", "rank": [')
+            f.write('{"format": "shardckpt-memory/3", "rank": [')
         return
     if kind == "step 99":  # the record alone says 99
         body["step"] = 99
@@ -266,22 +282,40 @@ def _forge(ns, kind):
         body["step"] = 99
         _forge_manifest(body, step=99)
     elif kind == "offset outside the buffer":
-        body["tensors"][0][5] = body["buffer_size"] * 4
+        _forge_layout(ns, body, lambda lay: lay["tensors"][0].__setitem__(5, lay["buffer_size"] * 4))
     elif kind == "unknown dtype":
-        body["tensors"][0][1] = "torch.evil"
+        _forge_layout(ns, body, lambda lay: lay["tensors"][0].__setitem__(1, "torch.evil"))
     elif kind == "a shape larger than its bytes":
-        body["tensors"][0][2] = [body["tensors"][0][2][0] * 1000]
-        body["tensors"][0][3] = body["tensors"][0][2]
+        def larger(lay):
+            lay["tensors"][0][2] = [lay["tensors"][0][2][0] * 1000]
+            lay["tensors"][0][3] = lay["tensors"][0][2]
+        _forge_layout(ns, body, larger)
+    elif kind == "layout of another run":
+        _forge_layout(ns, body, lambda lay: lay.__setitem__("run", "f" * 32))
+    elif kind == "layout bytes changed":  # in place: its bytes no longer hash to the record's digest
+        with open(_layout_of(ns, body)) as f:
+            lay = json.load(f)
+        lay["host"] = "elsewhere"  # harmless in itself: only the digest refuses it
+        with open(_layout_of(ns, body), "w") as f:
+            json.dump(lay, f, separators=(",", ":"))
+        return
+    elif kind == "layout readable by others":
+        os.chmod(_layout_of(ns, body), 0o644)
+        return
+    elif kind == "layout missing":
+        os.unlink(_layout_of(ns, body))
+        return
     elif kind == "another run":
         body["run"] = "f" * 32
     elif kind == "bytes changed":
-        buf = os.path.join(ns, body["buffer"])
-        with open(buf, "r+b") as f:
-            f.seek(body["tensors"][0][5])
+        with open(_layout_of(ns, body)) as f:
+            lay = json.load(f)
+        with open(os.path.join(ns, lay["buffer"]), "r+b") as f:
+            f.seek(lay["tensors"][0][5])
             f.write(torch.full((16,), 42.0).numpy().tobytes())
         return
     elif kind == "values cut short":
-        with open(os.path.join(ns, body["values_file"]), "r+b") as f:
+        with open(os.path.join(ns, shm.values_name(body["rank"], body["slot"])), "r+b") as f:
             f.truncate(max(0, body["values_size"] - 1))
         return
     elif kind == "checksum of another step":
@@ -298,7 +332,8 @@ def _forge(ns, kind):
 
 @pytest.mark.parametrize("kind", ["garbage", "step 99", "step 99 and its manifest", "offset outside the buffer",
                                   "unknown dtype", "a shape larger than its bytes", "another run", "bytes changed",
-                                  "values cut short", "checksum of another step"])
+                                  "values cut short", "checksum of another step", "layout of another run",
+                                  "layout bytes changed", "layout readable by others", "layout missing"])
 def test_a_forged_or_damaged_copy_falls_to_the_disk_with_one_warning(tmp_path, kind, caplog):
     root = tmp_path / "ck"
     saver, ns = _saved(root)
@@ -379,6 +414,8 @@ def _bodies(ns):
     for path in glob.glob(os.path.join(ns, "*.rec")):
         with open(path) as f:
             body = json.load(f)
+        with open(_layout_of(ns, body)) as f:
+            body.update({k: v for k, v in json.load(f).items() if k in ("buffer", "tensors")})
         body["_ns"] = ns
         out.append(body)
     return out
@@ -415,3 +452,62 @@ def test_ls_lists_memory_steps_with_the_others_by_step_and_status_names_no_memor
     off = shardckpt.Checkpointer(local_dir=str(tmp_path / "off"), preemption_signals=())
     assert "memory_dir" not in off.status()
     off.close()
+
+
+# ------------------------------------------------------------------ the record's size: its layout written once
+
+
+def _files(ns, suffix):
+    return {os.path.basename(p): os.stat(p).st_ino for p in glob.glob(os.path.join(ns, f"*{suffix}"))}
+
+
+def test_a_slots_layout_is_written_once_and_each_record_holds_only_what_changed(tmp_path):
+    """Saves of one state write each slot's layout file once; each record stays a few hundred bytes whatever
+    the state's size, and carries a plain value only when it changed; a new tensor writes a new layout (the
+    old one goes); a restore in a new process reads the newest step bitwise."""
+    root = tmp_path / "ck"
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(20)])  # 40 tensors
+    ckpt = shardckpt.Checkpointer(local_dir=str(root), every_steps=10**9, memory_every_steps=1,
+                                  preemption_signals=())
+    ids = [0, 1]  # a list of scalars changed in place: never the bytes of its last value
+    state = {"model": model, "meta": {"note": "same", "at": 0}, "ids": ids}
+    try:
+        ns = None
+        for step in range(1, 7):
+            with torch.no_grad():
+                model[0].weight.fill_(step)
+            state["meta"] = {"note": "same", "at": str(step)}  # its bytes change, not its length
+            ckpt.save(state, step)
+            ns = shm.namespace(str(root))
+            if step == 2:
+                layouts = _files(ns, ".lay")
+            sizes = {n: os.path.getsize(os.path.join(ns, n)) for n in _files(ns, ".rec")}
+            assert all(size < 700 for size in sizes.values()), sizes
+        assert len(layouts) == 2 and _files(ns, ".lay") == layouts  # the same files: not written again
+        assert min(os.path.getsize(os.path.join(ns, n)) for n in layouts) > 10 * max(sizes.values())
+        assert "values" not in _record_of(ns, 6)[1]  # the values' table is the layout's
+        model.append(nn.Linear(16, 16))  # a new tensor: each slot is laid out again at its next save
+        ckpt.save(state, 7)
+        ckpt.save(state, 8)
+        assert len(_files(ns, ".lay")) == 2 and not set(_files(ns, ".lay")) & set(layouts)  # the old ones gone
+        with torch.no_grad():
+            model[0].weight.fill_(9)
+        state["meta"] = {"note": "changed" * 100, "at": "y"}
+        ckpt.save(state, 9)  # into step 7's slot
+        assert "values" in _record_of(ns, 9)[1]  # values of another length: their table in the record
+        ckpt.save(state, 10)
+        state["meta"] = {"note": "changed" * 100, "at": "z"}  # of the same length as in step 9's slot
+        ids[1] = 11
+        ckpt.save(state, 11)
+        fresh_model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(21)])
+        fresh = {"model": fresh_model, "meta": {}, "ids": []}
+        other = shardckpt.Checkpointer(local_dir=str(root), every_steps=10**9, memory_every_steps=1,
+                                       preemption_signals=())
+        assert other.load(fresh) == 11 and fresh["meta"] == {"note": "changed" * 100, "at": "z"}
+        assert fresh["ids"] == [0, 11]
+        for (name, a), b in zip(model.state_dict().items(), fresh_model.state_dict().values()):
+            assert torch.equal(a, b), name
+        other.close()
+    finally:
+        ckpt.close()
+        _cleanup(root)

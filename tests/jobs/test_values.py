@@ -284,3 +284,17 @@ def test_dir_lists_the_public_names_without_importing_torch():
     proc = subprocess.run([sys.executable, "-c", probe], env=child_env(), capture_output=True, text=True,
                           cwd=str(ROOT), timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_value_that_starts_to_differ_at_a_later_save_is_found_there_and_at_every_save_after(tmp_path):
+    """Only the summaries that changed since the last save are exchanged: rank 1's value, the same as rank
+    0's at steps 1-3, differs from step 4 (then stays as it is, so rank 1 sends nothing new at 5 and 6): the
+    warning comes at step 4, and every save from 4 to 6 keeps rank 0's value, in memory and on disk."""
+    proc = run_torchrun(2, PROGRAMS / "values_later.py", tmp_path, timeout=240)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    warned = [line for line in proc.stdout.splitlines() if "differs across ranks" in line]
+    assert len(warned) == 1 and "step 4:" in warned[0] and "'meta'" in warned[0] and "rank(s) 1" in warned[0], warned
+    assert ranks[1]["saved"] == {"1": 0.5, "2": 0.5, "3": 0.5, "4": 0.7, "5": 0.7, "6": 0.7, "7": 0.5}
+    for got in ranks:
+        assert got["memory"] == {str(s): [s, {"lr": 0.5}, {"at": s}] for s in (3, 5, 7)}, got["memory"]
+        assert got["disk"] == {str(s): [s, {"lr": 0.5}, {"at": s}] for s in (4, 6)}, got["disk"]

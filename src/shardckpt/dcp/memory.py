@@ -102,14 +102,16 @@ def describe(
             tensors.append(entry)
         else:
             before = pickled.get(fqn)
-            if before is not None and type(obj) is before[0] and _plain(obj) and _equal(obj, before[1]):
+            plain = _plain(obj)
+            frozen = tuple(obj) if plain and type(obj) is list else obj  # (a list: its items as they are now)
+            if before is not None and type(obj) is before[0] and plain and _equal(frozen, before[1]):
                 data = before[2]  # the same plain value as at the last save: its bytes again, not pickled
             else:
                 buf = io.BytesIO()
                 torch.save(obj, buf)
                 data = buf.getvalue()
-            if _plain(obj):
-                kept[fqn] = (type(obj), obj, data)
+            if plain:
+                kept[fqn] = (type(obj), frozen, data)
             values.append((fqn, data))
     cache[_VALUES] = kept  # type: ignore[assignment]
     planner_data = {fqn: list(path) for fqn, path in mappings.items()}
@@ -124,17 +126,22 @@ _SCALARS = (int, float, str, bytes, bool, type(None))
 
 
 def _plain(obj: Any) -> bool:
-    """An immutable value made of scalars (compared by value: reusing its bytes is safe)."""
+    """A value made of scalars, a tuple or list of them (compared by value, a list by a copy of its items:
+    reusing its bytes is safe)."""
     if type(obj) in _SCALARS:
         return True
-    return type(obj) is tuple and all(type(v) in _SCALARS for v in obj)
+    return type(obj) in (tuple, list) and all(type(v) in _SCALARS for v in obj)
 
 
 def _equal(a: Any, b: Any) -> bool:
-    """Equal with the same types throughout (``1 == 1.0 == True`` pickle differently)."""
+    """Equal with the same types throughout (``1 == 1.0 == True``, ``0.0 == -0.0`` pickle differently)."""
     if type(a) is tuple:
-        return len(a) == len(b) and all(type(x) is type(y) and x == y for x, y in zip(a, b))
-    return bool(a == b)
+        return type(b) is tuple and len(a) == len(b) and all(map(_same_scalar, a, b))
+    return _same_scalar(a, b)
+
+
+def _same_scalar(x: Any, y: Any) -> bool:
+    return type(x) is type(y) and bool(x == y) and (type(x) is not float or math.copysign(1, x) == math.copysign(1, y))
 
 
 def _flatten(staged: dict[str, Any], cache: dict[Any, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -146,21 +153,78 @@ def _flatten(staged: dict[str, Any], cache: dict[Any, Any]) -> tuple[dict[str, A
     mappings: dict[str, Any] = {}
     for key, value in staged.items():
         top = before.get(id(value))
-        if top is not None and top[0] is value:
-            parts: list[tuple[Any, Any]] = [(None, value)]  # the whole entry is as it was (a module's buffers)
-        else:
-            parts = list(value.items()) if isinstance(value, dict) and value else [(None, value)]
+        if top is not None and top[0] is value:  # the whole entry is as it was (a module's buffers)
+            flat.update(top[1])
+            mappings.update(top[2])
+            now[id(value)] = top
+            continue
+        parts = list(value.items()) if isinstance(value, dict) and value else [(None, value)]
+        kf: dict[str, Any] = {}
+        km: dict[str, Any] = {}
         for sub, v in parts:
+            if isinstance(v, torch.Tensor):  # a leaf: its path joined by dots, as DCP names it
+                path = (str(key),) if sub is None else (str(key), str(sub))
+                fqn = ".".join(path)
+                kf[fqn], km[fqn] = v, path
+                continue
             hit = before.get(id(v))
             if hit is not None and hit[0] is v and isinstance(v, dict):
                 f, m = hit[1], hit[2]
             else:
-                f, m = flatten_state_dict({key: v} if sub is None else {key: {sub: v}})
+                f, m = _flat_plain((str(key),) if sub is None else (str(key), str(sub)), v)
             if isinstance(v, dict) and all(isinstance(t, torch.Tensor) for t in f.values()):
                 now[id(v)] = (v, f, m)  # tensors only: the same object holds the same leaves
-            flat.update(f)
-            mappings.update(m)
+            kf.update(f)
+            km.update(m)
+        if isinstance(value, dict) and value and all(isinstance(t, torch.Tensor) for t in kf.values()):
+            now[id(value)] = (value, kf, km)
+        flat.update(kf)
+        mappings.update(km)
     cache[_FLAT] = now
+    return flat, mappings
+
+
+class _NotPlain(Exception):
+    """A subtree :func:`_flat_plain` leaves to DCP's own flattening."""
+
+
+def _flat_plain(path: tuple, value: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """DCP's ``flatten_state_dict`` of ``value`` at ``path``, the same keys, paths and leaves in the same order,
+    without its generic walk where the subtree is made of plain dicts, lists of scalars or of plain dicts, and
+    leaves (an optimizer's ``param_groups``: its ``isinstance(..., Mapping)`` per list item is most of its cost);
+    anything else goes to DCP's."""
+    flat: dict[str, Any] = {}
+    mappings: dict[str, Any] = {}
+
+    def walk(at: tuple, obj: Any) -> None:
+        kind = type(obj)
+        if kind is dict:
+            for k, v in obj.items():
+                walk(at + (str(k),), v)
+            return
+        if kind is list:
+            if all(type(v) in _SCALARS for v in obj):
+                pass  # a leaf
+            elif obj and all(type(v) is dict for v in obj):
+                for i, v in enumerate(obj):
+                    walk(at + (i,), v)
+                return
+            else:
+                raise _NotPlain
+        elif not (kind in _SCALARS or kind is tuple or isinstance(obj, torch.Tensor)):
+            raise _NotPlain  # (a Mapping or list of another type is DCP's to walk)
+        fqn = ".".join(map(str, at))
+        if fqn in flat:
+            raise _NotPlain  # DCP says which key is duplicated
+        flat[fqn], mappings[fqn] = obj, at
+
+    try:
+        walk(path, value)
+    except _NotPlain:
+        nested: Any = value
+        for part in reversed(path):
+            nested = {part: nested}
+        return flatten_state_dict(nested)
     return flat, mappings
 
 

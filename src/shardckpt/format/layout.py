@@ -259,7 +259,19 @@ class Manifest:
     stored as they are."""
     format: str = MANIFEST_FORMAT
 
-    def to_json(self) -> str:
+    def to_json(self, cache: dict[str, Any] | None = None) -> str:
+        """The manifest's text (sealed). ``cache``: kept by the caller between manifests of one kind of save,
+        each field's text reused when its value is the same (the same text)."""
+        if cache is not None:  # the fields as they are, not deep-copied (a value JSON cannot encode: as below)
+            body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+            body["files"] = {name: {k: v for k, v in dataclasses.asdict(entry).items() if k != "chunks" or v}
+                             for name, entry in self.files.items()}
+            if not body["stored"]:
+                del body["stored"]
+            try:
+                return manifest_schema.seal_reusing(body, cache)
+            except TypeError:
+                cache.clear()
         body = dataclasses.asdict(self)
         for entry in body["files"].values():
             if not entry["chunks"]:

@@ -61,6 +61,42 @@ def seal(body: dict[str, Any]) -> str:
     return text.replace(slot, f'\n "{DIGEST_FIELD}": "{DIGEST_ALGO}:{digest}"', 1)
 
 
+def seal_reusing(body: dict[str, Any], cache: dict[str, tuple[Any, str]]) -> str:
+    """:func:`seal` of ``body``, the same text, each top-level field's text reused from ``cache`` (kept by the
+    caller between manifests that differ in a few fields) when its value is the same as then, JSON-wise."""
+    content = {k: v for k, v in body.items() if k != DIGEST_FIELD}
+    content[DIGEST_FIELD] = PLACEHOLDER
+    parts = []
+    for key in sorted(content):
+        value = content[key]
+        hit = cache.get(key)
+        if hit is None or not same_json(value, hit[0]):
+            text = json.dumps(value, indent=1, sort_keys=True).replace("\n", "\n ")  # one level in
+            hit = cache[key] = (json.loads(json.dumps(value)), f" {json.dumps(key)}: {text}")
+        parts.append(hit[1])
+    text = "{\n" + ",\n".join(parts) + "\n}"
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    slot = f'\n "{DIGEST_FIELD}": "{PLACEHOLDER}"'
+    return text.replace(slot, f'\n "{DIGEST_FIELD}": "{DIGEST_ALGO}:{digest}"', 1)
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are the same JSON text (``1``, ``1.0`` and ``True`` are not; a tuple is its list)."""
+    if a is b:
+        return True
+    if type(a) is tuple:
+        a = list(a)
+    if type(b) is tuple:
+        b = list(b)
+    if type(a) is not type(b):
+        return False
+    if type(a) is dict:
+        return a.keys() == b.keys() and all(same_json(v, b[k]) for k, v in a.items())
+    if type(a) is list:
+        return len(a) == len(b) and all(map(same_json, a, b))
+    return bool(a == b) and (type(a) is not float or math.copysign(1, a) == math.copysign(1, b))
+
+
 def digest_matches(raw: bytes, recorded: Any) -> bool:
     """Whether the manifest bytes ``raw`` carry ``recorded`` as their one top-level digest and it
     is the digest of those bytes (see :func:`seal`)."""

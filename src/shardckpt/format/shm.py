@@ -11,8 +11,10 @@ trainer process, in one directory per run of a ``local_dir``::
         r<rank>-s<slot>-<token>.buf       one rank's staged tensors of one slot, back to back (reused between saves;
                                           a new token when the layout changes)
         r<rank>-s<slot>.val               the non-tensor values of the save the slot holds (torch.save'd, back to back)
-        r<rank>-s<slot>.rec               the record: written last, after the copy is complete (tmp + rename);
-                                          removed first when the slot is written again
+        r<rank>-s<slot>-<digest>.lay      what the records of one slot layout share (tensors, offsets, the base
+                                          manifest): written once per layout, named by the SHA-256 of its bytes
+        r<rank>-s<slot>.rec               the record of a few hundred bytes: written last, after the copy is
+                                          complete (tmp + rename); removed first when the slot is written again
         r<rank>-s<slot>.sum               the copy's checksum (step, save id, xxh3-128), taken after the record
                                           off the training loop; checked by a restore when present
 
@@ -20,8 +22,10 @@ A slot holds a save only while its record exists, so a copy cut short (the
 process killed while it copies) is never used: the record is gone before
 the first byte is overwritten and comes back only after the last. The record
 names the step, the save id, this machine's boot id (a record of another
-boot is stale: nothing of it is trusted), the files and their sizes, the
-step's manifest and where each tensor lies in the buffer.
+boot is stale: nothing of it is trusted) and the digest of its layout file,
+which holds the files and their sizes, the base of the step's manifest and
+where each tensor lies in the buffer (``format/shm_record.py``: the two files
+and how they bind each other).
 
 A copy belongs to a run, never to a path: the namespace's name carries the
 run id the directory holds (a removed and re-created directory, or another
@@ -38,7 +42,6 @@ Torch-free: read by ``shardckpt ls`` / ``status``, the node's memory keeper
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import functools
 import hashlib
@@ -52,16 +55,15 @@ from typing import Any
 import xxhash
 
 from shardckpt._text import fmt_bytes
-from shardckpt.format import layout
+from shardckpt.format.shm_record import ALIGN, FORMAT, LAY, Record, layout_name, merge, parse
 
-FORMAT = "shardckpt-memory/2"
+__all__ = ["ALIGN", "FORMAT", "LAY", "Record", "layout_name"]
+
 RUN_FILE = ".shardckpt-run"
 """The run identity of a ``local_dir`` (in the directory itself): whose copies a namespace holds."""
 LOCK_NAME = "owner.lock"
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 REC, BUF, VAL, SUM = ".rec", ".buf", ".val", ".sum"
-ALIGN = 64
-"""Byte alignment of every tensor in a buffer (any dtype's element size divides it)."""
 
 
 def shm_root() -> str:
@@ -257,148 +259,31 @@ def ensure_namespace(root: str) -> str:
     return path
 
 
-_TABLES = ("tensors", "planner_data", "layout")
-"""A record's tables that stay the same between saves of one state into one slot."""
+def write_record(ns: str, record: Record, cache: dict[str, Any] | None = None) -> None:
+    """Make ``record`` the slot's: after every byte it describes is in place (tmp + rename). Its layout file
+    (:mod:`~shardckpt.format.shm_record`) is written first when its constant part is not the one written
+    last for this slot (``cache``, kept by the caller between saves of one slot), the slot's others removed."""
+    cache = {} if cache is None else cache
+    known = cache.get("layout")
+    constant = record.constant()
+    # (== at C speed: the constant part is made of this package's own str and int values, and its large
+    # tables are mostly the very objects of the last save)
+    if known is None or constant != known[0] or not os.path.exists(os.path.join(ns, known[1])):
+        text, digest = record.layout_text()
+        name = layout_name(record.rank, record.slot, digest)
+        _replace(os.path.join(ns, name), text)
+        remove(ns, [n for n in _listed(ns) if n.endswith(LAY) and n != name
+                    and parse_name(n) == (record.rank, record.slot)])
+        known = cache["layout"] = (constant, name, digest, json.loads(text))
+    record.layout_file = known[1]
+    _replace(os.path.join(ns, record_name(record.rank, record.slot)), record.to_json(known[2], known[3]))
 
 
-@dataclasses.dataclass
-class Record:
-    """One rank's complete copy of one save, as its record describes it."""
-
-    rank: int
-    slot: int
-    step: int
-    save_id: str
-    world_size: int
-    created: float
-    boot_id: str
-    local_dir: str
-    buffer: str
-    buffer_size: int
-    values_file: str
-    values_size: int
-    manifest: str
-    """The step's manifest text (sealed, without files): what a disk copy of the save would say."""
-    tensors: list[list[Any]]
-    """``[fqn, dtype, local shape, global size, chunk offsets, offset in the buffer]`` per tensor saved."""
-    values: list[list[Any]]
-    """``[fqn, offset, length]`` per non-tensor item in the values file."""
-    planner_data: dict[str, list[Any]]
-    """DCP's flattening: each fqn's path in the state dict."""
-    layout: list[list[Any]]
-    """The slot's buffers: ``[path, signature, offset, nbytes]`` (the copy reuses them when they fit)."""
-    host: str = ""
-    run: str = ""
-    """The run of the ``local_dir`` that made the copy (``RUN_FILE``)."""
-    name: str = ""
-    """The record's file name (not stored)."""
-
-    @property
-    def version(self) -> str:
-        return f"id:{self.save_id}"
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer_size + self.values_size
-
-    def to_json(self, cache: dict[str, tuple[Any, str]] | None = None) -> str:
-        """The record's text. ``cache`` (kept by the caller between saves of one slot): the text of each large
-        table equal to the last one is reused, not encoded again (the same text as without it)."""
-        parts = []
-        for f in dataclasses.fields(self):
-            if f.name == "name":
-                continue
-            value = getattr(self, f.name)
-            if cache is not None and f.name in _TABLES:
-                hit = cache.get(f.name)
-                if hit is None or hit[0] != value:
-                    hit = cache[f.name] = (value, json.dumps(value, separators=(",", ":")))
-                parts.append(f"{json.dumps(f.name)}:{hit[1]}")
-            else:
-                parts.append(f"{json.dumps(f.name)}:{json.dumps(value, separators=(',', ':'))}")
-        parts.append(f'"format":{json.dumps(FORMAT)}')
-        return "{" + ",".join(parts) + "}"
-
-    @classmethod
-    def from_json(cls, text: str | bytes, name: str) -> Record:
-        body = json.loads(text)
-        if not isinstance(body, dict) or body.pop("format", None) != FORMAT:
-            raise ValueError("not a memory record of this format")
-        fields = {f.name for f in dataclasses.fields(cls)} - {"name"}
-        record = cls(**{k: body[k] for k in fields if k in body}, name=name)
-        for key, kind in (("rank", int), ("slot", int), ("step", int), ("world_size", int), ("buffer_size", int),
-                          ("values_size", int), ("save_id", str), ("boot_id", str), ("buffer", str),
-                          ("values_file", str), ("manifest", str), ("local_dir", str), ("run", str)):
-            if not isinstance(getattr(record, key), kind) or isinstance(getattr(record, key), bool):
-                raise ValueError(f"{key} is not a {kind.__name__}")
-        for key in ("buffer", "values_file"):
-            if parse_name(getattr(record, key)) != (record.rank, record.slot) or "/" in getattr(record, key):
-                raise ValueError(f"{key} {getattr(record, key)!r} is not a file of this record's slot")
-        shapes = (str, str, _INTS, _INTS, _INTS, int)
-        for table, kinds in (("tensors", shapes), ("values", (str, int, int)), ("layout", (str, str, int, int))):
-            for entry in getattr(record, table):
-                if not (isinstance(entry, list) and len(entry) == len(kinds) and all(map(_is, entry, kinds))):
-                    raise ValueError(f"a malformed entry of {table}: {str(entry)[:80]}")
-        if not (isinstance(record.planner_data, dict)
-                and all(isinstance(p, list) for p in record.planner_data.values())):
-            raise ValueError("planner_data is not a table of paths")
-        _check_tables(record)
-        manifest = record.manifest_obj(name)
-        if manifest.step != record.step or manifest.save_id != record.save_id:
-            raise ValueError(f"it names step {record.step} ({record.version}), its manifest step {manifest.step} "
-                             f"(id:{manifest.save_id})")
-        return record
-
-    def manifest_obj(self, where: str) -> layout.Manifest:
-        return layout.Manifest.from_json(self.manifest, where)
-
-
-_INTS = "ints"
-ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8, "int64": 8,
-            "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
-            "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1}
-"""Bytes per element of each dtype a record may name (any other name: the record is refused)."""
-
-
-def tensor_bytes(entry: list[Any]) -> int:
-    """The bytes of a record's tensor entry ``[fqn, dtype, shape, size, offsets, offset]``."""
-    n = ITEMSIZE[entry[1].rsplit(".", 1)[-1]]
-    for d in entry[2]:
-        n *= d
-    return n
-
-
-def _check_tables(record: Record) -> None:
-    """Every tensor of a known dtype, its chunk inside its global size and its bytes inside the buffer;
-    every value inside the values file (a record that says otherwise is refused, never read past its files)."""
-    for entry in record.tensors:
-        fqn, dtype, shape, size, offsets, offset = entry
-        if dtype.rsplit(".", 1)[-1] not in ITEMSIZE:
-            raise ValueError(f"{fqn}: unknown dtype {dtype!r}")
-        if not (len(shape) == len(size) == len(offsets) and all(d >= 0 for d in shape + size + offsets)
-                and all(o + d <= n for o, d, n in zip(offsets, shape, size))):
-            raise ValueError(f"{fqn}: the chunk {offsets}+{shape} does not lie in its size {size}")
-        if offset < 0 or offset % ALIGN or offset + tensor_bytes(entry) > record.buffer_size:
-            raise ValueError(f"{fqn}: [{offset}, +{tensor_bytes(entry)}) does not lie in the buffer of "
-                             f"{record.buffer_size} bytes")
-    for fqn, offset, length in record.values:
-        if offset < 0 or length < 0 or offset + length > record.values_size:
-            raise ValueError(f"{fqn}: [{offset}, +{length}) does not lie in the values of {record.values_size} bytes")
-
-
-def _is(value: Any, kind: Any) -> bool:
-    if kind is _INTS:
-        return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    return isinstance(value, kind) and not isinstance(value, bool)
-
-
-def write_record(ns: str, record: Record, cache: dict[str, tuple[Any, str]] | None = None) -> None:
-    """Make ``record`` the slot's: after every byte it describes is in place (tmp + rename)."""
-    final = os.path.join(ns, record_name(record.rank, record.slot))
+def _replace(final: str, text: str) -> None:
     tmp = f"{final}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(record.to_json(cache))
+        f.write(text)
     os.replace(tmp, final)
 
 
@@ -471,12 +356,19 @@ def read_records(root: str) -> tuple[list[Record], dict[str, str]]:
     good: list[Record] = []
     bad: dict[str, str] = {}
     here, real = boot_id(), os.path.realpath(root)
+    layouts: dict[str, bytes | str] = {}
     for name in names:
         if not name.endswith(REC) or name not in sizes:
             continue
         try:
             with open(os.path.join(ns, name), "rb") as f:
-                record = Record.from_json(f.read(), name)
+                body = parse(f.read())
+            lay = layout_name(body["rank"], body["slot"], body["layout"])
+            if lay not in layouts:
+                layouts[lay] = _layout_bytes(ns, lay)
+            if isinstance(layouts[lay], str):
+                raise ValueError(layouts[lay])
+            record = merge(body, layouts[lay], name)  # type: ignore[arg-type]
         except Exception as exc:  # noqa: BLE001 - whatever a forged record holds: refused, never raised
             bad[name] = f"unreadable ({type(exc).__name__}: {exc})"
             continue
@@ -494,6 +386,20 @@ def read_records(root: str) -> tuple[list[Record], dict[str, str]]:
         else:
             good.append(record)
     return good, bad
+
+
+def _layout_bytes(ns: str, name: str) -> bytes | str:
+    """The bytes of the layout file ``name``, or why it cannot be trusted (not a regular file of this user's
+    alone, or missing)."""
+    try:
+        fd = os.open(os.path.join(ns, name), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        return f"its layout file {name} cannot be read ({exc.strerror or exc})"
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            return f"its layout file {name} is not a file of this user's alone (mode {oct(st.st_mode & 0o777)})"
+        return f.read()
 
 
 def remove(ns: str, names: list[str]) -> None:

@@ -82,6 +82,13 @@ def _nbytes(entry: list[Any]) -> int:
     return math.prod(entry[2]) * dcp_memory._dtype(entry[1]).itemsize
 
 
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return -1
+
+
 def budget_bytes(budget: float | None) -> int:
     """``memory_budget`` in bytes: a fraction (<= 1) of the host's RAM, or a number of bytes."""
     if budget is None:
@@ -131,6 +138,9 @@ class MemoryTier:
         self._pinned = 0
         self.last: int | None = None
         """The step of this process's newest save kept in memory."""
+        self._host = socket.gethostname()
+        self._manifests: dict[str, Any] = {}
+        """The text of each field of the last manifest recorded (``Manifest.to_json``: only what changed is encoded)."""
 
     @property
     def enabled(self) -> bool:
@@ -251,7 +261,7 @@ class MemoryTier:
             slot.buffer, slot.size = rec.buffer, rec.buffer_size
             slot.entries = {k: (sig, off, n) for k, sig, off, n in rec.layout}
             slot.holds = (rec.step, rec.version, rec.created)
-            keep_names |= {rec.name, rec.buffer, rec.values_file}
+            keep_names |= {rec.name, rec.buffer, rec.values_file, rec.layout_file}
         try:
             names = os.listdir(self.ns)
         except FileNotFoundError:
@@ -371,10 +381,12 @@ class MemoryTier:
             torch.cuda.cudart().cudaHostUnregister(slot.base.data_ptr())
             self._pinned -= slot.pinned
         slot.pinned = 0
+        written = slot.cache.get(("record", 0), {}).get("layout")  # type: ignore[union-attr]
         slot.region, slot.base, slot.stager, slot.cache = None, None, None, {}  # the mapping goes with its last view
         if remove and slot.buffer:
             shm.drop_record(self.ns, _dist.rank(), slot.index)
-            shm.remove(self.ns, [slot.buffer, shm.values_name(_dist.rank(), slot.index)])
+            shm.remove(self.ns, [slot.buffer, shm.values_name(_dist.rank(), slot.index)] + ([written[1]] if written
+                                                                                            else []))
             slot.holds = None
 
     def record(self, job: Any, manifest: layout.Manifest) -> str | None:
@@ -402,28 +414,33 @@ class MemoryTier:
         manifest.total_bytes = sum(len(v) for _f, v in values) + sized[1]
         items, pos = [], 0
         values_file = shm.values_name(rank, slot.index)
+        for fqn, data in values:
+            items.append([fqn, pos, len(data)])
+            pos += len(data)
+        values_bytes = b"".join(data for _f, data in values)
         try:
-            fd = os.open(os.path.join(self.ns, values_file), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                for fqn, data in values:
-                    f.write(data)
-                    items.append([fqn, pos, len(data)])
-                    pos += len(data)
+            path = os.path.join(self.ns, values_file)
+            if slot.cache.get(("val", 0)) != values_bytes or _size(path) != pos:  # (else: held already)
+                slot.cache.pop(("val", 0), None)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(values_bytes)
+                slot.cache[("val", 0)] = values_bytes  # type: ignore[assignment]
             rec = shm.Record(
                 rank=rank, slot=slot.index, step=job.step, save_id=job.save_id, world_size=_dist.world_size(),
                 created=manifest.created, boot_id=shm.boot_id(), local_dir=self.root, buffer=slot.buffer,
-                buffer_size=slot.size, values_file=values_file, values_size=pos, manifest=manifest.to_json(),
+                buffer_size=slot.size, values_file=values_file, values_size=pos,
+                manifest=manifest.to_json(self._manifests),
                 tensors=tensors, values=items, planner_data=planner_data,
-                layout=self._layout_rows(slot), host=socket.gethostname(),
+                layout=self._layout_rows(slot), host=self._host,
                 run=os.path.basename(self.ns).rsplit("-", 1)[-1],
             )
-            shm.write_record(self.ns, rec, slot.cache.setdefault(("json", 0), {}))  # type: ignore[arg-type]
+            shm.write_record(self.ns, rec, slot.cache.setdefault(("record", 0), {}))  # type: ignore[arg-type]
         except OSError as exc:
             self._aside(f"step {job.step}: the copy could not be recorded in {self.ns} ({exc})", every_rank=False)
             return None
         slot.holds = (job.step, rec.version, rec.created)
         stop = threading.Event()
-        values_bytes = b"".join(data for _f, data in values)
         slot.summing = (stop, self._sums.submit(self._sum, slot, rec, values_bytes, stop))
         return os.path.join(self.ns, shm.record_name(rank, slot.index))
 

@@ -48,14 +48,24 @@ from shardckpt.state.keys import MODULE, OPTIMIZER, RNG, VALUE
 _tokens = itertools.count(1)
 
 
-def _geometry(t: torch.Tensor) -> tuple:
-    """What a view of ``t`` depends on: storage pointer, shape, stride, offset, dtype (a DTensor: its shard's, and
-    its placements and global shape)."""
-    if isinstance(t, DTensor):
-        local = t._local_tensor
-        return (id(local), local.data_ptr(), local.shape, local.stride(), local.dtype, t.shape, t.placements,
-                t.requires_grad)
+def _sharded(t: Any) -> tuple:
+    """What a view of the DTensor ``t`` depends on: its shard's storage pointer, shape, stride and dtype, its
+    placements and global shape."""
+    local = t._local_tensor
+    return (id(local), local.data_ptr(), local.shape, local.stride(), local.dtype, t.shape, t.placements,
+            t.requires_grad)
+
+
+def _dense(t: torch.Tensor) -> tuple:
+    """What a view of ``t`` depends on: storage pointer, shape, stride, dtype."""
     return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.requires_grad)
+
+
+def _watched(t: torch.Tensor) -> tuple:
+    """``(t, its geometry's function, its geometry)``: whether it is a DTensor is asked once, at the build (an
+    ``isinstance`` on a Parameter costs as much as the rest of the check); a tensor's class cannot change."""
+    geometry = _sharded if isinstance(t, DTensor) else _dense
+    return (t, geometry, geometry(t))
 
 
 def _view_key(t: torch.Tensor) -> tuple:
@@ -74,13 +84,13 @@ class _ModuleWatch:
 
     def __init__(self, module: nn.Module) -> None:
         self.entries = [(m, self._shape(m)) for m in module.modules()]
-        self.tensors: list[tuple[torch.Tensor, tuple]] = []
+        self.tensors: list[tuple[torch.Tensor, Any, tuple]] = []
         seen: set[int] = set()
         for m, _s in self.entries:
             for t in itertools.chain(m._parameters.values(), m._buffers.values()):
                 if t is not None and id(t) not in seen:
                     seen.add(id(t))
-                    self.tensors.append((t, _geometry(t)))
+                    self.tensors.append(_watched(t))
 
     @staticmethod
     def _shape(m: nn.Module) -> tuple:
@@ -89,15 +99,15 @@ class _ModuleWatch:
                 len(m._non_persistent_buffers_set), len(m._state_dict_hooks), len(m._state_dict_pre_hooks))
 
     def views(self) -> set[tuple]:
-        return {_view_key(t) for t, _g in self.tensors}
+        return {_view_key(t) for t, _f, _g in self.tensors}
 
     def holds(self) -> bool:
         shape = self._shape
         for m, recorded in self.entries:
             if shape(m) != recorded:
                 return False
-        for t, recorded in self.tensors:
-            if _geometry(t) != recorded:
+        for t, geometry, recorded in self.tensors:
+            if geometry(t) != recorded:
                 return False
         return True
 
@@ -123,7 +133,7 @@ class _OptimizerWatch:
         self.groups = [(tuple(map(id, g["params"])), tuple(g)) for g in optim.param_groups]
         self.state = osd["state"]
         self.params: list[tuple[Any, int, tuple, list[tuple[Any, torch.Tensor]]]] = []
-        self.tensors: list[tuple[torch.Tensor, tuple]] = []
+        self.tensors: list[tuple[torch.Tensor, Any, tuple]] = []
         for fqn, p in by_fqn.items():
             live = optim.state.get(p)
             if fqn in self.state and self.state[fqn] is not live:
@@ -133,7 +143,7 @@ class _OptimizerWatch:
                 continue
             own = [(k, v) for k, v in live.items() if isinstance(v, torch.Tensor)]
             self.params.append((p, id(live), tuple(live), own))
-            self.tensors.extend((v, _geometry(v)) for _k, v in own)
+            self.tensors.extend(_watched(v) for _k, v in own)
         if len(self.state) != sum(1 for _p, sid, _k, _o in self.params if sid != id(None)):
             raise _NotPlannable
 
@@ -155,8 +165,8 @@ class _OptimizerWatch:
                 for k, v in own:
                     if live[k] is not v:
                         return False
-        for t, recorded in self.tensors:
-            if _geometry(t) != recorded:
+        for t, geometry, recorded in self.tensors:
+            if geometry(t) != recorded:
                 return False
         return True
 

@@ -121,6 +121,7 @@ class Saver:
         self.plans_built = 0
         """How many save plans were built (one per change of the state's structure: ``plan.py``)."""
         self._warned_values: set[str] = set()
+        self._agreed = values.Known()
         self._frozen: dict[str, Any] | None = None
         self._run: dict[str, Any] | None = None
         self._loaded_at: float | None = None
@@ -162,7 +163,8 @@ class Saver:
             plan = self._plan_for(state, kind == LIGHT)
             captured, kinds, frozen = plan.capture(state)
             own_keys = {k for k, v in state.items() if isinstance(v, PerRank)} | {state_mod.RESERVED_KEY}
-            captured, later = values.agree(captured, kinds, self._groups, step, self._warned_values, own_keys, memory)
+            captured, later = values.agree(captured, kinds, self._groups, step, self._warned_values, own_keys, memory,
+                                           self._agreed)
             preflight.at_save(state, step, first=self._saves == 0 and self._memory.last is None)
             disk = decision.due and self._writer.space_ok(step, *split_bytes(captured, own_keys))
             if not disk and not memory:

@@ -252,9 +252,55 @@ class _Keys:
         return left
 
 
+class Known:
+    """What every rank summarised at the last save (one per ``Checkpointer``), so that a save sends only the
+    summaries that changed since (:func:`agree`).
+
+    Why it cannot miss a difference: at every exchange each rank sends the summary of each key whose pickled
+    bytes are not the ones it sent before (and the keys it no longer has), and every rank applies every
+    rank's changes to the same view of the exchange before; a rank that sends nothing for a key has the
+    same summary as in that view, byte for byte. So the view after the exchange is, on every rank, exactly
+    what a full exchange of every summary would have given, and the comparison runs on it as before. The
+    views hold only while every rank took part in every exchange: each rank sends how many it completed
+    (``-1`` when its view was lost to a failure), and unless all agree, every summary is sent again.
+    """
+
+    def __init__(self) -> None:
+        self.exchanges = 0
+        self.sent: dict[str, bytes] = {}
+        """This rank's summaries as it last sent them, pickled, per key."""
+        self.views: list[dict[str, dict[str, tuple]]] | None = None
+        """Every rank's summaries after the last exchange (``None``: unknown, the next exchange is full)."""
+
+    def exchange(self, mine: dict[str, dict[str, tuple]], error: str | None, gather: Callable[[Any], list[Any]]
+                 ) -> tuple[list[dict[str, dict[str, tuple]]], list[tuple[int, str]]]:
+        """Every rank's summaries (collective), and the ranks' errors (then nothing is kept)."""
+        blobs: dict[str, bytes] = {}
+        for key, summary in mine.items():
+            try:
+                blobs[key] = pickle.dumps(summary, protocol=4)
+            except Exception:  # noqa: BLE001 - not comparable by its bytes: sent every time
+                blobs[key] = b""
+        changed = {k: mine[k] for k, b in blobs.items() if not b or self.sent.get(k) != b}
+        gone = [k for k in self.sent if k not in mine]
+        done, views = (self.exchanges if self.views is not None else -1), self.views
+        self.views = None  # until this exchange completes
+        gathered = gather((done, changed, gone, error))
+        errors = [(r, e) for r, (_d, _c, _g, e) in enumerate(gathered) if e is not None]
+        if errors:
+            return [], errors
+        if views is not None and all(d == done for d, _c, _g, _e in gathered):
+            summaries = [{k: v for k, v in view.items() if k not in g} | c
+                         for view, (_d, c, g, _e) in zip(views, gathered)]
+        else:
+            summaries = gather(mine)
+        self.exchanges, self.sent, self.views = self.exchanges + 1, blobs, summaries
+        return summaries, []
+
+
 def agree(
     captured: dict[str, Any], kinds: dict[str, str], groups: _dist.SideGroups, step: int, warned: set[str],
-    own: set[str] | frozenset[str] = frozenset(), now: bool = False,
+    own: set[str] | frozenset[str] = frozenset(), now: bool = False, known: Known | None = None,
 ) -> tuple[dict[str, Any], "Later | None"]:
     """Tag dict keys, then make every rank save one value per entry (collective over ``ctl``).
 
@@ -267,7 +313,8 @@ def agree(
     keys each rank saves under keys of its own (``PerRank``), not compared.
     ``now``: the tensors' contents are compared here too, and a rank whose
     value differs takes the reference rank's (a save kept in memory: a
-    restore, and the disk write, read each rank's copy as it is).
+    restore, and the disk write, read each rank's copy as it is). ``known``: the summaries of the last save,
+    kept by the caller; only those that changed since are sent (:class:`Known`).
     """
     out = dict(captured)
     rank = _dist.rank()
@@ -289,12 +336,15 @@ def agree(
         if error is not None:
             raise ConfigError(f"step {step}: {error}")
         return out, None
-    gathered = groups.all_gather_ctl((mine, error))
-    errors = [(r, e) for r, (_m, e) in enumerate(gathered) if e is not None]
+    if known is not None:
+        summaries, errors = known.exchange(mine, error, groups.all_gather_ctl)
+    else:
+        gathered = groups.all_gather_ctl((mine, error))
+        errors = [(r, e) for r, (_m, e) in enumerate(gathered) if e is not None]
+        summaries = [m for m, _e in gathered]
     if errors:
         ranks = ", ".join(str(r) for r, _e in errors)
         raise ConfigError(f"step {step}: nothing was saved; on rank(s) {ranks}: {errors[0][1]}")
-    summaries = [m for m, _e in gathered]
     for key in set().union(*summaries):
         if any(leaf[0] == "dtensor" for m in summaries for leaf in m.get(key, {}).values()):
             sharded.add(key)

@@ -1,0 +1,35 @@
+"""A save kept in memory describes its staged state the way DCP flattens it (``dcp/memory._flatten``): the same
+fully qualified names, paths and leaf objects in the same order, at the first save and when parts of the state
+are the same objects as at the last one. The restore builds DCP's metadata from these names and paths."""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+from shardckpt.dcp.memory import _flatten
+
+
+def test_the_flattening_of_a_staged_state_is_dcps():
+    model = {"a.weight": torch.ones(2), "b": torch.zeros(3), 3: torch.ones(1)}
+    optimizer = {"state": {"a.weight": {"step": torch.tensor(1.0), "exp_avg": torch.ones(2)}},
+                 "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["a.weight", "b"], "foreach": None},
+                                  {"lr": 1, "params": []}]}
+    state = {
+        "model": model, "optimizer": optimizer, "x": torch.ones(4), "v": 5, "list": [torch.ones(1), 2], "empty": {},
+        "mixed": {"t": torch.ones(1), "n": 3, "deep": {"x": [1, {"y": 2}], "z": [[1], [2]],
+                                                       "o": collections.OrderedDict(a=1), "el": [], "ed": {}}},
+        "vocab": {"itos": {0: "a", 1: "b"}}, "dicts": [{}, {"a": 1}], "tuple": ({"a": torch.ones(1)}, 2),
+        "nested": [[torch.ones(1)]], 7: "an int key",
+    }
+    cache: dict = {}
+    for save in range(4):
+        if save == 2:
+            state["model"] = dict(model)  # a new container of the same tensors
+            optimizer["param_groups"][0]["lr"] = 0.05
+        flat, paths = _flatten(state, cache)
+        expected, expected_paths = flatten_state_dict(state)
+        assert list(flat) == list(expected) and paths == expected_paths, save
+        assert all(flat[k] is expected[k] for k in expected), save
