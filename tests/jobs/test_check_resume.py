@@ -173,12 +173,11 @@ def _matrix():
     yield ("accelerate", lambda t: torchrun_cmd(2, PROGRAMS / "hf_accelerate.py", "--ckpt", t / "own", "--steps",
                                                  "1000", "--samples", t / "samples"), 16, 14, 15, 2,
            ("accelerate", "torchdata"))
-    # 64 samples, 4 a rank and step: an epoch of 8 steps; a save every 2.
-    for strategy in ("ddp", "fsdp2"):
-        yield (f"lightning-{strategy}",
-               lambda t, strategy=strategy: torchrun_cmd(2, PROGRAMS / "lightning_job.py", t, "run",
-                                                          f"ckpt={t / 'own'}", f"strategy={strategy}", "every=2",
-                                                          "steps=1000"), 16, 10, 12, 2, ("lightning", "torchdata"))
+    # 64 samples, 4 a rank and step: an epoch of 8 steps; a save every 2. Killed in the middle of epoch 1 under
+    # FSDP2 (a DDP fit resumed mid-epoch is compared step by step in test_lightning.py).
+    yield ("lightning-fsdp2",
+           lambda t: torchrun_cmd(2, PROGRAMS / "lightning_job.py", t, "run", f"ckpt={t / 'own'}", "strategy=fsdp2",
+                                  "every=2", "steps=1000"), 16, 10, 12, 2, ("lightning", "torchdata"))
     # Killed right after the last batch of epoch 0 (step 8): Lightning's loop counters as the uninterrupted fit's.
     yield ("lightning-ddp-epoch-end",
            lambda t: torchrun_cmd(2, PROGRAMS / "lightning_job.py", t, "run", f"ckpt={t / 'own'}", "strategy=ddp",
