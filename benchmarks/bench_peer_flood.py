@@ -1,6 +1,7 @@
 """The peer endpoint under floods, and what a member's fresh connection costs with its admission token.
 
-    python benchmarks/bench_peer_flood.py [--seconds 3] [--baseline e80985a] [--floods-on this|baseline] [--json FILE]
+    python benchmarks/bench_peer_flood.py [--seconds 3] [--baseline e80985a] [--floods-on this|baseline]
+                                          [--only TEXT] [--cost-only] [--json FILE]
 
 A holder's endpoint runs in a process of its own (``shardckpt.node.peer_server``
 with the members' admission keys); strangers flood it from processes of their
@@ -18,7 +19,14 @@ the rate reached are printed: the flood processes share the machine):
   ClientHello replay x1, x8        one captured ClientHello replayed from the member's own address
                                    (1 and 8 flood processes, 8 connections in flight each)
   handshakes from 64 addresses     a ClientHello replayed round 127.0.1.1-64 (4 processes, 64 in
-                                   flight each): the endpoint process's CPU share is measured
+                                   flight each), at 20/s from each address (1,280/s in all), then in a
+                                   closed loop (a new connection as soon as the endpoint closed one: as
+                                   fast as the endpoint answers)
+
+The endpoint process's share of a core is measured twice per flood: over 2 s
+while only the flood runs, then while the member works (its own replicas are
+work the endpoint is there for). ``--only TEXT`` runs the floods whose name
+contains TEXT.
 
 Cost of a member's fresh connection (``fresh connection``): TCP connect, the
 token, the mutual TLS 1.3 handshake and one listing, 200 times in a row, with
@@ -81,8 +89,10 @@ class Endpoint:
 
 
 class Flood:
-    def __init__(self, kind: str, addr: str, sources: list[str], amount: float, processes: int = 1) -> None:
+    def __init__(self, kind: str, addr: str, sources: list[str], amount: float, processes: int = 1,
+                 rate: float | None = None) -> None:
         command = [sys.executable, str(FLOOD), kind, addr, ",".join(sources), str(amount), "120"]
+        command += [] if rate is None else [str(rate / processes)]
         self.procs = [subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                       for _ in range(processes)]
 
@@ -107,6 +117,7 @@ def main() -> int:
     parser.add_argument("--connections", type=int, default=300)
     parser.add_argument("--floods-on", choices=("this", "baseline"), default="this",
                         help="flood this endpoint (members with tokens) or the baseline's (the figures before)")
+    parser.add_argument("--only", help="the floods whose name contains this text only")
     parser.add_argument("--json")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "src"))
@@ -227,20 +238,30 @@ def main() -> int:
                  ("idle, 4 addresses, 6000/s", "idle", [f"127.0.0.{i}" for i in range(1, 5)], 6000, 1),
                  ("ClientHello replay from the member's address, x1", "hello", ["127.0.0.1"], 8, 1),
                  ("ClientHello replay from the member's address, x8", "hello", ["127.0.0.1"], 8, 8),
-                 ("handshakes from 64 addresses", "hello", [f"127.0.1.{i}" for i in range(1, 65)], 64, 4)]
-        for name, kind, sources, amount, processes in [] if args.cost_only else cases:
-            flood = Flood(kind, holder.addr, sources, amount, processes)
+                 ("handshakes from 64 addresses, 20/s each", "hello", [f"127.0.1.{i}" for i in range(1, 65)], 64, 4,
+                  1280),
+                 ("handshakes from 64 addresses, closed loop", "hello", [f"127.0.1.{i}" for i in range(1, 65)], 64,
+                  4)]
+        for name, kind, sources, amount, processes, *rate in [] if args.cost_only else cases:
+            if args.only and args.only not in name:
+                continue
+            flood = Flood(kind, holder.addr, sources, amount, processes, *rate)
             time.sleep(0.5)
+            # The endpoint's share of a core while only the flood runs (the members' work is the endpoint's job).
+            cpu0, t0 = cpu_seconds(holder.proc.pid), time.monotonic()
+            time.sleep(2.0)
+            alone = (cpu_seconds(holder.proc.pid) - cpu0) / (time.monotonic() - t0)
             cpu0, t0 = cpu_seconds(holder.proc.pid), time.monotonic()
             done = member(holder.addr, tokens)
             cpu, wall = cpu_seconds(holder.proc.pid) - cpu0, time.monotonic() - t0
             result = flood.stop()
             row = {"flood": name, **done, "flood_rate_reached": result["rate"], "worked_on": result["worked"],
-                   "endpoint_cpu_share": round(cpu / wall, 3), "seconds": round(wall, 1)}
+                   "endpoint_cpu_share_flood_only": round(alone, 3), "endpoint_cpu_share": round(cpu / wall, 3),
+                   "seconds": round(wall, 1)}
             figures["floods"].append(row)
             print(f"  {name:52s} put_replica {done['put_replica']}, requests {done['requests']}, bare fresh "
                   f"connections {done['bare fresh connections']}; flood reached {result['rate']}/s; endpoint "
-                  f"{cpu / wall:.0%} of a core over {wall:.1f} s")
+                  f"{alone:.0%} of a core with the flood alone, {cpu / wall:.0%} with the member over {wall:.1f} s")
             time.sleep(1.0)
 
     finally:

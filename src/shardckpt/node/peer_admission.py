@@ -50,7 +50,12 @@ HANDSHAKES_PER_S = 20.0
 HANDSHAKE_BURST = 40.0
 """Strangers' ClientHellos one source address may send at once before its rate applies."""
 STRANGER_CPU_SHARE = 0.15
-"""Share of one core that strangers' TLS handshakes may take, all sources together (measured per handshake)."""
+"""Share of one core that strangers' connections may take, all sources together: their TLS handshakes (measured
+one by one) and the endpoint's loop accepting, sorting and closing them (measured per round of the loop)."""
+SORTING_RESERVE = 0.5
+"""Part of the strangers' CPU budget their handshakes leave to the loop's accepting and sorting: under a flood
+the share goes to sorting the queued connections (a member's among them reaches its own queue that way), not
+to strangers' handshakes."""
 MEMBER_PENDING = 16
 """A member's own connections pending at once (a member's client keeps a few per peer)."""
 MEMBER_HANDSHAKES_PER_S = 50.0
@@ -113,13 +118,19 @@ class CpuBudget:
         self._level = min(self.share, self._level + (now - self._last) * self.share)
         self._last = now
 
-    def spent(self, now: float) -> bool:
+    def spent(self, now: float, keep: float = 0.0) -> bool:
+        """Whether less than ``keep`` seconds are left (spent at 0)."""
         self._refill(now)
-        return self._level <= 0.0
+        return self._level <= keep
 
     def charge(self, seconds: float, now: float) -> None:
         self._refill(now)
         self._level = max(-self.share, self._level - seconds)
+
+    def ready_in(self, now: float) -> float:
+        """Seconds until the budget is no longer spent (0 when it is not): at most one second."""
+        self._refill(now)
+        return 0.0 if self._level > 0.0 else -self._level / self.share + 1e-3
 
 
 class Replays:
@@ -176,6 +187,8 @@ class Doorway:
         self.sources = Budgets(HANDSHAKES_PER_S, HANDSHAKE_BURST)
         self.members = Budgets(MEMBER_HANDSHAKES_PER_S, MEMBER_BURST)
         self.cpu = CpuBudget(STRANGER_CPU_SHARE)
+        self.measured = 0.0
+        """CPU of the handshakes run since the last :meth:`settle` (strangers' already charged, members' never)."""
         self.replays = Replays()
 
     # ---- arrival and first bytes
@@ -264,8 +277,8 @@ class Doorway:
                       f"that address")
             self._close(pending)
             return
-        if self.cpu.spent(now):
-            self.note(f"a TLS handshake from {pending.source}: strangers' handshakes took "
+        if self.cpu.spent(now, keep=STRANGER_CPU_SHARE * SORTING_RESERVE):
+            self.note(f"a TLS handshake from {pending.source}: strangers' connections took "
                       f"{STRANGER_CPU_SHARE:.0%} of a core")
             self._close(pending)
             return
@@ -351,8 +364,18 @@ class Doorway:
     def _charge(self, pending: Pending, t0: float) -> None:
         spent = time.thread_time() - t0
         pending.cpu += spent
+        self.measured += spent
         if pending.member is None:
-            self.cpu.charge(spent, time.monotonic())
+            self.cpu.charge(spent, time.monotonic())  # at once: the next ClientHello of this round sees it
+
+    def settle(self, spent: float, now: float) -> None:
+        """Charge the strangers' budget with the rest of one round of the loop: ``spent`` is the loop thread's
+        CPU in it, of which the handshakes measured one by one are taken out (the strangers' were charged as
+        they ran, the members' never are). The rest is accepting, sorting and closing connections, and the
+        TLS objects' making and ending — strangers' work but for a member's own acceptance (a fraction of a
+        millisecond each, counted with it)."""
+        self.cpu.charge(max(0.0, spent - self.measured), now)
+        self.measured = 0.0
 
     # ---- deadlines and closing
 

@@ -314,12 +314,14 @@ class PeerServer:
 
     def _loop(self) -> None:
         while not self._closed.is_set():
+            t0 = time.thread_time()
             now = time.monotonic()
             if self._paused_until and now >= self._paused_until:
                 self._paused_until = 0.0
                 self._sel.register(self._sock, selectors.EVENT_READ, None)
+            wake = min(self.doorway.soonest(now), self._paused_until or now + 0.25)
             try:
-                events = self._sel.select(max(0.0, min(0.25, self.doorway.soonest(now) - now)))
+                events = self._sel.select(max(0.0, min(0.25, wake - now)))
             except (OSError, ValueError):
                 if self._closed.is_set():
                     return
@@ -329,7 +331,19 @@ class PeerServer:
                     self._accept_some()
                 else:
                     self.doorway.advance(key.data)
-            self.doorway.expire(time.monotonic())
+            now = time.monotonic()
+            self.doorway.expire(now)
+            # Strangers over their share of a core: the next connections wait in the kernel's queue until it
+            # refills (a member's among them waits behind what the flood queued: one each in a closed loop).
+            self.doorway.settle(time.thread_time() - t0, now)
+            wait = self.doorway.cpu.ready_in(now)
+            if wait and not self._paused_until:
+                self._pause(wait)
+
+    def _pause(self, seconds: float) -> None:
+        """Stop taking connections from the kernel's queue for ``seconds``."""
+        self._sel.unregister(self._sock)
+        self._paused_until = time.monotonic() + seconds
 
     def _accept_some(self) -> None:
         for _ in range(64):
@@ -341,8 +355,7 @@ class PeerServer:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     # Out of descriptors: stop accepting for a moment (the kernel queues the rest).
                     self.refusals.note(f"connections: out of file descriptors ({exc.strerror})")
-                    self._sel.unregister(self._sock)
-                    self._paused_until = time.monotonic() + 0.1
+                    self._pause(0.1)
                     return
                 if self._closed.is_set():
                     return
