@@ -30,11 +30,14 @@ contains TEXT.
 
 Cost of a member's fresh connection (``fresh connection``): TCP connect, the
 token, the mutual TLS 1.3 handshake and one listing, 200 times in a row, with
-the token (this endpoint) against the same without a token on the endpoint of
-``--baseline`` (a commit of this repository, checked out with ``git archive``
-into a temporary directory: the endpoint as it was), ``--connections`` of
+the token (this endpoint) against the same on the endpoint of ``--baseline``
+(a commit of this repository, checked out with ``git archive`` into a
+temporary directory: the endpoint as it was; without a token when that
+commit had none, e80985a, with its token otherwise), ``--connections`` of
 each in turn — in the same run, as ratios: of the median wall time per
-connection, and of the endpoint's CPU per connection.
+connection, and of the endpoint's CPU per connection. ``--floods-on
+baseline`` floods the baseline's endpoint instead (members with their tokens
+when it takes them): the figures before.
 """
 
 from __future__ import annotations
@@ -195,7 +198,9 @@ def main() -> int:
         old_src.mkdir()
         archive = subprocess.run(["git", "-C", str(REPO), "archive", args.baseline, "src"], capture_output=True)
         subprocess.run(["tar", "-x", "-C", str(old_src)], input=archive.stdout, check=True)
-        old = Endpoint(old_src / "src", work, root, False)
+        # A baseline with admission tokens (a commit from the tokens on) takes its members' tokens, as here.
+        old_tokens = (old_src / "src" / "shardckpt" / "stores" / "admission.py").exists()
+        old = Endpoint(old_src / "src", work, root, old_tokens)
         endpoints.append(old)
         holder = Endpoint(REPO / "src", work, root, True)
         endpoints.append(holder)
@@ -204,7 +209,7 @@ def main() -> int:
         walls: dict = {"baseline": [], "token": []}
         cpu0 = {"baseline": cpu_seconds(old.proc.pid), "token": cpu_seconds(holder.proc.pid)}
         for _ in range(args.connections):
-            for label, addr, tokens in (("baseline", old.addr, False), ("token", holder.addr, True)):
+            for label, addr, tokens in (("baseline", old.addr, old_tokens), ("token", holder.addr, True)):
                 t0 = time.monotonic()
                 if bare(addr, tokens):
                     walls[label].append(time.monotonic() - t0)
@@ -228,10 +233,11 @@ def main() -> int:
             endpoint.close()
             endpoints.remove(endpoint)
         # A fresh endpoint (no budget spent before the floods): this one, or the baseline's (``--floods-on``).
-        tokens = args.floods_on == "this"
-        holder = Endpoint(REPO / "src" if tokens else old_src / "src", work, root, tokens)
+        tokens = args.floods_on == "this" or old_tokens
+        holder = Endpoint(REPO / "src" if args.floods_on == "this" else old_src / "src", work, root, tokens)
         endpoints.append(holder)
-        figures["floods_on"] = "this endpoint" if tokens else f"{args.baseline}'s endpoint (members send no token)"
+        figures["floods_on"] = "this endpoint" if args.floods_on == "this" else \
+            f"{args.baseline}'s endpoint (members {'with their tokens' if tokens else 'send no token'})"
         print(f"floods on {figures['floods_on']}:")
         cases = [("idle, 1 address, 1000/s", "idle", ["127.0.0.1"], 1000, 1),
                  ("idle, 1 address, 3000/s", "idle", ["127.0.0.1"], 3000, 1),

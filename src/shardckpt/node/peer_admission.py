@@ -15,8 +15,13 @@ a TLS ClientHello out of the socket) and sorts it:
   stranger: at most :data:`MAX_PENDING` pending places in all and
   :data:`PENDING_PER_SOURCE` per source address; handshakes per source
   address (:data:`HANDSHAKES_PER_S`, bursts of :data:`HANDSHAKE_BURST`); and
-  the handshakes' CPU in all, measured per handshake, at most
-  :data:`STRANGER_CPU_SHARE` of a core. A connection that sent nothing (or
+  one CPU budget, :data:`STRANGER_CPU_SHARE` of a core, for all their
+  connections cost: their handshakes, measured one by one, and the loop's
+  accepting, sorting and closing them, measured per round of the loop
+  (:meth:`Doorway.settle`; over the budget the loop takes no new connection,
+  :mod:`shardckpt.node.peer_server`). Their handshakes stop at
+  :data:`SORTING_RESERVE` of it left, which goes to sorting the queued
+  connections, a member's among them. A connection that sent nothing (or
   only part of a token) waits in the same places; when its deadline or a
   newer connection of its address closes it, its address is charged one
   handshake.

@@ -10,7 +10,13 @@ A connection passes three gates before a request of it is read:
    address, whose handshakes share one budget (per address, and of CPU in
    all). The TLS handshake runs non-blocking in the same loop — a pending
    connection costs a socket and a TLS object, no thread — and must end
-   within :data:`~shardckpt.node.peer_admission.PENDING_S` seconds.
+   within :data:`~shardckpt.node.peer_admission.PENDING_S` seconds. While
+   strangers' connections have taken their share of a core (the loop's own
+   CPU, measured round by round), the loop takes no new connection from the
+   kernel's queue until the share refills: a flood, however fast and from
+   however many addresses, keeps the loop within that share, and a member's
+   connection waits behind what the flood queued (in a closed loop, one
+   connection per flooding connection in flight).
 2. **Authenticated**: the client presented a certificate the TLS context
    trusts (CERT_REQUIRED: the job's pinned certificates, or an operator CA's)
    *and* it is the certificate of a member of this launch (an operator CA
