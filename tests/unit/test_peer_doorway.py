@@ -124,27 +124,28 @@ def test_over_their_share_strangers_wait_in_the_kernels_queue_and_a_member_is_se
         member.list_steps()  # quiet: nothing paces a member's connection
         assert time.monotonic() - t0 < 2.0
         member.close()
-        server.doorway.cpu.charge(STRANGER_CPU_SHARE * 2, time.monotonic())  # one second of the share owed
+        # The share spent with one second of it owed (the debt's bound): it refills one second from now.
+        charged = time.monotonic()
+        server.doorway.cpu.charge(STRANGER_CPU_SHARE * 2, charged)
         time.sleep(0.4)  # the loop's round ends (at most 0.25 s): it sees the share spent
         stranger = socket.create_connection((host, int(port)), timeout=10)
         stranger.sendall(CLIENT_HELLO_START)
-        t1 = time.monotonic()
         stranger.settimeout(10)
         try:
             assert stranger.recv(1) == b""  # closed unworked once accepted: the share has not refilled past half
         except ConnectionResetError:
             pass
-        waited = time.monotonic() - t1
+        closed = time.monotonic() - charged
         stranger.close()
-        assert waited >= 0.3, f"the stranger's connection was taken {waited:.2f} s after it came, the share spent"
+        assert closed >= 0.9, f"the stranger's connection was taken {closed:.2f} s after the share was spent"
         # Taken as soon as the share is no longer spent, and closed at once, not handshaken (its handshake would
-        # wait for the rest of its ClientHello until its deadline): the share left goes to sorting connections.
-        assert waited < 2.5, f"the stranger's connection was closed {waited:.2f} s after it came"
-        server.doorway.cpu.charge(STRANGER_CPU_SHARE * 2, time.monotonic())
+        # wait for the rest of its ClientHello until its 3 s deadline): the share left goes to sorting.
+        assert closed < 3.5, f"the stranger's connection was closed {closed:.2f} s after the share was spent"
+        charged = time.monotonic()
+        server.doorway.cpu.charge(STRANGER_CPU_SHARE * 2, charged)
         time.sleep(0.4)
-        t2 = time.monotonic()
         assert member.list_steps()["node"] == "holder:0"  # queued behind the pause, then served with its own budget
-        assert time.monotonic() - t2 >= 0.3
+        assert time.monotonic() - charged >= 0.9
     finally:
         member.close()
         server.shutdown()
