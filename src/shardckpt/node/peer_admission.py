@@ -19,9 +19,12 @@ a TLS ClientHello out of the socket) and sorts it:
   connections cost: their handshakes, measured one by one, and the loop's
   accepting, sorting and closing them, measured per round of the loop
   (:meth:`Doorway.settle`; over the budget the loop takes no new connection,
-  :mod:`shardckpt.node.peer_server`). Their handshakes stop at
-  :data:`SORTING_RESERVE` of it left, which goes to sorting the queued
-  connections, a member's among them. A connection that sent nothing (or
+  :mod:`shardckpt.node.peer_server`). Their handshakes take at most
+  :data:`HANDSHAKE_PART` of it (a budget of their own, measured the same
+  way): the rest goes to sorting the queued connections, a member's among
+  them, however many handshakes a flood's addresses are allowed; and a
+  member served without a token still gets a handshake while a flood from
+  other addresses keeps the share spent. A connection that sent nothing (or
   only part of a token) waits in the same places; when its deadline or a
   newer connection of its address closes it, its address is charged one
   handshake.
@@ -57,10 +60,10 @@ HANDSHAKE_BURST = 40.0
 STRANGER_CPU_SHARE = 0.15
 """Share of one core that strangers' connections may take, all sources together: their TLS handshakes (measured
 one by one) and the endpoint's loop accepting, sorting and closing them (measured per round of the loop)."""
-SORTING_RESERVE = 0.5
-"""Part of the strangers' CPU budget their handshakes leave to the loop's accepting and sorting: under a flood
-the share goes to sorting the queued connections (a member's among them reaches its own queue that way), not
-to strangers' handshakes."""
+HANDSHAKE_PART = 0.5
+"""Part of the strangers' share of a core their TLS handshakes may take (measured one by one): under a flood of
+many addresses, each within its handshake rate, the rest of the share goes to sorting the queued connections
+(a member's among them reaches its own queue that way), not to strangers' handshakes."""
 MEMBER_PENDING = 16
 """A member's own connections pending at once (a member's client keeps a few per peer)."""
 MEMBER_HANDSHAKES_PER_S = 50.0
@@ -123,10 +126,9 @@ class CpuBudget:
         self._level = min(self.share, self._level + (now - self._last) * self.share)
         self._last = now
 
-    def spent(self, now: float, keep: float = 0.0) -> bool:
-        """Whether less than ``keep`` seconds are left (spent at 0)."""
+    def spent(self, now: float) -> bool:
         self._refill(now)
-        return self._level <= keep
+        return self._level <= 0.0
 
     def charge(self, seconds: float, now: float) -> None:
         self._refill(now)
@@ -192,6 +194,7 @@ class Doorway:
         self.sources = Budgets(HANDSHAKES_PER_S, HANDSHAKE_BURST)
         self.members = Budgets(MEMBER_HANDSHAKES_PER_S, MEMBER_BURST)
         self.cpu = CpuBudget(STRANGER_CPU_SHARE)
+        self.handshake_cpu = CpuBudget(STRANGER_CPU_SHARE * HANDSHAKE_PART)
         self.measured = 0.0
         """CPU of the handshakes run since the last :meth:`settle` (strangers' already charged, members' never)."""
         self.replays = Replays()
@@ -282,9 +285,10 @@ class Doorway:
                       f"that address")
             self._close(pending)
             return
-        if self.cpu.spent(now, keep=STRANGER_CPU_SHARE * SORTING_RESERVE):
+        if self.cpu.spent(now) or self.handshake_cpu.spent(now):
             self.note(f"a TLS handshake from {pending.source}: strangers' connections took "
-                      f"{STRANGER_CPU_SHARE:.0%} of a core")
+                      f"{STRANGER_CPU_SHARE:.0%} of a core, or their handshakes "
+                      f"{STRANGER_CPU_SHARE * HANDSHAKE_PART:.1%}")
             self._close(pending)
             return
         if pending.fd not in self.strangers and not self._place(pending, now):
@@ -371,7 +375,9 @@ class Doorway:
         pending.cpu += spent
         self.measured += spent
         if pending.member is None:
-            self.cpu.charge(spent, time.monotonic())  # at once: the next ClientHello of this round sees it
+            now = time.monotonic()
+            self.cpu.charge(spent, now)  # at once: the next ClientHello of this round sees it
+            self.handshake_cpu.charge(spent, now)
 
     def settle(self, spent: float, now: float) -> None:
         """Charge the strangers' budget with the rest of one round of the loop: ``spent`` is the loop thread's
