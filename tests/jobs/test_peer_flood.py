@@ -210,7 +210,7 @@ def test_a_closed_loop_replay_from_64_addresses_keeps_the_endpoint_within_its_sh
     (13,267/s on a quiet machine, where the endpoint once spent 94 % of a core accepting, sorting and closing
     them, no handshake budget shedding that work). Strangers' connections share one measured budget of a core
     (their handshakes and the loop's accepting, sorting and closing): over it, the endpoint takes no
-    connection from the kernel's queue until it refills. Its process then stays ≤ 30 % of a core (15 %
+    connection from the kernel's queue until it refills. Its process then stays ≤ 35 % of a core (25 %
     configured; measured while only the flood runs), and the member, whose fresh connections wait behind at
     most the flood's 256, is served."""
     job, owner, root, addr, pid = holder
@@ -233,5 +233,5 @@ def test_a_closed_loop_replay_from_64_addresses_keeps_the_endpoint_within_its_sh
           f"{sum(f.result['worked'] for f in running)} worked on; the endpoint used {cpu:.2f} s of CPU in "
           f"{wall:.1f} s ({cpu / wall:.0%} of a core)")
     assert sent >= 1000, f"the flood opened {sent} connections only"
-    assert cpu / wall <= 0.30, f"the endpoint took {cpu / wall:.0%} of a core"
+    assert cpu / wall <= 0.35, f"the endpoint took {cpu / wall:.0%} of a core"
     member.check("closed-loop ClientHello replay from 64 addresses")
