@@ -1,6 +1,7 @@
 """The peer endpoint under floods, and what a member's fresh connection costs with its admission token.
 
-    python benchmarks/bench_peer_flood.py [--seconds 3] [--baseline e80985a] [--floods-on this|baseline] [--json FILE]
+    python benchmarks/bench_peer_flood.py [--seconds 3] [--baseline e80985a] [--floods-on this|baseline]
+                                          [--only TEXT] [--cost-only] [--json FILE]
 
 A holder's endpoint runs in a process of its own (``shardckpt.node.peer_server``
 with the members' admission keys); strangers flood it from processes of their
@@ -18,15 +19,25 @@ the rate reached are printed: the flood processes share the machine):
   ClientHello replay x1, x8        one captured ClientHello replayed from the member's own address
                                    (1 and 8 flood processes, 8 connections in flight each)
   handshakes from 64 addresses     a ClientHello replayed round 127.0.1.1-64 (4 processes, 64 in
-                                   flight each): the endpoint process's CPU share is measured
+                                   flight each), at 20/s from each address (1,280/s in all), then in a
+                                   closed loop (a new connection as soon as the endpoint closed one: as
+                                   fast as the endpoint answers)
+
+The endpoint process's share of a core is measured twice per flood: over 2 s
+while only the flood runs, then while the member works (its own replicas are
+work the endpoint is there for). ``--only TEXT`` runs the floods whose name
+contains TEXT.
 
 Cost of a member's fresh connection (``fresh connection``): TCP connect, the
 token, the mutual TLS 1.3 handshake and one listing, 200 times in a row, with
-the token (this endpoint) against the same without a token on the endpoint of
-``--baseline`` (a commit of this repository, checked out with ``git archive``
-into a temporary directory: the endpoint as it was), ``--connections`` of
+the token (this endpoint) against the same on the endpoint of ``--baseline``
+(a commit of this repository, checked out with ``git archive`` into a
+temporary directory: the endpoint as it was; without a token when that
+commit had none, e80985a, with its token otherwise), ``--connections`` of
 each in turn — in the same run, as ratios: of the median wall time per
-connection, and of the endpoint's CPU per connection.
+connection, and of the endpoint's CPU per connection. ``--floods-on
+baseline`` floods the baseline's endpoint instead (members with their tokens
+when it takes them): the figures before.
 """
 
 from __future__ import annotations
@@ -81,8 +92,10 @@ class Endpoint:
 
 
 class Flood:
-    def __init__(self, kind: str, addr: str, sources: list[str], amount: float, processes: int = 1) -> None:
+    def __init__(self, kind: str, addr: str, sources: list[str], amount: float, processes: int = 1,
+                 rate: float | None = None) -> None:
         command = [sys.executable, str(FLOOD), kind, addr, ",".join(sources), str(amount), "120"]
+        command += [] if rate is None else [str(rate / processes)]
         self.procs = [subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                       for _ in range(processes)]
 
@@ -107,6 +120,7 @@ def main() -> int:
     parser.add_argument("--connections", type=int, default=300)
     parser.add_argument("--floods-on", choices=("this", "baseline"), default="this",
                         help="flood this endpoint (members with tokens) or the baseline's (the figures before)")
+    parser.add_argument("--only", help="the floods whose name contains this text only")
     parser.add_argument("--json")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "src"))
@@ -184,7 +198,9 @@ def main() -> int:
         old_src.mkdir()
         archive = subprocess.run(["git", "-C", str(REPO), "archive", args.baseline, "src"], capture_output=True)
         subprocess.run(["tar", "-x", "-C", str(old_src)], input=archive.stdout, check=True)
-        old = Endpoint(old_src / "src", work, root, False)
+        # A baseline with admission tokens (a commit from the tokens on) takes its members' tokens, as here.
+        old_tokens = (old_src / "src" / "shardckpt" / "stores" / "admission.py").exists()
+        old = Endpoint(old_src / "src", work, root, old_tokens)
         endpoints.append(old)
         holder = Endpoint(REPO / "src", work, root, True)
         endpoints.append(holder)
@@ -193,7 +209,7 @@ def main() -> int:
         walls: dict = {"baseline": [], "token": []}
         cpu0 = {"baseline": cpu_seconds(old.proc.pid), "token": cpu_seconds(holder.proc.pid)}
         for _ in range(args.connections):
-            for label, addr, tokens in (("baseline", old.addr, False), ("token", holder.addr, True)):
+            for label, addr, tokens in (("baseline", old.addr, old_tokens), ("token", holder.addr, True)):
                 t0 = time.monotonic()
                 if bare(addr, tokens):
                     walls[label].append(time.monotonic() - t0)
@@ -217,30 +233,41 @@ def main() -> int:
             endpoint.close()
             endpoints.remove(endpoint)
         # A fresh endpoint (no budget spent before the floods): this one, or the baseline's (``--floods-on``).
-        tokens = args.floods_on == "this"
-        holder = Endpoint(REPO / "src" if tokens else old_src / "src", work, root, tokens)
+        tokens = args.floods_on == "this" or old_tokens
+        holder = Endpoint(REPO / "src" if args.floods_on == "this" else old_src / "src", work, root, tokens)
         endpoints.append(holder)
-        figures["floods_on"] = "this endpoint" if tokens else f"{args.baseline}'s endpoint (members send no token)"
+        figures["floods_on"] = "this endpoint" if args.floods_on == "this" else \
+            f"{args.baseline}'s endpoint (members {'with their tokens' if tokens else 'send no token'})"
         print(f"floods on {figures['floods_on']}:")
         cases = [("idle, 1 address, 1000/s", "idle", ["127.0.0.1"], 1000, 1),
                  ("idle, 1 address, 3000/s", "idle", ["127.0.0.1"], 3000, 1),
                  ("idle, 4 addresses, 6000/s", "idle", [f"127.0.0.{i}" for i in range(1, 5)], 6000, 1),
                  ("ClientHello replay from the member's address, x1", "hello", ["127.0.0.1"], 8, 1),
                  ("ClientHello replay from the member's address, x8", "hello", ["127.0.0.1"], 8, 8),
-                 ("handshakes from 64 addresses", "hello", [f"127.0.1.{i}" for i in range(1, 65)], 64, 4)]
-        for name, kind, sources, amount, processes in [] if args.cost_only else cases:
-            flood = Flood(kind, holder.addr, sources, amount, processes)
+                 ("handshakes from 64 addresses, 20/s each", "hello", [f"127.0.1.{i}" for i in range(1, 65)], 64, 4,
+                  1280),
+                 ("handshakes from 64 addresses, closed loop", "hello", [f"127.0.1.{i}" for i in range(1, 65)], 64,
+                  4)]
+        for name, kind, sources, amount, processes, *rate in [] if args.cost_only else cases:
+            if args.only and args.only not in name:
+                continue
+            flood = Flood(kind, holder.addr, sources, amount, processes, *rate)
             time.sleep(0.5)
+            # The endpoint's share of a core while only the flood runs (the members' work is the endpoint's job).
+            cpu0, t0 = cpu_seconds(holder.proc.pid), time.monotonic()
+            time.sleep(2.0)
+            alone = (cpu_seconds(holder.proc.pid) - cpu0) / (time.monotonic() - t0)
             cpu0, t0 = cpu_seconds(holder.proc.pid), time.monotonic()
             done = member(holder.addr, tokens)
             cpu, wall = cpu_seconds(holder.proc.pid) - cpu0, time.monotonic() - t0
             result = flood.stop()
             row = {"flood": name, **done, "flood_rate_reached": result["rate"], "worked_on": result["worked"],
-                   "endpoint_cpu_share": round(cpu / wall, 3), "seconds": round(wall, 1)}
+                   "endpoint_cpu_share_flood_only": round(alone, 3), "endpoint_cpu_share": round(cpu / wall, 3),
+                   "seconds": round(wall, 1)}
             figures["floods"].append(row)
             print(f"  {name:52s} put_replica {done['put_replica']}, requests {done['requests']}, bare fresh "
                   f"connections {done['bare fresh connections']}; flood reached {result['rate']}/s; endpoint "
-                  f"{cpu / wall:.0%} of a core over {wall:.1f} s")
+                  f"{alone:.0%} of a core with the flood alone, {cpu / wall:.0%} with the member over {wall:.1f} s")
             time.sleep(1.0)
 
     finally:

@@ -1,5 +1,6 @@
 """The peer endpoint's doorway, on real loopback sockets in this process: the strangers' places per source
-address and the strangers' share of a core are each a bound a test breaks when the bound is removed.
+address and the strangers' share of a core are each a bound a test breaks when the bound is removed, and an
+endpoint whose strangers are over their share takes no connection from the kernel's queue until it refills.
 
 The flood tests (tests/jobs/test_peer_flood.py) show a member served through floods; on two shared cores
 their flood processes cannot send enough handshakes to pass the CPU share, nor do members need a stranger's
@@ -14,9 +15,11 @@ import ssl
 import time
 
 import pytest
+from peer_helpers import Job
 
 from shardckpt.node import peer_admission
-from shardckpt.node.peer_admission import PENDING_PER_SOURCE, STRANGER_CPU_SHARE, Doorway
+from shardckpt.node.peer_admission import HANDSHAKE_PART, PENDING_PER_SOURCE, STRANGER_CPU_SHARE, Doorway
+from shardckpt.stores import admission, peer_client, tls
 
 
 @pytest.fixture
@@ -87,11 +90,13 @@ def test_strangers_handshakes_stop_once_they_took_their_share_of_a_core(door):
     doorway, connect, notes = door
     fresh = connect("198.51.100.1", CLIENT_HELLO_START)
     assert doorway.counts()["all"] == 1, "a stranger's handshake is begun while the strangers' CPU is not spent"
-    doorway.cpu.charge(STRANGER_CPU_SHARE * 3, time.monotonic())  # strangers' handshakes took more than the share
+    doorway.handshake_cpu.charge(STRANGER_CPU_SHARE, time.monotonic())  # strangers' handshakes took more than theirs
     late = connect("198.51.100.2", CLIENT_HELLO_START)  # another address: its own budget is untouched
     assert closed_by_server(late)
     assert doorway.counts()["all"] == 1, doorway.counts()
-    assert any(f"strangers' handshakes took {STRANGER_CPU_SHARE:.0%} of a core" in n for n in notes), notes
+    assert any(f"strangers' handshakes took {STRANGER_CPU_SHARE * HANDSHAKE_PART:.1%} of a core" in n for n in notes), \
+        notes
+    assert not doorway.cpu.spent(time.monotonic())  # the loop's share was not: the rest of it sorts connections
     assert not closed_by_server(fresh)
 
 
@@ -102,3 +107,45 @@ def test_the_cpu_share_refills_with_time():
     assert budget.spent(now)
     assert budget.spent(now + 1.0)  # 0.1 s of CPU back per second: still in debt
     assert not budget.spent(now + 3.0)
+
+
+def test_over_their_share_strangers_wait_in_the_kernels_queue_and_a_member_is_served_after(tmp_path):
+    """The endpoint's loop spends on strangers' connections (accepting, sorting, closing them) at most their
+    share of a core: once it is spent, the next connection waits in the kernel's queue until the share
+    refills, instead of being accepted (and closed) at once — a closed-loop flood then goes no faster than
+    the share allows. A member's connection queued meanwhile is served once the share refilled."""
+    job = Job(tmp_path)
+    (tmp_path / "root").mkdir()
+    server, addr = job.serve("holder", tmp_path / "root")
+    host, port = addr.rsplit(":", 1)
+    member = peer_client.PeerClient(addr, tls.client_context(job.ids["owner"], job.certs),
+                                    expect=job.ids["holder"].fingerprint,
+                                    admission=admission.load(job.ids["owner"], job.certs), timeout_s=10)
+    try:
+        t0 = time.monotonic()
+        member.list_steps()  # quiet: nothing paces a member's connection
+        assert time.monotonic() - t0 < 2.0
+        member.close()
+        # The share spent with one second of it owed (the debt's bound): it refills one second from now.
+        charged = time.monotonic()
+        server.doorway.cpu.charge(STRANGER_CPU_SHARE * 2, charged)
+        time.sleep(0.4)  # the loop's round ends (at most 0.25 s): it sees the share spent
+        stranger = socket.create_connection((host, int(port)), timeout=10)
+        stranger.sendall(b"GET / HTTP/1.1\r\n\r\n")  # no TLS: closed as soon as the endpoint takes it
+        stranger.settimeout(10)
+        try:
+            while stranger.recv(4096):
+                pass
+        except ConnectionResetError:
+            pass
+        closed = time.monotonic() - charged
+        stranger.close()
+        assert closed >= 0.9, f"the stranger's connection was taken {closed:.2f} s after the share was spent"
+        charged = time.monotonic()
+        server.doorway.cpu.charge(STRANGER_CPU_SHARE * 2, charged)
+        time.sleep(0.4)
+        assert member.list_steps()["node"] == "holder:0"  # queued behind the pause, then served with its own budget
+        assert time.monotonic() - charged >= 0.9
+    finally:
+        member.close()
+        server.shutdown()

@@ -15,8 +15,16 @@ a TLS ClientHello out of the socket) and sorts it:
   stranger: at most :data:`MAX_PENDING` pending places in all and
   :data:`PENDING_PER_SOURCE` per source address; handshakes per source
   address (:data:`HANDSHAKES_PER_S`, bursts of :data:`HANDSHAKE_BURST`); and
-  the handshakes' CPU in all, measured per handshake, at most
-  :data:`STRANGER_CPU_SHARE` of a core. A connection that sent nothing (or
+  one CPU budget, :data:`STRANGER_CPU_SHARE` of a core, for all their
+  connections cost: their handshakes, measured one by one, and the loop's
+  accepting, sorting and closing them, measured per round of the loop
+  (:meth:`Doorway.settle`; over the budget the loop takes no new connection,
+  :mod:`shardckpt.node.peer_server`). Their handshakes take at most
+  :data:`HANDSHAKE_PART` of it (a budget of their own, measured the same
+  way): the rest goes to sorting the queued connections, a member's among
+  them, however many handshakes a flood's addresses are allowed; and a
+  member served without a token still gets a handshake while a flood from
+  other addresses keeps the share spent. A connection that sent nothing (or
   only part of a token) waits in the same places; when its deadline or a
   newer connection of its address closes it, its address is charged one
   handshake.
@@ -49,8 +57,13 @@ HANDSHAKES_PER_S = 20.0
 """Strangers' ClientHellos per second and source address that are given a TLS handshake (on average)."""
 HANDSHAKE_BURST = 40.0
 """Strangers' ClientHellos one source address may send at once before its rate applies."""
-STRANGER_CPU_SHARE = 0.15
-"""Share of one core that strangers' TLS handshakes may take, all sources together (measured per handshake)."""
+STRANGER_CPU_SHARE = 0.25
+"""Share of one core that strangers' connections may take, all sources together: their TLS handshakes (measured
+one by one) and the endpoint's loop accepting, sorting and closing them (measured per round of the loop)."""
+HANDSHAKE_PART = 0.3
+"""Part of the strangers' share of a core their TLS handshakes may take (measured one by one): under a flood of
+many addresses, each within its handshake rate, the rest of the share goes to sorting the queued connections
+(a member's among them reaches its own queue that way), not to strangers' handshakes."""
 MEMBER_PENDING = 16
 """A member's own connections pending at once (a member's client keeps a few per peer)."""
 MEMBER_HANDSHAKES_PER_S = 50.0
@@ -121,6 +134,11 @@ class CpuBudget:
         self._refill(now)
         self._level = max(-self.share, self._level - seconds)
 
+    def ready_in(self, now: float) -> float:
+        """Seconds until the budget is no longer spent (0 when it is not): at most one second."""
+        self._refill(now)
+        return 0.0 if self._level > 0.0 else -self._level / self.share + 1e-3
+
 
 class Replays:
     """Nonces of accepted tokens per member, each kept for two windows: a token is taken once."""
@@ -176,6 +194,9 @@ class Doorway:
         self.sources = Budgets(HANDSHAKES_PER_S, HANDSHAKE_BURST)
         self.members = Budgets(MEMBER_HANDSHAKES_PER_S, MEMBER_BURST)
         self.cpu = CpuBudget(STRANGER_CPU_SHARE)
+        self.handshake_cpu = CpuBudget(STRANGER_CPU_SHARE * HANDSHAKE_PART)
+        self.measured = 0.0
+        """CPU of the handshakes run since the last :meth:`settle` (strangers' already charged, members' never)."""
         self.replays = Replays()
 
     # ---- arrival and first bytes
@@ -264,9 +285,9 @@ class Doorway:
                       f"that address")
             self._close(pending)
             return
-        if self.cpu.spent(now):
+        if self.handshake_cpu.spent(now):  # not the loop's share: that one paces accepting, not who is handshaken
             self.note(f"a TLS handshake from {pending.source}: strangers' handshakes took "
-                      f"{STRANGER_CPU_SHARE:.0%} of a core")
+                      f"{STRANGER_CPU_SHARE * HANDSHAKE_PART:.1%} of a core")
             self._close(pending)
             return
         if pending.fd not in self.strangers and not self._place(pending, now):
@@ -351,8 +372,20 @@ class Doorway:
     def _charge(self, pending: Pending, t0: float) -> None:
         spent = time.thread_time() - t0
         pending.cpu += spent
+        self.measured += spent
         if pending.member is None:
-            self.cpu.charge(spent, time.monotonic())
+            now = time.monotonic()
+            self.cpu.charge(spent, now)  # at once: the next ClientHello of this round sees it
+            self.handshake_cpu.charge(spent, now)
+
+    def settle(self, spent: float, now: float) -> None:
+        """Charge the strangers' budget with the rest of one round of the loop: ``spent`` is the loop thread's
+        CPU in it, of which the handshakes measured one by one are taken out (the strangers' were charged as
+        they ran, the members' never are). The rest is accepting, sorting and closing connections, and the
+        TLS objects' making and ending — strangers' work but for a member's own acceptance (a fraction of a
+        millisecond each, counted with it)."""
+        self.cpu.charge(max(0.0, spent - self.measured), now)
+        self.measured = 0.0
 
     # ---- deadlines and closing
 

@@ -10,7 +10,13 @@ A connection passes three gates before a request of it is read:
    address, whose handshakes share one budget (per address, and of CPU in
    all). The TLS handshake runs non-blocking in the same loop — a pending
    connection costs a socket and a TLS object, no thread — and must end
-   within :data:`~shardckpt.node.peer_admission.PENDING_S` seconds.
+   within :data:`~shardckpt.node.peer_admission.PENDING_S` seconds. While
+   strangers' connections have taken their share of a core (the loop's own
+   CPU, measured round by round), the loop takes no new connection from the
+   kernel's queue until the share refills: a flood, however fast and from
+   however many addresses, keeps the loop within that share, and a member's
+   connection waits behind what the flood queued (in a closed loop, one
+   connection per flooding connection in flight).
 2. **Authenticated**: the client presented a certificate the TLS context
    trusts (CERT_REQUIRED: the job's pinned certificates, or an operator CA's)
    *and* it is the certificate of a member of this launch (an operator CA
@@ -314,12 +320,14 @@ class PeerServer:
 
     def _loop(self) -> None:
         while not self._closed.is_set():
+            t0 = time.thread_time()
             now = time.monotonic()
             if self._paused_until and now >= self._paused_until:
                 self._paused_until = 0.0
                 self._sel.register(self._sock, selectors.EVENT_READ, None)
+            wake = min(self.doorway.soonest(now), self._paused_until or now + 0.25)
             try:
-                events = self._sel.select(max(0.0, min(0.25, self.doorway.soonest(now) - now)))
+                events = self._sel.select(max(0.0, min(0.25, wake - now)))
             except (OSError, ValueError):
                 if self._closed.is_set():
                     return
@@ -329,7 +337,19 @@ class PeerServer:
                     self._accept_some()
                 else:
                     self.doorway.advance(key.data)
-            self.doorway.expire(time.monotonic())
+            now = time.monotonic()
+            self.doorway.expire(now)
+            # Strangers over their share of a core: the next connections wait in the kernel's queue until it
+            # refills (a member's among them waits behind what the flood queued: one each in a closed loop).
+            self.doorway.settle(time.thread_time() - t0, now)
+            wait = self.doorway.cpu.ready_in(now)
+            if wait and not self._paused_until:
+                self._pause(wait)
+
+    def _pause(self, seconds: float) -> None:
+        """Stop taking connections from the kernel's queue for ``seconds``."""
+        self._sel.unregister(self._sock)
+        self._paused_until = time.monotonic() + seconds
 
     def _accept_some(self) -> None:
         for _ in range(64):
@@ -341,8 +361,7 @@ class PeerServer:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     # Out of descriptors: stop accepting for a moment (the kernel queues the rest).
                     self.refusals.note(f"connections: out of file descriptors ({exc.strerror})")
-                    self._sel.unregister(self._sock)
-                    self._paused_until = time.monotonic() + 0.1
+                    self._pause(0.1)
                     return
                 if self._closed.is_set():
                     return
