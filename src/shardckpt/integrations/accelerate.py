@@ -9,7 +9,6 @@ side is :mod:`shardckpt.integrations.hf`, which re-exports these names.
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Any, Mapping
 
 import torch.distributed as dist
@@ -47,14 +46,7 @@ class _KeepsLiveKeys:
     """
 
     def __init__(self, obj: Any) -> None:
-        try:  # held by the cache below as its value: a strong reference would keep obj alive
-            self._obj: Any = weakref.ref(obj)
-        except TypeError:  # not weakly referable (and so never cached)
-            self._obj = lambda: obj
-
-    @property
-    def obj(self) -> Any:
-        return self._obj()
+        self.obj = obj
 
     def state_dict(self) -> dict[str, Any]:
         return self.obj.state_dict()
@@ -65,20 +57,8 @@ class _KeepsLiveKeys:
         self.obj.load_state_dict(full)
 
 
-_WRAPPED: "weakref.WeakKeyDictionary[Any, _KeepsLiveKeys]" = weakref.WeakKeyDictionary()
-"""One wrapper per scheduler, the same object at every save: a state whose entries are the same objects keeps
-its save plan (``saving/plan.py``) instead of having DCP capture it again."""
-
-
 def _scheduler(obj: Any) -> Any:
-    inner = _unwrap(obj, "scheduler")
-    try:
-        wrapped = _WRAPPED.get(inner)
-    except TypeError:  # not weakly referable: a wrapper made anew
-        return _KeepsLiveKeys(inner)
-    if wrapped is None:
-        wrapped = _WRAPPED[inner] = _KeepsLiveKeys(inner)
-    return wrapped
+    return _KeepsLiveKeys(_unwrap(obj, "scheduler"))
 
 
 # ---------------------------------------------------------------- StatefulDataLoader

@@ -247,6 +247,8 @@ class ShardckptTrainerMixin:
         self._sc_metrics: dict[int, dict[str, float]] = {}
         self._sc_saved_step: int | None = None
         self._sc_vote: _PreemptionVote | None = None
+        self._sc_scheduler: tuple[Any, Any] | None = None
+        """The Trainer's LR scheduler and its wrapper in the saved state, the same wrapper while it is the same."""
         self._sc_epoch = 0
         self._sc_drawn = 0
         self._sc_warned_sampler = False
@@ -545,7 +547,12 @@ class ShardckptTrainerMixin:
         if self.optimizer is not None:
             state["optimizer"] = _unwrap(self.optimizer, "optimizer")
         if self.lr_scheduler is not None:
-            state["scheduler"] = _scheduler(self.lr_scheduler)
+            # One wrapper while the scheduler is the same object: a state of the same objects at every save
+            # keeps its save plan (saving/plan.py) instead of being captured by DCP again.
+            held = self._sc_scheduler
+            if held is None or held[0] is not self.lr_scheduler:
+                held = self._sc_scheduler = (self.lr_scheduler, _scheduler(self.lr_scheduler))
+            state["scheduler"] = held[1]
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None:
             state["scaler"] = scaler
