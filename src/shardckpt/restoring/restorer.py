@@ -241,8 +241,8 @@ class Restorer:
                 "Steps %d..%d are trained again; when one of them is saved again, its earlier save is moved aside "
                 "(as %s-..., listed by `shardckpt ls`; `shardckpt gc` removes it). Remedy: save the last step "
                 "in full (torchtitan: checkpoint.last_save_model_only=False, its manager's default)",
-                step, ", ".join(map(str, newer)), step, ", ".join(map(str, newer)), step + 1, newer[-1],
-                layout.KEPT_PREFIX + layout.step_dirname(newer[0]),
+                step, ", ".join(map(str, passed)), step, ", ".join(map(str, passed)), step + 1, passed[-1],
+                layout.KEPT_PREFIX + layout.step_dirname(passed[0]),
             )
         else:
             log.warning(
