@@ -102,9 +102,11 @@ class Bench:
             return False
 
     def push(self, prefix: str) -> None:
+        # Uncompressed, as the floor's raw download reads the step's files under their own names (``auto``
+        # may compress them on a fast machine: stored under other names, they would not be a step to load).
         argv = ["push", "--local", str(self.src), "--remote", self.url(prefix), "--step", "1",
                 "--endpoint-url", self.endpoint, "--concurrency", str(self.args.concurrency),
-                "--part-size", str(self.part)]
+                "--part-size", str(self.part), "--compression", "off"]
         with contextlib.redirect_stdout(io.StringIO()) as said:
             code = cli.main(argv)
         if code != 0:
