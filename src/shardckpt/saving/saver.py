@@ -164,7 +164,7 @@ class Saver:
             captured, kinds, frozen = plan.capture(state)
             own_keys = {k for k, v in state.items() if isinstance(v, PerRank)} | {state_mod.RESERVED_KEY}
             captured, later = values.agree(captured, kinds, self._groups, step, self._warned_values, own_keys, memory,
-                                           self._agreed)
+                                           known=self._agreed)
             preflight.at_save(state, step, first=self._saves == 0 and self._memory.last is None)
             disk = decision.due and self._writer.space_ok(step, *split_bytes(captured, own_keys))
             if not disk and not memory:

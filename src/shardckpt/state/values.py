@@ -300,7 +300,7 @@ class Known:
 
 def agree(
     captured: dict[str, Any], kinds: dict[str, str], groups: _dist.SideGroups, step: int, warned: set[str],
-    own: set[str] | frozenset[str] = frozenset(), now: bool = False, known: Known | None = None,
+    own: set[str] | frozenset[str] = frozenset(), now: bool = False, *, known: Known,
 ) -> tuple[dict[str, Any], "Later | None"]:
     """Tag dict keys, then make every rank save one value per entry (collective over ``ctl``).
 
@@ -336,12 +336,7 @@ def agree(
         if error is not None:
             raise ConfigError(f"step {step}: {error}")
         return out, None
-    if known is not None:
-        summaries, errors = known.exchange(mine, error, groups.all_gather_ctl)
-    else:
-        gathered = groups.all_gather_ctl((mine, error))
-        errors = [(r, e) for r, (_m, e) in enumerate(gathered) if e is not None]
-        summaries = [m for m, _e in gathered]
+    summaries, errors = known.exchange(mine, error, groups.all_gather_ctl)
     if errors:
         ranks = ", ".join(str(r) for r, _e in errors)
         raise ConfigError(f"step {step}: nothing was saved; on rank(s) {ranks}: {errors[0][1]}")
