@@ -109,6 +109,17 @@ def test_the_cpu_share_refills_with_time():
     assert not budget.spent(now + 3.0)
 
 
+def test_a_loop_held_off_the_cpu_comes_back_with_a_fifth_of_a_seconds_share_only():
+    """A budget left alone for 10 s (a loop descheduled on a loaded machine, or a quiet endpoint) lends
+    ahead CPU_BURST_S seconds' worth of its share, not what the 10 s would have earned: the flood's measured
+    share stays within share * (window + burst + 1 s of debt)."""
+    budget = peer_admission.CpuBudget(peer_admission.STRANGER_CPU_SHARE, peer_admission.CPU_BURST_S)
+    now = time.monotonic() + 10.0
+    assert not budget.spent(now)
+    budget.charge(peer_admission.STRANGER_CPU_SHARE * peer_admission.CPU_BURST_S + 0.001, now)
+    assert budget.spent(now)
+
+
 def test_over_their_share_strangers_wait_in_the_kernels_queue_and_a_member_is_served_after(tmp_path):
     """The endpoint's loop spends on strangers' connections (accepting, sorting, closing them) at most their
     share of a core: once it is spent, the next connection waits in the kernel's queue until the share

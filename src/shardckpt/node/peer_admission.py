@@ -60,6 +60,10 @@ HANDSHAKE_BURST = 40.0
 STRANGER_CPU_SHARE = 0.25
 """Share of one core that strangers' connections may take, all sources together: their TLS handshakes (measured
 one by one) and the endpoint's loop accepting, sorting and closing them (measured per round of the loop)."""
+CPU_BURST_S = 0.2
+"""Seconds' worth of the strangers' share of a core the loop may spend ahead: a loop held off the CPU for a while
+(a loaded machine) does not come back with a second's worth to spend at once. (Their handshakes' part lends a
+second's worth: it decides which ClientHello is refused, not how long the loop runs.)"""
 HANDSHAKE_PART = 0.3
 """Part of the strangers' share of a core their TLS handshakes may take (measured one by one): under a flood of
 many addresses, each within its handshake rate, the rest of the share goes to sorting the queued connections
@@ -116,14 +120,18 @@ class Budgets:
 
 
 class CpuBudget:
-    """Seconds of CPU per second (``share`` of a core), spent as measured; one second's worth of burst."""
+    """Seconds of CPU per second (``share`` of a core), spent as measured: it lends ahead ``burst_s`` seconds'
+    worth of the share and is owed at most one second's worth (a pause never lasts longer). Over any window of
+    ``w`` seconds the work it paces takes at most ``share * (w + burst_s + 1)`` seconds of CPU, whatever the
+    machine's load did to the rounds of the loop that charges it."""
 
-    def __init__(self, share: float) -> None:
+    def __init__(self, share: float, burst_s: float = 1.0) -> None:
         self.share = share
-        self._level, self._last = share, time.monotonic()
+        self._cap = share * burst_s
+        self._level, self._last = self._cap, time.monotonic()
 
     def _refill(self, now: float) -> None:
-        self._level = min(self.share, self._level + (now - self._last) * self.share)
+        self._level = min(self._cap, self._level + (now - self._last) * self.share)
         self._last = now
 
     def spent(self, now: float) -> bool:
@@ -193,7 +201,7 @@ class Doorway:
         self._by_member: collections.Counter[str] = collections.Counter()
         self.sources = Budgets(HANDSHAKES_PER_S, HANDSHAKE_BURST)
         self.members = Budgets(MEMBER_HANDSHAKES_PER_S, MEMBER_BURST)
-        self.cpu = CpuBudget(STRANGER_CPU_SHARE)
+        self.cpu = CpuBudget(STRANGER_CPU_SHARE, CPU_BURST_S)
         self.handshake_cpu = CpuBudget(STRANGER_CPU_SHARE * HANDSHAKE_PART)
         self.measured = 0.0
         """CPU of the handshakes run since the last :meth:`settle` (strangers' already charged, members' never)."""
