@@ -183,8 +183,10 @@ def test_clienthellos_replayed_from_the_members_address_keep_no_member_out(holde
 
 WINDOW_S = 4.0
 """The floods' CPU share is measured over this window: the budget lends ahead a fifth of a second's share and
-is owed at most one second's, so over 4 s the endpoint takes at most 0.25 * (4 + 1.2) s, 32.5 % of a core,
-however its rounds fell on a loaded machine (over 2.5 s it was once measured at 47 %, inside that looser bound)."""
+what a round overran is paid back (the loop stops while the share is spent), so over 4 s the endpoint takes at
+most 0.25 * (4 + 0.2) s, 26 % of a core, and one round's overrun. (Over 2.5 s, with a second's worth lent, a
+debt of over a second forgiven and pending connections worked on during a pause, a loaded machine once saw
+47 %.)"""
 
 
 def test_handshakes_replayed_from_64_addresses_take_a_bounded_share_of_a_core(holder):

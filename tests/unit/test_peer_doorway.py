@@ -106,6 +106,7 @@ def test_the_cpu_share_refills_with_time():
     budget.charge(0.3, now)
     assert budget.spent(now)
     assert budget.spent(now + 1.0)  # 0.1 s of CPU back per second: still in debt
+    assert budget.spent(now + 1.9)  # the whole overrun is owed (0.2 s), none of it forgiven
     assert not budget.spent(now + 3.0)
 
 
@@ -137,7 +138,7 @@ def test_over_their_share_strangers_wait_in_the_kernels_queue_and_a_member_is_se
         member.list_steps()  # quiet: nothing paces a member's connection
         assert time.monotonic() - t0 < 2.0
         member.close()
-        # The share spent with one second of it owed (the debt's bound): it refills one second from now.
+        # The share spent with 0.45 s of CPU owed (its lent 0.05 s taken first): it refills 1.8 s from now.
         charged = time.monotonic()
         server.doorway.cpu.charge(STRANGER_CPU_SHARE * 2, charged)
         time.sleep(0.4)  # the loop's round ends (at most 0.25 s): it sees the share spent

@@ -60,6 +60,8 @@ HANDSHAKE_BURST = 40.0
 STRANGER_CPU_SHARE = 0.25
 """Share of one core that strangers' connections may take, all sources together: their TLS handshakes (measured
 one by one) and the endpoint's loop accepting, sorting and closing them (measured per round of the loop)."""
+DEBT_S = 4.0
+"""Seconds' worth of a CPU share a budget may be owed (beyond it, a pathological round is forgiven)."""
 CPU_BURST_S = 0.2
 """Seconds' worth of the strangers' share of a core the loop may spend ahead: a loop held off the CPU for a while
 (a loaded machine) does not come back with a second's worth to spend at once. (Their handshakes' part lends a
@@ -121,9 +123,9 @@ class Budgets:
 
 class CpuBudget:
     """Seconds of CPU per second (``share`` of a core), spent as measured: it lends ahead ``burst_s`` seconds'
-    worth of the share and is owed at most one second's worth (a pause never lasts longer). Over any window of
-    ``w`` seconds the work it paces takes at most ``share * (w + burst_s + 1)`` seconds of CPU, whatever the
-    machine's load did to the rounds of the loop that charges it."""
+    worth of the share, and what was spent beyond it is owed (up to :data:`DEBT_S` seconds' worth: a round of
+    the loop that overran on a loaded machine is paid back, not forgiven). Over any window of ``w`` seconds the
+    work it paces takes at most ``share * (w + burst_s) + the debt left at its end``, one round's overrun."""
 
     def __init__(self, share: float, burst_s: float = 1.0) -> None:
         self.share = share
@@ -140,12 +142,13 @@ class CpuBudget:
 
     def charge(self, seconds: float, now: float) -> None:
         self._refill(now)
-        self._level = max(-self.share, self._level - seconds)
+        self._level = max(-self.share * DEBT_S, self._level - seconds)
 
     def ready_in(self, now: float) -> float:
-        """Seconds until the budget is no longer spent (0 when it is not): at most one second."""
+        """Seconds until the budget is no longer spent (0 when it is not): at most one second, after which a
+        debt of more is asked again."""
         self._refill(now)
-        return 0.0 if self._level > 0.0 else -self._level / self.share + 1e-3
+        return 0.0 if self._level > 0.0 else min(1.0, -self._level / self.share + 1e-3)
 
 
 class Replays:

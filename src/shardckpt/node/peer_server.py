@@ -12,8 +12,9 @@ A connection passes three gates before a request of it is read:
    connection costs a socket and a TLS object, no thread — and must end
    within :data:`~shardckpt.node.peer_admission.PENDING_S` seconds. While
    strangers' connections have taken their share of a core (the loop's own
-   CPU, measured round by round), the loop takes no new connection from the
-   kernel's queue until the share refills: a flood, however fast and from
+   CPU, measured round by round), the loop stops — no new connection taken
+   from the kernel's queue, no pending one worked on — until the share
+   refills: a flood, however fast and from
    however many addresses, keeps the loop within that share, and a member's
    connection waits behind what the flood queued (in a closed loop, one
    connection per flooding connection in flight).
@@ -320,6 +321,14 @@ class PeerServer:
 
     def _loop(self) -> None:
         while not self._closed.is_set():
+            # Strangers over their share of a core: the loop stops, the next connections wait in the kernel's
+            # queue and the pending ones where they are until it refills (a member's among them waits behind
+            # what the flood queued: one each in a closed loop). Only stopping the whole loop bounds it: the
+            # pending connections' rounds cost CPU too, and a pause of accepting alone went on spending.
+            wait = self.doorway.cpu.ready_in(time.monotonic())
+            if wait:
+                self._closed.wait(wait)
+                continue
             t0 = time.thread_time()
             now = time.monotonic()
             if self._paused_until and now >= self._paused_until:
@@ -339,12 +348,7 @@ class PeerServer:
                     self.doorway.advance(key.data)
             now = time.monotonic()
             self.doorway.expire(now)
-            # Strangers over their share of a core: the next connections wait in the kernel's queue until it
-            # refills (a member's among them waits behind what the flood queued: one each in a closed loop).
             self.doorway.settle(time.thread_time() - t0, now)
-            wait = self.doorway.cpu.ready_in(now)
-            if wait and not self._paused_until:
-                self._pause(wait)
 
     def _pause(self, seconds: float) -> None:
         """Stop taking connections from the kernel's queue for ``seconds``."""
