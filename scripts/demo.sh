@@ -20,7 +20,12 @@ RUN=${DEMO_RUN:-demo-run}
 rm -rf "$RUN"
 mkdir -p "$RUN/s3/demo-bucket"
 export OMP_NUM_THREADS=1 PYTHON="$PY"
-show() { grep -E "\[train_ddp\]|shardckpt:" "$1" | grep -v "waits for\|waited\|close() still" | sed 's/^/   /'; }
+show() {  # the log's lines of the trainer and of shardckpt; its last lines when it has none
+    if ! grep -E "\[train_ddp\]|shardckpt:" "$1" | grep -v "waits for\|waited\|close() still" | sed 's/^/   /'; then
+        echo "   (no line of the trainer or of shardckpt in $1; its last lines:)"
+        tail -n 30 "$1" | sed 's/^/   | /'
+    fi
+}
 
 echo "== 0. a local S3-compatible server"
 PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
@@ -69,6 +74,9 @@ for _ in $(seq 1 900); do
     if ! kill -0 "$JOB" 2>/dev/null; then break; fi
     sleep 0.2
 done
+if [ ! -f "$RUN/node-a/ckpt/step_0000000020/.shardckpt-uploaded.json" ]; then
+    echo "   step 20 was not uploaded within 180 s (or the job ended first): see $RUN/node-a.log"
+fi
 kill -TERM "$JOB" 2>/dev/null || true   # to the launcher, as the cloud does; torchrun forwards it
 wait "$JOB" || true
 show "$RUN/node-a.log"
