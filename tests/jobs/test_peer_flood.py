@@ -217,10 +217,10 @@ def test_a_closed_loop_replay_from_64_addresses_keeps_the_endpoint_within_its_sh
     flight each and open a new one as soon as the endpoint closed one — as fast as the endpoint answers
     (13,267/s on a quiet machine, where the endpoint once spent 94 % of a core accepting, sorting and closing
     them, no handshake budget shedding that work). Strangers' connections share one measured budget of a core
-    (their handshakes and the loop's accepting, sorting and closing): over it, the endpoint takes no
-    connection from the kernel's queue until it refills. Its process then stays ≤ 35 % of a core (25 %
-    configured; measured while only the flood runs), and the member, whose fresh connections wait behind at
-    most the flood's 256, is served."""
+    (their handshakes and the loop's accepting, sorting and closing): over it, the endpoint's loop stops
+    (no connection taken from the kernel's queue, no pending one worked on) until it refills. Its process then
+    stays ≤ 35 % of a core (25 % configured; measured while only the flood runs), and the member, whose fresh
+    connections wait behind at most the flood's 256, is served."""
     job, owner, root, addr, pid = holder
     member = _Member(job, owner, root, addr)
     sources = [f"127.0.1.{i}" for i in range(1, 65)]

@@ -1,6 +1,7 @@
 """The peer endpoint's doorway, on real loopback sockets in this process: the strangers' places per source
 address and the strangers' share of a core are each a bound a test breaks when the bound is removed, and an
-endpoint whose strangers are over their share takes no connection from the kernel's queue until it refills.
+endpoint whose strangers are over their share stops its loop (no connection taken from the kernel's queue) until
+it refills.
 
 The flood tests (tests/jobs/test_peer_flood.py) show a member served through floods; on two shared cores
 their flood processes cannot send enough handshakes to pass the CPU share, nor do members need a stranger's
@@ -113,7 +114,7 @@ def test_the_cpu_share_refills_with_time():
 def test_a_loop_held_off_the_cpu_comes_back_with_a_fifth_of_a_seconds_share_only():
     """A budget left alone for 10 s (a loop descheduled on a loaded machine, or a quiet endpoint) lends
     ahead CPU_BURST_S seconds' worth of its share, not what the 10 s would have earned: the flood's measured
-    share stays within share * (window + burst + 1 s of debt)."""
+    share stays within share * (window + burst) and one round's overrun."""
     budget = peer_admission.CpuBudget(peer_admission.STRANGER_CPU_SHARE, peer_admission.CPU_BURST_S)
     now = time.monotonic() + 10.0
     assert not budget.spent(now)

@@ -18,8 +18,8 @@ a TLS ClientHello out of the socket) and sorts it:
   one CPU budget, :data:`STRANGER_CPU_SHARE` of a core, for all their
   connections cost: their handshakes, measured one by one, and the loop's
   accepting, sorting and closing them, measured per round of the loop
-  (:meth:`Doorway.settle`; over the budget the loop takes no new connection,
-  :mod:`shardckpt.node.peer_server`). Their handshakes take at most
+  (:meth:`Doorway.settle`; over the budget the loop stops — no new connection
+  taken, no pending one worked on — until it refills, :mod:`shardckpt.node.peer_server`). Their handshakes take at most
   :data:`HANDSHAKE_PART` of it (a budget of their own, measured the same
   way): the rest goes to sorting the queued connections, a member's among
   them, however many handshakes a flood's addresses are allowed; and a
