@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import launcher
+
 from shardckpt._proc import descendants, kill_tree  # noqa: F401 - descendants: for the tests and benchmarks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,7 +119,7 @@ def run_torchrun(nproc: int, script: str | Path, *args: str, timeout: float = 30
                  check: bool = True, **kw) -> subprocess.CompletedProcess:
     """Run a program under torchrun; raise with its output when it fails (``check=False``: return it, for a
     job whose ranks may fail or be killed)."""
-    proc = subprocess.run(
+    proc = launcher.run(
         torchrun_cmd(nproc, script, *args, **kw),
         env=env or child_env(),
         stdout=subprocess.PIPE,
@@ -134,7 +136,7 @@ def run_torchrun(nproc: int, script: str | Path, *args: str, timeout: float = 30
 def start_torchrun(nproc: int, script: str | Path, *args: str, env: dict | None = None, log_path=None, **kw):
     """Start torchrun in its own process group (so the whole job can be SIGKILLed)."""
     out = open(log_path, "w") if log_path else subprocess.DEVNULL
-    return subprocess.Popen(
+    return launcher.popen(
         torchrun_cmd(nproc, script, *args, **kw),
         env=env or child_env(),
         stdout=out,
