@@ -1,6 +1,8 @@
 """A save kept in memory describes its staged state the way DCP flattens it (``dcp/memory._flatten``): the same
 fully qualified names, paths and leaf objects in the same order, at the first save and when parts of the state
-are the same objects as at the last one. The restore builds DCP's metadata from these names and paths."""
+are the same objects as at the last one. The restore builds DCP's metadata from these names and paths. What
+``describe`` reuses of a subtree that is the same object as at the last save gives what a description made
+afresh gives, at every save."""
 
 from __future__ import annotations
 
@@ -9,10 +11,18 @@ import collections
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-from shardckpt.dcp.memory import _flatten
+from shardckpt.dcp.memory import _describe_flat, _flatten, describe
 
 
-def test_the_flattening_of_a_staged_state_is_dcps():
+def merged(chunks):
+    flat, paths = {}, {}
+    for f, m, _memo in chunks:
+        flat.update(f)
+        paths.update(m)
+    return flat, paths
+
+
+def staged_state():
     model = {"a.weight": torch.ones(2), "b": torch.zeros(3), 3: torch.ones(1)}
     optimizer = {"state": {"a.weight": {"step": torch.tensor(1.0), "exp_avg": torch.ones(2)}},
                  "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["a.weight", "b"], "foreach": None},
@@ -24,12 +34,40 @@ def test_the_flattening_of_a_staged_state_is_dcps():
         "vocab": {"itos": {0: "a", 1: "b"}}, "dicts": [{}, {"a": 1}], "tuple": ({"a": torch.ones(1)}, 2),
         "nested": [[torch.ones(1)]], 7: "an int key",
     }
+    return state, model, optimizer
+
+
+def test_the_flattening_of_a_staged_state_is_dcps():
+    state, model, optimizer = staged_state()
     cache: dict = {}
     for save in range(4):
         if save == 2:
             state["model"] = dict(model)  # a new container of the same tensors
             optimizer["param_groups"][0]["lr"] = 0.05
-        flat, paths = _flatten(state, cache)
+        flat, paths = merged(_flatten(state, cache))
         expected, expected_paths = flatten_state_dict(state)
         assert list(flat) == list(expected) and paths == expected_paths, save
         assert all(flat[k] is expected[k] for k in expected), save
+
+
+def test_a_description_reusing_the_last_saves_is_the_one_made_afresh():
+    state, model, optimizer = staged_state()
+    offsets: dict[int, int] = {}
+
+    def offset_of(t):
+        return offsets.setdefault(id(t), 64 * len(offsets))
+
+    cache: dict = {}
+    reused = 0
+    for save in range(5):
+        if save == 2:
+            state["model"] = dict(model)  # a new container of the same tensors
+            optimizer["param_groups"][0]["lr"] = 0.05
+        if save == 3:
+            state["v"] = 6
+            state["model"] = {**state["model"], "c": torch.ones(5)}  # a tensor added
+        described = {id(e) for e in cache.get(("flat", 0), {}).values() if e[3] is not None}
+        got = describe(state, offset_of, cache)
+        assert got == _describe_flat(state, offset_of, {}), save
+        reused += sum(1 for e in cache[("flat", 0)].values() if id(e) in described)
+    assert reused > 0  # the later saves took parts of their description from the last save's

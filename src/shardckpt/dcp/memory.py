@@ -83,39 +83,70 @@ def describe(
     every other item; ``planner_data``: each fqn's path. ``cache`` keeps the entries of buffers seen
     before (the same buffer object of the same fqn describes itself alike).
     """
-    flat, mappings = _flatten(staged, cache)
     tensors: list[list[Any]] = []
     values: list[tuple[str, bytes]] = []
+    planner_data: dict[str, list[Any]] = {}
     pickled = cache.pop(_VALUES, {})
     kept: dict[str, tuple[type, Any, bytes]] = {}
+    for flat, mappings, memo in _flatten(staged, cache):
+        if memo is not None and memo[3] is not None:  # the same buffers as at the last save: described alike
+            tensors.extend(memo[3][0])
+            planner_data.update(memo[3][1])
+            continue
+        described: list[list[Any]] = []
+        for fqn, obj in flat.items():
+            if isinstance(obj, torch.Tensor):
+                key = (fqn, id(obj))
+                entry = cache.get(key)
+                if entry is None:
+                    local = obj._local_tensor if isinstance(obj, DTensor) else obj
+                    items = _create_write_items(fqn, obj)
+                    data = items[0].tensor_data
+                    entry = [fqn, str(local.dtype), list(data.chunk.sizes), list(data.size),
+                             list(data.chunk.offsets), offset_of(local)]
+                    cache[key] = entry
+                described.append(entry)
+            else:
+                before = pickled.get(fqn)
+                plain = _plain(obj)
+                frozen = tuple(obj) if plain and type(obj) is list else obj  # (a list: its items as they are now)
+                if before is not None and type(obj) is before[0] and plain and _equal(frozen, before[1]):
+                    data = before[2]  # the same plain value as at the last save: its bytes again, not pickled
+                else:
+                    buf = io.BytesIO()
+                    torch.save(obj, buf)
+                    data = buf.getvalue()
+                if plain:
+                    kept[fqn] = (type(obj), frozen, data)
+                values.append((fqn, data))
+        paths = {fqn: list(path) for fqn, path in mappings.items()}
+        if memo is not None:
+            memo[3] = (described, paths)
+        tensors.extend(described)
+        planner_data.update(paths)
+    cache[_VALUES] = kept  # type: ignore[assignment]
+    if len(planner_data) != len(tensors) + len(values):  # a name twice (DCP's flattening keeps the last)
+        cache.pop(_FLAT, None)
+        return _describe_flat(staged, offset_of, cache)
+    return tensors, values, planner_data
+
+
+def _describe_flat(staged: dict[str, Any], offset_of: Callable[[torch.Tensor], int], cache: dict[Any, Any]
+                   ) -> tuple[list[list[Any]], list[tuple[str, bytes]], dict[str, list[Any]]]:
+    """:func:`describe` over DCP's own flattening of ``staged`` in one dict (nothing reused)."""
+    flat, mappings = flatten_state_dict(staged)
+    tensors, values = [], []
     for fqn, obj in flat.items():
         if isinstance(obj, torch.Tensor):
-            key = (fqn, id(obj))
-            entry = cache.get(key)
-            if entry is None:
-                local = obj._local_tensor if isinstance(obj, DTensor) else obj
-                items = _create_write_items(fqn, obj)
-                data = items[0].tensor_data
-                entry = [fqn, str(local.dtype), list(data.chunk.sizes), list(data.size), list(data.chunk.offsets),
-                         offset_of(local)]
-                cache[key] = entry
-            tensors.append(entry)
+            local = obj._local_tensor if isinstance(obj, DTensor) else obj
+            data = _create_write_items(fqn, obj)[0].tensor_data
+            tensors.append([fqn, str(local.dtype), list(data.chunk.sizes), list(data.size), list(data.chunk.offsets),
+                            offset_of(local)])
         else:
-            before = pickled.get(fqn)
-            plain = _plain(obj)
-            frozen = tuple(obj) if plain and type(obj) is list else obj  # (a list: its items as they are now)
-            if before is not None and type(obj) is before[0] and plain and _equal(frozen, before[1]):
-                data = before[2]  # the same plain value as at the last save: its bytes again, not pickled
-            else:
-                buf = io.BytesIO()
-                torch.save(obj, buf)
-                data = buf.getvalue()
-            if plain:
-                kept[fqn] = (type(obj), frozen, data)
-            values.append((fqn, data))
-    cache[_VALUES] = kept  # type: ignore[assignment]
-    planner_data = {fqn: list(path) for fqn, path in mappings.items()}
-    return tensors, values, planner_data
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            values.append((fqn, buf.getvalue()))
+    return tensors, values, {fqn: list(path) for fqn, path in mappings.items()}
 
 
 _VALUES = ("values", 0)
@@ -144,44 +175,61 @@ def _same_scalar(x: Any, y: Any) -> bool:
     return type(x) is type(y) and bool(x == y) and (type(x) is not float or math.copysign(1, x) == math.copysign(1, y))
 
 
-def _flatten(staged: dict[str, Any], cache: dict[Any, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """DCP's ``flatten_state_dict`` of ``staged``, two levels at a time: a subtree that is the same object as
-    at the last save (a staging program's buffers, which never change under one plan) is not walked again."""
+def _flatten(staged: dict[str, Any], cache: dict[Any, Any]) -> list[tuple[dict[str, Any], dict[str, Any], Any]]:
+    """DCP's ``flatten_state_dict`` of ``staged`` as chunks ``(flat, mappings, memo)`` in its order, two levels at
+    a time: a subtree that is the same object as at the last save (a staging program's buffers, which never change
+    under one plan) is not walked again. ``memo``: the cache entry ``[subtree, flat, mappings, derived]`` of a
+    subtree made of tensors only (``derived``: what the caller made of it at the last save, ``None`` at first);
+    ``None`` for any other chunk."""
     before = cache.pop(_FLAT, {})
-    now: dict[int, tuple[Any, dict[str, Any], dict[str, Any]]] = {}
-    flat: dict[str, Any] = {}
-    mappings: dict[str, Any] = {}
+    now: dict[int, list[Any]] = {}
+    chunks: list[tuple[dict[str, Any], dict[str, Any], Any]] = []
     for key, value in staged.items():
         top = before.get(id(value))
         if top is not None and top[0] is value:  # the whole entry is as it was (a module's buffers)
-            flat.update(top[1])
-            mappings.update(top[2])
+            chunks.append((top[1], top[2], top))
             now[id(value)] = top
             continue
         parts = list(value.items()) if isinstance(value, dict) and value else [(None, value)]
-        kf: dict[str, Any] = {}
-        km: dict[str, Any] = {}
+        mine: list[tuple[dict[str, Any], dict[str, Any], Any]] = []
+        loose_f: dict[str, Any] = {}
+        loose_m: dict[str, Any] = {}
         for sub, v in parts:
             if isinstance(v, torch.Tensor):  # a leaf: its path joined by dots, as DCP names it
                 path = (str(key),) if sub is None else (str(key), str(sub))
                 fqn = ".".join(path)
-                kf[fqn], km[fqn] = v, path
+                loose_f[fqn], loose_m[fqn] = v, path
                 continue
+            if loose_f:
+                mine.append((loose_f, loose_m, None))
+                loose_f, loose_m = {}, {}
             hit = before.get(id(v))
             if hit is not None and hit[0] is v and isinstance(v, dict):
-                f, m = hit[1], hit[2]
+                memo: Any = hit
             else:
                 f, m = _flat_plain((str(key),) if sub is None else (str(key), str(sub)), v)
-            if isinstance(v, dict) and all(isinstance(t, torch.Tensor) for t in f.values()):
-                now[id(v)] = (v, f, m)  # tensors only: the same object holds the same leaves
-            kf.update(f)
-            km.update(m)
-        if isinstance(value, dict) and value and all(isinstance(t, torch.Tensor) for t in kf.values()):
-            now[id(value)] = (value, kf, km)
-        flat.update(kf)
-        mappings.update(km)
+                memo = [v, f, m, None] if isinstance(v, dict) and all(
+                    isinstance(t, torch.Tensor) for t in f.values()) else None
+                if memo is None:
+                    mine.append((f, m, None))
+                    continue
+            now[id(v)] = memo  # tensors only: the same object holds the same leaves
+            mine.append((memo[1], memo[2], memo))
+        if loose_f:
+            mine.append((loose_f, loose_m, None))
+        if isinstance(value, dict) and value and all(isinstance(t, torch.Tensor) for f, _m, _n in mine
+                                                    for t in f.values()):
+            kf: dict[str, Any] = {}
+            km: dict[str, Any] = {}
+            for f, m, _n in mine:
+                kf.update(f)
+                km.update(m)
+            entry = [value, kf, km, None]
+            now[id(value)] = entry
+            mine = [(kf, km, entry)]
+        chunks.extend(mine)
     cache[_FLAT] = now
-    return flat, mappings
+    return chunks
 
 
 class _NotPlain(Exception):

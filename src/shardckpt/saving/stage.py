@@ -25,7 +25,8 @@ from torch.distributed.tensor import DTensor
 from shardckpt import _failpoints
 from shardckpt.errors import CopiesRacedError
 
-_PLAIN = (int, float, bool, str, bytes, type(None))
+PLAIN = (int, float, bool, str, bytes, type(None))
+"""The types of a staged state's values kept as they are (immutable): a list of them is copied, not walked."""
 
 
 def leaf_signature(obj: torch.Tensor) -> tuple:
@@ -248,13 +249,17 @@ class HostStager:
                 return buf
             if isinstance(obj, dict):
                 return {k: walk(v, path + (k,)) for k, v in obj.items()}
-            if isinstance(obj, list):
-                return [walk(v, path + (i,)) for i, v in enumerate(obj)]
-            if isinstance(obj, tuple):
+            if isinstance(obj, (list, tuple)):
+                if type(obj) in (list, tuple) and all(type(v) in PLAIN for v in obj):
+                    if recording and obj:
+                        recording[-1] = None  # values that may change: walked at every save
+                    return obj.copy() if type(obj) is list else obj  # (an optimizer's parameter names)
+                if isinstance(obj, list):
+                    return [walk(v, path + (i,)) for i, v in enumerate(obj)]
                 return tuple(walk(v, path + (i,)) for i, v in enumerate(obj))
             if recording:
                 recording[-1] = None  # a value that is not a tensor may change: walked at every save
-            if isinstance(obj, _PLAIN):
+            if isinstance(obj, PLAIN):
                 return obj
             if isinstance(obj, io.BytesIO):
                 return io.BytesIO(obj.getvalue())
