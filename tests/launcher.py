@@ -109,6 +109,12 @@ def _child(argv: list[str], cwd: Any, environ: dict[str, str], stdin: int, stdou
     except BaseException:  # noqa: BLE001 - the child never returns into the test's code
         traceback.print_exc()
     finally:
+        try:
+            import atexit
+
+            atexit._run_exitfuncs()  # what torchrun registered (the test process's hooks were cleared)
+        except BaseException:  # noqa: BLE001 - reported by the hook itself; the exit status stays
+            pass
         _flush()
         os._exit(code)
 
