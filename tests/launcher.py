@@ -15,6 +15,8 @@ runner's logging handlers, warning filters and exception hooks, the environment 
 
 from __future__ import annotations
 
+import atexit
+import faulthandler
 import io
 import logging
 import os
@@ -110,8 +112,6 @@ def _child(argv: list[str], cwd: Any, environ: dict[str, str], stdin: int, stdou
         traceback.print_exc()
     finally:
         try:
-            import atexit
-
             atexit._run_exitfuncs()  # what torchrun registered (the test process's hooks were cleared)
         except BaseException:  # noqa: BLE001 - reported by the hook itself; the exit status stays
             pass
@@ -121,9 +121,6 @@ def _child(argv: list[str], cwd: Any, environ: dict[str, str], stdin: int, stdou
 
 def _fresh_interpreter_state() -> None:
     """What a new interpreter starts with, where the test process changed it."""
-    import atexit
-    import faulthandler
-
     atexit._clear()  # the test runner's exit hooks are not this process's
     faulthandler.disable()
     for sig in signal.valid_signals():

@@ -68,6 +68,6 @@ def test_a_description_reusing_the_last_saves_is_the_one_made_afresh():
             state["model"] = {**state["model"], "c": torch.ones(5)}  # a tensor added
         described = {id(e) for e in cache.get(("flat", 0), {}).values() if e[3] is not None}
         got = describe(state, offset_of, cache)
-        assert got == _describe_flat(state, offset_of, {}), save
+        assert got == _describe_flat(state, offset_of), save
         reused += sum(1 for e in cache[("flat", 0)].values() if id(e) in described)
     assert reused > 0  # the later saves took parts of their description from the last save's

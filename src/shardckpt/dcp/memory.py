@@ -99,12 +99,7 @@ def describe(
                 key = (fqn, id(obj))
                 entry = cache.get(key)
                 if entry is None:
-                    local = obj._local_tensor if isinstance(obj, DTensor) else obj
-                    items = _create_write_items(fqn, obj)
-                    data = items[0].tensor_data
-                    entry = [fqn, str(local.dtype), list(data.chunk.sizes), list(data.size),
-                             list(data.chunk.offsets), offset_of(local)]
-                    cache[key] = entry
+                    entry = cache[key] = _tensor_entry(fqn, obj, offset_of)
                 described.append(entry)
             else:
                 before = pickled.get(fqn)
@@ -113,9 +108,7 @@ def describe(
                 if before is not None and type(obj) is before[0] and plain and _equal(frozen, before[1]):
                     data = before[2]  # the same plain value as at the last save: its bytes again, not pickled
                 else:
-                    buf = io.BytesIO()
-                    torch.save(obj, buf)
-                    data = buf.getvalue()
+                    data = _pickled(obj)
                 if plain:
                     kept[fqn] = (type(obj), frozen, data)
                 values.append((fqn, data))
@@ -125,28 +118,34 @@ def describe(
         tensors.extend(described)
         planner_data.update(paths)
     cache[_VALUES] = kept  # type: ignore[assignment]
-    if len(planner_data) != len(tensors) + len(values):  # a name twice (DCP's flattening keeps the last)
+    if len(planner_data) != len(tensors) + len(values):  # a name twice: DCP's own flattening names it
         cache.pop(_FLAT, None)
-        return _describe_flat(staged, offset_of, cache)
+        return _describe_flat(staged, offset_of)
     return tensors, values, planner_data
 
 
-def _describe_flat(staged: dict[str, Any], offset_of: Callable[[torch.Tensor], int], cache: dict[Any, Any]
+def _describe_flat(staged: dict[str, Any], offset_of: Callable[[torch.Tensor], int]
                    ) -> tuple[list[list[Any]], list[tuple[str, bytes]], dict[str, list[Any]]]:
     """:func:`describe` over DCP's own flattening of ``staged`` in one dict (nothing reused)."""
     flat, mappings = flatten_state_dict(staged)
-    tensors, values = [], []
-    for fqn, obj in flat.items():
-        if isinstance(obj, torch.Tensor):
-            local = obj._local_tensor if isinstance(obj, DTensor) else obj
-            data = _create_write_items(fqn, obj)[0].tensor_data
-            tensors.append([fqn, str(local.dtype), list(data.chunk.sizes), list(data.size), list(data.chunk.offsets),
-                            offset_of(local)])
-        else:
-            buf = io.BytesIO()
-            torch.save(obj, buf)
-            values.append((fqn, buf.getvalue()))
+    tensors = [_tensor_entry(fqn, obj, offset_of) for fqn, obj in flat.items() if isinstance(obj, torch.Tensor)]
+    values = [(fqn, _pickled(obj)) for fqn, obj in flat.items() if not isinstance(obj, torch.Tensor)]
     return tensors, values, {fqn: list(path) for fqn, path in mappings.items()}
+
+
+def _tensor_entry(fqn: str, obj: torch.Tensor, offset_of: Callable[[torch.Tensor], int]) -> list[Any]:
+    """``[fqn, dtype, local shape, global size, chunk offsets, offset]`` of a staged tensor, as DCP plans it."""
+    local = obj._local_tensor if isinstance(obj, DTensor) else obj
+    data = _create_write_items(fqn, obj)[0].tensor_data
+    return [fqn, str(local.dtype), list(data.chunk.sizes), list(data.size), list(data.chunk.offsets),
+            offset_of(local)]
+
+
+def _pickled(obj: Any) -> bytes:
+    """A non-tensor item as DCP writes it (``torch.save``)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
 
 
 _VALUES = ("values", 0)
