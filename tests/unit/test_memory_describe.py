@@ -71,3 +71,28 @@ def test_a_description_reusing_the_last_saves_is_the_one_made_afresh():
         assert got == _describe_flat(state, offset_of), save
         reused += sum(1 for e in cache[("flat", 0)].values() if id(e) in described)
     assert reused > 0  # the later saves took parts of their description from the last save's
+
+
+def test_a_plain_value_is_stored_as_bytes_torch_load_reads_back_exactly():
+    """Plain values (what changes at every save: a step counter, a learning rate) are written in torch.save's
+    stream format made by pickle, not by a torch.save zip per value; torch.load (weights_only, as a restore
+    reads) gives each back with its type, and anything else still goes through torch.save."""
+    import io
+
+    from shardckpt.dcp.memory import _pickled, _stream_format
+
+    assert _stream_format() is not None  # this torch writes the format the frame was derived from
+    for value in (0, -1, 2**70, 1.5, -0.0, float("inf"), "é\n", "", None, True, False, b"\x00x", (1, "a", 2.0),
+                  [1, 2.5], [], ()):
+        data = _pickled(value)
+        assert not data.startswith(b"PK")  # not a zip archive
+        back = torch.load(io.BytesIO(data), weights_only=True)
+        assert type(back) is type(value) and repr(back) == repr(value), value
+        legacy = io.BytesIO()
+        torch.save(value, legacy, _use_new_zipfile_serialization=False)
+        assert data == legacy.getvalue()
+    nested = {"t": torch.arange(3), "n": [1, {"x": 2}]}
+    data = _pickled(nested)
+    assert data.startswith(b"PK")  # torch.save's own
+    back = torch.load(io.BytesIO(data), weights_only=True)
+    assert torch.equal(back["t"], nested["t"]) and back["n"] == nested["n"]
