@@ -33,3 +33,18 @@ def test_a_manifest_sealed_reusing_the_last_ones_fields_is_the_same_text():
         assert manifest.to_json(texts) == manifest.to_json()
         again = layout.Manifest.from_json(manifest.to_json(texts), f"/tmp/step_{step:010d}/shardckpt.json")
         assert again.to_json() == manifest.to_json()
+
+
+def test_a_field_that_is_a_str_subclass_is_reused_as_its_text():
+    """``torch.__version__`` is a ``TorchVersion``: the same text as the ``str`` the cache keeps, so it is not
+    encoded again at every save (with ``indent``, Python's JSON encoder is its slow pure-Python one)."""
+    import torch
+
+    body = {"step": 1, "torch_version": torch.__version__, "run": {"torch": torch.__version__, "argv": ["x"]}}
+    cache: dict = {}
+    assert manifest_schema.seal_reusing(body, cache) == manifest_schema.seal(body)
+    kept = {k: cache[k] for k in ("torch_version", "run")}
+    body["step"] = 2
+    assert manifest_schema.seal_reusing(body, cache) == manifest_schema.seal(body)
+    assert all(cache[k] is v for k, v in kept.items())  # reused, not made again
+    assert not manifest_schema.same_json(torch.__version__, "2.0") and manifest_schema.same_json("1", "1")

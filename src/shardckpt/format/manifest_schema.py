@@ -71,13 +71,21 @@ def seal_reusing(body: dict[str, Any], cache: dict[str, tuple[Any, str]]) -> str
         value = content[key]
         hit = cache.get(key)
         if hit is None or not same_json(value, hit[0]):
-            text = json.dumps(value, indent=1, sort_keys=True).replace("\n", "\n ")  # one level in
-            hit = cache[key] = (json.loads(json.dumps(value)), f" {json.dumps(key)}: {text}")
+            if type(value) in _SCALARS:  # (the step, the time, the save's id: their text alike without indent)
+                hit = cache[key] = (value, f" {json.dumps(key)}: {json.dumps(value)}")
+            else:
+                text = json.dumps(value, indent=1, sort_keys=True).replace("\n", "\n ")  # one level in
+                hit = cache[key] = (json.loads(json.dumps(value)), f" {json.dumps(key)}: {text}")
         parts.append(hit[1])
     text = "{\n" + ",\n".join(parts) + "\n}"
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
     slot = f'\n "{DIGEST_FIELD}": "{PLACEHOLDER}"'
     return text.replace(slot, f'\n "{DIGEST_FIELD}": "{DIGEST_ALGO}:{digest}"', 1)
+
+
+_SCALARS = (str, int, float, bool, type(None))
+"""Values whose JSON text has no indent to make (``json.dumps`` alike with or without one) and that cannot change
+after they are cached."""
 
 
 def same_json(a: Any, b: Any) -> bool:
@@ -89,7 +97,7 @@ def same_json(a: Any, b: Any) -> bool:
     if type(b) is tuple:
         b = list(b)
     if type(a) is not type(b):
-        return False
+        return isinstance(a, str) and isinstance(b, str) and str.__eq__(a, b)  # (a str subclass: its text)
     if type(a) is dict:
         return a.keys() == b.keys() and all(same_json(v, b[k]) for k, v in a.items())
     if type(a) is list:

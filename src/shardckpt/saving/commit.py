@@ -420,7 +420,7 @@ class StepWriter:
             step=job.step,
             world_size=_dist.world_size(),
             files=files,
-            torch_version=torch.__version__,
+            torch_version=str(torch.__version__),
             shardckpt_version=_version(),
             keys=dict(job.kinds),
             metadata=job.metadata,
