@@ -322,17 +322,18 @@ def agree(
     mine: dict[str, dict[str, tuple]] = {}
     paths: dict[str, dict[str, tuple]] = {}
     sharded: set[str] = set()
+    alone = _dist.world_size() == 1  # (nothing to compare: no summaries)
     try:
         for key, kind in kinds.items():
             if kind in (VALUE, STATEFUL) and key in out:
                 out[key] = encode_keys(out[key], repr(key), rank)
-                if key not in own:
+                if key not in own and not alone:
                     mine[key], paths[key] = _summaries(key, out[key])
     except ConfigError as exc:
         error = str(exc)
     except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange below, then all raise
         error = f"the plain values could not be compared ({type(exc).__name__}: {exc})"
-    if _dist.world_size() == 1:
+    if alone:
         if error is not None:
             raise ConfigError(f"step {step}: {error}")
         return out, None
