@@ -116,6 +116,39 @@ def test_a_steady_state_builds_one_plan_and_resumes_bitwise(tmp_path):
     assert state2["meta"] == {"iter": 5} and optim2.param_groups[0]["lr"] == 1e-2 / 5
 
 
+def test_the_rng_state_of_every_save_is_the_one_at_that_save(tmp_path):
+    """The plan keeps its RNG tensors and writes each save's state into them: the step restored has the state
+    of its own save, not the first save's (each generator drawn from between saves, numpy's cached gaussian
+    left pending at an odd save and consumed at the next)."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    random.seed(1)
+    np.random.seed(2)
+    model = Net()
+    state = {"model": model}
+    ckpt = open_ckpt(tmp_path / "ckpt", memory=True)
+    try:
+        for step in range(1, 6):
+            torch.rand(3)
+            random.gauss(0.0, 1.0)
+            np.random.standard_normal()  # one of a pair: the other is cached (has_gauss) at odd steps
+            ckpt.save(state, step)
+            if step == 4:
+                at_4 = state_mod.get_rng_state()
+        assert ckpt._saver.plans_built == 1
+        torch.rand(5), random.random(), np.random.standard_normal()  # moved on after the last save
+        ckpt.load(state, step=4)
+    finally:
+        ckpt.close()
+    restored = state_mod.get_rng_state()
+    assert list(restored) == list(at_4)
+    for name, value in at_4.items():
+        assert torch.equal(restored[name], value), name
+
+
 def test_the_plan_captures_what_dcp_captures(tmp_path):
     """The same FQNs, the same tensors (the same memory), the same values as DCP's own capture, step after step."""
     torch.manual_seed(0)
@@ -125,10 +158,12 @@ def test_the_plan_captures_what_dcp_captures(tmp_path):
     state = {"model": model, "optimizer": optim, "sched": sched, "meta": {"iter": 0}}
     plan = SavePlan(state, 0, True, light=False, trainable_only=False)
     plan.capture(state)
+    rng = None
     for step in range(3):
         train(model, optim, step)
         sched.step()
-        assert plan.holds(state)
+        torch.rand(2)
+        assert plan.holds(state) and plan.refresh()
         got, kinds, _frozen = plan.capture(state)
         want, want_kinds, _f = state_mod.capture(state, 0, True)
         assert kinds == want_kinds and list(got) == list(want)
@@ -141,6 +176,10 @@ def test_the_plan_captures_what_dcp_captures(tmp_path):
             for k, v in entry.items():
                 assert got["optimizer"]["state"][fqn][k] is v
         assert got["sched"] == want["sched"]
+        mine, theirs = got["_shardckpt"]["rng"]["rank0"], want["_shardckpt"]["rng"]["rank0"]
+        assert list(mine) == list(theirs) and all(torch.equal(mine[k], v) for k, v in theirs.items())
+        assert rng is None or all(mine[k] is t for k, t in rng.items())  # the plan's own tensors, refreshed
+        rng = dict(mine)
 
 
 def test_a_stale_plan_would_have_saved_the_old_tensor(tmp_path):

@@ -13,29 +13,42 @@ buffer or optimizer-state tensor. :meth:`SavePlan.build` calls them once
   same placements and global shape);
 * an optimizer's entry is kept when its ``state`` holds the optimizer's own
   per-parameter dicts and its ``param_groups`` map one to one onto the
-  optimizer's groups (no state-dict hooks on the optimizer).
+  optimizer's groups (no state-dict hooks on the optimizer);
+* the RNG state's tensors are the plan's own: :meth:`SavePlan.refresh` writes
+  the generators' state into them in place at every save
+  (``state.capture.refresh_rng_state``), so the staging program copies them
+  with the rest, without a walk.
 
 Anything else (a module whose state-dict hooks make new tensors, FSDP1's
 flattened state, a module with extra state) is captured again at every save,
 as are the values that change every step: plain values, stateful objects'
-``state_dict()``, the RNG state, the param groups' hyperparameters (a
-scheduler's learning rate).
+``state_dict()``, the param groups' hyperparameters (a scheduler's learning
+rate).
 
 :meth:`SavePlan.holds` is the check of every later save, O(number of tensors)
 comparisons of identities and integers: the state's keys and objects (a
 replaced model, a plain value changing type or kind), every submodule's
 parameters, buffers and children (a parameter replaced, a module added), every
-live tensor's storage pointer, shape, stride, dtype and ``requires_grad`` (a
-``.data`` swap, ``model.half()``, an FSDP2 reshard that moves the local shard),
-the optimizer's param groups (one added, a parameter added) and per parameter
-the identity of its state dict, its keys and its tensors (state created by the
-first step, a ``load_state_dict``). When any differs, the Saver builds a new
-plan: a stale plan would copy the tensors of the last build, not the live ones.
+parameter's and buffer's storage pointer, shape, stride, dtype and
+``requires_grad`` (a ``.data`` swap, ``model.half()``, an FSDP2 reshard that
+moves the local shard: the plan's views would read the old memory), the
+optimizer's param groups (one added, a parameter added) and per parameter the
+identity of its state dict, its keys and its tensors (state created by the
+first step, a ``load_state_dict``) and each tensor's shape and dtype (the
+copies read these very tensors; their buffers are laid out for those two).
+When any differs, the Saver builds a new plan: a stale plan would copy the
+tensors of the last build, not the live ones.
+
+The comparisons run as C-level maps over whole lists (``map(len, dicts)``,
+``map(Tensor.data_ptr, tensors)``, ...) and one list comparison each: after a
+training step the tensors' metadata is out of the CPU's caches, and a Python
+frame per tensor cost as much again as the reads themselves.
 """
 
 from __future__ import annotations
 
 import itertools
+import operator
 from typing import Any, Mapping
 
 import torch
@@ -56,16 +69,38 @@ def _sharded(t: Any) -> tuple:
             t.requires_grad)
 
 
-def _dense(t: torch.Tensor) -> tuple:
-    """What a view of ``t`` depends on: storage pointer, shape, stride, dtype."""
-    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.requires_grad)
+_PTR = torch.Tensor.data_ptr
+_STRIDE = torch.Tensor.stride
+_META = operator.attrgetter("shape", "dtype", "requires_grad")
+_FORM = operator.attrgetter("shape", "dtype")
+_VALUES = operator.methodcaller("values")
 
 
-def _watched(t: torch.Tensor) -> tuple:
-    """``(t, its geometry's function, its geometry)``: whether it is a DTensor is asked once, at the build (an
-    ``isinstance`` on a Parameter costs as much as the rest of the check); a tensor's class cannot change."""
-    geometry = _sharded if isinstance(t, DTensor) else _dense
-    return (t, geometry, geometry(t))
+class _Geometry:
+    """What the copies of some tensors depend on, read at every check without a Python frame per tensor (C-level
+    maps over the whole list; a DTensor's, :func:`_sharded`, one by one: whether it is one is asked once, here, a
+    tensor's class cannot change).
+
+    ``views``: the plan copies views of these tensors made at its build (a module's state dict), which read the
+    memory the tensor had then: a plain tensor's storage pointer, stride, shape, dtype and ``requires_grad``.
+    Otherwise the copies read the tensors themselves (an optimizer's state, the very objects), whose buffers are
+    laid out for their shape and dtype: those two."""
+
+    def __init__(self, tensors: list[torch.Tensor], *, views: bool) -> None:
+        self.dense = [t for t in tensors if not isinstance(t, DTensor)]
+        self.sharded = [t for t in tensors if isinstance(t, DTensor)]
+        self.views = views
+        self.recorded = self.read()
+
+    def read(self) -> tuple:
+        dense = self.dense
+        if not self.views:
+            return list(map(_FORM, dense)), list(map(_sharded, self.sharded))
+        return (list(map(_PTR, dense)), list(map(_STRIDE, dense)), list(map(_META, dense)),
+                list(map(_sharded, self.sharded)))
+
+    def holds(self) -> bool:
+        return self.read() == self.recorded
 
 
 def _view_key(t: torch.Tensor) -> tuple:
@@ -80,36 +115,38 @@ def _kind_of(value: Any) -> str:
 
 
 class _ModuleWatch:
-    """A module's tree as the plan saw it: per submodule the identities of its parameters, buffers and children."""
+    """A module's tree as the plan saw it: per submodule the names and identities of its parameters, buffers and
+    children and the sizes of what changes its state dict (non-persistent buffers, state-dict hooks), read for all
+    submodules at once by C-level maps; the geometry of every parameter and buffer."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.entries = [(m, self._shape(m)) for m in module.modules()]
-        self.tensors: list[tuple[torch.Tensor, Any, tuple]] = []
+        self.modules = list(module.modules())
+        self.dicts = [d for m in self.modules for d in (m._parameters, m._buffers, m._modules)]
+        self.counted = [c for m in self.modules
+                        for c in (m._non_persistent_buffers_set, m._state_dict_hooks, m._state_dict_pre_hooks)]
+        self.structure = self._structure()
+        tensors: list[torch.Tensor] = []
         seen: set[int] = set()
-        for m, _s in self.entries:
+        for m in self.modules:
             for t in itertools.chain(m._parameters.values(), m._buffers.values()):
                 if t is not None and id(t) not in seen:
                     seen.add(id(t))
-                    self.tensors.append(_watched(t))
+                    tensors.append(t)
+        self.geometry = _Geometry(tensors, views=True)
 
-    @staticmethod
-    def _shape(m: nn.Module) -> tuple:
-        return (tuple(map(id, m._parameters.values())), tuple(m._parameters), tuple(map(id, m._buffers.values())),
-                tuple(m._buffers), tuple(map(id, m._modules.values())), tuple(m._modules),
-                len(m._non_persistent_buffers_set), len(m._state_dict_hooks), len(m._state_dict_pre_hooks))
+    def _structure(self) -> tuple:
+        """Every watched dict's size, keys in order and values' identities; the sizes of the counted ones. (The
+        identities are of objects the watch holds: the modules, and the tensors its geometry keeps.)"""
+        dicts = self.dicts
+        chain = itertools.chain.from_iterable
+        return (list(map(len, dicts)), list(chain(dicts)), list(map(id, chain(map(_VALUES, dicts)))),
+                list(map(len, self.counted)))
 
     def views(self) -> set[tuple]:
-        return {_view_key(t) for t, _f, _g in self.tensors}
+        return {_view_key(t) for t in itertools.chain(self.geometry.dense, self.geometry.sharded)}
 
     def holds(self) -> bool:
-        shape = self._shape
-        for m, recorded in self.entries:
-            if shape(m) != recorded:
-                return False
-        for t, geometry, recorded in self.tensors:
-            if geometry(t) != recorded:
-                return False
-        return True
+        return self._structure() == self.structure and self.geometry.holds()
 
 
 class _OptimizerWatch:
@@ -133,7 +170,7 @@ class _OptimizerWatch:
         self.groups = [(tuple(map(id, g["params"])), tuple(g)) for g in optim.param_groups]
         self.state = osd["state"]
         self.params: list[tuple[Any, int, tuple, list[tuple[Any, torch.Tensor]]]] = []
-        self.tensors: list[tuple[torch.Tensor, Any, tuple]] = []
+        tensors: list[torch.Tensor] = []
         for fqn, p in by_fqn.items():
             live = optim.state.get(p)
             if fqn in self.state and self.state[fqn] is not live:
@@ -143,9 +180,23 @@ class _OptimizerWatch:
                 continue
             own = [(k, v) for k, v in live.items() if isinstance(v, torch.Tensor)]
             self.params.append((p, id(live), tuple(live), own))
-            self.tensors.extend(_watched(v) for _k, v in own)
+            tensors.extend(v for _k, v in own)
         if len(self.state) != sum(1 for _p, sid, _k, _o in self.params if sid != id(None)):
             raise _NotPlannable
+        self.geometry = _Geometry(tensors, views=False)
+        self.keyed = [p for p, _sid, _keys, _own in self.params]
+        self.tensors_only = all(len(own) == len(keys) and sid != id(None) for _p, sid, keys, own in self.params)
+        """Every parameter has its state and it is made of tensors only (the common case: checked by C-level
+        maps over all of them at once; otherwise entry by entry, a value that is not a tensor may change)."""
+        self.layout = self._layout(list(map(optim.state.get, self.keyed))) if self.tensors_only else None
+
+    @staticmethod
+    def _layout(lives: list[dict[str, Any]]) -> tuple:
+        """The state dicts' identities, sizes, keys in order and values' identities (the values the geometry
+        keeps, the dicts ``self.state`` keeps: none of these identities can be reused while the plan lives)."""
+        chain = itertools.chain.from_iterable
+        return (list(map(id, lives)), list(map(len, lives)), list(chain(lives)),
+                list(map(id, chain(map(_VALUES, lives)))))
 
     def holds(self) -> bool:
         optim = self.optim
@@ -155,20 +206,22 @@ class _OptimizerWatch:
             if tuple(map(id, g["params"])) != ids or tuple(g) != keys:
                 return False
         state = optim.state
-        for p, sid, keys, own in self.params:
-            live = state.get(p)
-            if id(live) != sid:
+        if self.tensors_only:
+            lives = list(map(state.get, self.keyed))
+            if None in lives or self._layout(lives) != self.layout:
                 return False
-            if live is not None:
-                if tuple(live) != keys:
+        else:
+            for p, sid, keys, own in self.params:
+                live = state.get(p)
+                if id(live) != sid:
                     return False
-                for k, v in own:
-                    if live[k] is not v:
+                if live is not None:
+                    if tuple(live) != keys:
                         return False
-        for t, geometry, recorded in self.tensors:
-            if geometry(t) != recorded:
-                return False
-        return True
+                    for k, v in own:
+                        if live[k] is not v:
+                            return False
+        return self.geometry.holds()
 
     def capture(self) -> dict[str, Any]:
         groups = []
@@ -203,8 +256,12 @@ class SavePlan:
         self._modules: dict[str, _ModuleWatch] = {}
         self._optimizers: dict[str, _OptimizerWatch] = {}
         self._kept: dict[str, Any] = {}
+        self._rng: dict[str, torch.Tensor] | None = None
         for key, kind in self.kinds.items():
-            if kind == MODULE:
+            if kind == RNG:  # the same tensors at every save, their values refreshed in place (refresh())
+                self._kept[key] = captured[key]
+                self._rng = captured[key][RNG][state_mod.rng_key(rank)]
+            elif kind == MODULE:
                 watch = _ModuleWatch(state[key])
                 self._modules[key] = watch
                 if _all_views_of(captured[key], watch.views()):
@@ -239,6 +296,14 @@ class SavePlan:
                 return False
         return True
 
+    def refresh(self) -> bool:
+        """The plan's own tensors that change at every save brought up to date in place: the RNG state (call
+        after :meth:`holds`, right before :meth:`capture`). ``False``: they cannot take it (a generator appeared,
+        CUDA's); a new plan is needed."""
+        if self._rng is None or self.first is not None:
+            return True
+        return state_mod.refresh_rng_state(self._rng)
+
     def volatile(self, captured: dict[str, Any]) -> dict[str, Any]:
         """``captured`` without the subtrees at the fixed paths (what may change between saves under this plan)."""
         out = {k: v for k, v in captured.items() if k not in self._kept}
@@ -254,9 +319,7 @@ class SavePlan:
             return first, self.kinds, self.frozen
         sd: dict[str, Any] = {}
         for key, kind in self.kinds.items():
-            if kind == RNG:
-                sd[key] = {RNG: {state_mod.rng_key(self.rank): state_mod.get_rng_state()}}
-            elif key in self._kept:
+            if key in self._kept:
                 sd[key] = self._kept[key]
             elif key in self._optimizers:
                 sd[key] = self._optimizers[key].capture()

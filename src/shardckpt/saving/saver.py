@@ -390,7 +390,9 @@ class Saver:
     def _plan_for(self, state: dict[str, Any], light: bool) -> SavePlan:
         """The save plan of ``state`` (``plan.py``): the last one while it holds, else a new one (DCP's capture)."""
         plan = self._plans.get(light)
-        if plan is None or not plan.holds(state):
+        if plan is not None and self._fence is not None:
+            self._fence.complete()  # the last save's copies read the plan's RNG tensors, refreshed next
+        if plan is None or not plan.holds(state) or not plan.refresh():
             plan = SavePlan(state, _dist.rank(), self.config.capture_rng, light=light,
                             trainable_only=self.config.trainable_only)
             self._plans[light] = plan
@@ -426,7 +428,7 @@ class Saver:
                 "argv": list(sys.argv),
                 "world_size": _dist.world_size(),
                 "device": "cuda" if torch.cuda.is_available() else "cpu",
-                "torch": torch.__version__,
+                "torch": str(torch.__version__),  # (not its TorchVersion: a str compares as JSON text)
                 "shardckpt": __version__,
                 "run_id": self.config.run_id,
                 "loaded_at": self._loaded_at,

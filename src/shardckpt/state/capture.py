@@ -356,6 +356,38 @@ def get_rng_state() -> dict[str, torch.Tensor]:
     return out
 
 
+def refresh_rng_state(held: dict[str, torch.Tensor]) -> bool:
+    """Make ``held`` (a :func:`get_rng_state` result) this process's RNG state now, in place: the same tensors,
+    the same values as a new :func:`get_rng_state` (a save plan copies them as part of its fixed program, without
+    walking them). ``False``, ``held`` untouched: it cannot take the state now (CUDA's generators appeared since,
+    numpy is missing, a size differs); take a new :func:`get_rng_state` instead."""
+    if np is None or "numpy" not in held:
+        return False
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda != ("cuda" in held):
+        return False
+    version, internal, gauss = random.getstate()
+    now = torch.get_rng_state()
+    stacked = torch.stack([s.cpu() for s in torch.cuda.get_rng_state_all()]) if cuda else None
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    if (held["python"].shape != (len(internal) + 1,) or held["torch"].shape != now.shape
+            or held["numpy"].shape != keys.shape or (stacked is not None and held["cuda"].shape != stacked.shape)):
+        return False
+    py = held["python"].numpy()
+    py[0] = version
+    py[1:] = internal
+    py_gauss = held["python_gauss"].numpy()
+    py_gauss[0], py_gauss[1] = (0.0, 0.0) if gauss is None else (float(gauss), 1.0)
+    held["torch"].copy_(now)
+    held["numpy"].numpy()[:] = keys
+    meta = held["numpy_meta"].numpy()
+    meta[0], meta[1] = pos, has_gauss
+    held["numpy_gauss"].numpy()[0] = cached
+    if stacked is not None:
+        held["cuda"].copy_(stacked)
+    return True
+
+
 def set_rng_state(saved: Mapping[str, torch.Tensor]) -> None:
     values = saved["python"].tolist()
     gauss_value, has_gauss = saved["python_gauss"].tolist()
