@@ -12,7 +12,7 @@ small      The GPT of ``examples/train_gpt.py`` (4 layers, d=128, block 64, Adam
            only (``memory_every_steps=1``), ``save()`` to disk without the memory tier (the time it
            blocks; the write, waited for afterwards, untimed), and a call the interval skips (µs).
 breakdown  Where a memory ``save()``'s time goes: the parts of the save path timed by wrapping them
-           (capture, agree, staging with its layout check, record), per call, median.
+           (the plan's check, the RNG state, agree, staging with its layout check, record), per call, median.
 training   That GPT trained with batch 16 (one process): steps/s without checkpoints against a memory
            save every step, the two kinds of step alternating one by one (``--steps`` x ``--repeats``).
 large      A model of ``--gib`` fp32 parameters (16 MiB tensors, no optimizer): a memory save against
@@ -170,6 +170,7 @@ def _targets() -> list[tuple[Any, str, str]]:
     found: list[tuple[Any, str, str]] = [
         (state_mod, "capture", "capture by DCP (state.capture)"),
         (plan_cls, "holds", "plan checked (SavePlan.holds)"),
+        (plan_cls, "refresh", "RNG state into the plan's tensors (SavePlan.refresh)"),
         (plan_cls, "capture", "capture under the plan"),
         (values, "agree", "values.agree"),
         (memory_mod.MemoryTier, "stage", "staging (layout check + copy)"),

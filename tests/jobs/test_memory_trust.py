@@ -511,3 +511,36 @@ def test_a_slots_layout_is_written_once_and_each_record_holds_only_what_changed(
     finally:
         ckpt.close()
         _cleanup(root)
+
+
+def test_a_slots_values_file_written_in_place_holds_each_saves_values_also_shorter_or_removed(tmp_path):
+    """The values file is written in place through a descriptor the slot keeps (no O_TRUNC per save): a save
+    whose values are shorter than the slot's last cuts the file to them, a file removed under the process is
+    made again at the slot's next save, and a restore in another Checkpointer reads each step's own values."""
+    root = tmp_path / "ck"
+    model = nn.Linear(4, 4)
+    ckpt = shardckpt.Checkpointer(local_dir=str(root), every_steps=10**9, memory_every_steps=1,
+                                  preemption_signals=())
+    notes = ["x" * 5000, "y" * 3000, "short", "s", "z" * 40, "t"]  # each slot: longer values, then shorter
+    try:
+        for step, note in enumerate(notes, start=1):
+            if step == 5:  # both slots' values files removed under the process
+                for name in glob.glob(os.path.join(shm.namespace(str(root)), "*.val")):
+                    os.unlink(name)
+            ckpt.save({"model": model, "meta": {"note": note}}, step)
+            ns = shm.namespace(str(root))
+            body = _record_of(ns, step)[1]
+            assert os.path.getsize(os.path.join(ns, f"r0-s{body['slot']}.val")) == body["values_size"], step
+        assert all(s.values_fd is not None for s in ckpt._saver._memory.slots if s.holds)
+        other = shardckpt.Checkpointer(local_dir=str(root), every_steps=10**9, memory_every_steps=1,
+                                       preemption_signals=())
+        try:
+            for step in (6, 5):  # "t" written over "s"; "z" * 40 into a file made again
+                fresh = {"model": nn.Linear(4, 4), "meta": {}}
+                assert other.load(fresh, step=step) == step and fresh["meta"] == {"note": notes[step - 1]}
+        finally:
+            other.close()
+    finally:
+        ckpt.close()
+        _cleanup(root)
+    assert all(s.values_fd is None for s in ckpt._saver._memory.slots)  # closed with the slots

@@ -252,8 +252,8 @@ def _flatten(staged: dict[str, Any], cache: dict[Any, Any]) -> list[tuple[dict[s
             mine.append((memo[1], memo[2], memo))
         if loose_f:
             mine.append((loose_f, loose_m, None))
-        if isinstance(value, dict) and value and all(isinstance(t, torch.Tensor) for f, _m, _n in mine
-                                                    for t in f.values()):
+        if isinstance(value, dict) and value and all(  # (a memo's chunk holds tensors only: not walked again)
+                n is not None or all(isinstance(t, torch.Tensor) for t in f.values()) for f, _m, n in mine):
             kf: dict[str, Any] = {}
             km: dict[str, Any] = {}
             for f, m, _n in mine:

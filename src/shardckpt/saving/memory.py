@@ -82,13 +82,6 @@ def _nbytes(entry: list[Any]) -> int:
     return math.prod(entry[2]) * dcp_memory._dtype(entry[1]).itemsize
 
 
-def _size(path: str) -> int:
-    try:
-        return os.stat(path).st_size
-    except OSError:
-        return -1
-
-
 def budget_bytes(budget: float | None) -> int:
     """``memory_budget`` in bytes: a fraction (<= 1) of the host's RAM, or a number of bytes."""
     if budget is None:
@@ -383,6 +376,7 @@ class MemoryTier:
         slot.pinned = 0
         written = slot.cache.get(("record", 0), {}).get("layout")  # type: ignore[union-attr]
         slot.region, slot.base, slot.stager, slot.cache = None, None, None, {}  # the mapping goes with its last view
+        slot.close_values()
         if remove and slot.buffer:
             shm.drop_record(self.ns, _dist.rank(), slot.index)
             shm.remove(self.ns, [slot.buffer, shm.values_name(_dist.rank(), slot.index)] + ([written[1]] if written
@@ -419,13 +413,7 @@ class MemoryTier:
             pos += len(data)
         values_bytes = b"".join(data for _f, data in values)
         try:
-            path = os.path.join(self.ns, values_file)
-            if slot.cache.get(("val", 0)) != values_bytes or _size(path) != pos:  # (else: held already)
-                slot.cache.pop(("val", 0), None)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(values_bytes)
-                slot.cache[("val", 0)] = values_bytes  # type: ignore[assignment]
+            slot.write_values(os.path.join(self.ns, values_file), values_bytes)
             rec = shm.Record(
                 rank=rank, slot=slot.index, step=job.step, save_id=job.save_id, world_size=_dist.world_size(),
                 created=manifest.created, boot_id=shm.boot_id(), local_dir=self.root, buffer=slot.buffer,
@@ -495,6 +483,8 @@ class MemoryTier:
     def detach(self) -> None:
         """``close()``: the copies' checksums finished, this process no longer holds the run alive (the keeper does)."""
         self._sums.shutdown(wait=True)
+        for slot in self.slots:
+            slot.close_values()
         if self._hold is not None:
             os.close(self._hold)
             self._hold = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import mmap
+import os
 import threading
 from typing import Any
 
@@ -69,6 +70,38 @@ class Slot:
         self.pinned = 0
         self.summing: tuple[threading.Event, concurrent.futures.Future] | None = None
         """The checksum being taken of the save the slot holds (step 6)."""
+        self.values_fd: int | None = None
+        """The slot's values file, open for writing while the slot is laid out (:meth:`write_values`)."""
+        self.values_held: bytes | None = None
+        """What that file holds (``None``: unknown)."""
+
+    def write_values(self, path: str, data: bytes) -> None:
+        """The slot's values file at ``path`` made to hold ``data``: written in place through a descriptor kept
+        open with the slot, only when ``data`` changed (a rewrite with ``O_TRUNC`` frees the file's pages and takes
+        new ones: after a training step 130 µs against 22 for a write over them), cut when it was longer; opened
+        again when the file is no longer linked (removed under this process: the record must name a file)."""
+        if self.values_fd is not None:
+            st = os.fstat(self.values_fd)
+            if st.st_nlink == 0:
+                self.close_values()
+        if self.values_fd is None:
+            self.values_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            self.values_held = None
+            st = os.fstat(self.values_fd)
+        if self.values_held == data and st.st_size == len(data):
+            return
+        self.values_held = None
+        view, done = memoryview(data), 0
+        while done < len(data):
+            done += os.pwrite(self.values_fd, view[done:], done)
+        if st.st_size > len(data):
+            os.ftruncate(self.values_fd, len(data))
+        self.values_held = data
+
+    def close_values(self) -> None:
+        if self.values_fd is not None:
+            os.close(self.values_fd)
+        self.values_fd, self.values_held = None, None
 
     def fits(self, wanted: list[tuple[str, str, int]]) -> bool:
         return bool(self.buffer) and all(self.entries.get(k, ("",))[0] == sig for k, sig, _n in wanted)
