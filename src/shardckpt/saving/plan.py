@@ -16,7 +16,7 @@ buffer or optimizer-state tensor. :meth:`SavePlan.build` calls them once
   optimizer's groups (no state-dict hooks on the optimizer);
 * the RNG state's tensors are the plan's own: :meth:`SavePlan.refresh` writes
   the generators' state into them in place at every save
-  (``state.capture.refresh_rng_state``), so the staging program copies them
+  (``state.capture.HeldRng``), so the staging program copies them
   with the rest, without a walk.
 
 Anything else (a module whose state-dict hooks make new tensors, FSDP1's
@@ -184,18 +184,22 @@ class _OptimizerWatch:
         if len(self.state) != sum(1 for _p, sid, _k, _o in self.params if sid != id(None)):
             raise _NotPlannable
         self.geometry = _Geometry(tensors, views=False)
-        self.keyed = [p for p, _sid, _keys, _own in self.params]
-        self.tensors_only = all(len(own) == len(keys) and sid != id(None) for _p, sid, keys, own in self.params)
-        """Every parameter has its state and it is made of tensors only (the common case: checked by C-level
-        maps over all of them at once; otherwise entry by entry, a value that is not a tensor may change)."""
-        self.layout = self._layout(list(map(optim.state.get, self.keyed))) if self.tensors_only else None
+        self.tensors_only = len(optim.state) == len(self.params) and all(
+            len(own) == len(keys) and sid != id(None) for _p, sid, keys, own in self.params)
+        """Every parameter has its state, the optimizer's state holds nothing else, and it is made of tensors only
+        (the common case: checked by C-level maps over all of it at once, in its own order; otherwise entry by
+        entry, a value that is not a tensor may change)."""
+        self.layout = self._layout(optim.state) if self.tensors_only else None
 
     @staticmethod
-    def _layout(lives: list[dict[str, Any]]) -> tuple:
-        """The state dicts' identities, sizes, keys in order and values' identities (the values the geometry
-        keeps, the dicts ``self.state`` keeps: none of these identities can be reused while the plan lives)."""
+    def _layout(state: dict[Any, dict[str, Any]]) -> tuple:
+        """The optimizer state's parameters and dicts (identities, in order), the dicts' sizes, keys in order and
+        values' identities. Read by iterating the state, not by looking each parameter up (a tensor's hash is a
+        Python call). None of these identities can be reused while the plan lives: the parameters are its
+        groups', the dicts ``self.state`` keeps, the values the geometry keeps."""
         chain = itertools.chain.from_iterable
-        return (list(map(id, lives)), list(map(len, lives)), list(chain(lives)),
+        lives = list(state.values())
+        return (list(map(id, state)), list(map(id, lives)), list(map(len, lives)), list(chain(lives)),
                 list(map(id, chain(map(_VALUES, lives)))))
 
     def holds(self) -> bool:
@@ -207,8 +211,7 @@ class _OptimizerWatch:
                 return False
         state = optim.state
         if self.tensors_only:
-            lives = list(map(state.get, self.keyed))
-            if None in lives or self._layout(lives) != self.layout:
+            if len(state) != len(self.params) or self._layout(state) != self.layout:
                 return False
         else:
             for p, sid, keys, own in self.params:
@@ -256,11 +259,11 @@ class SavePlan:
         self._modules: dict[str, _ModuleWatch] = {}
         self._optimizers: dict[str, _OptimizerWatch] = {}
         self._kept: dict[str, Any] = {}
-        self._rng: dict[str, torch.Tensor] | None = None
+        self._rng: state_mod.HeldRng | None = None
         for key, kind in self.kinds.items():
             if kind == RNG:  # the same tensors at every save, their values refreshed in place (refresh())
                 self._kept[key] = captured[key]
-                self._rng = captured[key][RNG][state_mod.rng_key(rank)]
+                self._rng = state_mod.HeldRng(captured[key][RNG][state_mod.rng_key(rank)])
             elif kind == MODULE:
                 watch = _ModuleWatch(state[key])
                 self._modules[key] = watch
@@ -302,7 +305,7 @@ class SavePlan:
         CUDA's); a new plan is needed."""
         if self._rng is None or self.first is not None:
             return True
-        return state_mod.refresh_rng_state(self._rng)
+        return self._rng.refresh()
 
     def volatile(self, captured: dict[str, Any]) -> dict[str, Any]:
         """``captured`` without the subtrees at the fixed paths (what may change between saves under this plan)."""

@@ -356,36 +356,58 @@ def get_rng_state() -> dict[str, torch.Tensor]:
     return out
 
 
-def refresh_rng_state(held: dict[str, torch.Tensor]) -> bool:
-    """Make ``held`` (a :func:`get_rng_state` result) this process's RNG state now, in place: the same tensors,
-    the same values as a new :func:`get_rng_state` (a save plan copies them as part of its fixed program, without
-    walking them). ``False``, ``held`` untouched: it cannot take the state now (CUDA's generators appeared since,
-    numpy is missing, a size differs); take a new :func:`get_rng_state` instead."""
-    if np is None or "numpy" not in held:
-        return False
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    if cuda != ("cuda" in held):
-        return False
-    version, internal, gauss = random.getstate()
-    now = torch.get_rng_state()
-    stacked = torch.stack([s.cpu() for s in torch.cuda.get_rng_state_all()]) if cuda else None
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    if (held["python"].shape != (len(internal) + 1,) or held["torch"].shape != now.shape
-            or held["numpy"].shape != keys.shape or (stacked is not None and held["cuda"].shape != stacked.shape)):
-        return False
-    py = held["python"].numpy()
-    py[0] = version
-    py[1:] = internal
-    py_gauss = held["python_gauss"].numpy()
-    py_gauss[0], py_gauss[1] = (0.0, 0.0) if gauss is None else (float(gauss), 1.0)
-    held["torch"].copy_(now)
-    held["numpy"].numpy()[:] = keys
-    meta = held["numpy_meta"].numpy()
-    meta[0], meta[1] = pos, has_gauss
-    held["numpy_gauss"].numpy()[0] = cached
-    if stacked is not None:
-        held["cuda"].copy_(stacked)
-    return True
+class HeldRng:
+    """The tensors of one :func:`get_rng_state` result, kept to take this process's RNG state again in place
+    (:meth:`refresh`): a save plan copies them as part of its fixed program, without walking them."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+        self._views = {k: t.numpy() for k, t in tensors.items()} if np is not None else {}
+        """numpy views of the tensors (``Tensor.numpy()`` is a call into torch each time)."""
+        self._python: tuple | None = None
+        """Python's generator state last written (a generator the loop does not use is not written again)."""
+
+    def refresh(self) -> bool:
+        """The tensors made this process's RNG state now, in place: the same values as a new
+        :func:`get_rng_state`. ``False``, the tensors untouched: they cannot take it (CUDA's generators
+        appeared since, numpy is missing, a size differs); take a new :func:`get_rng_state` instead."""
+        held, views = self.tensors, self._views
+        if not views or "numpy" not in held:
+            return self._copy_fresh()
+        cuda = torch.cuda.is_initialized()  # (initialised implies available; is_available() costs a device query)
+        if cuda != ("cuda" in held):
+            return False
+        python = random.getstate()
+        now = torch.get_rng_state()
+        stacked = torch.stack([s.cpu() for s in torch.cuda.get_rng_state_all()]) if cuda else None
+        _name, keys, pos, has_gauss, cached = np.random.get_state()
+        version, internal, gauss = python
+        if (held["python"].shape != (len(internal) + 1,) or held["torch"].shape != now.shape
+                or held["numpy"].shape != keys.shape or (stacked is not None and held["cuda"].shape != stacked.shape)):
+            return False
+        if python != self._python:  # (a tuple of ints compared at C speed: cheaper than writing it)
+            self._python = None
+            views["python"][0] = version
+            views["python"][1:] = internal
+            views["python_gauss"][:] = (0.0, 0.0) if gauss is None else (float(gauss), 1.0)
+            self._python = python
+        held["torch"].copy_(now)
+        views["numpy"][:] = keys
+        views["numpy_meta"][:] = (pos, has_gauss)
+        views["numpy_gauss"][0] = cached
+        if stacked is not None:
+            held["cuda"].copy_(stacked)
+        return True
+
+    def _copy_fresh(self) -> bool:
+        """Without numpy: a new :func:`get_rng_state` copied into the tensors (when it has the same ones)."""
+        fresh = get_rng_state()
+        if list(fresh) != list(self.tensors) or any(
+                fresh[k].shape != t.shape or fresh[k].dtype != t.dtype for k, t in self.tensors.items()):
+            return False
+        for k, t in self.tensors.items():
+            t.copy_(fresh[k])
+        return True
 
 
 def set_rng_state(saved: Mapping[str, torch.Tensor]) -> None:
