@@ -544,3 +544,33 @@ def test_a_slots_values_file_written_in_place_holds_each_saves_values_also_short
         ckpt.close()
         _cleanup(root)
     assert all(s.values_fd is None for s in ckpt._saver._memory.slots)  # closed with the slots
+
+
+@pytest.mark.parametrize("memory", [True, False], ids=["memory", "disk"])
+def test_two_entries_of_one_flattened_name_are_refused_naming_the_key_and_the_remedy(tmp_path, memory):
+    """``{"b.c": t, "b": {"c": t}}`` flattens to one name twice: the save is refused with the key and the
+    remedy (rename one), a memory save keeps nothing of it (it used to keep one of the two tensors, silently),
+    and the next save of a state without the collision is kept and restored."""
+    root = tmp_path / "ck"
+    options = dict(every_steps=10**9, memory_every_steps=1) if memory else dict(every_steps=1)
+    ckpt = shardckpt.Checkpointer(local_dir=str(root), preemption_signals=(), **options)
+    bad = {"meta": {"b.c": torch.ones(2), "b": {"c": torch.zeros(2)}}}
+    try:
+        with pytest.raises(shardckpt.SaveError, match=r"duplicated flatten key meta\.b\.c.*Remedy: rename one of"):
+            handle = ckpt.save(bad, 1)
+            if handle is not None:
+                handle.wait()
+        assert ckpt.steps() == []
+        good = {"meta": {"b_c": torch.ones(2), "b": {"c": torch.zeros(2)}}}
+        ckpt.save(good, 2)
+        ckpt.wait()
+    finally:
+        ckpt.close()
+        _cleanup(root)
+    fresh = {"meta": {"b_c": torch.empty(2), "b": {"c": torch.empty(2)}}}
+    other = shardckpt.Checkpointer(local_dir=str(root), preemption_signals=())
+    try:
+        assert other.load(fresh) == 2
+    finally:
+        other.close()
+    assert torch.equal(fresh["meta"]["b_c"], torch.ones(2)) and torch.equal(fresh["meta"]["b"]["c"], torch.zeros(2))

@@ -96,3 +96,19 @@ def test_a_plain_value_is_stored_as_bytes_torch_load_reads_back_exactly():
     assert data.startswith(b"PK")  # torch.save's own
     back = torch.load(io.BytesIO(data), weights_only=True)
     assert torch.equal(back["t"], nested["t"]) and back["n"] == nested["n"]
+
+
+def test_two_leaves_of_one_name_are_refused_as_dcp_refuses_them_never_described_as_one():
+    """A key holding a '.' beside a nested one, or 1 beside "1", flatten to one name: the description falls to
+    DCP's flattening, which names the key (it used to keep one of the two tensors silently)."""
+    import pytest
+
+    for entry in ({"b.c": torch.ones(2), "b": {"c": torch.zeros(2)}}, {1: torch.ones(1), "1": torch.zeros(1)},
+                  {"b.c": torch.ones(2), "b": {"c": torch.zeros(2)}, "n": 3}):
+        staged = {"model": {"w": torch.ones(1)}, "meta": entry}
+        for cache in ({}, None):  # a first save, and one after a save of another state
+            if cache is None:
+                cache = {}
+                describe({"model": staged["model"], "meta": {"x": torch.ones(1)}}, lambda t: 0, cache)
+            with pytest.raises(ValueError, match="duplicated flatten key meta"):
+                describe(staged, lambda t: 0, cache)

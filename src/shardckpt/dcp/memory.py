@@ -89,7 +89,11 @@ def describe(
     planner_data: dict[str, list[Any]] = {}
     pickled = cache.pop(_VALUES, {})
     kept: dict[str, tuple[type, Any, bytes]] = {}
-    for flat, mappings, memo in _flatten(staged, cache):
+    try:
+        chunks = _flatten(staged, cache)
+    except _Twice:
+        return _describe_flat(staged, offset_of)
+    for flat, mappings, memo in chunks:
         if memo is not None and memo[3] is not None:  # the same buffers as at the last save: described alike
             tensors.extend(memo[3][0])
             planner_data.update(memo[3][1])
@@ -233,6 +237,8 @@ def _flatten(staged: dict[str, Any], cache: dict[Any, Any]) -> list[tuple[dict[s
             if isinstance(v, torch.Tensor):  # a leaf: its path joined by dots, as DCP names it
                 path = (str(key),) if sub is None else (str(key), str(sub))
                 fqn = ".".join(path)
+                if fqn in loose_f:
+                    raise _Twice  # (1 and "1")
                 loose_f[fqn], loose_m[fqn] = v, path
                 continue
             if loose_f:
@@ -259,12 +265,28 @@ def _flatten(staged: dict[str, Any], cache: dict[Any, Any]) -> list[tuple[dict[s
             for f, m, _n in mine:
                 kf.update(f)
                 km.update(m)
+            if len(kf) != sum(len(f) for f, _m, _n in mine):
+                raise _Twice  # ("b.c" beside "b": {"c": ...})
             entry = [value, kf, km, None]
             now[id(value)] = entry
             mine = [(kf, km, entry)]
         chunks.extend(mine)
     cache[_FLAT] = now
     return chunks
+
+
+TWICE = ("two entries of the state have the same name: DCP names each entry by its keys joined with '.', so a "
+         "key holding a '.' meets a nested one (\"b.c\" beside \"b\": {\"c\": ...}), as 1 meets \"1\"")
+"""What a state whose flattened names collide is told (a memory save and a disk write alike)."""
+
+
+def names_twice(exc: BaseException | str) -> bool:
+    """``exc`` is DCP's error for a name two entries of the state flatten to."""
+    return "duplicated flatten key" in str(exc)
+
+
+class _Twice(Exception):
+    """Two leaves of one entry flatten to the same name: DCP's own flattening names it (raising)."""
 
 
 class _NotPlain(Exception):

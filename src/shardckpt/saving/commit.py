@@ -43,6 +43,7 @@ from shardckpt import _dist, _failpoints
 from shardckpt._text import fmt_bytes
 from shardckpt._version import __version__
 from shardckpt.dcp import writer as dcp_writer
+from shardckpt.dcp.memory import TWICE, names_twice
 from shardckpt.errors import (
     CopiesRacedError,
     FailedElsewhere,
@@ -293,9 +294,12 @@ class StepWriter:
             causes = [p for p in problems if not p[1].startswith(FailedElsewhere.__name__ + ":")] or problems
             where, what, disk = next((p for p in causes if p[2]), causes[0])
             raced = what.startswith(CopiesRacedError.__name__ + ":")  # it names its own remedy
+            remedy = "" if raced else f" {self._remedy(disk)}"
+            if not disk and names_twice(what):
+                remedy = f" The cause: {TWICE}. Remedy: rename one of the two."
             error = SaveError(
                 f"step {step}: writing {partial} failed on rank {where} ({what}); the partial step was "
-                f"removed on every node and earlier steps are intact." + ("" if raced else f" {self._remedy(disk)}")
+                f"removed on every node and earlier steps are intact." + remedy
             )
             raise error from failure
 

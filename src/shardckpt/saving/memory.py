@@ -395,12 +395,13 @@ class MemoryTier:
         _failpoints.hit("memory.copied")
         try:
             tensors, values, planner_data = dcp_memory.describe(job.staged, slot.offset_of, slot.cache)
+        except ValueError as exc:
+            if not dcp_memory.names_twice(exc):
+                raise self._unserialisable(job.step, exc) from exc
+            raise SaveError(f"step {job.step}: {dcp_memory.TWICE} ({exc}); nothing of step {job.step} was kept in "
+                            f"memory, earlier steps are intact. Remedy: rename one of the two.") from exc
         except Exception as exc:
-            raise SaveError(
-                f"step {job.step}: a non-tensor value of the state cannot be serialised ({type(exc).__name__}: {exc}); "
-                f"nothing of step {job.step} was kept in memory, earlier steps are intact. Remedy: make every "
-                f"non-tensor value picklable (or keep it behind a state_dict())."
-            ) from exc
+            raise self._unserialisable(job.step, exc) from exc
         ids = tuple(map(id, tensors))  # the entries are describe's cached ones: the same list, the same sizes
         sized = slot.cache.get(("nbytes", 0))
         if sized is None or sized[0] != ids:
@@ -431,6 +432,14 @@ class MemoryTier:
         stop = threading.Event()
         slot.summing = (stop, self._sums.submit(self._sum, slot, rec, values_bytes, stop))
         return os.path.join(self.ns, shm.record_name(rank, slot.index))
+
+    @staticmethod
+    def _unserialisable(step: int, exc: Exception) -> SaveError:
+        return SaveError(
+            f"step {step}: a non-tensor value of the state cannot be serialised ({type(exc).__name__}: {exc}); "
+            f"nothing of step {step} was kept in memory, earlier steps are intact. Remedy: make every "
+            f"non-tensor value picklable (or keep it behind a state_dict())."
+        )
 
     @staticmethod
     def _layout_rows(slot: Slot) -> list[list[Any]]:
