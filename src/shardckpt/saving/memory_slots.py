@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from shardckpt.errors import SaveError
 from shardckpt.format import shm
-from shardckpt.saving.stage import PLAIN, HostStager, leaf_signature
+from shardckpt.saving.stage import HostStager, leaf_signature, plain_sequence
 
 
 def align(n: int) -> int:
@@ -40,7 +40,7 @@ def leaves(obj: Any, path: tuple = ()) -> Any:
         for k, v in obj.items():
             yield from leaves(v, path + (k,))
     elif isinstance(obj, (list, tuple)):
-        if type(obj) in (list, tuple) and all(type(v) in PLAIN for v in obj):
+        if plain_sequence(obj):
             return  # (an optimizer's parameter names)
         for i, v in enumerate(obj):
             yield from leaves(v, path + (i,))

@@ -29,6 +29,12 @@ PLAIN = (int, float, bool, str, bytes, type(None))
 """The types of a staged state's values kept as they are (immutable): a list of them is copied, not walked."""
 
 
+def plain_sequence(obj: Any) -> bool:
+    """``obj`` is a list or tuple (not a subclass) of :data:`PLAIN` values (an optimizer's parameter names): it
+    holds no tensor, copied or skipped whole rather than walked."""
+    return type(obj) in (list, tuple) and all(type(v) in PLAIN for v in obj)
+
+
 def leaf_signature(obj: torch.Tensor) -> tuple:
     if isinstance(obj, DTensor):
         local = obj._local_tensor
@@ -250,7 +256,7 @@ class HostStager:
             if isinstance(obj, dict):
                 return {k: walk(v, path + (k,)) for k, v in obj.items()}
             if isinstance(obj, (list, tuple)):
-                if type(obj) in (list, tuple) and all(type(v) in PLAIN for v in obj):
+                if plain_sequence(obj):
                     if recording and obj:
                         recording[-1] = None  # values that may change: walked at every save
                     return obj.copy() if type(obj) is list else obj  # (an optimizer's parameter names)

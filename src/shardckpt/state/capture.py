@@ -341,9 +341,7 @@ def get_rng_state() -> dict[str, torch.Tensor]:
     out = {
         "python": (torch.from_numpy(np.array((version, *internal), dtype=np.int64)) if np is not None
                    else torch.tensor([version, *internal], dtype=torch.int64)),  # (numpy: 3x faster)
-        "python_gauss": torch.tensor(
-            [0.0 if gauss is None else float(gauss), 0.0 if gauss is None else 1.0], dtype=torch.float64
-        ),
+        "python_gauss": torch.tensor(_gauss_pair(gauss), dtype=torch.float64),
         "torch": torch.get_rng_state(),
     }
     if np is not None:
@@ -351,9 +349,23 @@ def get_rng_state() -> dict[str, torch.Tensor]:
         out["numpy"] = torch.from_numpy(keys.astype(np.int64))
         out["numpy_meta"] = torch.tensor([pos, has_gauss], dtype=torch.int64)
         out["numpy_gauss"] = torch.tensor([cached], dtype=torch.float64)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.stack([s.cpu() for s in torch.cuda.get_rng_state_all()])
+    stacked = _cuda_states()
+    if stacked is not None:
+        out["cuda"] = stacked
     return out
+
+
+def _gauss_pair(gauss: float | None) -> tuple[float, float]:
+    """Python's cached gaussian as ``(value, present)``."""
+    return (0.0, 0.0) if gauss is None else (float(gauss), 1.0)
+
+
+def _cuda_states() -> torch.Tensor | None:
+    """CUDA's generators' states stacked on the CPU; ``None`` while CUDA is not initialised (initialised implies
+    available; ``is_available()`` would query the device at every save)."""
+    if not torch.cuda.is_initialized():
+        return None
+    return torch.stack([s.cpu() for s in torch.cuda.get_rng_state_all()])
 
 
 class HeldRng:
@@ -374,12 +386,11 @@ class HeldRng:
         held, views = self.tensors, self._views
         if not views or "numpy" not in held:
             return self._copy_fresh()
-        cuda = torch.cuda.is_initialized()  # (initialised implies available; is_available() costs a device query)
-        if cuda != ("cuda" in held):
+        stacked = _cuda_states()
+        if (stacked is not None) != ("cuda" in held):
             return False
         python = random.getstate()
         now = torch.get_rng_state()
-        stacked = torch.stack([s.cpu() for s in torch.cuda.get_rng_state_all()]) if cuda else None
         _name, keys, pos, has_gauss, cached = np.random.get_state()
         version, internal, gauss = python
         if (held["python"].shape != (len(internal) + 1,) or held["torch"].shape != now.shape
@@ -389,7 +400,7 @@ class HeldRng:
             self._python = None
             views["python"][0] = version
             views["python"][1:] = internal
-            views["python_gauss"][:] = (0.0, 0.0) if gauss is None else (float(gauss), 1.0)
+            views["python_gauss"][:] = _gauss_pair(gauss)
             self._python = python
         held["torch"].copy_(now)
         views["numpy"][:] = keys
